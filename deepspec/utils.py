@@ -1,0 +1,66 @@
+"""Small shared helpers: the DeepSpec home folder and atomic file writes.
+
+Every file DeepSpec produces is written under a temporary name in the same folder and renamed
+into place when complete, so an interrupted stage never leaves a half-written file under its
+final name (``os.replace`` is atomic on POSIX within one filesystem).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def deepspec_home() -> Path:
+    """Return the DeepSpec cache folder: ``$DEEPSPEC_HOME``, else ``$XDG_CACHE_HOME/deepspec``,
+    else ``~/.cache/deepspec``. The folder is created if missing."""
+    env = os.environ.get("DEEPSPEC_HOME")
+    if env:
+        home = Path(env).expanduser()
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        home = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "deepspec"
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
+@contextlib.contextmanager
+def atomic_path(final: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path beside ``final``; rename it to ``final`` if the block succeeds.
+
+    On an exception the temporary file (or folder) is removed and ``final`` is left untouched.
+    Works for files and for folders (the caller creates whichever it needs at the yielded path).
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    tmp.unlink()
+    try:
+        yield tmp
+        if final.is_dir() and tmp.is_dir():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
+
+
+def atomic_write_text(final: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` (UTF-8) to ``final`` atomically."""
+    with atomic_path(final) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def atomic_write_json(final: str | os.PathLike[str], obj: Any) -> None:
+    """Write ``obj`` as indented JSON to ``final`` atomically."""
+    atomic_write_text(final, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
