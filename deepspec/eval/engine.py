@@ -1,0 +1,263 @@
+"""The speculative decoding engine: one loop for every proposer (DESIGN.md s.6).
+
+Legend: B batch (always 1 here), T positions, N draft tokens in a proposal, V vocab, F feature width
+(``len(target_layer_ids) * hidden_size``), H target hidden size.
+
+One step, read top to bottom in :meth:`SpeculativeEngine.generate` (gpt-fast style):
+propose ``[d_1..d_N]`` after the anchor -> one target forward over ``[anchor, d_1..d_N]`` with
+explicit position ids -> verify (``deepspec.eval.verify``) -> commit accepted + 1 token -> crop the
+target KV cache to the committed length -> give the proposer the target features of the verified,
+committed positions ``anchor .. anchor + num_accepted`` -> the bonus / residual token is the new
+anchor (its features come from the next step's forward). ``NullProposer`` (N = 0) makes this plain
+target-only decoding: the speedup baseline runs the very same code.
+
+Scope and choices:
+- Batch size 1 (no padding, no ragged acceptance across a batch); the attention mask is implicit.
+- The first output token is sampled from the prefill logits; it counts as an output token and
+  its time is the TTFT. It is not a verify step.
+- ``max_new_tokens``: proposals are NOT shortened for it; the final step may commit more tokens
+  than needed and the output is truncated to ``max_new_tokens``. The step records keep the
+  untruncated figures (``num_accepted``, ``num_committed``), so acceptance metrics (tau,
+  accept_rate) describe the drafter and are unaffected, while token counts used for throughput
+  (``GenerationResult.num_new_tokens``) are the truncated ones.
+- The target's ``max_position_embeddings`` caps positions: a proposal is truncated so that
+  ``anchor_pos + N < max_position_embeddings``; generation stops when the anchor itself cannot be
+  fed (``stop_reason == "max_positions"``).
+- The KV cache is a transformers ``DynamicCache`` of full layers; after verify it is cropped to the
+  committed length. A cache that cannot crop raises ``RuntimeError`` (never a silent stale cache).
+- The prefill computes logits only for the last prompt position (``lm_head`` on the final-norm
+  hidden state), not ``[P, V]``; a family with logit soft-capping would need it here as well.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from deepspec.eval.proposers import Proposer
+from deepspec.eval.verify import target_probs, verify
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """One verify step. ``num_proposed`` N (after position truncation), ``num_accepted`` accepted
+    drafts, ``num_committed`` tokens committed by the step (before ``max_new_tokens`` truncation),
+    ``time_s`` wall time of propose + verify forward + verify + update."""
+
+    num_proposed: int
+    num_accepted: int
+    num_committed: int
+    time_s: float
+
+
+@dataclass(kw_only=True)
+class GenerationResult:
+    """Output of :meth:`SpeculativeEngine.generate` for one prompt.
+
+    ``output_ids``: generated tokens (prompt excluded), at most ``max_new_tokens``, ending with the
+    EOS when one was produced. ``ttft_s``: prefill + first-token sampling. ``total_time_s``: whole
+    call. ``stop_reason``: ``"eos" | "max_new_tokens" | "max_positions"``.
+    """
+
+    prompt_len: int
+    output_ids: list[int]
+    steps: list[StepRecord] = field(default_factory=list)
+    ttft_s: float = 0.0
+    total_time_s: float = 0.0
+    stop_reason: str = ""
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.output_ids)
+
+
+def crop_kv_cache(cache: Any, new_len: int) -> None:
+    """Crop a transformers cache to ``new_len`` positions, or raise ``RuntimeError``.
+
+    transformers 5.x ``DynamicCache.crop`` takes a negative count of tokens to remove (a positive
+    argument raises); 4.x accepted a negative count too (``max_length < 0`` removes from the end),
+    so ``crop(-remove)`` works on both.
+    """
+    cur = int(cache.get_seq_length())
+    if cur == new_len:
+        return
+    if new_len > cur:
+        raise RuntimeError(f"crop_kv_cache: cannot grow a KV cache from {cur} to {new_len} positions.")
+    if not hasattr(cache, "crop") or getattr(cache, "is_croppable", True) is False:
+        raise RuntimeError(
+            f"crop_kv_cache: the target's KV cache ({type(cache).__name__}) cannot be cropped; speculative "
+            "decoding needs a croppable cache (transformers DynamicCache without sliding/linear layers)."
+        )
+    cache.crop(new_len - cur)
+    if int(cache.get_seq_length()) != new_len:
+        raise RuntimeError(
+            f"crop_kv_cache: after crop the KV cache holds {cache.get_seq_length()} positions, expected {new_len}."
+        )
+
+
+def _default_forward_fn() -> Callable[..., Any]:
+    from deepspec.target.capture import target_forward
+
+    return target_forward
+
+
+class SpeculativeEngine:
+    """Speculative decoding with any :class:`~deepspec.eval.proposers.Proposer` (batch size 1).
+
+    Args:
+        target_model: a Hugging Face causal LM (eval mode); its ``lm_head`` maps the final-norm
+            hidden state to logits.
+        target_layer_ids: the decoder layers whose outputs are the proposer's context features.
+        proposer: the drafter; ``NullProposer`` gives the target-only baseline.
+        eos_token_ids: tokens that end generation.
+        forward_fn: the capture function (default ``deepspec.target.capture.target_forward``; the
+            parameter exists for tests).
+    """
+
+    def __init__(
+        self,
+        target_model: torch.nn.Module,
+        target_layer_ids: Sequence[int],
+        proposer: Proposer,
+        eos_token_ids: Collection[int],
+        *,
+        forward_fn: Callable[..., Any] | None = None,
+    ) -> None:
+        if not eos_token_ids:
+            raise ValueError("eos_token_ids: expected at least one token id, received none; pass tokenizer.eos_token_id.")
+        self.target_model = target_model
+        self.target_layer_ids = list(target_layer_ids)
+        self.proposer = proposer
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.forward_fn = forward_fn or _default_forward_fn()
+        self.max_positions = int(getattr(target_model.config, "max_position_embeddings", 1 << 62))
+        self.device = next(target_model.parameters()).device
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _forward(self, ids: list[int], start_pos: int, cache: Any, *, compute_logits: bool) -> Any:
+        input_ids_BT = torch.tensor([ids], dtype=torch.long, device=self.device)
+        position_ids_BT = torch.arange(start_pos, start_pos + len(ids), device=self.device).unsqueeze(0)
+        return self.forward_fn(
+            self.target_model,
+            input_ids_BT,
+            self.target_layer_ids,
+            position_ids_BT=position_ids_BT,
+            past_key_values=cache,
+            use_cache=True,
+            compute_logits=compute_logits,
+        )
+
+    def _sample_first(self, logits_V: Tensor, temperature: float, generator: torch.Generator | None) -> int:
+        if temperature == 0:
+            return int(logits_V.argmax())
+        probs_V = target_probs(logits_V, temperature)
+        device = generator.device if generator is not None else probs_V.device
+        return int(torch.multinomial(probs_V.to(device), 1, generator=generator).item())
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` (see the module docstring).
+
+        Raises ValueError for an empty prompt, ``max_new_tokens < 1``, ``temperature < 0`` or a
+        prompt that does not fit the target's ``max_position_embeddings``.
+        """
+        from transformers import DynamicCache
+
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt_ids: expected at least one token, received an empty prompt.")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected >= 1, received {max_new_tokens}.")
+        if temperature < 0:
+            raise ValueError(f"temperature: expected >= 0 (0 = greedy), received {temperature}.")
+        if len(prompt_ids) >= self.max_positions:
+            raise ValueError(
+                f"prompt_ids: {len(prompt_ids)} tokens leave no room under the target's max_position_embeddings "
+                f"({self.max_positions}); shorten the prompt."
+            )
+        self.proposer.reset()
+        result = GenerationResult(prompt_len=len(prompt_ids), output_ids=[])
+        self._sync()
+        t0 = time.perf_counter()
+
+        # Prefill: KV cache + features of positions 0..P-1; the first token is the first anchor.
+        # No config: every layer is a full DynamicLayer, which can always be cropped. Sliding-window
+        # families keep the whole history (the attention mask still applies the window); a
+        # sliding-window cache layer could not be rolled back after a rejection.
+        cache = DynamicCache()
+        out = self._forward(list(prompt_ids), 0, cache, compute_logits=False)
+        cache = out.past_key_values
+        logits_V = self.target_model.get_output_embeddings()(out.target_last_hidden_BTH[0, -1])
+        anchor = self._sample_first(logits_V, temperature, generator)
+        anchor_pos = len(prompt_ids)
+        self.proposer.extend_context(out.target_hidden_BTF[0])
+        result.output_ids.append(anchor)
+        self._sync()
+        result.ttft_s = time.perf_counter() - t0
+
+        stop = "eos" if anchor in self.eos_token_ids else ""
+        while not stop:
+            if len(result.output_ids) >= max_new_tokens:
+                stop = "max_new_tokens"
+                break
+            if anchor_pos >= self.max_positions:
+                stop = "max_positions"
+                break
+            t_step = time.perf_counter()
+            # Propose, truncated so every fed position is < max_position_embeddings.
+            proposal = self.proposer.propose(anchor, anchor_pos, temperature=temperature, generator=generator)
+            n = min(proposal.num_proposed, self.max_positions - 1 - anchor_pos)
+            draft_ids_N = proposal.draft_ids_N[:n]
+            draft_probs_NV = None if proposal.draft_probs_NV is None else proposal.draft_probs_NV[:n]
+
+            # Verify: one target forward over [anchor, d_1..d_N].
+            out = self._forward([anchor, *draft_ids_N.tolist()], anchor_pos, cache, compute_logits=True)
+            cache = out.past_key_values
+            res = verify(
+                draft_ids_N,
+                draft_probs_NV,
+                out.logits_BTV[0],
+                temperature=temperature,
+                generator=generator,
+                eos_token_ids=self.eos_token_ids,
+            )
+
+            # Commit accepted + 1; keep KV and features of the verified positions anchor..anchor+accepted.
+            num_verified = res.num_accepted + 1
+            crop_kv_cache(cache, anchor_pos + num_verified)
+            self.proposer.extend_context(out.target_hidden_BTF[0, :num_verified])
+            result.output_ids.extend(res.committed)
+            anchor, anchor_pos = res.committed[-1], anchor_pos + num_verified
+            self._sync()
+            result.steps.append(
+                StepRecord(
+                    num_proposed=n,
+                    num_accepted=res.num_accepted,
+                    num_committed=len(res.committed),
+                    time_s=time.perf_counter() - t_step,
+                )
+            )
+            if res.hit_eos:
+                stop = "eos"
+
+        if len(result.output_ids) > max_new_tokens:
+            del result.output_ids[max_new_tokens:]
+            stop = "max_new_tokens"
+        result.stop_reason = stop
+        self._sync()
+        result.total_time_s = time.perf_counter() - t0
+        return result

@@ -1,0 +1,218 @@
+"""Proposers: the drafting side of speculative decoding, behind one small protocol.
+
+Legend: N proposal length (number of draft tokens, 0 <= N <= K), V vocab, T positions, F feature
+width (``len(target_layer_ids) * hidden_size``).
+
+The engine (``deepspec.eval.engine``) drives every proposer through the same three calls:
+
+1. ``reset()`` before each prompt;
+2. ``extend_context(target_hidden_TF)`` with the target features of the next committed positions,
+   in order (first the whole prompt after prefill, then after every verify step the features of
+   the verified, committed positions ``anchor .. anchor + num_accepted``);
+3. ``propose(anchor_token, anchor_pos, temperature=..., generator=...)``.
+
+Context invariant: when ``propose(anchor_pos=p)`` is called the proposer has received the features
+of exactly positions ``0 .. p-1``; the anchor token itself has no target feature yet (it was just
+sampled from the target). A proposer may return fewer than ``max_proposal_len`` tokens (even 0; the
+engine then does a plain target step). The engine itself truncates a proposal that would run past
+the target's ``max_position_embeddings`` (the proposer is not told; it simply sees fewer committed
+features next step).
+
+Sections: the protocol and ``NullProposer`` (helper EVAL); ``DSparkProposer`` (helper MODEL) at
+the end of the file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+
+@dataclass(kw_only=True)
+class Proposal:
+    """What a proposer returns for one speculative step.
+
+    Attributes:
+        draft_ids_N: int64 ``[N]``, the proposed tokens ``d_1 .. d_N`` (positions
+            ``anchor_pos + 1 .. anchor_pos + N``).
+        draft_probs_NV: float32 ``[N, V]``, row ``i`` is the distribution ``q_i`` that ``d_i`` was
+            sampled from (after temperature). Used by rejection sampling at T > 0; at T = 0 the
+            verify is greedy and only ``draft_ids_N`` is read (a one-hot is NOT required), so a
+            greedy proposer may return ``None`` here.
+        confidence_N: float32 ``[N]`` or ``None``: the proposer's own acceptance estimate per slot
+            (diagnostics only; a proposer that cuts its proposal on confidence does so itself).
+    """
+
+    draft_ids_N: Tensor
+    draft_probs_NV: Tensor | None = None
+    confidence_N: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.draft_ids_N.dim() != 1:
+            raise ValueError(
+                f"Proposal.draft_ids_N: expected a 1-D tensor [N], received shape "
+                f"{tuple(self.draft_ids_N.shape)}; squeeze the batch axis (the engine is batch size 1)."
+            )
+        if self.draft_probs_NV is not None and (
+            self.draft_probs_NV.dim() != 2 or self.draft_probs_NV.shape[0] != self.draft_ids_N.shape[0]
+        ):
+            raise ValueError(
+                f"Proposal.draft_probs_NV: expected shape [N={self.draft_ids_N.shape[0]}, V], received "
+                f"{tuple(self.draft_probs_NV.shape)}; give one draft distribution per draft token."
+            )
+
+    @property
+    def num_proposed(self) -> int:
+        return int(self.draft_ids_N.shape[0])
+
+    @staticmethod
+    def empty(device: torch.device | str = "cpu") -> "Proposal":
+        """A proposal of zero tokens (the engine then does a plain target-only step)."""
+        return Proposal(draft_ids_N=torch.zeros(0, dtype=torch.long, device=device))
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """The interface every drafting algorithm implements (DSpark, DFlash, Eagle3, baselines).
+
+    ``max_proposal_len`` is K, the most tokens one ``propose`` call returns (0 for the target-only
+    baseline).
+    """
+
+    max_proposal_len: int
+
+    def reset(self) -> None:
+        """Forget all context (called before every prompt)."""
+        ...
+
+    def extend_context(self, target_hidden_TF: Tensor) -> None:
+        """Append the target features of the next committed positions, in order (``[T, F]``)."""
+        ...
+
+    def propose(
+        self,
+        anchor_token: int,
+        anchor_pos: int,
+        *,
+        temperature: float,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        """Propose up to K tokens following ``anchor_token`` at ``anchor_pos``.
+
+        ``temperature`` 0 means greedy (argmax); ``generator`` drives any sampling."""
+        ...
+
+
+class NullProposer:
+    """Proposes nothing: the engine becomes plain target-only decoding (the speedup baseline)."""
+
+    max_proposal_len: int = 0
+
+    def reset(self) -> None:
+        pass
+
+    def extend_context(self, target_hidden_TF: Tensor) -> None:
+        pass
+
+    def propose(
+        self,
+        anchor_token: int,
+        anchor_pos: int,
+        *,
+        temperature: float,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        return Proposal.empty()
+
+
+# =====================================================================================
+# DSparkProposer (helper MODEL) goes below this line.
+# =====================================================================================
+
+
+class DSparkProposer:
+    """DSpark / DFlash drafter behind the :class:`Proposer` protocol (helper MODEL).
+
+    One block forward ``[anchor, m, .., m]`` at positions ``anchor_pos .. anchor_pos+K-1`` attending
+    to the cached context K/V (``DSparkDraftModel.block_hidden``), then a cheap serial pass: slot
+    ``k``'s logits are ``base_k + markov_w2(markov_w1[prev])`` with ``prev`` = the anchor for k=0 and
+    the token just drafted afterwards (DSpark paper, "parallel backbone + sequential correction").
+    ``probs = softmax(logits / T)`` in fp32 is both sampled from and returned. At T=0 the token is
+    the argmax and ``draft_probs_NV`` is ``None`` (greedy verify reads only the tokens).
+
+    The confidence head gives ``c_k = sigmoid(logit)`` per slot (returned as ``confidence_N``); with
+    ``confidence_threshold`` set, the proposal is cut before the first slot with ``c_k`` below it.
+    ``max_positions`` (the target's ``max_position_embeddings``): draft tokens never land at a
+    position ``>= max_positions``.
+    """
+
+    def __init__(self, model, *, confidence_threshold: float | None = None, max_positions: int | None = None):
+        from deepspec.models.dspark import DSparkDraftModel
+
+        if not isinstance(model, DSparkDraftModel):
+            raise ValueError(f"DSparkProposer.model: expected a DSparkDraftModel, received {type(model).__name__}.")
+        if confidence_threshold is not None and model.confidence_head is None:
+            raise ValueError("DSparkProposer.confidence_threshold: expected None for a draft without a confidence "
+                             f"head, received {confidence_threshold}. Drop the threshold or load a DSpark draft.")
+        self.model = model.eval()
+        self.max_proposal_len = int(model.config.block_size)
+        self.confidence_threshold = confidence_threshold
+        self.max_positions = int(max_positions if max_positions is not None
+                                 else model.config.max_position_embeddings)
+        self.cache = model.new_context_cache()
+
+    def reset(self) -> None:
+        self.cache = self.model.new_context_cache()
+
+    def extend_context(self, target_hidden_TF: Tensor) -> None:
+        self.model.append_context(self.cache, target_hidden_TF)
+
+    @torch.no_grad()
+    def propose(
+        self,
+        anchor_token: int,
+        anchor_pos: int,
+        *,
+        temperature: float,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        m = self.model
+        n_max = min(self.max_proposal_len, self.max_positions - 1 - int(anchor_pos))
+        if n_max <= 0:
+            return Proposal.empty(m.fc.weight.device)
+        if self.cache.length > anchor_pos:  # defensive: never attend to positions >= anchor
+            self.cache.crop(anchor_pos)
+        hidden_KD, base_KV = m.block_hidden(self.cache, anchor_token, anchor_pos)
+        dev = hidden_KD.device
+        prev = torch.tensor([int(anchor_token)], device=dev)
+        ids, probs_rows, conf = [], [], []
+        for k in range(n_max):
+            logits_V = base_KV[k].float()
+            feats = None
+            if m.markov_head is not None:
+                feats = m.markov_head.features(prev)[0]
+                logits_V = logits_V + m.markov_head.bias(feats).float()
+            if m.confidence_head is not None:
+                x = hidden_KD[k] if feats is None else torch.cat([hidden_KD[k], feats.to(hidden_KD.dtype)])
+                c = torch.sigmoid(m.confidence_head(x).float())
+                if self.confidence_threshold is not None and float(c) < self.confidence_threshold:
+                    break
+                conf.append(c.reshape(()))
+            if temperature <= 0:
+                tok = logits_V.argmax().view(1)
+            else:
+                p_V = torch.softmax(logits_V / temperature, dim=-1)
+                tok = torch.multinomial(p_V, 1, generator=generator)
+                probs_rows.append(p_V)
+            ids.append(tok)
+            prev = tok
+        if not ids:
+            return Proposal.empty(dev)
+        return Proposal(
+            draft_ids_N=torch.cat(ids).long(),
+            draft_probs_NV=torch.stack(probs_rows) if probs_rows else None,
+            confidence_N=torch.stack(conf).float() if conf else None,
+        )

@@ -1,0 +1,192 @@
+"""Evaluation driver: target-only baseline + every proposer on the same prompts, then the report.
+
+For each benchmark and each prompt (in order) the methods run back to back, interleaved per prompt
+(target-only first, then each proposer, then optionally Hugging Face ``generate()``), so slow
+drifts of the machine (thermal, other load) hit all methods alike. Each method gets a fresh
+``torch.Generator`` on the target's device, seeded with ``seed + prompt_index``, so sampling runs are
+reproducible and the methods see the same seed on the same prompt. Speedup is measured in this one process.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from deepspec.eval.benchmarks import BenchmarkPrompt
+from deepspec.eval.engine import GenerationResult, SpeculativeEngine
+from deepspec.eval.metrics import METRIC_DEFINITIONS, benchmark_metrics
+from deepspec.eval.proposers import NullProposer, Proposer
+from deepspec.eval.report import BASELINE, HF_GENERATE, environment_info, write_report
+
+
+def eos_token_ids_of(target_model: Any, tokenizer: Any) -> list[int]:
+    """EOS ids: the tokenizer's ``eos_token_id`` plus the model's ``generation_config.eos_token_id``."""
+    ids: set[int] = set()
+    for value in (getattr(tokenizer, "eos_token_id", None),
+                  getattr(getattr(target_model, "generation_config", None), "eos_token_id", None)):
+        if value is None:
+            continue
+        ids.update([value] if isinstance(value, int) else list(value))
+    if not ids:
+        raise ValueError("eos_token_ids: neither the tokenizer nor the target's generation_config names an EOS token; "
+                         "set tokenizer.eos_token_id.")
+    return sorted(ids)
+
+
+def _hf_generate(model: Any, prompt_ids: list[int], *, max_new_tokens: int, temperature: float,
+                 eos: list[int], pad: int, seed: int) -> GenerationResult:
+    """Time HF ``generate()`` on one prompt (greedy, or plain temperature sampling: no top-k / top-p)."""
+    device = next(model.parameters()).device
+    ids_BT = torch.tensor([prompt_ids], device=device)
+    kwargs: dict[str, Any] = {"do_sample": False} if temperature == 0 else {
+        "do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = model.generate(ids_BT, attention_mask=torch.ones_like(ids_BT), max_new_tokens=max_new_tokens,
+                         eos_token_id=eos, pad_token_id=pad, **kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    total = time.perf_counter() - t0
+    new = out[0, len(prompt_ids):].tolist()
+    for i, t in enumerate(new):  # generate pads after EOS only in batches; cut defensively
+        if t in eos:
+            new = new[: i + 1]
+            break
+    return GenerationResult(prompt_len=len(prompt_ids), output_ids=new, total_time_s=total, stop_reason="hf")
+
+
+def run_eval(
+    target_model: Any,
+    tokenizer: Any,
+    target_layer_ids: Sequence[int],
+    proposers: Mapping[str, Proposer],
+    benchmarks: Mapping[str, Sequence[BenchmarkPrompt]],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    out_dir: str | os.PathLike[str] | None,
+    compare_hf_generate: bool = True,
+    warmup: bool = True,
+    progress: bool = True,
+    config_extra: Mapping[str, Any] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the target-only baseline and each proposer on every benchmark prompt; write the report.
+
+    Args:
+        target_model, tokenizer: the target (eval mode) and its tokenizer; prompts are rendered with
+            ``deepspec.data.chat.render_prompt`` (the training-time template rule).
+        target_layer_ids: layers whose features the proposers read.
+        proposers: name -> proposer (names must differ from ``"target-only"`` / ``"hf-generate"``).
+        benchmarks: name -> prompts (see ``deepspec.eval.benchmarks.load_benchmarks``).
+        max_new_tokens, temperature, seed: decoding settings shared by every method.
+        out_dir: where the report goes (None: no files).
+        compare_hf_generate: also time HF ``generate()`` on the same prompts, so the target-only
+            baseline is shown not to be slow by construction.
+        warmup: one short untimed generation per method before measuring.
+        config_extra: extra entries for the report's ``config`` (e.g. target path, checkpoint).
+
+    Returns the results dict (``config``, ``environment``, ``definitions``, ``benchmarks``:
+    bench -> method -> metrics, ``samples``: bench -> method -> per-prompt records).
+    """
+    from tqdm.auto import tqdm
+
+    from deepspec.data.chat import render_prompt
+
+    for name in proposers:
+        if name in (BASELINE, HF_GENERATE):
+            raise ValueError(f"proposers: the name {name!r} is reserved for a baseline; rename that proposer.")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected >= 1, received {max_new_tokens}.")
+    eos = eos_token_ids_of(target_model, tokenizer)
+    pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else eos[0]
+    engines = {BASELINE: SpeculativeEngine(target_model, target_layer_ids, NullProposer(), eos)}
+    engines.update({n: SpeculativeEngine(target_model, target_layer_ids, p, eos) for n, p in proposers.items()})
+    max_k = {n: e.proposer.max_proposal_len for n, e in engines.items()}
+    device = next(target_model.parameters()).device
+
+    def new_generator(s: int) -> torch.Generator:
+        # On the target's device, so proposers can sample device tensors with it (no host copies).
+        return torch.Generator(device=device).manual_seed(s)
+
+    rendered = {b: [render_prompt(tokenizer, p.messages) for p in prompts] for b, prompts in benchmarks.items()}
+    if warmup:
+        first = next((ids for ids in rendered.values() if ids), [None])[0]
+        if first is not None:
+            for engine in engines.values():
+                engine.generate(first, max_new_tokens=min(8, max_new_tokens), temperature=temperature,
+                                generator=new_generator(seed))
+
+    methods = list(engines) + ([HF_GENERATE] if compare_hf_generate else [])
+    total = sum(len(v) for v in rendered.values()) * len(methods)
+    bar = tqdm(total=total, desc="eval", disable=not progress, unit="gen")
+    figures: dict[str, dict[str, Any]] = {}
+    samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for bench, prompts in benchmarks.items():
+        runs: dict[str, list[GenerationResult]] = {m: [] for m in methods}
+        for i, (prompt, ids) in enumerate(zip(prompts, rendered[bench])):
+            for name, engine in engines.items():
+                bar.set_postfix_str(f"{bench} {name}")
+                runs[name].append(engine.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                                  generator=new_generator(seed + i)))
+                bar.update(1)
+            if compare_hf_generate:
+                runs[HF_GENERATE].append(_hf_generate(target_model, ids, max_new_tokens=max_new_tokens,
+                                                      temperature=temperature, eos=eos, pad=pad, seed=seed + i))
+                bar.update(1)
+        base = runs[BASELINE]
+        figures[bench] = {
+            name: benchmark_metrics(res, baseline=None if name == BASELINE else base, max_k=max_k.get(name, 0))
+            for name, res in runs.items()
+        }
+        if compare_hf_generate:
+            hf = figures[bench][HF_GENERATE]
+            figures[bench][HF_GENERATE] = {k: hf[k] for k in (
+                "num_prompts", "num_output_tokens", "total_time_s", "tok_per_s", "time_per_output_token_ms",
+                "speedup", "frac_identical_to_baseline")}
+        samples[bench] = {
+            name: [
+                {"id": p.id, "prompt_len": r.prompt_len, "num_new_tokens": r.num_new_tokens,
+                 "stop_reason": r.stop_reason, "num_steps": len(r.steps), "total_time_s": r.total_time_s}
+                for p, r in zip(prompts, res)
+            ]
+            for name, res in runs.items()
+        }
+        summary = ", ".join(
+            f"{name}: tau {figures[bench][name]['tau']:.2f} speedup {figures[bench][name]['speedup'] or 0:.2f}x"
+            for name in proposers
+        )
+        log(f"[eval] {bench}: baseline {figures[bench][BASELINE]['tok_per_s']:.1f} tok/s; {summary or 'no proposers'}")
+    bar.close()
+
+    results: dict[str, Any] = {
+        "config": {
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "seed": seed,
+            "target_layer_ids": list(target_layer_ids),
+            "eos_token_ids": eos,
+            "proposers": {n: {"type": type(p).__name__, "max_proposal_len": p.max_proposal_len}
+                          for n, p in proposers.items()},
+            "num_prompts": {b: len(v) for b, v in benchmarks.items()},
+            "compare_hf_generate": compare_hf_generate,
+            "batch_size": 1,
+            "target": str(getattr(target_model.config, "_name_or_path", "") or type(target_model).__name__),
+            **dict(config_extra or {}),
+        },
+        "environment": environment_info(),
+        "definitions": METRIC_DEFINITIONS,
+        "benchmarks": figures,
+        "samples": samples,
+    }
+    if out_dir is not None:
+        paths = write_report(results, out_dir)
+        log(f"[eval] report: {paths['markdown']} ({paths['json'].name}, {paths['png'].name})")
+    return results

@@ -1,0 +1,305 @@
+"""Typed configuration of a DSpark / DFlash draft model, derived from the target's config.
+
+The draft is a small stack of decoder layers of the target's own family (same width, heads, KV
+heads, head dim, MLP, RoPE, norm eps, q/k-norm) conditioned on concatenated target features
+(DESIGN s.5). Everything shape-related comes from the target config; only ``num_draft_layers``,
+``target_layer_ids``, ``mask_token_id``, ``block_size`` and the head / loss knobs are chosen.
+
+DFlash is the same config with ``use_markov_head=False, use_confidence_head=False`` and loss
+weights ``ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0`` (see :func:`dflash_knobs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# family -> (transformers model module, config class name, rms norm class, mlp class, rotary class)
+_FAMILIES: dict[str, tuple[str, str, str]] = {
+    "llama": ("transformers.models.llama.modeling_llama", "LlamaConfig", "Llama"),
+    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3Config", "Qwen3"),
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2Config", "Qwen2"),
+    "mistral": ("transformers.models.mistral.modeling_mistral", "MistralConfig", "Mistral"),
+}
+SUPPORTED_FAMILIES = tuple(_FAMILIES)
+
+# Architectures written into the draft checkpoint's config.json (original naming).
+ARCHITECTURES = {
+    "llama": "LlamaDSparkModel",
+    "qwen3": "Qwen3DSparkModel",
+    "qwen2": "Qwen2DSparkModel",
+    "mistral": "MistralDSparkModel",
+}
+
+
+def _err(field_name: str, expected: str, received: Any, fix: str) -> ValueError:
+    return ValueError(f"DraftConfig.{field_name}: expected {expected}, received {received!r}. {fix}")
+
+
+@dataclass(kw_only=True)
+class DraftConfig:
+    """All shape and algorithm fields of a draft model (DSpark, or DFlash with the heads off).
+
+    Shape fields mirror the target (see :func:`draft_config_from_target`). ``hidden_size`` must
+    equal the target hidden size because ``embed_tokens`` / ``lm_head`` are copied from the target.
+    Validated in ``__post_init__``; errors are ``ValueError`` naming field, expected, received, fix.
+    """
+
+    # --- family and backbone shape (copied from the target) ---
+    family: str
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int
+    vocab_size: int
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # --- target conditioning ---
+    target_hidden_size: int
+    target_num_hidden_layers: int
+    target_layer_ids: list[int]
+    # --- draft knobs ---
+    num_draft_layers: int
+    block_size: int = 7
+    mask_token_id: int
+    pad_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    markov_rank: int = 256
+    use_markov_head: bool = True
+    use_confidence_head: bool = True
+    # --- loss (DESIGN s.5) ---
+    loss_decay_gamma: float = 4.0
+    ce_weight: float = 0.1
+    l1_weight: float = 0.9
+    confidence_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.eos_token_ids = [int(i) for i in self.eos_token_ids]
+        self.rope_parameters = dict(self.rope_parameters)
+        if self.family not in _FAMILIES:
+            raise _err("family", f"one of {SUPPORTED_FAMILIES}", self.family,
+                       "Use a target whose config.model_type is a supported family.")
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "max_position_embeddings", "vocab_size",
+                     "target_hidden_size", "target_num_hidden_layers", "num_draft_layers", "block_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise _err(name, "a positive integer", v, "Check the target config / the knob.")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise _err("num_key_value_heads", f"a divisor of num_attention_heads={self.num_attention_heads}",
+                       self.num_key_value_heads, "Copy both from the target config.")
+        if self.hidden_size != self.target_hidden_size:
+            raise _err("hidden_size", f"== target_hidden_size ({self.target_hidden_size}); embed_tokens and "
+                       "lm_head are copied from the target", self.hidden_size,
+                       "Build the config with draft_config_from_target().")
+        if "rope_theta" not in self.rope_parameters:
+            raise _err("rope_parameters", "a dict with 'rope_theta' (transformers>=5 layout)",
+                       self.rope_parameters, "Copy target_config.rope_parameters.")
+        self.rope_parameters.setdefault("rope_type", "default")
+        if not self.target_layer_ids:
+            raise _err("target_layer_ids", "a non-empty list of decoder-layer ids", self.target_layer_ids,
+                       "Use deepspec.target.capture.default_target_layer_ids(num_hidden_layers).")
+        L = self.target_num_hidden_layers
+        for i in self.target_layer_ids:
+            if i != -1 and not 0 <= i < L - 1:
+                raise _err("target_layer_ids", f"ids in {{-1}} U [0, {L - 2}] (L-1={L - 1} is post-norm, rejected)",
+                           self.target_layer_ids, "Pick layers strictly below the last decoder layer.")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise _err("target_layer_ids", "distinct ids", self.target_layer_ids, "Remove duplicates.")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise _err("mask_token_id", f"an id in [0, {self.vocab_size})", self.mask_token_id,
+                       "Use a reserved special token (SmolLM2: <repo_name> = 3) or a spare embedding row.")
+        if self.pad_token_id is not None and self.mask_token_id == self.pad_token_id:
+            raise _err("mask_token_id", f"!= pad_token_id ({self.pad_token_id})", self.mask_token_id,
+                       "Never fall back to pad; use a reserved token absent from the data (DESIGN s.5).")
+        if self.mask_token_id in self.eos_token_ids:
+            raise _err("mask_token_id", f"not an eos id ({self.eos_token_ids})", self.mask_token_id,
+                       "Never fall back to eos; use a reserved token absent from the data (DESIGN s.5).")
+        if self.block_size < 2:
+            raise _err("block_size", ">= 2", self.block_size, "The original uses 7.")
+        if self.use_markov_head and (not isinstance(self.markov_rank, int) or self.markov_rank <= 0):
+            raise _err("markov_rank", "a positive integer when use_markov_head", self.markov_rank,
+                       "Set markov_rank=256 or use_markov_head=False.")
+        if self.loss_decay_gamma <= 0:
+            raise _err("loss_decay_gamma", "> 0", self.loss_decay_gamma, "The original uses 4.0.")
+        for name in ("ce_weight", "l1_weight", "confidence_weight"):
+            if getattr(self, name) < 0:
+                raise _err(name, ">= 0", getattr(self, name), "Loss weights are non-negative.")
+        if self.confidence_weight > 0 and not self.use_confidence_head:
+            raise _err("confidence_weight", "0 when use_confidence_head=False", self.confidence_weight,
+                       "Set confidence_weight=0.0 or enable the confidence head.")
+        if self.ce_weight + self.l1_weight + self.confidence_weight <= 0:
+            raise _err("ce_weight", "a positive total loss weight", 0.0, "Set ce_weight=1.0 (DFlash).")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def feature_width(self) -> int:
+        """F = n_layers * H, the width of the concatenated target features."""
+        return len(self.target_layer_ids) * self.target_hidden_size
+
+    @property
+    def markov_dim(self) -> int:
+        """Width of W1[prev] fed to the confidence head (0 without a Markov head)."""
+        return self.markov_rank if self.use_markov_head else 0
+
+    @property
+    def architecture(self) -> str:
+        return ARCHITECTURES[self.family]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DraftConfig:
+        """Inverse of :meth:`to_dict`; unknown keys raise ValueError (typos never pass silently)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"DraftConfig.from_dict: unknown keys {unknown}; expected a subset of {sorted(known)}. "
+                             "Remove them or upgrade DeepSpec.")
+        return cls(**d)
+
+    def family_module(self):
+        """The transformers modeling module of this family (source of RMSNorm/MLP/RoPE blocks)."""
+        import importlib
+
+        return importlib.import_module(_FAMILIES[self.family][0])
+
+    def family_class(self, suffix: str):
+        """E.g. ``family_class("RMSNorm")`` -> ``LlamaRMSNorm`` for the llama family."""
+        return getattr(self.family_module(), _FAMILIES[self.family][2] + suffix)
+
+    def to_hf_config(self):
+        """A transformers config of the target family describing the draft layers (used to build
+        the library's RMSNorm / MLP / rotary embedding; never a full model)."""
+        import importlib
+
+        mod_name, cfg_name, _ = _FAMILIES[self.family]
+        cfg_mod = importlib.import_module(mod_name.replace("modeling_", "configuration_"))
+        kwargs = dict(
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            hidden_act=self.hidden_act,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=dict(self.rope_parameters),
+            max_position_embeddings=self.max_position_embeddings,
+            vocab_size=self.vocab_size,
+            num_hidden_layers=self.num_draft_layers,
+        )
+        if self.family in ("llama",):
+            kwargs["mlp_bias"] = self.mlp_bias
+            kwargs["attention_bias"] = self.qkv_bias
+        return getattr(cfg_mod, cfg_name)(**kwargs)
+
+
+def dflash_knobs() -> dict[str, Any]:
+    """Knobs turning a DSpark config into DFlash: no heads, CE loss only (DESIGN s.5)."""
+    return dict(use_markov_head=False, use_confidence_head=False,
+                ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0)
+
+
+def _eos_list(eos: Any) -> list[int]:
+    if eos is None:
+        return []
+    if isinstance(eos, (list, tuple)):
+        return [int(e) for e in eos]
+    return [int(eos)]
+
+
+def draft_config_from_target(
+    target_config: Any,
+    *,
+    num_draft_layers: int,
+    target_layer_ids: list[int],
+    mask_token_id: int,
+    block_size: int = 7,
+    markov_rank: int = 256,
+    use_markov_head: bool = True,
+    use_confidence_head: bool = True,
+    pad_token_id: int | None = None,
+    eos_token_ids: list[int] | int | None = None,
+    eos_token_id: list[int] | int | None = None,
+    **knobs: Any,
+) -> DraftConfig:
+    """Derive a :class:`DraftConfig` from a transformers target config (DESIGN s.5 "Draft shape").
+
+    Args:
+        target_config: the target's ``PretrainedConfig`` (or anything with the same attributes).
+            Family from ``model_type`` (llama, qwen3, qwen2, mistral).
+        pad_token_id / eos_token_ids: ids the mask token must differ from (tokenizer's; defaults
+            to the target config's ``pad_token_id`` / ``eos_token_id``). ``eos_token_id`` (int or
+            list, tokenizer spelling) is accepted too; both are merged.
+        **knobs: any other DraftConfig field (loss weights, gamma, ...). Unknown -> ValueError.
+    Raises:
+        ValueError: unsupported family, missing config fields, or any DraftConfig validation error.
+    """
+    family = getattr(target_config, "model_type", None)
+    if family not in _FAMILIES:
+        raise ValueError(f"target_config.model_type: expected one of {SUPPORTED_FAMILIES}, received {family!r}. "
+                         "DeepSpec builds drafts for these families only.")
+    known = {f.name for f in dataclasses.fields(DraftConfig)}
+    unknown = sorted(set(knobs) - known)
+    if unknown:
+        raise ValueError(f"draft_config_from_target: unknown knobs {unknown}; expected DraftConfig fields. "
+                         "Fix the spelling.")
+    H = int(target_config.hidden_size)
+    n_heads = int(target_config.num_attention_heads)
+    n_kv = int(getattr(target_config, "num_key_value_heads", None) or n_heads)
+    head_dim = int(getattr(target_config, "head_dim", None) or H // n_heads)
+    rope = getattr(target_config, "rope_parameters", None)
+    if rope is None:  # older layout
+        rope = {"rope_type": "default", "rope_theta": float(getattr(target_config, "rope_theta", 10000.0))}
+        if getattr(target_config, "rope_scaling", None):
+            rope.update(target_config.rope_scaling)
+            rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
+    attn_bias = bool(getattr(target_config, "attention_bias", False))
+    if family == "qwen2":
+        qkv_bias, o_bias = True, False
+    else:
+        qkv_bias = o_bias = attn_bias
+    if pad_token_id is None:
+        pad_token_id = getattr(target_config, "pad_token_id", None)
+    eos_all = _eos_list(eos_token_ids) + _eos_list(eos_token_id)
+    if not eos_all:
+        eos_all = _eos_list(getattr(target_config, "eos_token_id", None))
+    return DraftConfig(
+        family=family,
+        hidden_size=H,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv,
+        head_dim=head_dim,
+        intermediate_size=int(target_config.intermediate_size),
+        hidden_act=str(getattr(target_config, "hidden_act", "silu")),
+        rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-6)),
+        rope_parameters=dict(rope),
+        max_position_embeddings=int(target_config.max_position_embeddings),
+        vocab_size=int(target_config.vocab_size),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(getattr(target_config, "mlp_bias", False)),
+        qk_norm=family == "qwen3",
+        target_hidden_size=H,
+        target_num_hidden_layers=int(target_config.num_hidden_layers),
+        target_layer_ids=list(target_layer_ids),
+        num_draft_layers=num_draft_layers,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        pad_token_id=None if pad_token_id is None else int(pad_token_id),
+        eos_token_ids=sorted(set(eos_all)),
+        markov_rank=markov_rank,
+        use_markov_head=use_markov_head,
+        use_confidence_head=use_confidence_head,
+        **knobs,
+    )

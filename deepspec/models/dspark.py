@@ -1,0 +1,391 @@
+"""DSpark / DFlash block-parallel draft model (DESIGN s.5).
+
+Legend: B batch, S sequence length, A anchors (blocks), K block_size, Q = A*K block slots,
+D draft hidden (= target hidden H), F = n_layers * H target feature width, V vocab, r Markov rank,
+T a run of committed context positions, Hq query heads, Hk KV heads, d head_dim.
+
+Architecture (parameter names follow the original DeepSpec DSpark checkpoints):
+  embed_tokens (frozen copy of the target's), fc (Linear F -> D, no bias), hidden_norm,
+  layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj [, self_attn.{q,k}_norm for qwen3],
+  post_attention_layernorm, mlp.{gate,up,down}_proj}, norm, lm_head (frozen copy),
+  markov_head.{markov_w1 (Embedding V x r), markov_w2 (Linear r -> V, no bias)},
+  confidence_head.proj (Linear D + r -> 1, with bias).
+
+Each draft layer attends from the block's hidden states (queries) to
+``cat(context K/V, block K/V)``: context K/V are that layer's own k/v projections of
+``hidden_norm(fc(target_features))`` (no input_layernorm, as in the original), RoPE'd at their
+positions; block K/V come from the block's normalised hidden states. The mask is
+:mod:`deepspec.models.mask`. The norms, MLP, rotary embedding and ``apply_rotary_pos_emb`` are the
+target family's transformers classes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from deepspec.models.config import DraftConfig
+from deepspec.models.mask import dense_block_mask, flex_block_mask
+from deepspec.utils import atomic_path
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+@dataclass
+class DraftTrainOutput:
+    """Training forward result. ``logits_BAKV`` include the Markov bias (true previous tokens)."""
+
+    logits_BAKV: Tensor
+    confidence_logits_BAK: Tensor | None
+    hidden_BAKD: Tensor
+
+
+@dataclass
+class DraftContextCache:
+    """Per-layer context K/V of committed positions (inference). ``k[l]``/``v[l]``: ``[1, Hk, T, d]``
+    with RoPE applied at positions ``0..T-1``. ``length`` = number of cached positions."""
+
+    k: list[Tensor] = field(default_factory=list)
+    v: list[Tensor] = field(default_factory=list)
+    length: int = 0
+
+    def crop(self, n: int) -> None:
+        """Keep the first ``n`` positions."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"crop: expected 0 <= n <= length={self.length}, received {n}.")
+        self.k = [t[:, :, :n] for t in self.k]
+        self.v = [t[:, :, :n] for t in self.v]
+        self.length = n
+
+
+@functools.cache
+def _compiled_flex_attention():
+    """flex_attention compiled once per process (uncompiled flex materialises the full score matrix)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+class MarkovHead(nn.Module):
+    """Rank-r bigram logit bias ``markov_w2(markov_w1[prev_token])`` (DSpark paper Eq. 5)."""
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def features(self, prev_ids: Tensor) -> Tensor:
+        return self.markov_w1(prev_ids)
+
+    def bias(self, feats: Tensor) -> Tensor:
+        return self.markov_w2(feats)
+
+
+class ConfidenceHead(nn.Module):
+    """Logit of P(slot accepted | earlier slots accepted) from ``[hidden ; markov_w1[prev]]``."""
+
+    def __init__(self, input_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(input_dim, 1)
+
+    def forward(self, features: Tensor) -> Tensor:
+        return self.proj(features).squeeze(-1)
+
+
+def _rope_single(x: Tensor, cos: Tensor, sin: Tensor, rotate_half) -> Tensor:
+    """RoPE on one tensor ``[B, h, T, d]`` with cos/sin ``[B|1, T, d]`` (transformers' formula)."""
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class DSparkAttention(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        fam = c.family_module()
+        self._apply_rope = fam.apply_rotary_pos_emb
+        self._rotate_half = fam.rotate_half
+        if c.qk_norm:
+            Norm = c.family_class("RMSNorm")
+            self.q_norm = Norm(c.head_dim, eps=c.rms_norm_eps)
+            self.k_norm = Norm(c.head_dim, eps=c.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _split(self, x_BTX: Tensor, n_heads: int, norm) -> Tensor:
+        B, T, _ = x_BTX.shape
+        x = x_BTX.view(B, T, n_heads, self.head_dim)
+        if norm is not None:
+            x = norm(x)
+        return x.transpose(1, 2)  # [B, h, T, d]
+
+    def context_kv(self, ctx_BTD: Tensor, cos_BTd: Tensor, sin_BTd: Tensor) -> tuple[Tensor, Tensor]:
+        """This layer's K/V ``[B, Hk, T, d]`` of context features, RoPE applied (K only)."""
+        k = self._split(self.k_proj(ctx_BTD), self.num_kv_heads, self.k_norm)
+        v = self._split(self.v_proj(ctx_BTD), self.num_kv_heads, None)
+        return _rope_single(k, cos_BTd, sin_BTd, self._rotate_half), v
+
+    def forward(self, h_BQD: Tensor, cos_BQd: Tensor, sin_BQd: Tensor, ctx_k: Tensor, ctx_v: Tensor,
+                mask) -> Tensor:
+        """Queries from the block slots; keys/values = cat(context, block). ``mask``: None (all
+        visible), a dense bool ``[B, 1, Q, T+Q]`` or a flex ``BlockMask``."""
+        B, Q, _ = h_BQD.shape
+        q = self._split(self.q_proj(h_BQD), self.num_heads, self.q_norm)
+        k_blk = self._split(self.k_proj(h_BQD), self.num_kv_heads, self.k_norm)
+        v_blk = self._split(self.v_proj(h_BQD), self.num_kv_heads, None)
+        q, k_blk = self._apply_rope(q, k_blk, cos_BQd, sin_BQd)
+        if ctx_k.shape[0] != B:
+            ctx_k, ctx_v = ctx_k.expand(B, -1, -1, -1), ctx_v.expand(B, -1, -1, -1)
+        k = torch.cat([ctx_k, k_blk], dim=2)
+        v = torch.cat([ctx_v, v_blk], dim=2)
+        gqa = self.num_heads != self.num_kv_heads
+        if mask is not None and not isinstance(mask, Tensor):  # flex BlockMask (CUDA)
+            if q.is_cuda:
+                flex = _compiled_flex_attention()
+            else:  # eager flex: forward only on CPU, used by tests of this path
+                from torch.nn.attention.flex_attention import flex_attention as flex
+            out = flex(q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out = out.transpose(1, 2).reshape(B, Q, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class DSparkDecoderLayer(nn.Module):
+    def __init__(self, config: DraftConfig, hf_config):
+        super().__init__()
+        Norm = config.family_class("RMSNorm")
+        self.self_attn = DSparkAttention(config)
+        self.mlp = config.family_class("MLP")(hf_config)
+        self.input_layernorm = Norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Norm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, h_BQD, cos_BQd, sin_BQd, ctx_k, ctx_v, mask) -> Tensor:
+        h_BQD = h_BQD + self.self_attn(self.input_layernorm(h_BQD), cos_BQd, sin_BQd, ctx_k, ctx_v, mask)
+        return h_BQD + self.mlp(self.post_attention_layernorm(h_BQD))
+
+
+class DSparkDraftModel(nn.Module):
+    """DSpark draft (DFlash when both heads are off). See the module docstring for the layout."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        hf = c.to_hf_config()
+        Norm = c.family_class("RMSNorm")
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.fc = nn.Linear(c.feature_width, c.hidden_size, bias=False)
+        self.hidden_norm = Norm(c.hidden_size, eps=c.rms_norm_eps)
+        self.layers = nn.ModuleList([DSparkDecoderLayer(c, hf) for _ in range(c.num_draft_layers)])
+        self.norm = Norm(c.hidden_size, eps=c.rms_norm_eps)
+        self.rotary_emb = c.family_class("RotaryEmbedding")(hf)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.markov_head = MarkovHead(c.vocab_size, c.markov_rank) if c.use_markov_head else None
+        self.confidence_head = ConfidenceHead(c.hidden_size + c.markov_dim) if c.use_confidence_head else None
+        self._init_weights()
+        self.freeze_embeddings()
+
+    # ------------------------------------------------------------------ construction
+    def _init_weights(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=std)
+        if self.markov_head is not None:  # start as "no bias" so the backbone learns first
+            nn.init.zeros_(self.markov_head.markov_w2.weight)
+
+    def freeze_embeddings(self) -> None:
+        """embed_tokens and lm_head are copies of the target's and never trained (DESIGN s.5)."""
+        self.embed_tokens.weight.requires_grad_(False)
+        self.lm_head.weight.requires_grad_(False)
+
+    @classmethod
+    def from_target(cls, target_model: nn.Module, config: DraftConfig) -> DSparkDraftModel:
+        """New draft with ``embed_tokens`` / ``lm_head`` copied (not shared) from the target, frozen.
+        Tied targets (SmolLM2) copy the same matrix into both."""
+        model = cls(config)
+        emb = target_model.get_input_embeddings().weight
+        head = target_model.get_output_embeddings().weight
+        if tuple(emb.shape) != tuple(model.embed_tokens.weight.shape) or tuple(head.shape) != tuple(
+                model.lm_head.weight.shape):
+            raise ValueError(f"from_target: expected target embedding/lm_head of shape "
+                             f"{tuple(model.embed_tokens.weight.shape)}, received {tuple(emb.shape)} / "
+                             f"{tuple(head.shape)}. Build the config with draft_config_from_target(target.config).")
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(emb.detach().to(model.embed_tokens.weight.dtype))
+            model.lm_head.weight.copy_(head.detach().to(model.lm_head.weight.dtype))
+        return model.to(emb.device)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ shared pieces
+    def context_features(self, target_hidden_BSF: Tensor) -> Tensor:
+        """``hidden_norm(fc(features))`` ``[B, S, D]``."""
+        return self.hidden_norm(self.fc(target_hidden_BSF.to(self.fc.weight.dtype)))
+
+    def _rope(self, like: Tensor, pos_BT: Tensor) -> tuple[Tensor, Tensor]:
+        return self.rotary_emb(like, pos_BT)
+
+    def heads(self, hidden_BXD: Tensor, prev_ids_BX: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Final-hidden -> (logits incl. Markov bias ``[..., V]``, confidence logits ``[...]`` | None)."""
+        logits = self.lm_head(hidden_BXD)
+        feats = None
+        if self.markov_head is not None:
+            feats = self.markov_head.features(prev_ids_BX)
+            logits = logits + self.markov_head.bias(feats)
+        conf = None
+        if self.confidence_head is not None:
+            x = hidden_BXD if feats is None else torch.cat([hidden_BXD, feats.to(hidden_BXD.dtype)], dim=-1)
+            conf = self.confidence_head(x)
+        return logits, conf
+
+    # ------------------------------------------------------------------ training forward
+    def forward_train(self, input_ids_BS: Tensor, target_hidden_BSF: Tensor, anchor_pos_BA: Tensor,
+                      block_valid_BA: Tensor, *, use_flex: bool | None = None) -> DraftTrainOutput:
+        """Block-parallel forward over all anchors (DESIGN s.5).
+
+        Args:
+            input_ids_BS: int ``[B, S]``; target_hidden_BSF: ``[B, S, F]``;
+            anchor_pos_BA: int64 ``[B, A]``; block_valid_BA: bool ``[B, A]`` (from sample_anchors).
+            use_flex: flex_attention BlockMask (default: on CUDA) instead of a dense SDPA mask.
+        Returns:
+            DraftTrainOutput(logits_BAKV (with Markov bias from the true previous tokens
+            ``[x_a .. x_{a+K-1}]``, gathered indices clamped at S-1), confidence_logits_BAK | None,
+            hidden_BAKD).
+        """
+        c = self.config
+        K = c.block_size
+        B, S = input_ids_BS.shape
+        A = anchor_pos_BA.shape[1]
+        dev = input_ids_BS.device
+        anchor_pos_BA = anchor_pos_BA.to(dev).long()
+        block_valid_BA = block_valid_BA.to(dev).bool()
+        offs_K = torch.arange(K, device=dev)
+        # prev tokens per slot: x_{a+k}; slot 0's is the anchor token itself.
+        prev_pos_BAK = (anchor_pos_BA.unsqueeze(-1) + offs_K).clamp(max=S - 1)
+        prev_ids_BAK = torch.gather(input_ids_BS.long(), 1, prev_pos_BAK.view(B, -1)).view(B, A, K)
+        block_ids_BAK = torch.full_like(prev_ids_BAK, c.mask_token_id)
+        block_ids_BAK[:, :, 0] = prev_ids_BAK[:, :, 0]
+
+        ctx_BSD = self.context_features(target_hidden_BSF)
+        h_BQD = self.embed_tokens(block_ids_BAK.view(B, A * K)).to(ctx_BSD.dtype)
+        pos_ctx_1S = torch.arange(S, device=dev).unsqueeze(0)
+        pos_blk_BQ = (anchor_pos_BA.unsqueeze(-1) + offs_K).view(B, A * K)
+        cos_ctx, sin_ctx = self._rope(h_BQD, pos_ctx_1S)
+        cos_blk, sin_blk = self._rope(h_BQD, pos_blk_BQ)
+        if use_flex is None:
+            use_flex = dev.type == "cuda"
+        if use_flex:
+            mask = flex_block_mask(anchor_pos_BA, block_valid_BA, S, K, device=dev)
+        else:
+            mask = dense_block_mask(anchor_pos_BA, block_valid_BA, S, K)
+        for layer in self.layers:
+            ctx_k, ctx_v = layer.self_attn.context_kv(ctx_BSD, cos_ctx, sin_ctx)
+            h_BQD = layer(h_BQD, cos_blk, sin_blk, ctx_k, ctx_v, mask)
+        hidden_BAKD = self.norm(h_BQD).view(B, A, K, -1)
+        logits_BAKV, conf_BAK = self.heads(hidden_BAKD, prev_ids_BAK)
+        return DraftTrainOutput(logits_BAKV=logits_BAKV, confidence_logits_BAK=conf_BAK, hidden_BAKD=hidden_BAKD)
+
+    # ------------------------------------------------------------------ inference API
+    def new_context_cache(self) -> DraftContextCache:
+        return DraftContextCache()
+
+    @torch.no_grad()
+    def append_context(self, cache: DraftContextCache, target_hidden_TF: Tensor) -> None:
+        """Append features of the next committed positions (``cache.length ..``) to every layer's K/V."""
+        if target_hidden_TF.dim() != 2 or target_hidden_TF.shape[-1] != self.config.feature_width:
+            raise ValueError(f"append_context: expected target_hidden_TF of shape [T, {self.config.feature_width}], "
+                             f"received {tuple(target_hidden_TF.shape)}.")
+        T = target_hidden_TF.shape[0]
+        if T == 0:
+            return
+        dev = self.fc.weight.device
+        ctx_1TD = self.context_features(target_hidden_TF.to(dev).unsqueeze(0))
+        pos_1T = torch.arange(cache.length, cache.length + T, device=dev).unsqueeze(0)
+        cos, sin = self._rope(ctx_1TD, pos_1T)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.context_kv(ctx_1TD, cos, sin)
+            if i < len(cache.k):
+                cache.k[i] = torch.cat([cache.k[i], k], dim=2)
+                cache.v[i] = torch.cat([cache.v[i], v], dim=2)
+            else:
+                cache.k.append(k)
+                cache.v.append(v)
+        cache.length += T
+
+    @torch.no_grad()
+    def block_hidden(self, cache: DraftContextCache, anchor_token: int, anchor_pos: int) -> tuple[Tensor, Tensor]:
+        """Run ``[anchor, m, .., m]`` at positions ``anchor_pos .. anchor_pos+K-1`` attending to all
+        cached context (which must hold exactly positions ``0..anchor_pos-1``) and to the whole block.
+
+        Returns (final hidden ``[K, D]``, base logits ``[K, V]`` without the Markov bias).
+        """
+        if cache.length != anchor_pos:
+            raise ValueError(f"block_hidden: expected the context cache to hold positions 0..anchor_pos-1 "
+                             f"(length {anchor_pos}), received length {cache.length}. Append/crop the context first.")
+        c = self.config
+        K = c.block_size
+        dev = self.fc.weight.device
+        ids_1K = torch.full((1, K), c.mask_token_id, dtype=torch.long, device=dev)
+        ids_1K[0, 0] = int(anchor_token)
+        h = self.embed_tokens(ids_1K).to(self.fc.weight.dtype)
+        cos, sin = self._rope(h, torch.arange(anchor_pos, anchor_pos + K, device=dev).unsqueeze(0))
+        for i, layer in enumerate(self.layers):
+            if cache.length:
+                ctx_k, ctx_v = cache.k[i], cache.v[i]
+            else:
+                empty = h.new_zeros(1, c.num_key_value_heads, 0, c.head_dim)
+                ctx_k, ctx_v = empty, empty
+            h = layer(h, cos, sin, ctx_k, ctx_v, None)
+        hidden_KD = self.norm(h)[0]
+        return hidden_KD, self.lm_head(hidden_KD)
+
+    # ------------------------------------------------------------------ save / load
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        """Write ``model.safetensors`` (all weights incl. frozen embed/lm_head: self-contained, as the
+        original) and ``config.json`` (DraftConfig + ``architectures``), atomically as a folder."""
+        from safetensors.torch import save_file
+
+        out_dir = Path(out_dir)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        cfg = {"architectures": [self.config.architecture], "model_type": "dspark",
+               "draft_config": self.config.to_dict()}
+        with atomic_path(out_dir) as tmp:
+            tmp.mkdir(parents=True)
+            save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+            (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+        return out_dir
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
+                        dtype: torch.dtype | None = None) -> DSparkDraftModel:
+        """Load a folder written by :meth:`save_pretrained` (strict: every weight must match)."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
+            raise FileNotFoundError(f"from_pretrained: expected {path}/{CONFIG_NAME} and {path}/{WEIGHTS_NAME}; "
+                                    "pass a folder written by DSparkDraftModel.save_pretrained().")
+        cfg = json.loads((path / CONFIG_NAME).read_text(encoding="utf-8"))
+        model = cls(DraftConfig.from_dict(cfg["draft_config"]))
+        model.load_state_dict(load_file(str(path / WEIGHTS_NAME)), strict=True)
+        model.freeze_embeddings()
+        return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)

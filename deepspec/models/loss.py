@@ -1,0 +1,213 @@
+"""DSpark / DFlash training loss (DESIGN s.5; DSpark paper, loss section).
+
+Legend: B batch, S sequence length, A anchors, K block_size, V vocab, H target hidden,
+N number of valid (supervised) slots in the batch.
+
+Slot ``k`` of the block anchored at ``a`` predicts token ``x_{a+k+1}``. It is *valid* iff the block
+is valid, ``a+k+1 < S`` and ``loss_mask[a+k+1]``, followed by a cumulative product along ``k``
+(supervision stops at the first invalid slot). Weight ``w_k = exp(-k / gamma)``.
+
+Per valid slot:
+  CE   = -log softmax(draft)[x_{a+k+1}]
+  L1   = || softmax(draft) - softmax(lm_head(target_last_hidden[a+k])) ||_1   (= 2 * total variation)
+  conf = BCE-with-logits(confidence_logit, 1 - L1/2 (detached))
+Each term = sum(w * term) / weight_sum, ``weight_sum`` being the sum of ``w`` over the valid slots of
+the whole *global* batch (the trainer computes it with :func:`supervision_weights` before the
+backward passes; ``None`` = this batch's own sum). Total = ce_w*CE + l1_w*L1 + conf_w*conf.
+
+Only the N valid slots are materialised as ``[N, V]``; the target logits are computed in chunks of
+slots from ``target_last_hidden`` gathered at the slot positions (never ``[B, S, V]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from deepspec.models.config import DraftConfig
+
+
+def supervision_mask(loss_mask_BS: Tensor, anchor_pos_BA: Tensor, block_valid_BA: Tensor, block_size: int) -> Tensor:
+    """Bool ``[B, A, K]``: slot k supervised (block valid, a+k+1 < S, loss_mask[a+k+1]; cumprod over k)."""
+    B, S = loss_mask_BS.shape
+    A = anchor_pos_BA.shape[1]
+    dev = loss_mask_BS.device
+    label_pos_BAK = anchor_pos_BA.to(dev).long().unsqueeze(-1) + torch.arange(1, block_size + 1, device=dev)
+    in_range_BAK = label_pos_BAK < S
+    lm_BAK = torch.gather(loss_mask_BS.bool(), 1, label_pos_BAK.clamp(max=S - 1).view(B, -1)).view(B, A, block_size)
+    ok_BAK = in_range_BAK & lm_BAK & block_valid_BA.to(dev).bool().unsqueeze(-1)
+    return torch.cumprod(ok_BAK.to(torch.int32), dim=-1).bool()
+
+
+def slot_decay_weights(block_size: int, gamma: float, device=None) -> Tensor:
+    """``w_k = exp(-k / gamma)``, float32 ``[K]``."""
+    return torch.exp(-torch.arange(block_size, device=device, dtype=torch.float32) / gamma)
+
+
+def supervision_weights(loss_mask_BS: Tensor, anchor_pos_BA: Tensor, block_valid_BA: Tensor,
+                        config: DraftConfig | None = None, *, block_size: int | None = None,
+                        gamma: float | None = None) -> tuple[Tensor, Tensor]:
+    """Pure: ``(valid_BAK bool, weight_BAK float32)`` with ``weight = w_k`` on valid slots, 0 elsewhere.
+
+    ``block_size`` / ``gamma`` come from ``config`` unless given. ``weight_BAK.sum()`` over all
+    micro-batches of a global batch is the ``weight_sum`` to pass to :func:`dspark_loss`.
+    """
+    if config is not None:
+        block_size = config.block_size if block_size is None else block_size
+        gamma = config.loss_decay_gamma if gamma is None else gamma
+    if block_size is None or gamma is None:
+        raise ValueError("supervision_weights: expected a DraftConfig or block_size= and gamma=, received neither.")
+    valid_BAK = supervision_mask(loss_mask_BS, anchor_pos_BA, block_valid_BA, block_size)
+    return valid_BAK, valid_BAK.float() * slot_decay_weights(block_size, gamma, loss_mask_BS.device)
+
+
+@dataclass
+class LossOutput:
+    """``loss`` carries the graph; the other tensors are detached diagnostics.
+
+    accept_rate_K: mean over valid slots at k of ``1 - L1/2`` (= 1 - TV: the probability that
+      rejection sampling at T=1 accepts a draft token given an accepted prefix; teacher-forced).
+    top1_match_K: fraction of valid slots at k where argmax(draft) == argmax(target) (greedy accept).
+    tau_estimate: ``1 + sum_k prod_{j<=k} accept_rate_j`` — expected acceptance length at T=1 if
+      slot acceptances were independent with these per-slot rates (a training-time proxy of tau;
+      NaN-free: a k with no valid slot contributes 0 and stops the product).
+    """
+
+    loss: Tensor
+    ce: Tensor
+    l1: Tensor
+    confidence: Tensor
+    weight_sum: Tensor
+    local_weight_sum: Tensor
+    num_valid_slots: int
+    accept_rate_K: Tensor
+    top1_match_K: Tensor
+    tau_estimate: float
+    greedy_tau_estimate: float
+
+    def scalars(self) -> dict[str, float]:
+        """Loggable floats. loss/ce/l1/confidence/num_valid_slots add up over the micro-batches of a
+        global batch (global ``weight_sum``); ``tau*`` are per-micro-batch estimates (average them)."""
+        return {"loss": float(self.loss.detach()), "ce": float(self.ce), "l1": float(self.l1),
+                "confidence": float(self.confidence), "num_valid_slots": float(self.num_valid_slots),
+                "tau_estimate": self.tau_estimate, "greedy_tau_estimate": self.greedy_tau_estimate}
+
+
+def _tau(rate_K: Tensor, count_K: Tensor) -> float:
+    surv, tau = 1.0, 1.0
+    for r, n in zip(rate_K.tolist(), count_K.tolist()):
+        if n == 0:
+            break
+        surv *= r
+        tau += surv
+    return tau
+
+
+def dspark_loss(
+    out,
+    input_ids_BS: Tensor,
+    loss_mask_BS: Tensor,
+    anchor_pos_BA: Tensor,
+    block_valid_BA: Tensor,
+    target_last_hidden_BSH: Tensor | None,
+    lm_head: nn.Module,
+    config: DraftConfig,
+    weight_sum: Tensor | float | None = None,
+    *,
+    chunk_slots: int = 1024,
+) -> LossOutput:
+    """DSpark loss (DFlash: config with l1/confidence weights 0). See the module docstring.
+
+    Args:
+        out: a ``DraftTrainOutput`` (``logits_BAKV``, ``confidence_logits_BAK``).
+        target_last_hidden_BSH: final-norm target hidden states; required when ``l1_weight`` or
+            ``confidence_weight`` > 0, optional otherwise (then accept diagnostics use it if given).
+        lm_head: the frozen target lm_head (the draft's copy is the same matrix).
+        weight_sum: global normaliser (sum of :func:`supervision_weights` over the global batch).
+        chunk_slots: slots per chunk for the target softmax (memory bound ``chunk_slots x V`` fp32).
+    Raises:
+        ValueError: a needed ``target_last_hidden_BSH`` / confidence logits is missing.
+    """
+    K = config.block_size
+    logits_BAKV = out.logits_BAKV
+    B, S = input_ids_BS.shape
+    dev = logits_BAKV.device
+    need_target = config.l1_weight > 0 or config.confidence_weight > 0
+    if need_target and target_last_hidden_BSH is None:
+        raise ValueError("dspark_loss: target_last_hidden_BSH is required when l1_weight or confidence_weight > 0; "
+                         "pass the cache's target_last_hidden (or use DFlash weights).")
+    if config.confidence_weight > 0 and out.confidence_logits_BAK is None:
+        raise ValueError("dspark_loss: confidence_weight > 0 but the model has no confidence head; "
+                         "set use_confidence_head=True or confidence_weight=0.")
+
+    valid_BAK, w_BAK = supervision_weights(loss_mask_BS.to(dev), anchor_pos_BA.to(dev), block_valid_BA.to(dev),
+                                           config)
+    local_ws = w_BAK.sum()
+    norm = local_ws if weight_sum is None else torch.as_tensor(weight_sum, dtype=torch.float32, device=dev)
+    norm = norm.clamp_min(1e-12)
+
+    idx_N3 = valid_BAK.nonzero()  # [N, 3] (b, a, k)
+    N = idx_N3.shape[0]
+    if N == 0:
+        zero = logits_BAKV.sum() * 0.0  # keeps the graph (zero gradient) with no valid slot
+        z = zero.detach()
+        zk = torch.zeros(K)
+        return LossOutput(loss=zero, ce=z, l1=z, confidence=z, weight_sum=norm.detach(), local_weight_sum=local_ws,
+                          num_valid_slots=0, accept_rate_K=zk, top1_match_K=zk, tau_estimate=1.0,
+                          greedy_tau_estimate=1.0)
+    b_N, a_N, k_N = idx_N3.unbind(-1)
+    w_N = w_BAK[b_N, a_N, k_N]
+    slot_pos_N = anchor_pos_BA.to(dev).long()[b_N, a_N] + k_N  # position a+k (< S-1 for valid slots)
+    labels_N = input_ids_BS.to(dev).long()[b_N, slot_pos_N + 1]
+    logits_NV = logits_BAKV[b_N, a_N, k_N]
+
+    ce_parts, l1_parts, tgt_arg_parts, drf_arg_parts = [], [], [], []
+    for s in range(0, N, chunk_slots):
+        e = min(N, s + chunk_slots)
+        logp = F.log_softmax(logits_NV[s:e].float(), dim=-1)
+        ce_parts.append(-logp.gather(1, labels_N[s:e, None]).squeeze(1))
+        drf_arg_parts.append(logp.detach().argmax(-1))
+        if target_last_hidden_BSH is not None:
+            with torch.no_grad():
+                th = target_last_hidden_BSH[b_N[s:e].to(target_last_hidden_BSH.device),
+                                            slot_pos_N[s:e].to(target_last_hidden_BSH.device)]
+                tlogits = lm_head(th.to(dev, lm_head.weight.dtype)).float()
+                tprob = torch.softmax(tlogits, dim=-1)
+                tgt_arg_parts.append(tlogits.argmax(-1))
+            if need_target:
+                l1_parts.append((logp.exp() - tprob).abs().sum(-1))
+            else:
+                with torch.no_grad():
+                    l1_parts.append((logp.exp() - tprob).abs().sum(-1))
+    ce_N = torch.cat(ce_parts)
+    ce = (w_N * ce_N).sum() / norm
+    loss = config.ce_weight * ce
+    l1 = conf = torch.zeros((), device=dev)
+    accept_K = torch.zeros(K)
+    top1_K = torch.zeros(K)
+    count_K = torch.bincount(k_N, minlength=K).cpu()
+    if l1_parts:
+        l1_N = torch.cat(l1_parts)
+        l1 = (w_N * l1_N).sum() / norm
+        acc_N = (1.0 - 0.5 * l1_N.detach()).clamp(0.0, 1.0)
+        if config.l1_weight > 0:
+            loss = loss + config.l1_weight * l1
+        if out.confidence_logits_BAK is not None:
+            c_N = out.confidence_logits_BAK[b_N, a_N, k_N].float()
+            conf_N = F.binary_cross_entropy_with_logits(c_N, acc_N, reduction="none")
+            conf = (w_N * conf_N).sum() / norm
+            if config.confidence_weight > 0:
+                loss = loss + config.confidence_weight * conf
+        with torch.no_grad():
+            match_N = (torch.cat(drf_arg_parts) == torch.cat(tgt_arg_parts)).float()
+            cnt = count_K.clamp_min(1).float()
+            accept_K = torch.zeros(K, device=dev).index_add_(0, k_N, acc_N).cpu() / cnt
+            top1_K = torch.zeros(K, device=dev).index_add_(0, k_N, match_N).cpu() / cnt
+    tau = _tau(accept_K, count_K) if l1_parts else float("nan")
+    gtau = _tau(top1_K, count_K) if l1_parts else float("nan")
+    return LossOutput(loss=loss, ce=ce.detach(), l1=l1.detach(), confidence=conf.detach(), weight_sum=norm.detach(),
+                      local_weight_sum=local_ws, num_valid_slots=int(N), accept_rate_K=accept_K, top1_match_K=top1_K,
+                      tau_estimate=tau, greedy_tau_estimate=gtau)

@@ -1,0 +1,183 @@
+"""Thin stage entry points: load the target, call the library, print where the output went.
+
+The CLI (``deepspec.cli``) builds one of the configs below from its flags and calls the matching
+``run_*_stage``; the demo (``deepspec.demo``) calls the same functions in sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from deepspec.data.prepare import PrepareConfig
+
+
+@dataclass(kw_only=True)
+class PrepareStageConfig(PrepareConfig):
+    """``deepspec prepare``: :class:`deepspec.data.prepare.PrepareConfig` plus the target to use."""
+
+    target: str = "default"
+
+
+@dataclass(kw_only=True)
+class CacheConfig:
+    """``deepspec cache``: capture target features for every prepared conversation."""
+
+    input: str
+    output_dir: str
+    target: str = "default"
+    target_layer_ids: list[int] | None = None  # None: evenly spaced from 1 to L-3 (DESIGN s.2)
+    num_target_layers: int = 5
+    max_seq_len: int = 1024
+    batch_size: int = 4
+    shard_size: int = 256
+    storage_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.storage_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"cache.storage_dtype: expected float32, bfloat16 or float16, got {self.storage_dtype!r}"
+            )
+        for name in ("num_target_layers", "max_seq_len", "batch_size", "shard_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"cache.{name}: expected an integer >= 1, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """``deepspec eval``: speculative decoding of each draft against the target-only baseline."""
+
+    draft: list[str]  # checkpoint folders (a training checkpoint or its draft/ folder)
+    output_dir: str
+    target: str = "default"
+    benchmarks: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mt-bench", "alpaca", "arena-hard-v2"])
+    num_prompts: int = 8
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    confidence_threshold: float = 0.0
+    seed: int = 980406
+    compare_hf_generate: bool = True  # also time HF generate() on the same prompts (baseline sanity)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"eval.temperature: expected >= 0, got {self.temperature}")
+        if self.num_prompts < 1 or self.max_new_tokens < 1:
+            raise ValueError("eval.num_prompts and eval.max_new_tokens must be >= 1")
+        if not 0.0 <= self.confidence_threshold < 1.0:
+            raise ValueError(f"eval.confidence_threshold: expected a value in [0, 1), got {self.confidence_threshold}")
+
+
+def run_prepare_stage(cfg: PrepareStageConfig, *, target_model=None, tokenizer=None):
+    from deepspec.data.prepare import run_prepare
+    from deepspec.target.load import load_target
+
+    if target_model is None:
+        target_model, tokenizer = load_target(cfg.target)
+    summary = run_prepare(cfg, model=target_model, tokenizer=tokenizer)
+    print(f"prepare: wrote {cfg.output}")
+    return summary
+
+
+def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
+    from deepspec.data.cache import write_target_cache
+    from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
+    from deepspec.target.load import load_target
+
+    if target_model is None:
+        target_model, tokenizer = load_target(cfg.target)
+    num_layers = target_model.config.num_hidden_layers
+    layer_ids = cfg.target_layer_ids or default_target_layer_ids(num_layers, cfg.num_target_layers)
+    layer_ids = validate_target_layer_ids(layer_ids, num_layers)
+    summary = write_target_cache(
+        cfg.input,
+        cfg.output_dir,
+        target_model,
+        tokenizer,
+        target_layer_ids=layer_ids,
+        max_seq_len=cfg.max_seq_len,
+        batch_size=cfg.batch_size,
+        shard_size=cfg.shard_size,
+        storage_dtype=cfg.storage_dtype,
+    )
+    print(f"cache: wrote {cfg.output_dir}")
+    return summary
+
+
+def run_train_stage(cfg, *, target_model=None, tokenizer=None) -> Path:
+    from deepspec.train.loop import train
+
+    checkpoint = train(cfg, target_model=target_model, tokenizer=tokenizer)
+    print(f"train: final checkpoint {checkpoint}")
+    return checkpoint
+
+
+def draft_folder(path: str | Path) -> Path:
+    """Accept a training checkpoint folder (``checkpoint-N/``) or the draft folder inside it."""
+    path = Path(path)
+    if (path / "draft" / "config.json").exists():
+        return path / "draft"
+    if (path / "config.json").exists():
+        return path
+    raise FileNotFoundError(
+        f"draft: no draft found at {path} (looked for {path / 'config.json'} and {path / 'draft' / 'config.json'}); "
+        "pass a folder written by `deepspec train`"
+    )
+
+
+def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts: dict | None = None) -> dict:
+    """Evaluate each draft (name -> DSparkDraftModel; default: loaded from ``cfg.draft``)."""
+    from deepspec.eval.benchmarks import load_benchmark
+    from deepspec.eval.proposers import DSparkProposer
+    from deepspec.eval.run import run_eval
+    from deepspec.models.dspark import DSparkDraftModel
+    from deepspec.target.load import load_target
+
+    if target_model is None:
+        target_model, tokenizer = load_target(cfg.target)
+    if drafts is None:
+        drafts = {}
+        for path in cfg.draft:
+            folder = draft_folder(path)
+            name = folder.parent.name if folder.name == "draft" else folder.name
+            drafts[name] = DSparkDraftModel.from_pretrained(folder)
+    layer_ids = None
+    for name, model in drafts.items():
+        model.eval()
+        if layer_ids is None:
+            layer_ids = list(model.config.target_layer_ids)
+        elif list(model.config.target_layer_ids) != layer_ids:
+            raise ValueError(
+                f"draft {name}: target_layer_ids {model.config.target_layer_ids} differ from the other drafts' "
+                f"{layer_ids}; evaluate drafts trained on different layer sets in separate runs"
+            )
+    max_positions = target_model.config.max_position_embeddings
+    proposers = {
+        name: DSparkProposer(
+            model,
+            confidence_threshold=cfg.confidence_threshold if cfg.confidence_threshold > 0 else None,
+            max_positions=max_positions,
+        )
+        for name, model in drafts.items()
+    }
+    benchmarks = {
+        name: load_benchmark(name, max_samples=cfg.num_prompts, seed=cfg.seed) for name in cfg.benchmarks
+    }
+    return run_eval(
+        target_model,
+        tokenizer,
+        layer_ids,
+        proposers,
+        benchmarks,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        seed=cfg.seed,
+        out_dir=Path(cfg.output_dir),
+        compare_hf_generate=cfg.compare_hf_generate,
+        config_extra={"eval": asdict(cfg)},
+    )
+
+
+def run_demo_stage(cfg) -> dict:
+    from deepspec.demo import run_demo
+
+    return run_demo(cfg)

@@ -1,0 +1,258 @@
+"""Target feature capture: THE one function that turns a target forward into draft-model inputs.
+
+The cache writer, online training and evaluation all call :func:`target_forward`, so the three
+can never disagree on which hidden states a draft model sees (DESIGN.md section 2, "Target layer
+ids").
+
+Shape legend: B batch, T tokens in this call, H target hidden size, n number of target layers
+captured, F = n * H target feature size, V vocabulary size, L target depth (decoder layers).
+
+Meaning of ``target_layer_ids`` (0-based decoder-layer indices):
+
+* the feature of layer ``i`` is the **output of decoder layer i**, which equals Hugging Face
+  ``hidden_states[i + 1]`` for ``i < L - 1``;
+* ``-1`` is the embedding output, i.e. the input of decoder layer 0 (HF ``hidden_states[0]``;
+  for families that scale embeddings, e.g. Gemma, this is the scaled value the layers see);
+* ``L - 1`` is rejected: HF's last ``hidden_states`` entry is the *final-norm* output, not the raw
+  output of the last decoder layer. Verified on transformers 5.24: ``capture_outputs`` (in
+  ``transformers/utils/output_capturing.py``, ``tie_last_hidden_states=True`` for language models)
+  overwrites ``hidden_states[-1]`` with ``last_hidden_state``, which is ``model.norm(...)``. So
+  "layer L-1" would mean two different tensors depending on how it was captured; we refuse it.
+
+Implementation choice: forward hooks on only the selected decoder layers (plus a forward
+pre-hook on layer 0 for ``-1``) instead of ``output_hidden_states=True``. This keeps exactly the
+n tensors we need alive (``output_hidden_states=True`` keeps all L + 1, i.e. ``(L+1) * B*T*H``
+activations, about 7x more for 5 of 36 layers), does not depend on the transformers-version
+specific tie/selection behaviour of ``hidden_states``, and works the same for every HF
+decoder-only family whose base model exposes ``.layers`` and ``.norm``. The target's final
+hidden state is the base model's ``last_hidden_state`` (post final norm), and logits, when asked
+for, are ``lm_head(last_hidden_state)``, so they are computed only when needed.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def default_target_layer_ids(num_hidden_layers: int, num_layers: int = 5) -> list[int]:
+    """Evenly spaced decoder-layer ids from 1 to ``L - 3`` (both included).
+
+    Source: DESIGN.md section 2 and the upstream DFlash ``build_target_layer_ids`` (which vLLM /
+    SGLang mirror, so released checkpoints agree): ``int(round(1 + k * (L - 4) / (n - 1)))`` for
+    ``k = 0..n-1`` (Python's round, half to even), and ``[L // 2]`` for ``n = 1``.
+    Qwen3-4B (L = 36): ``[1, 9, 17, 25, 33]``; SmolLM2-135M (L = 30): ``[1, 8, 14, 20, 27]``.
+
+    Raises ValueError if the target is too shallow to give ``num_layers`` distinct valid ids.
+    """
+    if num_layers < 1:
+        raise ValueError(f"num_layers: expected >= 1, received {num_layers}")
+    L = num_hidden_layers
+    if num_layers == 1:
+        ids = [L // 2]
+    else:
+        start, end = 1, L - 3
+        ids = [int(round(start + k * (end - start) / (num_layers - 1))) for k in range(num_layers)]
+    if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) > L - 2:
+        raise ValueError(
+            f"num_hidden_layers={L}: too shallow for {num_layers} evenly spaced target layers in [1, L-3] "
+            f"(got {ids}); pass target_layer_ids explicitly or ask for fewer layers"
+        )
+    return ids
+
+
+def validate_target_layer_ids(ids: Any, num_hidden_layers: int) -> list[int]:
+    """Check ``target_layer_ids`` for a depth-``num_hidden_layers`` target; return them as a list.
+
+    Allowed: distinct ints in ``[-1, L-2]`` (``-1`` = embedding output). Order is kept as given
+    (features are concatenated in that order). Raises ValueError naming the offending id for an
+    empty list, a non-int, a duplicate, an id out of range, or ``L-1`` (whose HF hidden state is
+    the final-norm output, see the module docstring).
+    """
+    L = num_hidden_layers
+    try:
+        ids_list = list(ids)
+    except TypeError:
+        raise ValueError(f"target_layer_ids: expected a list of ints, received {ids!r}") from None
+    if not ids_list:
+        raise ValueError("target_layer_ids: expected at least one layer id, received an empty list")
+    seen: set[int] = set()
+    out: list[int] = []
+    for i in ids_list:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise ValueError(f"target_layer_ids: expected ints, received {i!r} in {ids_list}")
+        if i == L - 1:
+            raise ValueError(
+                f"target_layer_ids: {i} is the last decoder layer (L-1 for L={L}); it is not allowed because "
+                f"Hugging Face's last hidden_states entry is taken after the final norm, so 'layer L-1' is "
+                f"ambiguous. Use an id in [-1, {L - 2}] (default: {_default_or_hint(L)})"
+            )
+        if not -1 <= i <= L - 2:
+            raise ValueError(
+                f"target_layer_ids: {i} out of range for a target with {L} decoder layers; expected ids in "
+                f"[-1, {L - 2}] (-1 = embedding output)"
+            )
+        if i in seen:
+            raise ValueError(f"target_layer_ids: duplicate id {i} in {ids_list}; each layer may appear once")
+        seen.add(i)
+        out.append(i)
+    return out
+
+
+def _default_or_hint(L: int) -> str:
+    try:
+        return str(default_target_layer_ids(L))
+    except ValueError:
+        return "pick fewer layers"
+
+
+@dataclass
+class TargetOutput:
+    """What a target forward gives the draft side.
+
+    target_hidden_BTF: features of ``target_layer_ids`` concatenated on the last axis, model dtype.
+    target_last_hidden_BTH: final-norm output (``logits = lm_head(target_last_hidden)``).
+    logits_BTV: ``lm_head(target_last_hidden_BTH)`` if ``compute_logits`` else None.
+    past_key_values: the KV cache after this call (the object passed in, updated), or None.
+    """
+
+    target_hidden_BTF: torch.Tensor
+    target_last_hidden_BTH: torch.Tensor
+    logits_BTV: torch.Tensor | None
+    past_key_values: Any
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    """The decoder stack (``model.model`` for ``*ForCausalLM``), or ``model`` if already a base model."""
+    if hasattr(model, "layers") and hasattr(model, "norm"):
+        return model
+    base = getattr(model, "model", None)
+    if base is None:
+        base = getattr(model, "base_model", None)
+    if base is None or not hasattr(base, "layers"):
+        raise ValueError(
+            f"target model {type(model).__name__}: expected a Hugging Face decoder-only causal LM whose base "
+            f"model (.model) has .layers; received a model without one"
+        )
+    return base
+
+
+def _lm_head(model: nn.Module) -> nn.Module:
+    head = getattr(model, "lm_head", None)
+    if head is None and hasattr(model, "get_output_embeddings"):
+        head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"target model {type(model).__name__}: compute_logits=True needs an lm_head; none found")
+    return head
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(base_cls: type) -> str:
+    """transformers 5.x renamed the base-model ``past_key_values`` argument to ``cache`` (with a
+    deprecation shim until 5.40); pass whichever the installed version's signature names."""
+    params = inspect.signature(base_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def positions_from_attention_mask(attention_mask_BS: torch.Tensor, num_new_tokens: int) -> torch.Tensor:
+    """Position ids of the last ``num_new_tokens`` columns of a (past + new) attention mask.
+
+    Position of a token = number of real (mask 1) tokens before it, so left- and right-padded
+    rows get the same positions as their unpadded versions (the rule HF ``generate`` uses).
+    Padding columns get position 0 (their outputs are never used). Returns long [B, T].
+    """
+    pos_BS = attention_mask_BS.long().cumsum(-1) - 1
+    pos_BS = pos_BS.clamp(min=0)
+    return pos_BS[:, -num_new_tokens:]
+
+
+@torch.no_grad()
+def target_forward(
+    model: nn.Module,
+    input_ids_BT: torch.Tensor,
+    target_layer_ids: list[int],
+    *,
+    attention_mask_BT: torch.Tensor | None = None,
+    position_ids_BT: torch.Tensor | None = None,
+    past_key_values: Any = None,
+    use_cache: bool = False,
+    compute_logits: bool = False,
+) -> TargetOutput:
+    """Run the target on ``input_ids_BT`` and capture the draft-model inputs.
+
+    Args:
+        model: a HF ``*ForCausalLM`` (or its base model if ``compute_logits`` is False).
+        input_ids_BT: long [B, T] (the new tokens; with a KV cache, only those not yet in it).
+        target_layer_ids: validated with :func:`validate_target_layer_ids`.
+        attention_mask_BT: [B, past + T] 1 = real token, 0 = padding (left or right). With a KV
+            cache it covers the cached tokens too (HF convention).
+        position_ids_BT: long [B, T]. If None and ``attention_mask_BT`` is given, derived from
+            the mask (:func:`positions_from_attention_mask`); if both are None, the model's own
+            default (``past_len + arange(T)``).
+        past_key_values: a transformers ``Cache`` (e.g. ``DynamicCache``) to read and extend.
+        use_cache: create/extend a KV cache (a new ``DynamicCache`` if none is passed).
+        compute_logits: also return ``lm_head(target_last_hidden)`` [B, T, V].
+
+    Returns :class:`TargetOutput` with tensors in the model's dtype and device. Runs under
+    ``torch.no_grad`` (the target is frozen in every DeepSpec stage); not ``inference_mode``,
+    because online training feeds these tensors into the draft's autograd graph.
+    """
+    base = _base_model(model)
+    layers = base.layers
+    L = len(layers)
+    ids = validate_target_layer_ids(target_layer_ids, L)
+    T = input_ids_BT.shape[1]
+
+    if position_ids_BT is None and attention_mask_BT is not None:
+        position_ids_BT = positions_from_attention_mask(attention_mask_BT, T)
+
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+
+    def _keep_output(layer_id: int):
+        def hook(module, args, output):
+            captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def _keep_embedding(module, args, kwargs):
+        captured[-1] = args[0] if args else kwargs["hidden_states"]
+
+    try:
+        for i in ids:
+            if i == -1:
+                handles.append(layers[0].register_forward_pre_hook(_keep_embedding, with_kwargs=True))
+            else:
+                handles.append(layers[i].register_forward_hook(_keep_output(i)))
+        kwargs = {
+            "input_ids": input_ids_BT,
+            "attention_mask": attention_mask_BT,
+            "position_ids": position_ids_BT,
+            "use_cache": use_cache,
+            _cache_kwarg(type(base)): past_key_values,
+        }
+        out = base(**kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+
+    missing = [i for i in ids if i not in captured]
+    assert not missing, f"capture hooks did not fire for layers {missing}"
+    target_hidden_BTF = torch.cat([captured[i] for i in ids], dim=-1)
+    target_last_hidden_BTH = out.last_hidden_state
+    # transformers >= 5.x names the output field ``cache`` (``past_key_values`` is a warning shim)
+    cache = out["cache"] if "cache" in out else out.get("past_key_values")
+    if cache is None:
+        cache = past_key_values
+    logits_BTV = _lm_head(model)(target_last_hidden_BTH) if compute_logits else None
+    return TargetOutput(
+        target_hidden_BTF=target_hidden_BTF,
+        target_last_hidden_BTH=target_last_hidden_BTH,
+        logits_BTV=logits_BTV,
+        past_key_values=cache,
+    )

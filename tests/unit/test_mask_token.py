@@ -1,0 +1,54 @@
+import pytest
+import torch
+
+from deepspec.models.mask_token import check_mask_token_absent, choose_mask_token_id
+
+
+class _Tok:
+    """The parts of a Hugging Face tokenizer that the mask-token policy reads."""
+
+    def __init__(self, vocab, pad=2, eos=2, bos=1):
+        self._vocab = vocab
+        self.pad_token_id, self.eos_token_id, self.bos_token_id = pad, eos, bos
+        self.unk_token_id = None
+
+    def __len__(self):
+        return len(self._vocab)
+
+    def get_vocab(self):
+        return dict(self._vocab)
+
+    def convert_tokens_to_ids(self, token):
+        return self._vocab.get(token)
+
+
+VOCAB = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "<repo_name>": 3, "a": 4, "b": 5}
+
+
+def test_spare_embedding_row_is_preferred():
+    assert choose_mask_token_id(_Tok(VOCAB), num_embeddings=8) == 6
+
+
+def test_reserved_token_used_when_no_spare_row():
+    assert choose_mask_token_id(_Tok(VOCAB), num_embeddings=6) == 3
+
+
+def test_pad_eos_and_out_of_range_are_refused():
+    with pytest.raises(ValueError, match="pad_token_id"):
+        choose_mask_token_id(_Tok(VOCAB), num_embeddings=6, requested="<|im_end|>")
+    with pytest.raises(ValueError, match=r"\[0, 6\)"):
+        choose_mask_token_id(_Tok(VOCAB), num_embeddings=6, requested=99)
+    with pytest.raises(ValueError, match="not a token"):
+        choose_mask_token_id(_Tok(VOCAB), num_embeddings=6, requested="<nope>")
+
+
+def test_no_automatic_choice_says_how_to_fix():
+    vocab = {k: v for k, v in VOCAB.items() if k != "<repo_name>"}
+    with pytest.raises(ValueError, match="--mask-token"):
+        choose_mask_token_id(_Tok(vocab), num_embeddings=5)
+
+
+def test_mask_token_present_in_data_is_an_error():
+    assert check_mask_token_absent(3, [torch.tensor([4, 5]), torch.tensor([1, 2])]) == 4
+    with pytest.raises(ValueError, match="sample 1"):
+        check_mask_token_absent(3, [torch.tensor([4, 5]), torch.tensor([1, 3])])

@@ -1,0 +1,170 @@
+"""Prepare stage: selection, counting, turn-by-turn regeneration, order, truncation flags, atomicity.
+
+A scripted fake target (deterministic answers that depend on the prompt) checks the bookkeeping
+exactly; a tiny random Llama checks the real ``model.generate`` path (left padding: batched output
+equals one-at-a-time output).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from deepspec.data.chat import render_prompt
+from deepspec.data.prepare import PrepareConfig, run_prepare, skipped_path_for
+try:
+    from tests.unit.test_chat import tiny_chatml_tokenizer
+except ImportError:  # pytest run from another folder: tests/unit itself is on sys.path
+    from test_chat import tiny_chatml_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_chatml_tokenizer()
+
+
+class ScriptedTarget(torch.nn.Module):
+    """Answers ``ans<L>`` (L = unpadded prompt length) then eos; prompts with L % 4 == 0 never stop."""
+
+    def __init__(self, tok, fail_on_call: int | None = None):
+        super().__init__()
+        self.tok = tok
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.calls = 0
+        self.fail_on_call = fail_on_call
+
+    def generate(self, *, input_ids, attention_mask, generation_config):
+        self.calls += 1
+        if self.fail_on_call is not None and self.calls >= self.fail_on_call:
+            raise RuntimeError("simulated crash")
+        n = generation_config.max_new_tokens
+        pad = generation_config.pad_token_id
+        rows = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+            first = mask.index(1)
+            assert all(mask[first:]) and not any(mask[:first]), "expected left padding"
+            assert all(t == pad for t in ids[:first])
+            length = len(ids) - first
+            if length % 4 == 0:
+                new = self.tok.encode("x" * n, add_special_tokens=False)[:n]
+            else:
+                new = (self.tok.encode(f"ans{length}", add_special_tokens=False) + [self.tok.eos_token_id])[:n]
+            rows.append(ids + new + [pad] * (n - len(new)))
+        return torch.tensor(rows)
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def _conv(*turns):
+    return {"conversations": [{"from": f, "value": v} for f, v in turns]}
+
+
+ROWS = [
+    _conv(("human", "q0"), ("gpt", "old")),
+    _conv(("human", "only a question")),  # no assistant turn: skipped
+    _conv(("human", "q2 first"), ("gpt", "old"), ("human", "q2 second"), ("gpt", "old"), ("human", "tail")),
+    _conv(("human", "z" * 400), ("gpt", "old")),  # first prompt too long: skipped
+    _conv(("human", "q4"), ("gpt", "old"), ("human", "y" * 300), ("gpt", "old")),  # 2nd turn too long: stops
+    _conv(("human", "q5 xx"), ("gpt", "old")),
+    _conv(("human", "never read"), ("gpt", "old")),
+]
+
+
+def _run(tmp_path, tok, model, **overrides):
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, ROWS)
+    knobs = dict(input=str(src), output=tmp_path / "out.jsonl", num_conversations=4, max_new_tokens=8,
+                 batch_size=2, max_prompt_tokens=300, max_turns=None, show_progress=False)
+    knobs.update(overrides)
+    cfg = PrepareConfig(**knobs)
+    return cfg, run_prepare(cfg, model, tok, log=lambda _: None)
+
+
+def test_prepare_counts_order_turns_and_flags(tmp_path, tok):
+    cfg, summary = _run(tmp_path, tok, ScriptedTarget(tok))
+    assert (summary.read, summary.kept, summary.skipped, summary.failed) == (6, 4, 2, 0)
+    assert summary.read == summary.kept + summary.skipped + summary.failed
+    rows = [json.loads(line) for line in cfg.output.read_text(encoding="utf-8").splitlines()]
+    assert [r["source_index"] for r in rows] == [0, 2, 4, 5]  # input order
+    for row in rows:
+        msgs = row["messages"]
+        assert msgs[-1]["role"] == "assistant" and "old" not in [m["content"] for m in msgs]
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            prompt_len = len(render_prompt(tok, msgs[:i]))  # regenerated history is the context
+            if prompt_len % 4 == 0:
+                assert m["content"] == "x" * cfg.max_new_tokens and i in row["truncated_turns"]
+            else:
+                assert m["content"] == f"ans{prompt_len}" and i not in row["truncated_turns"]
+        assert row["truncated"] == bool(row["truncated_turns"])
+    by_src = {r["source_index"]: r for r in rows}
+    assert [m["role"] for m in by_src[4]["messages"]] == ["user", "assistant"]  # 2nd prompt did not fit
+    assert summary.truncated == sum(r["truncated"] for r in rows)
+    skipped = [json.loads(line) for line in skipped_path_for(cfg.output).read_text().splitlines()]
+    assert [(s["source_index"], s["status"]) for s in skipped] == [(1, "skipped"), (3, "skipped")]
+    assert "no assistant turn" in skipped[0]["reason"] and "max_prompt_tokens" in skipped[1]["reason"]
+
+
+def test_prepare_two_turns_use_regenerated_history(tmp_path, tok):
+    cfg, _ = _run(tmp_path, tok, ScriptedTarget(tok), num_conversations=2)
+    rows = [json.loads(line) for line in cfg.output.read_text(encoding="utf-8").splitlines()]
+    multi = rows[1]["messages"]
+    assert [m["role"] for m in multi] == ["user", "assistant", "user", "assistant"]  # trailing user dropped
+    assert multi[2]["content"] == "q2 second"
+
+
+def test_prepare_max_turns_caps_regeneration(tmp_path, tok):
+    cfg, _ = _run(tmp_path, tok, ScriptedTarget(tok), max_turns=1)
+    rows = [json.loads(line) for line in cfg.output.read_text(encoding="utf-8").splitlines()]
+    assert len(rows) == 4
+    assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in rows)
+
+
+def test_prepare_strict_mode_names_the_row(tmp_path, tok):
+    with pytest.raises(ValueError, match=r"in.jsonl\[1\].*no assistant turn"):
+        _run(tmp_path, tok, ScriptedTarget(tok), skip_bad_rows=False)
+
+
+def test_prepare_crash_leaves_no_output(tmp_path, tok):
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _run(tmp_path, tok, ScriptedTarget(tok, fail_on_call=2))
+    assert list(tmp_path.iterdir()) == [tmp_path / "in.jsonl"]  # no final file, no temp file left
+
+
+def test_prepare_config_validation(tmp_path):
+    with pytest.raises(ValueError, match="batch_size"):
+        PrepareConfig(input="sharegpt-demo", output=tmp_path / "o.jsonl", batch_size=0)
+    with pytest.raises(ValueError, match="temperature"):
+        PrepareConfig(input="sharegpt-demo", output=tmp_path / "o.jsonl", temperature=-1.0)
+
+
+def test_prepare_real_generate_batched_equals_unbatched(tmp_path, tok):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).eval()
+    outs = []
+    for batch_size in (1, 3):
+        out = tmp_path / f"b{batch_size}.jsonl"
+        _run(tmp_path, tok, model, output=out, batch_size=batch_size, max_new_tokens=6)
+        outs.append([json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()])
+    assert outs[0] == outs[1]
+    assert [r["source_index"] for r in outs[0]] == [0, 2, 4, 5]
+
+
+def test_prepare_template_failure_is_counted_as_failed(tmp_path):
+    tok = tiny_chatml_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m['content'] == 'q0' %}{{ raise_exception('no q0') }}"
+                         "{% endif %}{% endfor %}" + tok.chat_template)
+    cfg, summary = _run(tmp_path, tok, ScriptedTarget(tok))
+    assert (summary.read, summary.kept, summary.skipped, summary.failed) == (7, 4, 2, 1)
+    skipped = [json.loads(line) for line in skipped_path_for(cfg.output).read_text().splitlines()]
+    assert skipped[0]["source_index"] == 0 and skipped[0]["status"] == "failed" and "no q0" in skipped[0]["reason"]
