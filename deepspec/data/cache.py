@@ -522,7 +522,9 @@ def write_target_cache(
         for row in read_jsonl(path):
             # rendered whole; the sample writer truncates (keeping the prefix, the same rule as
             # render_with_loss_mask(max_seq_len=...)) so that truncations are counted
-            ids, mask = render_with_loss_mask(tokenizer, row["messages"])
+            ids, mask = render_with_loss_mask(
+                tokenizer, row["messages"], cut_turns=set(row.get("truncated_turns", ()))
+            )
             yield str(row["id"]), ids, mask
 
     return write_target_cache_from_samples(

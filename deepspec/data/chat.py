@@ -19,7 +19,7 @@ template are never added a second time (no duplicated BOS). The same function,
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 # End-of-turn tokens of the chat templates DeepSpec knows (ChatML, Llama 3, Gemma). The tokenizer's
@@ -86,7 +86,11 @@ def render_prompt(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> list
 
 
 def render_with_loss_mask(
-    tokenizer: Any, messages: Sequence[Mapping[str, str]], *, max_seq_len: int | None = None
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, str]],
+    *,
+    max_seq_len: int | None = None,
+    cut_turns: Collection[int] = (),
 ) -> tuple[list[int], list[int]]:
     """Render a conversation and build its loss mask.
 
@@ -94,6 +98,10 @@ def render_with_loss_mask(
         tokenizer: a Hugging Face tokenizer with a chat template.
         messages: ``[{"role", "content"}, ...]`` with at least one assistant turn after a user turn.
         max_seq_len: truncate to this many tokens, keeping the prefix.
+        cut_turns: indices into ``messages`` of assistant answers cut by the generation limit
+            (``truncated_turns`` of a prepared row). The template still writes their end-of-turn
+            token, but the target never produced it there, so it gets mask 0 (the content stays
+            supervised).
 
     Returns:
         ``(input_ids, loss_mask)``, two lists of equal length ``T``; ``loss_mask[t]`` is 1 where token
@@ -141,6 +149,8 @@ def render_with_loss_mask(
                 f"the chat template is not supported (the loss mask must include the end-of-turn token)."
             )
         stop = len(prompt) + ends[-1] + 1  # tokens after the end-of-turn token are template glue
+        if i in cut_turns:
+            stop = len(prompt) + ends[-1]  # a cut answer: its end-of-turn token was never generated
         for t in range(len(prompt), stop):
             mask[t] = 1
 

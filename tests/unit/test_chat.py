@@ -167,3 +167,14 @@ def test_smollm2_golden(smollm2_tok):
     assert "SmolLM" not in smollm2_tok.decode(cases["3turn+system"]["input_ids"])
     assert smollm2_tok.convert_tokens_to_ids("<|im_start|>") == 1
     assert smollm2_tok.convert_tokens_to_ids("<|im_end|>") == 2
+
+
+def test_cut_answer_keeps_content_but_not_its_end_of_turn(tiny_tok):
+    ids, full_mask = render_with_loss_mask(tiny_tok, THREE_TURNS)
+    cut = [i for i, m in enumerate(THREE_TURNS) if m["role"] == "assistant"][1]
+    ids_c, mask_c = render_with_loss_mask(tiny_tok, THREE_TURNS, cut_turns={cut})
+    assert ids_c == ids
+    (a0, b0), (a1, b1), (a2, b2) = _spans(full_mask)
+    spans_c = _spans(mask_c)
+    assert spans_c == [(a0, b0), (a1, b1 - 1), (a2, b2)]  # only the cut turn's <|im_end|> lost its 1
+    assert tiny_tok.decode(ids[b1 - 1 : b1]) == "<|im_end|>"
