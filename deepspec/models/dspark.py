@@ -208,8 +208,12 @@ class DSparkDraftModel(nn.Module):
                     nn.init.zeros_(m.bias)
             elif isinstance(m, nn.Embedding):
                 nn.init.normal_(m.weight, std=std)
-        if self.markov_head is not None:  # start as "no bias" so the backbone learns first
+        if self.markov_head is not None:
+            # W2 = 0: the head starts as "no bias". W1 rows get unit-variance entries (torch's own
+            # nn.Embedding init) so that W2's updates move the bigram bias at a useful rate; with
+            # std 0.02 a short run can never grow the bias to the size of real logits.
             nn.init.zeros_(self.markov_head.markov_w2.weight)
+            nn.init.normal_(self.markov_head.markov_w1.weight, std=1.0)
 
     def freeze_embeddings(self) -> None:
         """embed_tokens and lm_head are copies of the target's and never trained (DESIGN s.5)."""

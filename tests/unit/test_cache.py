@@ -281,7 +281,7 @@ def test_write_target_cache_from_jsonl_wiring(model, tmp_path, monkeypatch):
     """The JSONL entry point: read_jsonl -> render_with_loss_mask -> the sample writer (render stood in)."""
     import deepspec.data.chat as chat
 
-    def fake_render(tokenizer, messages, *, max_seq_len=None):
+    def fake_render(tokenizer, messages, *, max_seq_len=None, cut_turns=()):
         ids = [3 + (ord(c) % 90) for m in messages for c in m["content"]]
         mask = [int(m["role"] == "assistant") for m in messages for _ in m["content"]]
         return ids[:max_seq_len], mask[:max_seq_len]

@@ -198,7 +198,7 @@ def test_training_steps_decrease_loss():
     g = torch.Generator().manual_seed(0)
     ap, valid = sample_anchors(lm, 6, g)
     losses = []
-    for _ in range(8):
+    for _ in range(20):
         out = draft.forward_train(ids, feats, ap, valid)
         lo = dspark_loss(out, ids, lm, ap, valid, last, draft.lm_head, draft.config)
         opt.zero_grad()
