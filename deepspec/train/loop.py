@@ -235,7 +235,7 @@ def train(cfg: TrainConfig, *, target_model=None, tokenizer=None) -> Path:
             "lr": scheduler.get_last_lr()[0],
             "grad_norm": float(grad_norm),
             "step_time_s": time.perf_counter() - t0,
-            **{k: v / cfg.grad_accum_steps if k.startswith("tau") else v for k, v in totals.items()},
+            **{k: v / cfg.grad_accum_steps if "tau" in k else v for k, v in totals.items()},
         }
         log_rows.append(row)
         with log_path.open("a", encoding="utf-8") as f:
