@@ -10,7 +10,6 @@ training stage resumes from its latest checkpoint), so an interrupted demo conti
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from deepspec.stages import (
     run_train_stage,
 )
 from deepspec.train.loop import LATEST, TrainConfig, build_draft
+from deepspec.utils import atomic_write_json
 
 
 @dataclass(kw_only=True)
@@ -141,6 +141,20 @@ def run_demo(cfg: DemoConfig) -> dict:
         drafts={"dspark-trained": trained, "dspark-untrained": untrained},
     )
     timings["eval_s"] = time.perf_counter() - t0
-    (out / "demo_timings.json").write_text(json.dumps(timings, indent=2) + "\n")
+    atomic_write_json(out / "demo_timings.json", timings)
+    print(summary_table(results, ("dspark-trained", "dspark-untrained")))
     print("demo stage times (s): " + ", ".join(f"{k[:-2]} {v:.0f}" for k, v in timings.items()))
+    print(f"report: {out / 'eval' / 'eval_report.md'}")
     return results
+
+
+def summary_table(results: dict, methods: tuple[str, ...]) -> str:
+    """Per benchmark: tau and speedup (over target-only, same run) of each method, as aligned text."""
+    header = f"{'benchmark':<15}" + "".join(f"{m + ' tau':>24}{'speedup':>9}" for m in methods)
+    lines = [header, "-" * len(header)]
+    for bench, per_method in results["benchmarks"].items():
+        cells = "".join(
+            f"{per_method[m]['tau']:>24.2f}{per_method[m]['speedup']:>8.2f}x" for m in methods
+        )
+        lines.append(f"{bench:<15}" + cells)
+    return "\n".join(lines)
