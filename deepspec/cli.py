@@ -20,11 +20,12 @@ from deepspec.config import add_dataclass_arguments, dataclass_from_args
 def _stages():
     # Imported lazily so `deepspec --help` is instant (torch/transformers take seconds to import).
     from deepspec.demo import DemoConfig
-    from deepspec.stages import CacheConfig, EvalConfig, PrepareStageConfig
+    from deepspec.data.prepare import PrepareConfig
+    from deepspec.stages import CacheConfig, EvalConfig
     from deepspec.train.loop import TrainConfig
 
     return {
-        "prepare": (PrepareStageConfig, "regenerate assistant turns with the target"),
+        "prepare": (PrepareConfig, "regenerate assistant turns with the target"),
         "cache": (CacheConfig, "write the target cache (features + final hidden states)"),
         "train": (TrainConfig, "train a draft model on a target cache"),
         "eval": (EvalConfig, "evaluate drafts with speculative decoding on benchmarks"),

@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from deepspec.data.prepare import PrepareConfig
 from deepspec.stages import (
     CacheConfig,
     EvalConfig,
-    PrepareStageConfig,
     run_cache_stage,
     run_eval_stage,
     run_prepare_stage,
@@ -79,7 +79,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         print(f"prepare: reusing {prepared}")
     else:
         run_prepare_stage(
-            PrepareStageConfig(
+            PrepareConfig(
                 input="sharegpt-demo",
                 output=prepared,
                 num_conversations=cfg.num_conversations,

@@ -13,13 +13,6 @@ from deepspec.data.prepare import PrepareConfig
 
 
 @dataclass(kw_only=True)
-class PrepareStageConfig(PrepareConfig):
-    """``deepspec prepare``: :class:`deepspec.data.prepare.PrepareConfig` plus the target to use."""
-
-    target: str = "default"
-
-
-@dataclass(kw_only=True)
 class CacheConfig:
     """``deepspec cache``: capture target features for every prepared conversation."""
 
@@ -67,7 +60,7 @@ class EvalConfig:
             raise ValueError(f"eval.confidence_threshold: expected a value in [0, 1), got {self.confidence_threshold}")
 
 
-def run_prepare_stage(cfg: PrepareStageConfig, *, target_model=None, tokenizer=None):
+def run_prepare_stage(cfg: PrepareConfig, *, target_model=None, tokenizer=None):
     from deepspec.data.prepare import run_prepare
     from deepspec.target.load import load_target
 
