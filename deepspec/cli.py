@@ -34,10 +34,13 @@ def _stages():
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deepspec", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="deepspec", description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (cls, help_text) in _stages().items():
-        add_dataclass_arguments(sub.add_parser(name, help=help_text, description=help_text), cls)
+        stage = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
+        add_dataclass_arguments(stage, cls)
     return parser
 
 
@@ -48,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = dataclass_from_args(cls, args)
     except ValueError as exc:
-        parser.error(str(exc))
+        print(f"deepspec {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     from deepspec import stages
 
     runner = {
@@ -63,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"deepspec {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            f"deepspec {args.command}: interrupted. Finished outputs are kept and nothing half-written carries "
+            "a final name; run the same command again to continue.",
+            file=sys.stderr,
+        )
+        return 130
     return 0
 
 

@@ -51,3 +51,12 @@ def test_cli_parser_builds_every_stage():
     assert args.command == "train" and args.max_steps == 5
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--cache-dir", "c", "--output-dir", "o", "--max-stepz", "5"])
+
+
+def test_cli_refuses_abbreviated_flags_and_reports_bad_values_per_stage(capsys):
+    from deepspec.cli import build_parser, main
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--cache-dir", "c", "--output-dir", "o", "--max-step", "5"])
+    assert main(["train", "--cache-dir", "c", "--output-dir", "o", "--max-steps", "0"]) == 2
+    assert "deepspec train: error: train.max_steps" in capsys.readouterr().err
