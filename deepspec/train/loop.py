@@ -96,8 +96,9 @@ def build_draft(target_model, tokenizer, cfg: TrainConfig, target_layer_ids: lis
         eos_token_id=tokenizer.eos_token_id,
         **knobs,
     )
-    torch.manual_seed(cfg.seed)
-    return DSparkDraftModel.from_target(target_model, draft_config)
+    with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG
+        torch.manual_seed(cfg.seed)
+        return DSparkDraftModel.from_target(target_model, draft_config)
 
 
 def _lr_schedule(optimizer, cfg: TrainConfig):
