@@ -20,6 +20,7 @@ template are never added a second time (no duplicated BOS). The same function,
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 # End-of-turn tokens of the chat templates DeepSpec knows (ChatML, Llama 3, Gemma). The tokenizer's
@@ -27,7 +28,8 @@ from typing import Any
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "</s>")
 
 
-def _template_ids(tokenizer: Any, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool) -> list[int]:
+def _template_ids(tokenizer: Any, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool,
+                  chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Token ids of ``messages`` rendered by the tokenizer's chat template (no extra special tokens)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
@@ -35,7 +37,8 @@ def _template_ids(tokenizer: Any, messages: Sequence[Mapping[str, str]], *, add_
             f"through the tokenizer's own template. Use an instruct/chat tokenizer or set tokenizer.chat_template."
         )
     out = tokenizer.apply_chat_template(
-        [dict(m) for m in messages], tokenize=True, add_generation_prompt=add_generation_prompt
+        [dict(m) for m in messages], tokenize=True, add_generation_prompt=add_generation_prompt,
+        **dict(chat_template_kwargs or {}),
     )
     if isinstance(out, Mapping) or hasattr(out, "input_ids"):  # transformers 5 returns a BatchEncoding
         out = out["input_ids"]
@@ -67,7 +70,8 @@ def _check_messages(messages: Sequence[Mapping[str, str]]) -> None:
                              f"(normalise sources with deepspec.data.conversations.normalise_messages).")
 
 
-def render_prompt(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> list[int]:
+def render_prompt(tokenizer: Any, messages: Sequence[Mapping[str, str]], *,
+                  chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Prompt ids for generating the next assistant turn: ``messages`` + the generation prompt.
 
     The single prompt rule shared by regeneration (prepare), training (the prefix property of
@@ -82,7 +86,7 @@ def render_prompt(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> list
     if messages[-1]["role"] == "assistant":
         raise ValueError("the last message is an assistant turn: a prompt must end with a user (or system) "
                          "message; drop the final assistant turn to build the prompt that produced it.")
-    return _template_ids(tokenizer, messages, add_generation_prompt=True)
+    return _template_ids(tokenizer, messages, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs)
 
 
 def render_with_loss_mask(
@@ -163,3 +167,30 @@ def render_with_loss_mask(
             f"and one unsupervised token (max_seq_len={max_seq_len} may cut before the first answer: raise it)."
         )
     return full, mask
+
+
+@dataclass(frozen=True)
+class RenderedSample:
+    """One training sample of a conversation: token ids, loss mask (equal length) and a name suffix
+    (``""`` for the whole conversation; ``"/turn<i>"`` for a sample that ends at assistant turn ``i``)."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    suffix: str = ""
+
+
+def render_training_samples(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, str]],
+    *,
+    max_seq_len: int | None = None,
+    cut_turns: Collection[int] = (),
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> list[RenderedSample]:
+    """The training samples of one conversation (the rule shared by the cache writer and online mode).
+
+    Raises:
+        ValueError: as :func:`render_with_loss_mask`.
+    """
+    ids, mask = render_with_loss_mask(tokenizer, messages, max_seq_len=max_seq_len, cut_turns=cut_turns)
+    return [RenderedSample(ids, mask)]

@@ -256,3 +256,35 @@ def target_forward(
         logits_BTV=logits_BTV,
         past_key_values=cache,
     )
+
+
+@torch.no_grad()
+def capture_sample_features(
+    model: nn.Module, input_ids: Any, target_layer_ids: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features of one unpadded sample: the single capture rule of the cache writer and online mode.
+
+    Every sample is run alone (batch 1, no padding, positions ``0..T-1``), so its features do not
+    depend on which samples share its batch or on how much padding a batch needs: the cache path
+    (capture, store, read) and online training (capture inside the training loop) see bitwise
+    identical tensors for the same sample and storage dtype. Batched, padded forwards change the
+    shapes of matmuls and attention reductions and with them the low-order bits.
+
+    Args:
+        model: a HF ``*ForCausalLM`` (or its base model), frozen.
+        input_ids: the sample's token ids, a list of ints or an integer tensor of shape [T].
+        target_layer_ids: validated with :func:`validate_target_layer_ids`.
+
+    Returns:
+        ``(target_hidden_TF, target_last_hidden_TH)`` in the model's dtype, on the model's device:
+        the features ``[T, n*H]`` and the final-norm output ``[T, H]``.
+
+    Raises:
+        ValueError: an empty sample or invalid layer ids.
+    """
+    ids_T = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids_T.ndim != 1 or ids_T.numel() == 0:
+        raise ValueError(f"input_ids: expected a non-empty 1-D sequence of token ids, got shape {tuple(ids_T.shape)}")
+    device = next(model.parameters()).device
+    out = target_forward(model, ids_T.to(device)[None, :], target_layer_ids)
+    return out.target_hidden_BTF[0], out.target_last_hidden_BTH[0]
