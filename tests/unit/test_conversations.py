@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from deepspec.data.conversations import SkipRow, normalise_messages, read_jsonl, recover_json_array
+from deepspec.data.conversations import (
+    SkipRow,
+    iter_jsonl_records,
+    normalise_messages,
+    read_jsonl,
+    recover_json_array,
+)
 
 
 def test_read_jsonl_malformed_line_names_file_and_line(tmp_path):
@@ -46,7 +52,7 @@ def test_normalise_sharegpt_and_openai_agree():
         ({"conversations": [{"from": "gpt", "value": "A"}]}, "no user turn"),
         ({"conversations": [{"from": "human", "value": "Q"}, {"from": "robot", "value": "A"}]}, "unknown role"),
         ({"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": None}]}, "content is"),
-        ({"text": "hello"}, "no 'messages' or 'conversations'"),
+        ({"text": "hello"}, "no 'messages' / 'conversations' / 'conversation' field"),
     ],
 )
 def test_unusable_rows_raise_skiprow_with_reason(row, reason):
@@ -54,6 +60,91 @@ def test_unusable_rows_raise_skiprow_with_reason(row, reason):
         normalise_messages(row, where="file.jsonl[7]")
     assert isinstance(info.value, ValueError)
     assert "file.jsonl[7]" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("row", "reason"),
+    [
+        ({"messages": []}, "'messages' is empty"),
+        ({"messages": "hi"}, "'messages' is a str"),
+        ({"messages": ["hi"]}, "turn 0 is a str"),
+        ({"messages": [{"content": "Q"}]}, "turn 0 has no role"),
+        ({"messages": [{"role": 3, "content": "Q"}]}, "unknown role 3"),
+        ({"messages": [{"role": "tool", "content": "{}"}]}, "unknown role 'tool'"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Q"}]},
+                       {"role": "assistant", "content": "A"}]}, "turn 0 content is list"),
+        ({"messages": [{"role": "user", "content": "Q"}, {"role": "system", "content": "S"},
+                       {"role": "assistant", "content": "A"}]}, "turn 1 is a system message after"),
+        ({"messages": [{"role": "system", "content": "S1"}, {"role": "system", "content": "S2"},
+                       {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]},
+         "turn 1 is a system message after"),
+        ({"messages": [{"role": "user", "content": "Q"}, {"role": "user", "content": "Q again"},
+                       {"role": "assistant", "content": "A"}]}, "consecutive user turns"),
+        ({"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"},
+                       {"role": "assistant", "content": "A2"}]}, "consecutive assistant turns"),
+        ({"messages": [{"role": "system", "content": "S"}]}, "no user turn"),
+        (["not", "a", "dict"], "row is a list"),
+    ],
+)
+def test_more_unusable_rows(row, reason):
+    with pytest.raises(SkipRow, match=reason) as info:
+        normalise_messages(row, where="data.parquet[3]")
+    assert info.value.where == "data.parquet[3]"
+    assert info.value.reason in str(info.value)
+
+
+def test_open_perfectblend_layout():
+    # mlabonne/open-perfectblend: `conversations` of {from: system|human|gpt, value} plus a `source` column.
+    row = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "2+2?"},
+                             {"from": "gpt", "value": "4"}, {"from": "human", "value": "and 3+3?"},
+                             {"from": "gpt", "value": "6"}],
+           "source": "meta-math/MetaMathQA"}
+    assert normalise_messages(row, where="pb[0]") == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"},
+        {"role": "assistant", "content": "6"}]
+
+
+def test_roles_are_case_insensitive_aliases():
+    row = {"messages": [{"role": " SYSTEM ", "content": "S"}, {"role": "Human", "content": "Q"},
+                        {"role": "GPT", "content": "A"}, {"role": "Prompter", "content": "Q2"},
+                        {"role": "model", "content": "A2"}]}
+    assert [m["role"] for m in normalise_messages(row, where="x")] == [
+        "system", "user", "assistant", "user", "assistant"]
+
+
+def test_system_turn_is_never_invented():
+    row = {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}
+    assert normalise_messages(row, where="x") == row["messages"]
+
+
+def test_conversation_ending_on_user_turn_is_kept():
+    row = {"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"},
+                             {"from": "human", "value": "unanswered"}]}
+    assert normalise_messages(row, where="x")[-1] == {"role": "user", "content": "unanswered"}
+
+
+def test_mixed_turn_keys_and_arrow_none_fields():
+    # Arrow-backed sources (Parquet, `datasets`) unify the schema: absent fields come back as None.
+    row = {"messages": None,
+           "conversations": [{"from": "human", "value": "Q", "role": None, "content": None},
+                             {"role": "assistant", "content": "A", "from": None, "value": None}]}
+    assert normalise_messages(row, where="x") == [{"role": "user", "content": "Q"},
+                                                  {"role": "assistant", "content": "A"}]
+
+
+def test_empty_strings_are_content():
+    row = {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": ""}]}
+    assert normalise_messages(row, where="x")[1] == {"role": "assistant", "content": ""}
+
+
+def test_iter_jsonl_records_reports_every_nonblank_line(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"a": 1}\n\n{broken\n[1]\n{"b": 2}\n', encoding="utf-8")
+    got = list(iter_jsonl_records(path))
+    assert [(n, r) for n, r, _ in got] == [(1, {"a": 1}), (3, None), (4, None), (5, {"b": 2})]
+    assert "malformed JSON" in got[1][2] and "expected a JSON object" in got[2][2]
+    assert got[0][2] is None and got[3][2] is None
 
 
 def test_leading_assistant_turns_are_dropped():
