@@ -61,6 +61,16 @@ def _hf_generate(model: Any, prompt_ids: list[int], *, max_new_tokens: int, temp
     return GenerationResult(prompt_len=len(prompt_ids), output_ids=new, total_time_s=total, stop_reason="hf")
 
 
+def render_benchmark_prompts(tokenizer: Any, benchmarks: Mapping[str, Sequence[BenchmarkPrompt]], *,
+                             chat_template_kwargs: Mapping[str, Any] | None = None) -> dict[str, list[list[int]]]:
+    """Prompt ids of every benchmark prompt: bench -> [ids], via ``deepspec.data.chat.render_prompt``,
+    the rule training uses (so with ``enable_thinking=False`` the empty think block is in the prompt)."""
+    from deepspec.data.chat import render_prompt
+
+    return {b: [render_prompt(tokenizer, p.messages, chat_template_kwargs=chat_template_kwargs) for p in prompts]
+            for b, prompts in benchmarks.items()}
+
+
 def run_eval(
     target_model: Any,
     tokenizer: Any,
@@ -77,6 +87,7 @@ def run_eval(
     progress: bool = True,
     config_extra: Mapping[str, Any] | None = None,
     log: Callable[[str], None] = print,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run the target-only baseline and each proposer on every benchmark prompt; write the report.
 
@@ -92,13 +103,13 @@ def run_eval(
             baseline is shown not to be slow by construction.
         warmup: one short untimed generation per method before measuring.
         config_extra: extra entries for the report's ``config`` (e.g. target path, checkpoint).
+        chat_template_kwargs: template variables for the prompts (e.g. ``{"enable_thinking": False}``),
+            the same ones the training data was rendered with (see :func:`render_benchmark_prompts`).
 
     Returns the results dict (``config``, ``environment``, ``definitions``, ``benchmarks``:
     bench -> method -> metrics, ``samples``: bench -> method -> per-prompt records).
     """
     from tqdm.auto import tqdm
-
-    from deepspec.data.chat import render_prompt
 
     for name in proposers:
         if name in (BASELINE, HF_GENERATE):
@@ -116,7 +127,7 @@ def run_eval(
         # On the target's device, so proposers can sample device tensors with it (no host copies).
         return torch.Generator(device=device).manual_seed(s)
 
-    rendered = {b: [render_prompt(tokenizer, p.messages) for p in prompts] for b, prompts in benchmarks.items()}
+    rendered = render_benchmark_prompts(tokenizer, benchmarks, chat_template_kwargs=chat_template_kwargs)
     if warmup:
         first = next((ids for ids in rendered.values() if ids), [None])[0]
         if first is not None:
