@@ -2,52 +2,100 @@
 
 DESIGN.md s.3: every assistant turn is replaced by the target's own answer, turn by turn with the
 regenerated history, so the draft learns the target's distribution (not the source model's).
-This module is the local backend (the target in-process, batched with left padding).
+Backends (:mod:`deepspec.data.backends`): ``local`` (the target in-process, batched with left
+padding) and ``openai`` (OpenAI-compatible servers: vLLM, SGLang, ``deepspec serve``).
 
-Counting contract: ``read == kept + skipped + failed``; skipped and failed rows are listed with
-their reasons in ``<output stem>.skipped.jsonl`` beside the output. ``lost_in_source`` counts records
-the source file itself lost (the ShareGPT V3 demo file is cut mid-record), which were never read.
+Counting contract: ``read == kept + skipped + failed`` (printed, and in the summary JSON); skipped
+and failed rows are listed with their reasons in ``<stem>.skipped.jsonl`` beside the output.
+``lost_in_source`` counts records the source itself lost (the ShareGPT V3 demo file is cut
+mid-record), which were never read.
 
-Output rows (JSONL, input order, written atomically: a temporary file renamed when complete)::
+Outputs (JSONL, input order, each written atomically: a temporary file renamed when complete):
+
+- ``<output>``: the ``train`` rows; ``<stem>.heldout.jsonl``: the ``heldout`` rows (always written,
+  empty when ``heldout_fraction == 0``). The split is :func:`deepspec.data.sources.assign_split` of
+  the row key (its id, else its source index), so neither order nor resume changes it, and the
+  cache stage reads the train file only. Each row::
 
     {"id": str, "source_index": int, "messages": [{"role", "content"}, ...],
-     "truncated": bool, "truncated_turns": [message indices of answers cut by max_new_tokens]}
+     "truncated": bool, "truncated_turns": [message indices of answers cut by max_new_tokens],
+     "chat_template_kwargs": {...} (only when set, e.g. {"enable_thinking": false}),
+     "split": "train" | "heldout"}
+
+- ``<output>.summary.json``: the config (no API key: only ``api_key_env``) and the counts.
+
+Resume (``<output>.partial.jsonl``, the journal): its first line records the settings that shape
+the answers and their hash; every finished conversation (kept or failed) is appended as one line,
+keyed by ``source_index``, then flushed and fsynced. A run killed at any moment (SIGKILL included,
+even mid-line) leaves at worst one torn last line, which the next run ignores and cuts off. The
+next run with the same settings re-reads the source, takes finished rows from the journal (checking
+their id and a hash of their source messages), regenerates only the missing ones, then writes the
+outputs atomically in input order and deletes the journal. No row is duplicated or skipped; with
+greedy decoding the outputs are byte-identical to an uninterrupted run. A run with other settings
+is refused (the message lists the differences). Settings that do not change answers (batch size,
+servers, concurrency, retries, held-out fraction) may change between runs.
 
 Choices (documented for users):
 - ``max_turns`` caps the assistant turns regenerated per conversation (the rest of the
   conversation is dropped); the CPU demo uses 1.
+- A conversation ending on a user turn loses that trailing user turn: the source has no answer to
+  it, and regeneration replaces answers, it does not extend conversations.
 - A conversation stops at the last assistant turn whose prompt fits in ``max_prompt_tokens``; if the
-  first one does not fit, the row is skipped (reason recorded).
+  first one does not fit, the row is skipped (reason recorded). The local tokenizer (``target``)
+  measures prompts for both backends, so it must be the served target's tokenizer.
 - A conversation also stops after an answer cut by ``max_new_tokens`` (later turns would be
-  conditioned on an answer the target never finished); the cut answer is kept and flagged.
+  conditioned on an answer the target never finished); the cut answer is kept and flagged in
+  ``truncated_turns``. The training render (:func:`deepspec.data.chat.render_training_samples` with
+  ``cut_turns=truncated_turns``) then leaves its end-of-turn token out of the loss mask: the
+  template writes one there, but the target never produced it.
 - Regenerated answers are stripped of surrounding whitespace: leading whitespace would make the
   chat-template render drift from the generation prompt (see :mod:`deepspec.data.chat`).
-- Within one round of turns, conversations are sorted by prompt length inside windows of
-  ``sort_window`` jobs to reduce padding; output order is unaffected.
+- A server that refuses one row as invalid (HTTP 400/422, e.g. longer than its context) makes that
+  row ``failed`` (reason recorded) when ``skip_bad_rows``; connection errors, timeouts, 429 and 5xx
+  are retried ``max_retries`` times with exponential backoff, then stop the run (the journal keeps
+  finished rows).
+- Conversations are regenerated ``chunk_conversations`` at a time, round by round inside a chunk
+  (round k = the k-th assistant turn of every unfinished conversation); a kill loses at most the
+  unfinished conversations of one chunk. Sampling seeds are per request:
+  ``sha256(seed/source_index/turn)``, honoured by servers that support ``seed``; the local backend
+  seeds each batch with its first request's seed, so only greedy local answers are independent of
+  batch composition.
 
 Measured speed (embedded SmolLM2-135M, fp32, 2 CPU cores shared with other jobs, ShareGPT demo,
 ``max_turns=1``, ``max_prompt_tokens=256``, ``max_new_tokens=128``, prefill included): batch 16:
 65 tok/s, batch 32: 78 tok/s; about 105 generated tokens per conversation (72 % hit the limit:
-SmolLM2 answers at length). So ~150 conversations with ``max_new_tokens=96`` take ~3-4 minutes.
-Batched output is token-identical to batch 16 vs 32 (left padding is exact in fp32).
+SmolLM2 answers at length). Batched output is token-identical to batch 16 vs 32 (left padding is
+exact in fp32).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from deepspec.data.chat import end_of_turn_ids, render_prompt
-from deepspec.data.conversations import SkipRow, load_sharegpt_demo, normalise_messages, read_jsonl
-from deepspec.utils import atomic_path, atomic_write_json
+from deepspec.data.backends import (
+    LocalBackend,
+    OpenAIBackend,
+    RegenerationBackend,
+    SamplingParams,
+    TurnRequest,
+    TurnResult,
+)
+from deepspec.data.chat import render_prompt
+from deepspec.data.conversations import SkipRow
+from deepspec.utils import atomic_path, atomic_write_json, atomic_write_text
 
 SHAREGPT_DEMO = "sharegpt-demo"
+BACKENDS = ("local", "openai")
+JOURNAL_FORMAT = "deepspec-prepare-journal/1"
 
 
 def _render_errors() -> tuple[type[BaseException], ...]:
@@ -61,54 +109,133 @@ def _render_errors() -> tuple[type[BaseException], ...]:
 _RENDER_ERRORS = _render_errors()
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(kw_only=True)
 class PrepareConfig:
-    """Settings of the prepare stage (see the module docstring for the rules)."""
+    """Settings of the prepare stage (see the module docstring for the rules).
 
-    input: str  # "sharegpt-demo" or a JSONL path
+    Raises:
+        ValueError: naming the field, for any invalid value.
+    """
+
+    input: str  # "sharegpt-demo", a .jsonl/.json/.parquet file or folder, or a Hugging Face dataset id
     output: Path
     num_conversations: int = 200  # conversations to keep (the first usable ones, in input order)
     max_new_tokens: int = 128  # per regenerated answer; answers that hit it are flagged truncated
-    batch_size: int = 32  # conversations generated together (left padding); 32 beat 16 on 2 CPU cores
+    batch_size: int = 32  # local backend: conversations generated together (left padding)
     max_prompt_tokens: int = 512
     max_turns: int | None = 1  # assistant turns regenerated per conversation; None = all
     temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus sampling (used only when temperature > 0)
     skip_bad_rows: bool = True  # False: the first unusable row raises ValueError naming it
     seed: int = 0
-    sort_window: int | None = None  # jobs sorted by prompt length per window; None = whole round
-    target: str = "default"  # used when run_prepare is not given a model
+    sort_window: int | None = None  # local backend: jobs sorted by prompt length per window; None = whole round
+    target: str = "default"  # model (local) / tokenizer for prompt lengths (both backends)
+    hf_split: str = "train"  # split of a Hugging Face dataset input
+    enable_thinking: bool | None = None  # passed to the chat template (Qwen3); None = template default
+    heldout_fraction: float = 0.0  # rows held out (by assign_split) into <stem>.heldout.jsonl
+    split_seed: int = 0
+    backend: str = "local"  # "local" | "openai"
+    base_urls: list[str] = field(default_factory=list)  # openai: e.g. http://host:8000/v1 (several allowed)
+    server_model: str | None = None  # openai: served model name; None = the single model of /v1/models
+    api_key_env: str = "OPENAI_API_KEY"  # openai: environment variable holding the API key ("EMPTY" if unset)
+    max_concurrency: int = 8  # openai: requests in flight per server
+    max_retries: int = 5  # openai: retries per request (connection errors, timeouts, 429, 5xx)
+    retry_backoff_s: float = 1.0  # openai: first retry delay, doubled each retry (jittered, <= 60 s)
+    request_timeout_s: float = 600.0  # openai: per request
+    chunk_conversations: int = 1024  # conversations regenerated together (round by round) before the next
     show_progress: bool = True
 
     def __post_init__(self) -> None:
         self.output = Path(self.output)
         positive = {"num_conversations": self.num_conversations, "max_new_tokens": self.max_new_tokens,
-                    "batch_size": self.batch_size, "max_prompt_tokens": self.max_prompt_tokens}
+                    "batch_size": self.batch_size, "max_prompt_tokens": self.max_prompt_tokens,
+                    "max_concurrency": self.max_concurrency, "chunk_conversations": self.chunk_conversations}
         if self.max_turns is not None:
             positive["max_turns"] = self.max_turns
         if self.sort_window is not None:
             positive["sort_window"] = self.sort_window
         for name, value in positive.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise ValueError(f"PrepareConfig.{name}={value!r}: expected a positive integer.")
+        for name in ("seed", "split_seed"):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"PrepareConfig.{name}={getattr(self, name)!r}: expected an integer.")
+        if not _is_int(self.max_retries) or self.max_retries < 0:
+            raise ValueError(f"PrepareConfig.max_retries={self.max_retries!r}: expected an integer >= 0.")
+        if not isinstance(self.hf_split, str) or not self.hf_split.strip():
+            raise ValueError(f"PrepareConfig.hf_split={self.hf_split!r}: expected a split name such as 'train'.")
+        if not isinstance(self.input, str) or not self.input.strip():
+            raise ValueError(f"PrepareConfig.input={self.input!r}: expected {SHAREGPT_DEMO!r}, a .jsonl/.json/.parquet "
+                             f"file or folder, or a Hugging Face dataset id 'org/name[:split]'.")
         if not (self.temperature >= 0.0):
             raise ValueError(f"PrepareConfig.temperature={self.temperature!r}: expected >= 0 (0 = greedy).")
-        if self.input != SHAREGPT_DEMO and not str(self.input).endswith((".jsonl", ".json")) \
-                and not Path(self.input).is_file():
-            raise ValueError(f"PrepareConfig.input={self.input!r}: expected {SHAREGPT_DEMO!r} or a JSONL file path.")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"PrepareConfig.top_p={self.top_p!r}: expected a number in (0, 1] (1 = no nucleus cut).")
+        if not (0.0 <= self.heldout_fraction < 1.0):
+            raise ValueError(f"PrepareConfig.heldout_fraction={self.heldout_fraction!r}: expected a number in [0, 1) "
+                             f"(0.01 holds out about 1 % of the rows).")
+        if self.enable_thinking is not None and not isinstance(self.enable_thinking, bool):
+            raise ValueError(f"PrepareConfig.enable_thinking={self.enable_thinking!r}: expected true, false or None.")
+        if not (self.request_timeout_s > 0):
+            raise ValueError(f"PrepareConfig.request_timeout_s={self.request_timeout_s!r}: expected a number > 0.")
+        if not (self.retry_backoff_s >= 0):
+            raise ValueError(f"PrepareConfig.retry_backoff_s={self.retry_backoff_s!r}: expected a number >= 0.")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"PrepareConfig.backend={self.backend!r}: expected one of {BACKENDS}.")
+        self.base_urls = list(self.base_urls)
+        if self.backend == "openai":
+            if not self.base_urls:
+                raise ValueError("PrepareConfig.base_urls: backend='openai' needs at least one server URL, "
+                                 "e.g. --base-urls http://host:8000/v1 http://host2:8000/v1.")
+            for url in self.base_urls:
+                if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                    raise ValueError(f"PrepareConfig.base_urls: {url!r} is not an http(s) URL "
+                                     f"(expected e.g. http://host:8000/v1).")
+            if len(set(self.base_urls)) != len(self.base_urls):
+                raise ValueError(f"PrepareConfig.base_urls={self.base_urls}: a URL is listed twice "
+                                 f"(raise max_concurrency instead).")
+        elif self.base_urls:
+            raise ValueError(f"PrepareConfig.base_urls={self.base_urls}: only used with backend='openai' "
+                             f"(got backend={self.backend!r}).")
+        if self.server_model is not None and not self.server_model.strip():
+            raise ValueError("PrepareConfig.server_model: expected a model name or None (ask /v1/models).")
+        if not isinstance(self.api_key_env, str) or not self.api_key_env.strip():
+            raise ValueError(f"PrepareConfig.api_key_env={self.api_key_env!r}: expected an environment variable name.")
+
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any] | None:
+        """What the chat template receives besides the messages (None when nothing is set)."""
+        return None if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
 
 
 @dataclass(kw_only=True)
 class PrepareSummary:
-    read: int  # rows examined (= kept + skipped + failed)
+    """Counts of one prepare run. ``read == kept + skipped + failed``; ``kept == num_train + num_heldout``.
+
+    ``num_resumed`` rows came from the journal of an interrupted run; the generation figures
+    (turns, tokens, seconds) count this run's work only.
+    """
+
+    read: int  # rows examined
     kept: int
     skipped: int
     failed: int
     truncated: int  # kept rows with at least one answer cut by max_new_tokens
     lost_in_source: int  # records the source file itself lost (not read)
+    num_train: int = 0
+    num_heldout: int = 0
+    num_resumed: int = 0
+    num_retries: int = 0  # openai backend: retried requests
     num_regenerated_turns: int = 0
     num_generated_tokens: int = 0
     generate_s: float = 0.0
+    backend: str = "local"
     output: str = ""
+    heldout_path: str = ""
     skipped_path: str = ""
 
     @property
@@ -116,24 +243,45 @@ class PrepareSummary:
         return self.num_generated_tokens / self.generate_s if self.generate_s > 0 else 0.0
 
 
+def _stem(output: Path) -> str:
+    return output.name[: -len(".jsonl")] if output.name.endswith(".jsonl") else output.name
+
+
 def skipped_path_for(output: Path) -> Path:
     """``out.jsonl`` -> ``out.skipped.jsonl`` (the list of skipped/failed rows with reasons)."""
     output = Path(output)
-    stem = output.name[: -len(".jsonl")] if output.name.endswith(".jsonl") else output.name
-    return output.with_name(stem + ".skipped.jsonl")
+    return output.with_name(_stem(output) + ".skipped.jsonl")
+
+
+def heldout_path_for(output: Path) -> Path:
+    """``out.jsonl`` -> ``out.heldout.jsonl`` (the rows that :func:`assign_split` holds out)."""
+    output = Path(output)
+    return output.with_name(_stem(output) + ".heldout.jsonl")
+
+
+def journal_path_for(output: Path) -> Path:
+    """``out.jsonl`` -> ``out.jsonl.partial.jsonl`` (the resume journal; deleted when the run completes)."""
+    output = Path(output)
+    return output.with_name(output.name + ".partial.jsonl")
 
 
 @dataclass
 class _Conversation:
-    index: int  # position among kept rows
     source_index: int
     row_id: str
+    split_key: str
+    where: str
     source: list[dict[str, str]]  # normalised, cut to max_turns assistant turns
     assistant_positions: list[int]
     history: list[dict[str, str]] = field(default_factory=list)  # regenerated so far (ends after an answer)
     next_turn: int = 0  # index into assistant_positions
     done: bool = False
     truncated_turns: list[int] = field(default_factory=list)
+    failure: str | None = None  # reason, when regeneration failed for this row
+
+    @property
+    def source_sha(self) -> str:
+        return hashlib.sha256(json.dumps(self.source, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 def _cut_to_turns(messages: list[dict[str, str]], max_turns: int | None) -> list[dict[str, str]]:
@@ -144,35 +292,43 @@ def _cut_to_turns(messages: list[dict[str, str]], max_turns: int | None) -> list
     return messages[: positions[-1] + 1]
 
 
-def _iter_source(cfg: PrepareConfig) -> tuple[Iterable[dict[str, Any]], int]:
-    if cfg.input == SHAREGPT_DEMO:
-        src = load_sharegpt_demo(None)
-        return src.rows, src.num_lost
-    return read_jsonl(cfg.input), 0
+def _row_id(row: Any, source_index: int, cfg: PrepareConfig) -> str:
+    from deepspec.data.sources import ID_FIELDS
+
+    if isinstance(row, dict):
+        for name in ID_FIELDS:
+            value = row.get(name)
+            if (isinstance(value, str) and value.strip()) or _is_int(value):
+                return str(value)
+    return f"{Path(str(cfg.input).rstrip('/')).stem}-{source_index}"
 
 
-def _select(cfg: PrepareConfig, tokenizer: Any, rows: Iterable[dict[str, Any]], skipped: list[dict[str, Any]]
-            ) -> tuple[list[_Conversation], int]:
-    """First ``num_conversations`` usable rows. Returns (conversations, rows_read)."""
+def _select(cfg: PrepareConfig, tokenizer: Any, skipped: list[dict[str, Any]]) -> tuple[list[_Conversation], int, int]:
+    """First ``num_conversations`` usable rows. Returns (conversations, rows_read, lost_in_source)."""
+    from deepspec.data.sources import open_source, row_key, source_row_messages
+
+    source = open_source(cfg.input, hf_split=cfg.hf_split, skip_unreadable=cfg.skip_bad_rows)
     convs: list[_Conversation] = []
     read = 0
-    for source_index, row in enumerate(rows):
+    for located in source.located:
         if len(convs) >= cfg.num_conversations:
             break
         read += 1
-        row_id = str(row.get("id", f"{Path(str(cfg.input)).stem}-{source_index}")) if isinstance(row, dict) \
-            else f"row-{source_index}"
-        where = f"{cfg.input}[{source_index}] (id {row_id})"
+        source_index, row = located.index, located.row
+        row_id = _row_id(row, source_index, cfg)
+        where = f"{located.where} (id {row_id})"
         try:
-            messages = _cut_to_turns(normalise_messages(row, where=where), cfg.max_turns)
+            messages = _cut_to_turns(source_row_messages(located), cfg.max_turns)
             positions = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-            prompt_len = len(render_prompt(tokenizer, messages[: positions[0]]))
+            prompt_len = len(render_prompt(tokenizer, messages[: positions[0]],
+                                           chat_template_kwargs=cfg.chat_template_kwargs))
             if prompt_len > cfg.max_prompt_tokens:
                 raise SkipRow(f"first prompt has {prompt_len} tokens > max_prompt_tokens={cfg.max_prompt_tokens}",
                               where=where)
         except SkipRow as exc:
             if not cfg.skip_bad_rows:
-                raise ValueError(f"{exc} (set skip_bad_rows=True to skip and count such rows)") from None
+                raise ValueError(f"{where}: {exc.reason} (set skip_bad_rows=True to skip and count such rows)") \
+                    from None
             skipped.append({"source_index": source_index, "id": row_id, "status": "skipped", "reason": exc.reason})
             continue
         except _RENDER_ERRORS as exc:  # the chat template refused the conversation
@@ -181,167 +337,314 @@ def _select(cfg: PrepareConfig, tokenizer: Any, rows: Iterable[dict[str, Any]], 
             skipped.append({"source_index": source_index, "id": row_id, "status": "failed",
                             "reason": f"chat template failed: {exc}"})
             continue
-        convs.append(_Conversation(index=len(convs), source_index=source_index, row_id=row_id,
-                                   source=messages, assistant_positions=positions))
-    return convs, read
+        convs.append(_Conversation(source_index=source_index, row_id=row_id, split_key=row_key(row, source_index),
+                                   where=where, source=messages, assistant_positions=positions))
+    return convs, read, source.num_lost
 
 
-def _left_pad(batch_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists. Returns (input_ids_BT long, attention_mask_BT long)."""
-    width = max(len(ids) for ids in batch_ids)
-    input_ids_BT = torch.full((len(batch_ids), width), pad_id, dtype=torch.long)
-    attention_mask_BT = torch.zeros((len(batch_ids), width), dtype=torch.long)
-    for b, ids in enumerate(batch_ids):
-        input_ids_BT[b, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        attention_mask_BT[b, width - len(ids):] = 1
-    return input_ids_BT, attention_mask_BT
+def _request_seed(seed: int, source_index: int, turn: int) -> int:
+    digest = hashlib.sha256(f"{seed}/{source_index}/{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
-def generate_batch(model: Any, prompts: list[list[int]], *, pad_id: int, eos_ids: list[int], max_new_tokens: int,
-                   temperature: float) -> list[tuple[list[int], bool]]:
-    """Generate one answer per prompt (left padded, one ``model.generate`` call).
+# ------------------------------------------------------------------------------------------- journal
 
-    Returns per prompt ``(answer_ids without the end-of-turn token, truncated)``, where ``truncated``
-    means no end-of-turn token appeared within ``max_new_tokens``.
+
+def _journal_settings(cfg: PrepareConfig, model_name: str) -> dict[str, Any]:
+    """The settings that shape which rows are read and what the answers are (resume must match them)."""
+    keys = ("input", "hf_split", "num_conversations", "max_new_tokens", "max_prompt_tokens", "max_turns",
+            "temperature", "top_p", "seed", "enable_thinking", "target", "backend")
+    settings = {k: getattr(cfg, k) for k in keys}
+    settings["model"] = model_name
+    return settings
+
+
+def _settings_hash(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def read_journal(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """Read a prepare journal; cut off a torn last line (a kill mid-write) in place.
+
+    Returns:
+        ``(header, entries)``; ``(None, [])`` when the file is missing, empty, or holds only a torn
+        header (the caller starts afresh).
+
+    Raises:
+        ValueError: a malformed line that is not the last one, or a first line that is not a
+            journal header (the file is not a prepare journal: move it away).
     """
-    from transformers import GenerationConfig
+    path = Path(path)
+    if not path.is_file():
+        return None, []
+    data = path.read_bytes()
+    complete = data.rfind(b"\n") + 1  # bytes up to the end of the last complete line
+    if complete < len(data):  # a torn last line: ignore it and cut it off so appends start on a new line
+        with path.open("r+b") as f:
+            f.truncate(complete)
+            f.flush()
+            os.fsync(f.fileno())
+    lines = data[:complete].decode("utf-8").splitlines()
+    if not lines:
+        return None, []
+    try:
+        header = json.loads(lines[0])
+    except json.JSONDecodeError:
+        header = None
+    if not isinstance(header, dict) or header.get("format") != JOURNAL_FORMAT:
+        raise ValueError(f"{path}: the first line is not a {JOURNAL_FORMAT} header; this file is not a prepare "
+                         f"journal. Move it away (or delete it to start over).")
+    entries = []
+    for line_no, line in enumerate(lines[1:], start=2):
+        try:
+            entries.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{line_no}: malformed journal line ({exc.msg}); only the last line can be torn "
+                             f"by a kill. Delete the journal to start over.") from None
+    return header, entries
 
-    input_ids_BT, attention_mask_BT = _left_pad(prompts, pad_id)
-    device = next(model.parameters()).device
-    sampling = temperature > 0
-    gen_cfg = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=sampling, temperature=temperature if sampling else None,
-        top_k=0 if sampling else None, top_p=1.0 if sampling else None,
-        pad_token_id=pad_id, eos_token_id=eos_ids,
-    )
-    with torch.inference_mode():
-        out_BT = model.generate(input_ids=input_ids_BT.to(device), attention_mask=attention_mask_BT.to(device),
-                                generation_config=gen_cfg)
-    new_BN = out_BT[:, input_ids_BT.shape[1]:].cpu().tolist()
-    eos = set(eos_ids)
-    results = []
-    for row in new_BN:
-        cut = next((k for k, t in enumerate(row) if t in eos), None)
-        results.append((row, True) if cut is None else (row[:cut], False))
-    return results
+
+class _Journal:
+    """Append-only record of finished conversations (one JSON line each, fsynced)."""
+
+    def __init__(self, path: Path, settings: dict[str, Any]) -> None:
+        self.path = path
+        header, self.entries = read_journal(path)
+        wanted = _settings_hash(settings)
+        if header is None:
+            atomic_write_text(path, json.dumps({"format": JOURNAL_FORMAT, "settings_hash": wanted,
+                                                "settings": settings}, sort_keys=True) + "\n")
+            self.entries = []
+        elif header.get("settings_hash") != wanted:
+            old = header.get("settings", {})
+            diff = {k: (old.get(k), settings.get(k)) for k in sorted(set(old) | set(settings))
+                    if old.get(k) != settings.get(k)}
+            raise ValueError(
+                f"{path} holds an interrupted prepare run with other settings "
+                f"({', '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in diff.items()) or 'unknown difference'}). "
+                f"Rerun with the same settings to resume, or delete {path} to start over.")
+        self._file = path.open("a", encoding="utf-8")
+
+    def append(self, entry: dict[str, Any]) -> None:
+        self._file.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
 
 
-def _windows(jobs: list[Any], size: int | None) -> Iterator[list[Any]]:
-    if size is None:
-        yield jobs
-        return
-    for start in range(0, len(jobs), size):
-        yield jobs[start:start + size]
+def _out_row(conv: _Conversation, cfg: PrepareConfig) -> dict[str, Any]:
+    row: dict[str, Any] = {"id": conv.row_id, "source_index": conv.source_index, "messages": conv.history,
+                           "truncated": bool(conv.truncated_turns), "truncated_turns": conv.truncated_turns}
+    if cfg.chat_template_kwargs is not None:
+        row["chat_template_kwargs"] = cfg.chat_template_kwargs
+    return row
+
+
+def _restore(convs: list[_Conversation], entries: list[dict[str, Any]], journal_path: Path) -> int:
+    """Mark the conversations the journal finished; returns how many. Raises ValueError on a mismatch."""
+    by_index = {c.source_index: c for c in convs}
+    restored = 0
+    for entry in entries:
+        conv = by_index.get(entry.get("source_index"))
+        if conv is None or entry.get("id") != conv.row_id or entry.get("source_sha") != conv.source_sha:
+            raise ValueError(
+                f"{journal_path}: row {entry.get('source_index')} (id {entry.get('id')!r}) does not match the source "
+                f"as read now (the input changed since the interrupted run). Delete the journal to start over.")
+        if conv.done:
+            continue  # a duplicate line (cannot happen with one writer); the first one wins
+        conv.done = True
+        if entry["status"] == "failed":
+            conv.failure = entry["reason"]
+        else:
+            row = entry["row"]
+            conv.history, conv.truncated_turns = row["messages"], row["truncated_turns"]
+        restored += 1
+    return restored
+
+
+# ----------------------------------------------------------------------------------------------- run
+
+
+def _make_backend(cfg: PrepareConfig, model: Any, tokenizer: Any, log: Callable[[str], None]) -> RegenerationBackend:
+    if cfg.backend == "local":
+        return LocalBackend(model, tokenizer, batch_size=cfg.batch_size, sort_window=cfg.sort_window)
+    return OpenAIBackend(cfg.base_urls, model=cfg.server_model, api_key=os.environ.get(cfg.api_key_env) or "EMPTY",
+                         max_concurrency=cfg.max_concurrency, max_retries=cfg.max_retries,
+                         request_timeout_s=cfg.request_timeout_s, retry_backoff_s=cfg.retry_backoff_s, log=log)
 
 
 def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
+                backend: RegenerationBackend | None = None,
                 log: Callable[[str], None] = print) -> PrepareSummary:
-    """Run the prepare stage; write ``cfg.output`` (+ ``.skipped.jsonl`` + ``.summary.json``) atomically.
+    """Run the prepare stage; write the outputs listed in the module docstring atomically.
 
     Args:
         cfg: the stage settings.
-        model, tokenizer: the target; loaded from ``cfg.target`` when omitted.
+        model, tokenizer: the target. ``backend="local"``: both loaded from ``cfg.target`` when
+            omitted. ``backend="openai"``: only the tokenizer is used (prompt lengths), loaded from
+            ``cfg.target`` when omitted.
+        backend: a ready backend (tests); built from ``cfg`` when None.
         log: where progress lines go.
 
     Returns:
         The counts (``read == kept + skipped + failed``) and generation speed.
 
     Raises:
-        ValueError: a malformed JSONL line (``file:line``), or an unusable row with ``skip_bad_rows=False``.
-        Exceptions from generation propagate; nothing is then written under the final output names.
+        ValueError: an unusable input, an unusable row with ``skip_bad_rows=False``, or a journal
+            written with other settings / for another input.
+        deepspec.data.backends.BackendError: a server kept failing after retries (or refused a row
+            with ``skip_bad_rows=False``). Exceptions from generation propagate; finished rows stay
+            in the journal and nothing is written under the final output names.
     """
     from tqdm.auto import tqdm
 
-    if model is None or tokenizer is None:
-        from deepspec.target.load import load_target
+    from deepspec.data.sources import assign_split
 
-        model, tokenizer = load_target(cfg.target)
+    if backend is None:
+        if cfg.backend == "local" and (model is None or tokenizer is None):
+            from deepspec.target.load import load_target
+
+            model, tokenizer = load_target(cfg.target)
+        elif tokenizer is None:
+            from deepspec.target.load import load_tokenizer
+
+            tokenizer = load_tokenizer(cfg.target)
+        backend = _make_backend(cfg, model, tokenizer, log)
+    assert tokenizer is not None, "run_prepare needs the target's tokenizer (prompt lengths)"
     torch.manual_seed(cfg.seed)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos_ids = sorted(end_of_turn_ids(tokenizer))
+    ctk = cfg.chat_template_kwargs
 
     skipped: list[dict[str, Any]] = []
-    rows, lost_in_source = _iter_source(cfg)
-    convs, read = _select(cfg, tokenizer, rows, skipped)
-    del rows
-    failed = sum(1 for s in skipped if s["status"] == "failed")
-    total_turns = sum(len(c.assistant_positions) for c in convs)
-    num_tokens = 0
-    num_turns = 0
-    generate_s = 0.0
-    bar = tqdm(total=total_turns, desc="regenerate turns", unit="turn", disable=not cfg.show_progress)
-    while True:
-        # One round = the next assistant turn of every unfinished conversation.
-        jobs: list[tuple[_Conversation, list[int]]] = []
-        for conv in convs:
-            if conv.done:
-                continue
-            pos = conv.assistant_positions[conv.next_turn]
-            start = conv.assistant_positions[conv.next_turn - 1] + 1 if conv.next_turn else 0
-            context = conv.history + conv.source[start:pos]
-            try:
-                prompt = render_prompt(tokenizer, context)
-            except _RENDER_ERRORS as exc:
-                conv.done, conv.history = True, []
-                skipped.append({"source_index": conv.source_index, "id": conv.row_id, "status": "failed",
-                                "reason": f"render failed at assistant turn {conv.next_turn}: {exc}"})
-                failed += 1
-                bar.update(len(conv.assistant_positions) - conv.next_turn)
-                continue
-            if len(prompt) > cfg.max_prompt_tokens:
-                conv.done = True  # stop at the last turn that fits (the first one fits: checked in _select)
-                bar.update(len(conv.assistant_positions) - conv.next_turn)
-                continue
-            jobs.append((conv, prompt))
-        if not jobs:
-            break
-        for window in _windows(jobs, cfg.sort_window):
-            window = sorted(window, key=lambda job: len(job[1]))
-            for b in range(0, len(window), cfg.batch_size):
-                batch = window[b:b + cfg.batch_size]
-                t0 = time.perf_counter()
-                answers = generate_batch(model, [p for _, p in batch], pad_id=pad_id, eos_ids=eos_ids,
-                                         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
-                generate_s += time.perf_counter() - t0
-                for (conv, _), (ids, cut) in zip(batch, answers):
-                    num_tokens += len(ids) + (0 if cut else 1)
-                    num_turns += 1
-                    pos = conv.assistant_positions[conv.next_turn]
-                    start = conv.assistant_positions[conv.next_turn - 1] + 1 if conv.next_turn else 0
-                    conv.history = conv.history + conv.source[start:pos] + [
-                        {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True).strip()}
-                    ]
-                    conv.next_turn += 1
-                    if cut:
-                        conv.truncated_turns.append(len(conv.history) - 1)
-                    finished = cut or conv.next_turn >= len(conv.assistant_positions)
-                    bar.update(1 + (len(conv.assistant_positions) - conv.next_turn if finished else 0))
-                    conv.done = finished
-                bar.set_postfix(tok_per_s=f"{num_tokens / max(generate_s, 1e-9):.0f}")
-    bar.close()
+    convs, read, lost_in_source = _select(cfg, tokenizer, skipped)
+    model_name = backend.resolve_model() if isinstance(backend, OpenAIBackend) else cfg.target
+    journal = _Journal(journal_path_for(cfg.output), _journal_settings(cfg, model_name))
+    num_resumed = _restore(convs, journal.entries, journal.path)
+    if num_resumed:
+        log(f"prepare: resuming from {journal.path}: {num_resumed} of {len(convs)} conversations already finished")
 
-    out_rows = [c for c in convs if c.history]
+    def finish(conv: _Conversation) -> None:
+        conv.done = True
+        entry: dict[str, Any] = {"source_index": conv.source_index, "id": conv.row_id, "source_sha": conv.source_sha}
+        if conv.failure is not None:
+            entry.update(status="failed", reason=conv.failure)
+        else:
+            entry.update(status="kept", row=_out_row(conv, cfg))
+        journal.append(entry)
+
+    pending = [c for c in convs if not c.done]
+    num_tokens = num_turns = 0
+    generate_s = 0.0
+    bar = tqdm(total=sum(len(c.assistant_positions) for c in pending), desc="regenerate turns", unit="turn",
+               disable=not cfg.show_progress)
+    try:
+        for start in range(0, len(pending), cfg.chunk_conversations):
+            chunk = pending[start:start + cfg.chunk_conversations]
+            while True:
+                # One round = the next assistant turn of every unfinished conversation of the chunk.
+                jobs: list[tuple[_Conversation, list[dict[str, str]]]] = []
+                for conv in chunk:
+                    if conv.done:
+                        continue
+                    pos = conv.assistant_positions[conv.next_turn]
+                    begin = conv.assistant_positions[conv.next_turn - 1] + 1 if conv.next_turn else 0
+                    context = conv.history + conv.source[begin:pos]
+                    try:
+                        prompt = render_prompt(tokenizer, context, chat_template_kwargs=ctk)
+                    except _RENDER_ERRORS as exc:
+                        conv.failure = f"render failed at assistant turn {conv.next_turn}: {exc}"
+                        bar.update(len(conv.assistant_positions) - conv.next_turn)
+                        finish(conv)
+                        continue
+                    if len(prompt) > cfg.max_prompt_tokens:
+                        # Stop at the last turn that fits (the first one fits: checked in _select).
+                        bar.update(len(conv.assistant_positions) - conv.next_turn)
+                        finish(conv)
+                        continue
+                    jobs.append((conv, context))
+                if not jobs:
+                    break
+                requests = [TurnRequest(
+                    key=f"{conv.where} assistant turn {conv.next_turn}", messages=context, chat_template_kwargs=ctk,
+                    sampling=SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                            top_p=cfg.top_p,
+                                            seed=_request_seed(cfg.seed, conv.source_index, conv.next_turn)),
+                ) for conv, context in jobs]
+
+                def on_result(i: int, result: TurnResult) -> None:
+                    nonlocal num_tokens, num_turns
+                    conv, context = jobs[i]
+                    remaining = len(conv.assistant_positions) - conv.next_turn
+                    if result.refused:
+                        if not cfg.skip_bad_rows:
+                            from deepspec.data.backends import BackendError
+
+                            raise BackendError(f"{requests[i].key}: {result.refused} (set skip_bad_rows=True to "
+                                               f"skip and count such rows)")
+                        conv.failure, conv.history = f"server refused assistant turn {conv.next_turn}: " \
+                                                     f"{result.refused}", []
+                        bar.update(remaining)
+                        finish(conv)
+                        return
+                    num_tokens += result.num_tokens
+                    num_turns += 1
+                    conv.history = context + [{"role": "assistant", "content": result.text.strip()}]
+                    conv.next_turn += 1
+                    if result.cut:
+                        conv.truncated_turns.append(len(conv.history) - 1)
+                    finished = result.cut or conv.next_turn >= len(conv.assistant_positions)
+                    bar.update(remaining if finished else 1)
+                    if finished:
+                        finish(conv)
+                    bar.set_postfix(tok_per_s=f"{num_tokens / max(generate_s + time.perf_counter() - t0, 1e-9):.0f}",
+                                    refresh=False)
+
+                t0 = time.perf_counter()
+                backend.generate(requests, on_result)
+                generate_s += time.perf_counter() - t0
+    finally:
+        bar.close()
+        journal.close()
+        backend.close()
+
+    kept = [c for c in convs if c.failure is None and c.history]  # convs is in input order
+    failed_rows = [c for c in convs if c.failure is not None]
+    assert all(c.done for c in convs) and len(kept) + len(failed_rows) == len(convs)
+    skipped += [{"source_index": c.source_index, "id": c.row_id, "status": "failed", "reason": c.failure}
+                for c in failed_rows]
+    skipped.sort(key=lambda s: s["source_index"])
+    train_rows, heldout_rows = [], []
+    for c in kept:
+        row = _out_row(c, cfg)
+        row["split"] = assign_split(c.split_key, heldout_fraction=cfg.heldout_fraction, seed=cfg.split_seed)
+        (heldout_rows if row["split"] == "heldout" else train_rows).append(row)
+
     summary = PrepareSummary(
-        read=read, kept=len(out_rows), skipped=sum(1 for s in skipped if s["status"] == "skipped"), failed=failed,
-        truncated=sum(1 for c in out_rows if c.truncated_turns), lost_in_source=lost_in_source,
+        read=read, kept=len(kept), skipped=sum(1 for s in skipped if s["status"] == "skipped"),
+        failed=sum(1 for s in skipped if s["status"] == "failed"),
+        truncated=sum(1 for c in kept if c.truncated_turns), lost_in_source=lost_in_source,
+        num_train=len(train_rows), num_heldout=len(heldout_rows), num_resumed=num_resumed,
+        num_retries=getattr(backend, "num_retries", 0),
         num_regenerated_turns=num_turns, num_generated_tokens=num_tokens, generate_s=round(generate_s, 3),
-        output=str(cfg.output), skipped_path=str(skipped_path_for(cfg.output)),
+        backend=cfg.backend, output=str(cfg.output), heldout_path=str(heldout_path_for(cfg.output)),
+        skipped_path=str(skipped_path_for(cfg.output)),
     )
     assert summary.read == summary.kept + summary.skipped + summary.failed, summary
 
-    skipped.sort(key=lambda s: s["source_index"])
-    with atomic_path(skipped_path_for(cfg.output)) as tmp:
-        tmp.write_text("".join(json.dumps(s, ensure_ascii=False) + "\n" for s in skipped), encoding="utf-8")
-    with atomic_path(cfg.output) as tmp:
-        with tmp.open("w", encoding="utf-8") as f:
-            for c in out_rows:  # kept rows are already in input order
-                f.write(json.dumps({"id": c.row_id, "source_index": c.source_index, "messages": c.history,
-                                    "truncated": bool(c.truncated_turns), "truncated_turns": c.truncated_turns},
-                                   ensure_ascii=False) + "\n")
+    def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+        with atomic_path(path) as tmp:
+            tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+
+    write_rows(skipped_path_for(cfg.output), skipped)
+    write_rows(heldout_path_for(cfg.output), heldout_rows)
+    write_rows(cfg.output, train_rows)
     cfg_dict = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     atomic_write_json(cfg.output.with_name(cfg.output.name + ".summary.json"),
                       {"config": cfg_dict, "summary": asdict(summary), "tok_per_s": round(summary.tok_per_s, 1)})
-    log(f"prepare: read {summary.read} = kept {summary.kept} + skipped {summary.skipped} + failed {summary.failed}; "
+    journal.path.unlink()  # every output is in place: the journal has served its purpose
+    log(f"prepare: read {summary.read} = kept {summary.kept} + skipped {summary.skipped} + failed {summary.failed} "
+        f"(train {summary.num_train}, held out {summary.num_heldout}; resumed {num_resumed}); "
         f"truncated {summary.truncated}; lost in source {summary.lost_in_source}; "
         f"{num_turns} turns, {num_tokens} tokens in {generate_s:.1f} s ({summary.tok_per_s:.1f} tok/s) -> {cfg.output}")
     return summary

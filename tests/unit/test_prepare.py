@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from deepspec.data.chat import render_prompt
-from deepspec.data.prepare import PrepareConfig, run_prepare, skipped_path_for
+from deepspec.data.prepare import (
+    PrepareConfig,
+    heldout_path_for,
+    journal_path_for,
+    read_journal,
+    run_prepare,
+    skipped_path_for,
+)
 try:
     from tests.unit.test_chat import tiny_chatml_tokenizer
 except ImportError:  # pytest run from another folder: tests/unit itself is on sys.path
@@ -126,14 +133,26 @@ def test_prepare_max_turns_caps_regeneration(tmp_path, tok):
 
 
 def test_prepare_strict_mode_names_the_row(tmp_path, tok):
-    with pytest.raises(ValueError, match=r"in.jsonl\[1\].*no assistant turn"):
+    with pytest.raises(ValueError, match=r"in.jsonl:2 \(id in-1\).*no assistant turn"):
         _run(tmp_path, tok, ScriptedTarget(tok), skip_bad_rows=False)
 
 
-def test_prepare_crash_leaves_no_output(tmp_path, tok):
+def test_prepare_crash_leaves_no_output_and_resume_completes(tmp_path, tok):
     with pytest.raises(RuntimeError, match="simulated crash"):
         _run(tmp_path, tok, ScriptedTarget(tok, fail_on_call=2))
-    assert list(tmp_path.iterdir()) == [tmp_path / "in.jsonl"]  # no final file, no temp file left
+    journal = journal_path_for(tmp_path / "out.jsonl")
+    # No final file, no temp file left; only the journal of the finished conversations.
+    assert sorted(tmp_path.iterdir()) == sorted([tmp_path / "in.jsonl", journal])
+    header, entries = read_journal(journal)
+    assert header["format"] == "deepspec-prepare-journal/1" and len(entries) == 2  # batch 1 of 2 rows finished
+    resumed_target = ScriptedTarget(tok)
+    cfg, summary = _run(tmp_path, tok, resumed_target)
+    assert summary.num_resumed == 2 and not journal.exists()
+    resumed = cfg.output.read_bytes()
+    # The resumed run regenerated only the missing rows and equals an uninterrupted run byte for byte.
+    fresh_cfg, fresh = _run(tmp_path, tok, ScriptedTarget(tok), output=tmp_path / "fresh.jsonl")
+    assert fresh.num_resumed == 0 and fresh.num_regenerated_turns > summary.num_regenerated_turns
+    assert resumed == fresh_cfg.output.read_bytes()
 
 
 def test_prepare_config_validation(tmp_path):
@@ -168,3 +187,72 @@ def test_prepare_template_failure_is_counted_as_failed(tmp_path):
     assert (summary.read, summary.kept, summary.skipped, summary.failed) == (7, 4, 2, 1)
     skipped = [json.loads(line) for line in skipped_path_for(cfg.output).read_text().splitlines()]
     assert skipped[0]["source_index"] == 0 and skipped[0]["status"] == "failed" and "no q0" in skipped[0]["reason"]
+
+
+def test_journal_torn_last_line_is_ignored_and_cut(tmp_path, tok):
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _run(tmp_path, tok, ScriptedTarget(tok, fail_on_call=2))
+    journal = journal_path_for(tmp_path / "out.jsonl")
+    good = journal.read_bytes()
+    _, entries = read_journal(journal)
+    journal.write_bytes(good + b'{"source_index": 5, "id": "in-5", "sta')  # a kill in the middle of a line
+    header, torn_entries = read_journal(journal)
+    assert torn_entries == entries and journal.read_bytes() == good  # ignored, and cut off in place
+    journal.write_bytes(good + b'{"source_index": 5, "id"')
+    cfg, summary = _run(tmp_path, tok, ScriptedTarget(tok))
+    assert summary.num_resumed == len(entries) and summary.kept == 4
+    rows = [json.loads(line) for line in cfg.output.read_text(encoding="utf-8").splitlines()]
+    assert [r["source_index"] for r in rows] == [0, 2, 4, 5]  # nothing duplicated, nothing skipped
+
+
+def test_journal_corrupt_middle_line_and_other_settings_are_refused(tmp_path, tok):
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _run(tmp_path, tok, ScriptedTarget(tok, fail_on_call=2))
+    journal = journal_path_for(tmp_path / "out.jsonl")
+    with pytest.raises(ValueError, match=r"other settings \(max_new_tokens: 8 -> 9\)"):
+        _run(tmp_path, tok, ScriptedTarget(tok), max_new_tokens=9)
+    lines = journal.read_text().splitlines(keepends=True)
+    journal.write_text(lines[0] + "{broken\n" + "".join(lines[1:]))
+    with pytest.raises(ValueError, match="malformed journal line"):
+        read_journal(journal)
+
+
+def test_prepare_heldout_split_and_chat_template_kwargs(tmp_path, tok):
+    cfg_all, _ = _run(tmp_path, tok, ScriptedTarget(tok), output=tmp_path / "all.jsonl")
+    all_rows = [json.loads(line) for line in cfg_all.output.read_text().splitlines()]
+    assert all(r["split"] == "train" and "chat_template_kwargs" not in r for r in all_rows)
+    assert heldout_path_for(cfg_all.output).read_text() == ""
+    cfg, summary = _run(tmp_path, tok, ScriptedTarget(tok), heldout_fraction=0.5, split_seed=3,
+                        enable_thinking=False)
+    train = [json.loads(line) for line in cfg.output.read_text().splitlines()]
+    heldout = [json.loads(line) for line in heldout_path_for(cfg.output).read_text().splitlines()]
+    assert (summary.num_train, summary.num_heldout) == (len(train), len(heldout))
+    assert summary.kept == summary.num_train + summary.num_heldout == 4
+    assert {r["split"] for r in train} <= {"train"} and {r["split"] for r in heldout} <= {"heldout"}
+    assert train and heldout  # seed 3 splits these 4 rows 2/2 (a pure function of the row key)
+    assert sorted(r["source_index"] for r in train + heldout) == [0, 2, 4, 5]
+    assert all(r["chat_template_kwargs"] == {"enable_thinking": False} for r in train + heldout)
+    summary_json = json.loads(cfg.output.with_name("out.jsonl.summary.json").read_text())
+    s = summary_json["summary"]
+    assert s["read"] == s["kept"] + s["skipped"] + s["failed"]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("backend", "vllm"), ("top_p", 0.0), ("top_p", 1.5), ("heldout_fraction", 1.0), ("heldout_fraction", -0.1),
+    ("max_concurrency", 0), ("max_retries", -1), ("request_timeout_s", 0.0), ("retry_backoff_s", -1.0),
+    ("enable_thinking", "yes"), ("chunk_conversations", 0), ("split_seed", 1.5), ("api_key_env", ""),
+    ("base_urls", ["http://x/v1"]),  # base_urls with the local backend
+])
+def test_prepare_config_new_fields_are_validated(tmp_path, field, value):
+    with pytest.raises(ValueError, match=field):
+        PrepareConfig(input="sharegpt-demo", output=tmp_path / "o.jsonl", **{field: value})
+
+
+def test_prepare_config_openai_needs_http_urls(tmp_path):
+    with pytest.raises(ValueError, match="base_urls"):
+        PrepareConfig(input="sharegpt-demo", output=tmp_path / "o.jsonl", backend="openai")
+    with pytest.raises(ValueError, match="base_urls.*not an http"):
+        PrepareConfig(input="sharegpt-demo", output=tmp_path / "o.jsonl", backend="openai", base_urls=["host:80"])
+    cfg = PrepareConfig(input="sharegpt-demo", output=tmp_path / "o.jsonl", backend="openai",
+                        base_urls=["http://a:1/v1", "http://b:2/v1"])
+    assert cfg.chat_template_kwargs is None

@@ -1,0 +1,202 @@
+"""A small OpenAI-compatible HTTP server over the local backend (``deepspec serve``).
+
+It exists to test :class:`deepspec.data.backends.OpenAIBackend` against real HTTP and to let a
+user point ``deepspec prepare --backend openai`` at a CPU target; production runs use vLLM or
+SGLang. Endpoints:
+
+- ``GET /v1/models``: one model, named by ``model_name``.
+- ``POST /v1/chat/completions``: ``messages``, ``max_tokens`` (or ``max_completion_tokens``),
+  ``temperature``, ``top_p``, ``seed``, ``chat_template_kwargs`` (as vLLM/SGLang: passed to the chat
+  template). Answers with ``finish_reason`` ``"length"`` when ``max_tokens`` cut the answer, else
+  ``"stop"``, and ``usage.completion_tokens``. ``n > 1`` and streaming are refused (400).
+
+Requests are served one at a time through the model (a lock; ``ThreadingHTTPServer`` accepts
+connections concurrently). Test-only fault injection is set through the constructor, never through
+the environment: ``fail_first`` answers the first k chat requests with HTTP 500, ``delay_s`` adds a
+random delay (seeded), ``hold`` (a ``threading.Event``) blocks chat requests after ``hold_after``
+of them until the event is set.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from deepspec.data.backends import LocalBackend, SamplingParams
+
+
+class _QuietHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):  # client went away: fine
+            super().handle_error(request, client_address)
+
+
+class OpenAICompatServer:
+    """The server object; :meth:`start` runs it in a daemon thread, :meth:`serve_forever` in this one.
+
+    Attributes:
+        received: every chat-completions request body (parsed JSON), in arrival order.
+        prompts: the rendered prompt ids of each answered request (what the template produced).
+        num_failed_injected: requests answered with an injected 500.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, host: str = "127.0.0.1", port: int = 0,
+                 model_name: str = "deepspec-target", fail_first: int = 0,
+                 delay_s: tuple[float, float] = (0.0, 0.0), delay_seed: int = 0,
+                 hold: threading.Event | None = None, hold_after: int = 0) -> None:
+        self.backend = LocalBackend(model, tokenizer, batch_size=1)
+        self.model_name = model_name
+        self.fail_first, self.delay_s, self.hold, self.hold_after = fail_first, delay_s, hold, hold_after
+        self._rng = random.Random(delay_seed)
+        self._lock = threading.Lock()  # one generation at a time; also guards the counters
+        self._count_lock = threading.Lock()
+        self.num_chat_requests = 0
+        self.num_failed_injected = 0
+        self.received: list[dict[str, Any]] = []
+        self.prompts: list[list[int]] = []
+        self.httpd = _QuietHTTPServer((host, port), self._handler())
+        self.httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.httpd.server_address[0]}:{self.port}/v1"
+
+    def start(self) -> "OpenAICompatServer":
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name=f"openai-server-{self.port}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self.httpd.serve_forever()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # ----------------------------------------------------------------------------------- handling
+    def _chat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        with self._count_lock:
+            self.num_chat_requests += 1
+            number = self.num_chat_requests
+            self.received.append(body)
+            delay = self._rng.uniform(*self.delay_s) if self.delay_s[1] > 0 else 0.0
+        if self.hold is not None and number > self.hold_after:
+            self.hold.wait()
+        if delay:
+            time.sleep(delay)
+        if number <= self.fail_first:
+            with self._count_lock:
+                self.num_failed_injected += 1
+            return 500, {"error": {"message": f"injected failure {number}/{self.fail_first}", "type": "server_error"}}
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return 400, {"error": {"message": "messages: expected a non-empty list", "type": "invalid_request_error"}}
+        if body.get("stream") or int(body.get("n", 1) or 1) != 1:
+            return 400, {"error": {"message": "stream and n > 1 are not supported", "type": "invalid_request_error"}}
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 256
+        sampling = SamplingParams(max_new_tokens=int(max_tokens), temperature=float(body.get("temperature") or 0.0),
+                                  top_p=float(body.get("top_p") or 1.0), seed=body.get("seed"))
+        try:
+            with self._lock:
+                result, prompt = self.backend.answer_one(messages, sampling, body.get("chat_template_kwargs"))
+                self.prompts.append(prompt)
+        except Exception as exc:  # template errors etc. are the client's problem: 400 with the reason
+            return 400, {"error": {"message": f"{type(exc).__name__}: {exc}", "type": "invalid_request_error"}}
+        return 200, {
+            "id": f"chatcmpl-{number}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                         "finish_reason": "length" if result.cut else "stop", "logprobs": None}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": result.num_tokens,
+                      "total_tokens": len(prompt) + result.num_tokens},
+        }
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:  # quiet: tests and batch jobs
+                pass
+
+            def _send(self, status: int, payload: dict[str, Any]) -> None:
+                data = json.dumps(payload).encode("utf-8")
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                if self.path.rstrip("/") == "/v1/models":
+                    self._send(200, {"object": "list", "data": [
+                        {"id": server.model_name, "object": "model", "created": 0, "owned_by": "deepspec"}]})
+                else:
+                    self._send(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length)
+                if self.path.rstrip("/") != "/v1/chat/completions":
+                    self._send(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
+                    return
+                try:
+                    body = json.loads(raw)
+                    assert isinstance(body, dict)
+                except (ValueError, AssertionError):
+                    self._send(400, {"error": {"message": "body: expected a JSON object",
+                                               "type": "invalid_request_error"}})
+                    return
+                self._send(*server._chat(body))
+
+        return Handler
+
+
+@dataclass(kw_only=True)
+class ServeConfig:
+    """``deepspec serve``: an OpenAI-compatible server over the target (for tests and CPU use)."""
+
+    target: str = "default"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = ""  # served model name; "" = the target spec
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"ServeConfig.port={self.port!r}: expected an integer in [0, 65535] (0 = any free port).")
+        if not self.host:
+            raise ValueError("ServeConfig.host: expected a host name or address, e.g. 127.0.0.1.")
+
+
+def run_serve_stage(cfg: ServeConfig, *, target_model: Any = None, tokenizer: Any = None) -> None:
+    """Load the target and serve it until interrupted (Ctrl-C). Raises what target loading raises."""
+    if target_model is None or tokenizer is None:
+        from deepspec.target.load import load_target
+
+        target_model, tokenizer = load_target(cfg.target)
+    server = OpenAICompatServer(target_model, tokenizer, host=cfg.host, port=cfg.port,
+                                model_name=cfg.model_name or cfg.target)
+    print(f"serve: {server.model_name!r} at {server.base_url} (POST /chat/completions, GET /models); Ctrl-C stops",
+          flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.httpd.server_close()
