@@ -30,6 +30,10 @@ def _stages():
         "train": (TrainConfig, "train a draft model on a target cache"),
         "eval": (EvalConfig, "evaluate drafts with speculative decoding on benchmarks"),
         "demo": (DemoConfig, "the whole pipeline on the embedded default target"),
+        "estimate": (__import__("deepspec.data.estimate", fromlist=["EstimateConfig"]).EstimateConfig,
+                     "target cache size per storage mode for a target config and dataset size"),
+        "serve": (__import__("deepspec.data.openai_server", fromlist=["ServeConfig"]).ServeConfig,
+                  "serve the target over an OpenAI-compatible HTTP API (tests, CPU use)"),
     }
 
 
@@ -61,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         "train": stages.run_train_stage,
         "eval": stages.run_eval_stage,
         "demo": stages.run_demo_stage,
+        "estimate": stages.run_estimate_stage,
+        "serve": __import__("deepspec.data.openai_server", fromlist=["run_serve_stage"]).run_serve_stage,
     }[args.command]
     try:
         runner(cfg)

@@ -14,26 +14,34 @@ from deepspec.data.prepare import PrepareConfig
 
 @dataclass(kw_only=True)
 class CacheConfig:
-    """``deepspec cache``: capture target features for every prepared conversation."""
+    """``deepspec cache``: capture target features for every prepared conversation (or, with
+    ``verify``, check an existing cache). Under ``torchrun`` each rank writes its share of the
+    shards (rank and world size come from the ``RANK`` / ``WORLD_SIZE`` environment variables)."""
 
-    input: str
+    input: str | None = None  # prepared JSONL (required unless verify)
     output_dir: str
     target: str = "default"
     target_layer_ids: list[int] | None = None  # None: evenly spaced from 1 to L-3 (DESIGN s.2)
     num_target_layers: int = 5
     max_seq_len: int = 1024
-    batch_size: int = 4
-    shard_size: int = 256
-    storage_dtype: str = "float32"
+    shard_size: int = 256  # prepared rows per shard
+    storage_dtype: str = "float32"  # float32 | bfloat16 | float16 | fp8 (e4m3 + per-token scale)
+    verify: bool = False  # only check every shard of output_dir against its manifest (no target needed)
 
     def __post_init__(self) -> None:
-        if self.storage_dtype not in ("float32", "bfloat16", "float16"):
+        from deepspec.data.cache import STORAGE_DTYPES
+
+        if self.storage_dtype not in STORAGE_DTYPES:
             raise ValueError(
-                f"cache.storage_dtype: expected float32, bfloat16 or float16, got {self.storage_dtype!r}"
+                f"cache.storage_dtype: expected one of {', '.join(STORAGE_DTYPES)}, got {self.storage_dtype!r}"
             )
-        for name in ("num_target_layers", "max_seq_len", "batch_size", "shard_size"):
+        for name in ("num_target_layers", "max_seq_len", "shard_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"cache.{name}: expected an integer >= 1, got {getattr(self, name)}")
+        if self.input is None and not self.verify:
+            raise ValueError(
+                "cache.input: required (a prepared JSONL file from `deepspec prepare`) unless --verify true"
+            )
 
 
 @dataclass(kw_only=True)
@@ -64,36 +72,86 @@ def run_prepare_stage(cfg: PrepareConfig, *, target_model=None, tokenizer=None):
     from deepspec.data.prepare import run_prepare
     from deepspec.target.load import load_target
 
-    if target_model is None:
+    if target_model is None and cfg.backend == "local":  # backend="openai" needs only the tokenizer
         target_model, tokenizer = load_target(cfg.target)
     summary = run_prepare(cfg, model=target_model, tokenizer=tokenizer)
     print(f"prepare: wrote {cfg.output}")
     return summary
 
 
+def _distributed_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the torchrun environment (0, 1, 0 without it)."""
+    import os
+
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
 def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
-    from deepspec.data.cache import write_target_cache
+    """Build (or, with ``cfg.verify``, verify) a target cache; returns the CacheSummary (or the
+    list of ShardCheck). Under torchrun (``WORLD_SIZE`` > 1) a gloo process group is created for
+    the barriers; each rank loads the target (on ``cuda:LOCAL_RANK`` when CUDA is available)."""
+    import datetime
+
+    import torch
+
+    from deepspec.data.cache import verify_target_cache, write_target_cache
     from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
     from deepspec.target.load import load_target
 
-    if target_model is None:
-        target_model, tokenizer = load_target(cfg.target)
-    num_layers = target_model.config.num_hidden_layers
-    layer_ids = cfg.target_layer_ids or default_target_layer_ids(num_layers, cfg.num_target_layers)
-    layer_ids = validate_target_layer_ids(layer_ids, num_layers)
-    summary = write_target_cache(
-        cfg.input,
-        cfg.output_dir,
-        target_model,
-        tokenizer,
-        target_layer_ids=layer_ids,
-        max_seq_len=cfg.max_seq_len,
-        batch_size=cfg.batch_size,
-        shard_size=cfg.shard_size,
-        storage_dtype=cfg.storage_dtype,
-    )
-    print(f"cache: wrote {cfg.output_dir}")
+    if cfg.verify:
+        return verify_target_cache(cfg.output_dir)
+    rank, world_size, local_rank = _distributed_env()
+    created_group = False
+    if world_size > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            # long timeout: ranks may finish their shards hours apart before the final barrier
+            dist.init_process_group("gloo", timeout=datetime.timedelta(days=7))
+            created_group = True
+    try:
+        if target_model is None:
+            target_model, tokenizer = load_target(cfg.target)
+            if torch.cuda.is_available():
+                target_model.to(f"cuda:{local_rank}")
+        num_layers = target_model.config.num_hidden_layers
+        layer_ids = cfg.target_layer_ids or default_target_layer_ids(num_layers, cfg.num_target_layers)
+        layer_ids = validate_target_layer_ids(layer_ids, num_layers)
+        summary = write_target_cache(
+            cfg.input,
+            cfg.output_dir,
+            target_model,
+            tokenizer,
+            target_layer_ids=layer_ids,
+            max_seq_len=cfg.max_seq_len,
+            shard_size=cfg.shard_size,
+            storage_dtype=cfg.storage_dtype,
+            rank=rank,
+            world_size=world_size,
+        )
+    finally:
+        if created_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    if rank == 0:
+        refused = summary.num_refused_empty_mask + summary.num_refused_nonfinite
+        print(
+            f"cache: wrote {cfg.output_dir}: {summary.num_samples} samples, {summary.num_tokens} tokens in "
+            f"{summary.num_shards} shards ({summary.num_shards_reused} reused), {summary.total_bytes / 2**20:.1f} MiB "
+            f"({summary.bytes_per_token:.0f} bytes/token, {summary.storage_dtype}); inputs {summary.num_inputs}, "
+            f"held out {summary.num_heldout}, truncated {summary.num_truncated}, refused {refused} "
+            f"(no loss token {summary.num_refused_empty_mask}, non-finite features {summary.num_refused_nonfinite}"
+            + (f": {summary.refused_nonfinite_ids[:10]}" if summary.refused_nonfinite_ids else "") + ")"
+        )
     return summary
+
+
+def run_estimate_stage(cfg):
+    """``deepspec estimate``: print the cache size table (see :mod:`deepspec.data.estimate`)."""
+    from deepspec.data.estimate import run_estimate
+
+    return run_estimate(cfg)
 
 
 def run_train_stage(cfg, *, target_model=None, tokenizer=None) -> Path:

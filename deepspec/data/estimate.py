@@ -1,0 +1,206 @@
+"""``deepspec estimate``: how large a target cache will be, before building it (DESIGN.md section 4).
+
+Bytes per token come from :func:`deepspec.data.cache.cache_bytes_per_token` (the format's exact
+per-token cost; per-sample offsets, 8 bytes a sample, and shard headers are left out). The
+dataset size is a token count: measured from a prepared JSONL file with the cache writer's own
+rendering and truncation rule, given directly, or given as conversations x tokens per conversation.
+The table lists every storage mode and the original DeepSpec layout (bfloat16 + a per-token uint8
+attention mask: ``6 + 2*H*(n+1)``, 30,726 bytes a token for Qwen3-4B with 5 target layers).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deepspec.data.cache import STORAGE_DTYPES, cache_bytes_per_token
+
+
+@dataclass(kw_only=True)
+class EstimateConfig:
+    """``deepspec estimate``: cache size for a target config, a layer count and a dataset size.
+
+    Exactly one dataset size source may be given: ``input`` (a prepared JSONL, measured through
+    the target's tokenizer), ``num_tokens``, or ``num_conversations`` with
+    ``tokens_per_conversation``; with none, only bytes per token are printed.
+    """
+
+    target: str = "default"  # "default", a Hugging Face model folder, or a config.json path
+    num_target_layers: int = 5
+    target_layer_ids: list[int] | None = None  # overrides num_target_layers (n = its length)
+    storage_dtype: str = "bfloat16"  # the mode marked in the table (all modes are listed)
+    input: str | None = None  # prepared JSONL to measure the token count from
+    max_seq_len: int | None = 1024  # truncation applied when measuring (as `deepspec cache`)
+    num_tokens: int | None = None
+    num_conversations: int | None = None
+    tokens_per_conversation: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"estimate.storage_dtype: expected one of {', '.join(STORAGE_DTYPES)}, "
+                             f"got {self.storage_dtype!r}")
+        if self.num_target_layers < 1:
+            raise ValueError(f"estimate.num_target_layers: expected >= 1, got {self.num_target_layers}")
+        sources = [self.input is not None, self.num_tokens is not None,
+                   self.num_conversations is not None or self.tokens_per_conversation is not None]
+        if sum(sources) > 1:
+            raise ValueError("estimate: give at most one dataset size: --input, --num-tokens, or "
+                             "--num-conversations with --tokens-per-conversation")
+        if sources[2] and (self.num_conversations is None or self.tokens_per_conversation is None):
+            raise ValueError("estimate.num_conversations and estimate.tokens_per_conversation go together; "
+                             f"got {self.num_conversations!r} and {self.tokens_per_conversation!r}")
+        for name in ("num_tokens", "num_conversations", "tokens_per_conversation", "max_seq_len"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ValueError(f"estimate.{name}: expected a positive number, got {v}")
+
+
+def read_target_config(target: str) -> tuple[dict[str, Any], Path]:
+    """``(config dict, config.json path)`` of a target spec: ``"default"`` (the embedded SmolLM2,
+    converted if needed), a model folder holding config.json, or a config.json path. For
+    multimodal configs the text model's ``text_config`` is returned.
+
+    Raises FileNotFoundError when no config.json is found.
+    """
+    if target == "default":
+        from deepspec.target.load import resolve_target_dir
+
+        path = resolve_target_dir(target) / "config.json"
+    else:
+        p = Path(target).expanduser()
+        path = p / "config.json" if p.is_dir() else p
+    if not path.is_file():
+        raise FileNotFoundError(f"estimate.target={target!r}: no config.json at {path}; pass 'default', a "
+                                f"Hugging Face model folder, or the path of a config.json")
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"]
+    for key in ("hidden_size", "num_hidden_layers"):
+        if key not in cfg:
+            raise ValueError(f"{path}: no {key!r}; expected a decoder-only language model config")
+    return cfg, path
+
+
+def count_prepared_tokens(path: str | Path, tokenizer: Any, *, max_seq_len: int | None) -> dict[str, int]:
+    """Token counts of a prepared JSONL as the cache writer would store it: rows rendered by
+    :func:`deepspec.data.cache.render_prepared_row`, held-out rows skipped, samples truncated to
+    ``max_seq_len``, samples without a loss token refused. Returns ``num_rows``, ``num_heldout``,
+    ``num_samples``, ``num_tokens``, ``num_loss_tokens``."""
+    from deepspec.data.cache import _keep_rule, render_prepared_row
+    from deepspec.data.conversations import read_jsonl
+
+    counts = dict(num_rows=0, num_heldout=0, num_samples=0, num_tokens=0, num_loss_tokens=0)
+    for row in read_jsonl(path):
+        counts["num_rows"] += 1
+        samples = render_prepared_row(tokenizer, row)
+        if samples is None:
+            counts["num_heldout"] += 1
+            continue
+        for s in samples:
+            kept, _ = _keep_rule(s, max_seq_len)
+            if kept is not None:
+                counts["num_samples"] += 1
+                counts["num_tokens"] += len(kept[1])
+                counts["num_loss_tokens"] += sum(kept[2])
+    return counts
+
+
+@dataclass
+class EstimateRow:
+    label: str
+    storage_dtype: str
+    layout: str
+    bytes_per_token: int
+    total_bytes: int | None
+
+
+@dataclass
+class EstimateReport:
+    """What ``deepspec estimate`` computed (also printed as a table)."""
+
+    config_path: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_target_layers: int
+    num_tokens: int | None
+    token_source: str
+    rows: list[EstimateRow] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _human(num_bytes: int | None) -> str:
+    if num_bytes is None:
+        return "-"
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= scale:
+            tib = num_bytes / 2**40
+            return f"{num_bytes / scale:,.1f} {unit}" + (f" ({tib:,.1f} TiB)" if scale >= 1e12 else "")
+    return f"{num_bytes} B"
+
+
+def run_estimate(cfg: EstimateConfig, *, tokenizer: Any = None, log=print) -> EstimateReport:
+    """Compute and print the size table for ``cfg``; ``tokenizer`` defaults to the target's.
+
+    Raises FileNotFoundError / ValueError for a missing config or input, or invalid layer ids.
+    """
+    from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
+
+    tcfg, path = read_target_config(cfg.target)
+    H, L = int(tcfg["hidden_size"]), int(tcfg["num_hidden_layers"])
+    if cfg.target_layer_ids is not None:
+        layer_ids = validate_target_layer_ids(cfg.target_layer_ids, L)
+    else:
+        layer_ids = default_target_layer_ids(L, cfg.num_target_layers)
+    n = len(layer_ids)
+
+    num_tokens: int | None
+    if cfg.input is not None:
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            if cfg.target == "default":
+                from deepspec.target.load import load_tokenizer
+
+                tokenizer = load_tokenizer("default")
+            else:
+                tokenizer = AutoTokenizer.from_pretrained(str(path.parent))
+        c = count_prepared_tokens(cfg.input, tokenizer, max_seq_len=cfg.max_seq_len)
+        num_tokens = c["num_tokens"]
+        source = (f"measured from {cfg.input}: {c['num_rows']:,} rows ({c['num_heldout']:,} held out), "
+                  f"{c['num_samples']:,} samples, {num_tokens:,} tokens (max_seq_len {cfg.max_seq_len})")
+    elif cfg.num_tokens is not None:
+        num_tokens = int(cfg.num_tokens)
+        source = f"given: {num_tokens:,} tokens"
+    elif cfg.num_conversations is not None:
+        num_tokens = int(round(cfg.num_conversations * cfg.tokens_per_conversation))
+        source = (f"given: {cfg.num_conversations:,} conversations x {cfg.tokens_per_conversation:,g} "
+                  f"tokens/conversation = {num_tokens:,} tokens")
+    else:
+        num_tokens = None
+        source = "no dataset size given (--input, --num-tokens or --num-conversations x --tokens-per-conversation)"
+
+    report = EstimateReport(str(path), H, L, n, num_tokens, source)
+    labels = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+              "fp8": "fp8 (e4m3 + f32 scale/token/layer; bf16 final hidden)"}
+    for mode in STORAGE_DTYPES:
+        bpt = cache_bytes_per_token(H, n, mode)
+        report.rows.append(EstimateRow(labels[mode], mode, "deepspec", bpt,
+                                       None if num_tokens is None else bpt * num_tokens))
+    bpt = cache_bytes_per_token(H, n, "bfloat16", layout="original")
+    report.rows.append(EstimateRow("original DeepSpec layout (bf16 + uint8 attention_mask)", "bfloat16", "original",
+                                   bpt, None if num_tokens is None else bpt * num_tokens))
+
+    log(f"target config {path}: hidden_size {H}, {L} decoder layers; {n} target layers {layer_ids}")
+    log(f"dataset: {source}")
+    width = max(len(r.label) for r in report.rows) + 2
+    log(f"  {'storage':<{width}}{'bytes/token':>12}  {'total':>22}")
+    for r in report.rows:
+        mark = "*" if r.layout == "deepspec" and r.storage_dtype == cfg.storage_dtype else " "
+        log(f"{mark} {r.label:<{width}}{r.bytes_per_token:>12,}  {_human(r.total_bytes):>22}")
+    log("(* = --storage-dtype; per-sample offsets (8 B/sample) and shard headers not included; "
+        "TB = 10^12 bytes)")
+    return report
