@@ -1,4 +1,4 @@
-"""Batches for draft training, read from the target cache.
+"""Batches for draft training, read from the target cache or computed online.
 
 Legend: B sequences per micro-batch, S padded sequence length, F = n_layers * H target features, H hidden.
 
@@ -45,7 +45,11 @@ def micro_batch_indices(num_samples: int, batch_size: int, *, seed: int, micro_s
 
 
 def collate(samples: list[dict[str, torch.Tensor]], sample_indices: list[int]) -> TrainBatch:
-    """Right-pad cache samples (dicts from :class:`deepspec.data.cache.TargetCache`) into a batch."""
+    """Right-pad samples into a batch: dicts from :class:`deepspec.data.cache.TargetCache` or
+    :class:`deepspec.data.online.OnlineTargetFeatures` (``input_ids`` [T], ``loss_mask`` [T],
+    ``target_hidden`` [T, F], ``target_last_hidden`` [T, H], any dtypes). Ids and mask become
+    int64, features float32; each sample's rows are copied unchanged, so a sample's tensors do not
+    depend on its batch position or on its neighbours' lengths."""
     seq_len = max(int(s["input_ids"].shape[0]) for s in samples)
     batch_size = len(samples)
     feat_dim = samples[0]["target_hidden"].shape[-1]

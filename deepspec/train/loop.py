@@ -27,7 +27,8 @@ from deepspec.models.config import dflash_knobs, draft_config_from_target
 from deepspec.models.dspark import DSparkDraftModel
 from deepspec.models.loss import dspark_loss, supervision_weights
 from deepspec.models.mask_token import check_mask_token_absent, choose_mask_token_id
-from deepspec.target.capture import validate_target_layer_ids
+from deepspec.data.online import OnlineTargetFeatures
+from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
 from deepspec.target.load import load_target, target_fingerprint, tokenizer_fingerprint
 from deepspec.train.data import collate, micro_batch_indices
 from deepspec.utils import atomic_path, atomic_write_json, atomic_write_text
@@ -40,8 +41,15 @@ LATEST = "latest"
 class TrainConfig:
     """Draft training settings. Defaults suit the embedded default target on a 2-core CPU."""
 
-    cache_dir: str
     output_dir: str
+    # Data: exactly one of a target cache (`deepspec cache`) or, in online mode, a prepared JSONL file
+    # (`deepspec prepare`) whose target features the frozen target computes inside the training loop.
+    cache_dir: str | None = None
+    online_data: str | None = None
+    target_layer_ids: list[int] | None = None  # online: None = default spacing; cache: checked if given
+    num_target_layers: int = 5  # online, when target_layer_ids is None
+    max_seq_len: int = 1024  # online only (a cache records its own)
+    online_feature_dtype: str = "float32"  # online only: the cache storage dtype to reproduce (or fp8)
     target: str = "default"
     algorithm: str = "dspark"  # dspark | dflash (DFlash = the same backbone without heads, CE only)
     num_draft_layers: int = 1
@@ -62,7 +70,18 @@ class TrainConfig:
     resume: str | None = None  # None | "auto" | a checkpoint folder
 
     def __post_init__(self) -> None:
-        positive = ("num_draft_layers", "block_size", "num_anchors", "batch_size", "grad_accum_steps", "max_steps")
+        if (self.cache_dir is None) == (self.online_data is None):
+            raise ValueError(
+                "train.cache_dir / train.online_data: expected exactly one of them (a target cache folder, or a "
+                f"prepared JSONL file for online mode), got cache_dir={self.cache_dir!r}, online_data={self.online_data!r}"
+            )
+        if self.online_feature_dtype not in ("float32", "bfloat16", "float16", "fp8"):
+            raise ValueError(
+                "train.online_feature_dtype: expected float32, bfloat16, float16 or fp8, "
+                f"got {self.online_feature_dtype!r}"
+            )
+        positive = ("num_draft_layers", "block_size", "num_anchors", "batch_size", "grad_accum_steps", "max_steps",
+                    "num_target_layers", "max_seq_len")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}: expected an integer >= 1, got {getattr(self, name)}")
@@ -141,28 +160,62 @@ def save_checkpoint(model, optimizer, scheduler, *, step: int, cfg: TrainConfig)
     return out / name
 
 
+def open_training_data(cfg: TrainConfig, target_model, tokenizer) -> TargetCache | OnlineTargetFeatures:
+    """The training samples: a :class:`TargetCache` (``cfg.cache_dir``) checked against this target,
+    tokenizer and (if given) ``cfg.target_layer_ids``, or in online mode (``cfg.online_data``) an
+    :class:`OnlineTargetFeatures` over the prepared file that computes features with ``target_model``.
+
+    Both return the same per-sample dicts for the same data and settings (bitwise, see
+    :mod:`deepspec.data.online`), so the loop below has no online branch.
+
+    Raises:
+        ValueError: a cache built for another target/tokenizer/layer set, or invalid layer ids.
+    """
+    num_layers = target_model.config.num_hidden_layers
+    if cfg.online_data is not None:
+        layer_ids = cfg.target_layer_ids or default_target_layer_ids(num_layers, cfg.num_target_layers)
+        return OnlineTargetFeatures(
+            cfg.online_data,
+            target_model,
+            tokenizer,
+            target_layer_ids=validate_target_layer_ids(layer_ids, num_layers),
+            max_seq_len=cfg.max_seq_len,
+            feature_dtype=cfg.online_feature_dtype,
+        )
+    cache = TargetCache(cfg.cache_dir)
+    layer_ids = validate_target_layer_ids(cache.manifest["target_layer_ids"], num_layers)
+    if cfg.target_layer_ids is not None and list(cfg.target_layer_ids) != layer_ids:
+        raise ValueError(
+            f"train.target_layer_ids: {cfg.target_layer_ids} differ from the cache's {layer_ids} ({cfg.cache_dir}); "
+            "omit the flag (a cache fixes its layers) or rebuild the cache with these layers"
+        )
+    check_compatible(
+        cache,
+        target_fingerprint=target_fingerprint(target_model),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        target_layer_ids=layer_ids,
+    )
+    return cache
+
+
 def train(cfg: TrainConfig, *, target_model=None, tokenizer=None) -> Path:
-    """Train a draft on a target cache; return the final checkpoint folder.
+    """Train a draft on a target cache, or online (``cfg.online_data``); return the final checkpoint folder.
+
+    In online mode the frozen target computes each micro-batch's features inside the loop
+    (:class:`deepspec.data.online.OnlineTargetFeatures`, the cache writer's capture rule), so a
+    run gives the same losses and weights as one on a float32 cache of the same data.
 
     The draft weights of a checkpoint are in ``<checkpoint>/draft`` (loadable with
     ``DSparkDraftModel.from_pretrained``). Resume happens only when ``cfg.resume`` asks for it.
 
     Raises:
-        ValueError: the cache was built for another target/tokenizer, the mask token occurs in the
-            data, or a setting is invalid.
+        ValueError: the cache was built for another target/tokenizer/layer set, the mask token occurs
+            in the data, or a setting is invalid.
     """
     if target_model is None:
         target_model, tokenizer = load_target(cfg.target)
-    cache = TargetCache(cfg.cache_dir)
-    target_layer_ids = validate_target_layer_ids(
-        cache.manifest["target_layer_ids"], target_model.config.num_hidden_layers
-    )
-    check_compatible(
-        cache,
-        target_fingerprint=target_fingerprint(target_model),
-        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-        target_layer_ids=target_layer_ids,
-    )
+    cache = open_training_data(cfg, target_model, tokenizer)
+    target_layer_ids = cache.target_layer_ids
     model = build_draft(target_model, tokenizer, cfg, target_layer_ids)
     check_mask_token_absent(
         model.config.mask_token_id, (cache.read(i, ("input_ids",))["input_ids"] for i in range(len(cache)))
