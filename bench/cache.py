@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from deepspec.data import cache as cache_mod  # noqa: E402
 from deepspec.data.conversations import SkipRow, load_sharegpt_demo, normalise_messages, read_jsonl  # noqa: E402
-from deepspec.data.online import iter_prepared_samples  # noqa: E402
+from deepspec.data.cache import iter_prepared_samples  # noqa: E402
 from deepspec.target.capture import (  # noqa: E402
     _base_model,
     capture_sample_features,

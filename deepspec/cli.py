@@ -5,6 +5,8 @@
     deepspec train    train a DSpark (or DFlash) draft on a target cache -> checkpoints
     deepspec eval     speculative decoding on benchmarks                -> report (MD, JSON, PNG)
     deepspec demo     all of the above on the embedded default target
+    deepspec estimate target cache size per storage mode               -> a table
+    deepspec serve    the target behind an OpenAI-compatible HTTP API  -> a local server
 
 Each subcommand's flags are exactly the fields of its config dataclass (see ``deepspec.config``).
 """
@@ -19,21 +21,21 @@ from deepspec.config import add_dataclass_arguments, dataclass_from_args
 
 def _stages():
     # Imported lazily so `deepspec --help` is instant (torch/transformers take seconds to import).
-    from deepspec.demo import DemoConfig
+    from deepspec.data.estimate import EstimateConfig
+    from deepspec.data.openai_server import ServeConfig
     from deepspec.data.prepare import PrepareConfig
+    from deepspec.demo import DemoConfig
     from deepspec.stages import CacheConfig, EvalConfig
     from deepspec.train.loop import TrainConfig
 
     return {
         "prepare": (PrepareConfig, "regenerate assistant turns with the target"),
         "cache": (CacheConfig, "write the target cache (features + final hidden states)"),
-        "train": (TrainConfig, "train a draft model on a target cache"),
+        "train": (TrainConfig, "train a draft model on a target cache or online (features computed by the target)"),
         "eval": (EvalConfig, "evaluate drafts with speculative decoding on benchmarks"),
         "demo": (DemoConfig, "the whole pipeline on the embedded default target"),
-        "estimate": (__import__("deepspec.data.estimate", fromlist=["EstimateConfig"]).EstimateConfig,
-                     "target cache size per storage mode for a target config and dataset size"),
-        "serve": (__import__("deepspec.data.openai_server", fromlist=["ServeConfig"]).ServeConfig,
-                  "serve the target over an OpenAI-compatible HTTP API (tests, CPU use)"),
+        "estimate": (EstimateConfig, "target cache size per storage mode for a target config and dataset size"),
+        "serve": (ServeConfig, "serve the target over an OpenAI-compatible HTTP API (tests, CPU use)"),
     }
 
 
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deepspec {args.command}: error: {exc}", file=sys.stderr)
         return 2
     from deepspec import stages
+    from deepspec.data.backends import BackendError
 
     runner = {
         "prepare": stages.run_prepare_stage,
@@ -66,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         "eval": stages.run_eval_stage,
         "demo": stages.run_demo_stage,
         "estimate": stages.run_estimate_stage,
-        "serve": __import__("deepspec.data.openai_server", fromlist=["run_serve_stage"]).run_serve_stage,
+        "serve": stages.run_serve_stage,
     }[args.command]
     try:
         runner(cfg)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, BackendError) as exc:
         print(f"deepspec {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

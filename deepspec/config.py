@@ -39,7 +39,7 @@ def _converter(annotation: Any):
         (item,) = typing.get_args(annotation)
         return _converter(item)[0], "+"
     if annotation is bool:
-        return _parse_bool, None
+        return _parse_bool, "?"  # a bare ``--flag`` means true; ``--flag false`` is accepted too
     if annotation in (int, float, str):
         return annotation, None
     if annotation is Path:
@@ -60,11 +60,13 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, skip:
         has_default = field.default is not dataclasses.MISSING or field.default_factory is not dataclasses.MISSING
         default = field.default if field.default is not dataclasses.MISSING else None
         help_text = "required" if not has_default else f"default: {default}"
+        extra = {"const": True} if nargs == "?" else {}
         parser.add_argument(
             "--" + field.name.replace("_", "-"),
             dest=field.name,
             type=convert,
             nargs=nargs,
+            **extra,
             required=not has_default,
             default=argparse.SUPPRESS,
             help=help_text,

@@ -58,6 +58,7 @@ class EvalConfig:
     confidence_threshold: float = 0.0
     seed: int = 980406
     compare_hf_generate: bool = True  # also time HF generate() on the same prompts (baseline sanity)
+    enable_thinking: bool | None = None  # chat template variable (Qwen3); use the value the data was prepared with
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -147,6 +148,13 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
     return summary
 
 
+def run_serve_stage(cfg, *, target_model=None, tokenizer=None) -> None:
+    """``deepspec serve``: the target behind an OpenAI-compatible API (see :mod:`deepspec.data.openai_server`)."""
+    from deepspec.data.openai_server import run_serve_stage
+
+    run_serve_stage(cfg, target_model=target_model, tokenizer=tokenizer)
+
+
 def run_estimate_stage(cfg):
     """``deepspec estimate``: print the cache size table (see :mod:`deepspec.data.estimate`)."""
     from deepspec.data.estimate import run_estimate
@@ -224,6 +232,7 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
         seed=cfg.seed,
         out_dir=Path(cfg.output_dir),
         compare_hf_generate=cfg.compare_hf_generate,
+        chat_template_kwargs=None if cfg.enable_thinking is None else {"enable_thinking": cfg.enable_thinking},
         config_extra={"eval": asdict(cfg)},
     )
 

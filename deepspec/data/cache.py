@@ -50,7 +50,7 @@ import re
 import struct
 import tempfile
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -301,7 +301,7 @@ _Sample = tuple[str, list[int], list[int]]  # (sample id, input_ids, loss_mask)
 _Features = dict[str, torch.Tensor]  # storage tensors of one sample, each [T, ...] on the CPU
 
 
-def _storage_features(
+def storage_features(
     hidden_TF: torch.Tensor, last_TH: torch.Tensor, storage_dtype: str, num_layers: int
 ) -> _Features | None:
     """Captured features -> the tensors stored for one sample, or None if any value is non-finite
@@ -423,7 +423,7 @@ def _write_shard(
 
     def capture(j: int) -> _Features | None:
         hidden_TF, last_TH = capture_sample_features(model, samples[j][1], layer_ids)
-        return _storage_features(hidden_TF, last_TH, storage_dtype, n)
+        return storage_features(hidden_TF, last_TH, storage_dtype, n)
 
     with atomic_path(final) as tmp:
         bad = _write_shard_file(tmp, samples, capture, metadata=_dumps_meta(meta), on_sample=on_sample, **kw)
@@ -549,7 +549,7 @@ def _collect_done(out: Path, run_key: str) -> dict[int, dict[str, Any]]:
 _Unit = Callable[[], "list[_Sample] | None"]  # renders one input item: its samples, or None if held out
 
 
-def _keep_rule(
+def keep_sample(
     sample: _Sample, max_seq_len: int | None
 ) -> tuple[_Sample | None, bool]:
     """(kept sample or None if its loss mask is empty, truncated?) -- the rule online mode shares."""
@@ -666,7 +666,7 @@ def _write_cache(
                 num_heldout += 1
                 continue
             for s in rendered:
-                kept, truncated = _keep_rule(s, max_seq_len)
+                kept, truncated = keep_sample(s, max_seq_len)
                 num_truncated += int(truncated)
                 if kept is None:
                     refused.append({"id": str(s[0]), "reason": "empty_mask",
@@ -827,6 +827,40 @@ def render_prepared_row(tokenizer: Any, row: dict[str, Any]) -> list[_Sample] | 
     except ValueError as exc:
         raise ValueError(f"prepared row {row['id']!r}: {exc}") from exc
     return [(str(row["id"]) + s.suffix, list(s.input_ids), list(s.loss_mask)) for s in rendered]
+
+
+def iter_prepared_samples(
+    rows: Iterable[Mapping[str, Any]], tokenizer: Any, *, max_seq_len: int | None, counts: dict[str, int] | None = None
+) -> Iterator[tuple[str, list[int], list[int]]]:
+    """Kept training samples ``(sample_id, input_ids, loss_mask)`` of prepared rows, in row order.
+
+    The cache writer's rule (also used by online mode and ``deepspec estimate``): each row is rendered by
+    :func:`render_prepared_row` (held-out rows skipped; the row's
+    ``truncated_turns`` and ``chat_template_kwargs`` passed to ``render_training_samples``; sample id
+    = ``row["id"] + suffix``), then each sample is truncated to ``max_seq_len`` keeping the prefix and
+    refused if no loss token is left (:func:`keep_sample`). ``counts`` (optional,
+    updated in place) gains ``num_rows``, ``num_heldout``, ``num_truncated``, ``num_refused_empty_mask``.
+
+    Raises:
+        ValueError: a row without ``id``/``messages``, a rendering error (template drift, ...), or a
+            sample whose ids and mask differ in length.
+    """
+    counts = {} if counts is None else counts
+    for key in ("num_rows", "num_heldout", "num_truncated", "num_refused_empty_mask"):
+        counts.setdefault(key, 0)
+    for row in rows:
+        counts["num_rows"] += 1
+        samples = render_prepared_row(tokenizer, dict(row))
+        if samples is None:
+            counts["num_heldout"] += 1
+            continue
+        for sample in samples:
+            kept, truncated = keep_sample(sample, max_seq_len)
+            counts["num_truncated"] += int(truncated)
+            if kept is None:
+                counts["num_refused_empty_mask"] += 1
+            else:
+                yield kept
 
 
 def _count_lines(path: Path) -> int:

@@ -88,22 +88,16 @@ def count_prepared_tokens(path: str | Path, tokenizer: Any, *, max_seq_len: int 
     :func:`deepspec.data.cache.render_prepared_row`, held-out rows skipped, samples truncated to
     ``max_seq_len``, samples without a loss token refused. Returns ``num_rows``, ``num_heldout``,
     ``num_samples``, ``num_tokens``, ``num_loss_tokens``."""
-    from deepspec.data.cache import _keep_rule, render_prepared_row
+    from deepspec.data.cache import iter_prepared_samples
     from deepspec.data.conversations import read_jsonl
 
-    counts = dict(num_rows=0, num_heldout=0, num_samples=0, num_tokens=0, num_loss_tokens=0)
-    for row in read_jsonl(path):
-        counts["num_rows"] += 1
-        samples = render_prepared_row(tokenizer, row)
-        if samples is None:
-            counts["num_heldout"] += 1
-            continue
-        for s in samples:
-            kept, _ = _keep_rule(s, max_seq_len)
-            if kept is not None:
-                counts["num_samples"] += 1
-                counts["num_tokens"] += len(kept[1])
-                counts["num_loss_tokens"] += sum(kept[2])
+    counts: dict[str, int] = {}
+    totals = dict(num_samples=0, num_tokens=0, num_loss_tokens=0)
+    for _, ids, mask in iter_prepared_samples(read_jsonl(path), tokenizer, max_seq_len=max_seq_len, counts=counts):
+        totals["num_samples"] += 1
+        totals["num_tokens"] += len(ids)
+        totals["num_loss_tokens"] += sum(mask)
+    counts = {"num_rows": counts["num_rows"], "num_heldout": counts["num_heldout"], **totals}
     return counts
 
 

@@ -17,7 +17,7 @@ storage dtype, whatever batch the trainer later puts the sample in.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,42 +29,6 @@ from deepspec.target.capture import capture_sample_features, validate_target_lay
 ONLINE_FORMAT = "deepspec-online/1"
 FEATURE_DTYPES = ("float32", "bfloat16", "float16", "fp8")
 FIELDS = ("input_ids", "loss_mask", "target_hidden", "target_last_hidden")
-
-
-def iter_prepared_samples(
-    rows: Iterable[Mapping[str, Any]], tokenizer: Any, *, max_seq_len: int | None, counts: dict[str, int] | None = None
-) -> Iterator[tuple[str, list[int], list[int]]]:
-    """Kept training samples ``(sample_id, input_ids, loss_mask)`` of prepared rows, in row order.
-
-    The cache writer's rule, through its own functions: each row is rendered by
-    :func:`deepspec.data.cache.render_prepared_row` (held-out rows skipped; the row's
-    ``truncated_turns`` and ``chat_template_kwargs`` passed to ``render_training_samples``; sample id
-    = ``row["id"] + suffix``), then each sample is truncated to ``max_seq_len`` keeping the prefix and
-    refused if no loss token is left (``deepspec.data.cache._keep_rule``). ``counts`` (optional,
-    updated in place) gains ``num_rows``, ``num_heldout``, ``num_truncated``, ``num_refused_empty_mask``.
-
-    Raises:
-        ValueError: a row without ``id``/``messages``, a rendering error (template drift, ...), or a
-            sample whose ids and mask differ in length.
-    """
-    from deepspec.data.cache import _keep_rule, render_prepared_row
-
-    counts = {} if counts is None else counts
-    for key in ("num_rows", "num_heldout", "num_truncated", "num_refused_empty_mask"):
-        counts.setdefault(key, 0)
-    for row in rows:
-        counts["num_rows"] += 1
-        samples = render_prepared_row(tokenizer, dict(row))
-        if samples is None:
-            counts["num_heldout"] += 1
-            continue
-        for sample in samples:
-            kept, truncated = _keep_rule(sample, max_seq_len)
-            counts["num_truncated"] += int(truncated)
-            if kept is None:
-                counts["num_refused_empty_mask"] += 1
-            else:
-                yield kept
 
 
 class OnlineTargetFeatures:
@@ -119,6 +83,7 @@ class OnlineTargetFeatures:
         target_fingerprint: str | None = None,
         tokenizer_fingerprint: str | None = None,
     ):
+        from deepspec.data.cache import iter_prepared_samples
         from deepspec.data.conversations import read_jsonl
 
         self.path = Path(prepared_jsonl)
@@ -213,11 +178,11 @@ class OnlineTargetFeatures:
         return {name: out[name] for name in fields}
 
     def _features(self, sample_id: str, ids: list[int]) -> dict[str, torch.Tensor]:
-        from deepspec.data.cache import _storage_features, dequantize_fp8
+        from deepspec.data.cache import storage_features, dequantize_fp8
 
         with torch.no_grad():
             hidden_TF, last_TH = capture_sample_features(self.model, ids, self._layer_ids)
-        stored = _storage_features(hidden_TF, last_TH, self.feature_dtype, len(self._layer_ids))
+        stored = storage_features(hidden_TF, last_TH, self.feature_dtype, len(self._layer_ids))
         if stored is None:
             raise ValueError(
                 f"online sample {sample_id!r} ({self.path}): the target's features hold NaN/inf; the cache writer "

@@ -361,7 +361,7 @@ def test_nonfinite_features_are_refused_never_written(nan_model, tmp_path, stora
     samples.insert(5, bad[0])
     samples.insert(7, bad[1])  # both in shard 1 (inputs 4..7)
     s1 = _write(samples, tmp_path / "a", nan_model, storage_dtype=storage_dtype)
-    s2 = _write(samples, tmp_path / "b", nan_model, storage_dtype=storage_dtype)
+    _write(samples, tmp_path / "b", nan_model, storage_dtype=storage_dtype)
     assert s1.num_refused_nonfinite == 2 and s1.refused_nonfinite_ids == ["nan-a", "nan-b"]
     assert s1.num_samples == 11 and s1.num_inputs == 13
     m = json.loads((tmp_path / "a" / "manifest.json").read_text())

@@ -60,3 +60,11 @@ def test_cli_refuses_abbreviated_flags_and_reports_bad_values_per_stage(capsys):
         build_parser().parse_args(["train", "--cache-dir", "c", "--output-dir", "o", "--max-step", "5"])
     assert main(["train", "--cache-dir", "c", "--output-dir", "o", "--max-steps", "0"]) == 2
     assert "deepspec train: error: train.max_steps" in capsys.readouterr().err
+
+
+def test_bare_bool_flag_means_true_and_explicit_values_still_work():
+    assert _parse(["--path", "x", "--flag"]).flag is True
+    assert _parse(["--path", "x", "--flag", "false"]).flag is False
+    assert _parse(["--path", "x"]).flag is False
+    with pytest.raises(SystemExit):
+        _parse(["--path", "x", "--flag", "maybe"])

@@ -59,7 +59,7 @@ def test_jsonl_malformed_line_raises_or_is_yielded_as_unreadable(tmp_path):
     path.write_text(json.dumps(OPENAI) + "\n{oops\n" + json.dumps(SHAREGPT) + "\n")
     rows = open_source(str(path)).rows
     assert next(rows) == OPENAI
-    with pytest.raises(ValueError, match=rf"d\.jsonl:2: malformed JSON.*skip_unreadable"):
+    with pytest.raises(ValueError, match=r"d\.jsonl:2: malformed JSON.*skip_unreadable"):
         next(rows)
     located = list(open_source(str(path), skip_unreadable=True).located)
     assert [r.index for r in located] == [0, 1, 2]
