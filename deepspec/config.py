@@ -27,14 +27,23 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
+def _or_none(convert):
+    def parse(text: str):
+        return None if text.lower() in ("none", "null") else convert(text)
+
+    parse.__name__ = getattr(convert, "__name__", "value")  # argparse names the type in its errors
+    return parse
+
+
 def _converter(annotation: Any):
     """Return (converter, nargs) for a field annotation such as ``int``, ``str | None``, ``list[int]``."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if len(args) == 1:
-            return _converter(args[0])
-        return str, None
+        convert, nargs = _converter(args[0]) if len(args) == 1 else (str, None)
+        if type(None) in typing.get_args(annotation) and nargs != "+":
+            return _or_none(convert), nargs  # ``--field none`` restores the None default (e.g. "no limit")
+        return convert, nargs
     if origin is list:
         (item,) = typing.get_args(annotation)
         return _converter(item)[0], "+"

@@ -85,6 +85,7 @@ def run_demo(cfg: DemoConfig) -> dict:
                 num_conversations=cfg.num_conversations,
                 max_new_tokens=cfg.prepare_max_new_tokens,
                 max_prompt_tokens=cfg.prepare_max_prompt_tokens,
+                max_turns=1,  # CPU budget: the first answer of each conversation
                 seed=cfg.seed,
             ),
             target_model=target_model,

@@ -127,7 +127,7 @@ class PrepareConfig:
     max_new_tokens: int = 128  # per regenerated answer; answers that hit it are flagged truncated
     batch_size: int = 32  # local backend: conversations generated together (left padding)
     max_prompt_tokens: int = 512
-    max_turns: int | None = 1  # assistant turns regenerated per conversation; None = all
+    max_turns: int | None = None  # assistant turns regenerated per conversation; None (`--max-turns none`) = all
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus sampling (used only when temperature > 0)
     skip_bad_rows: bool = True  # False: the first unusable row raises ValueError naming it

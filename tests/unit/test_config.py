@@ -68,3 +68,10 @@ def test_bare_bool_flag_means_true_and_explicit_values_still_work():
     assert _parse(["--path", "x"]).flag is False
     with pytest.raises(SystemExit):
         _parse(["--path", "x", "--flag", "maybe"])
+
+
+def test_optional_fields_accept_none():
+    assert _parse(["--path", "x", "--name", "none"]).name is None
+    assert _parse(["--path", "x", "--name", "abc"]).name == "abc"
+    with pytest.raises(SystemExit):
+        _parse(["--path", "x", "--steps", "none"])  # not optional
