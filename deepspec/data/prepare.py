@@ -123,7 +123,7 @@ class PrepareConfig:
 
     input: str  # "sharegpt-demo", a .jsonl/.json/.parquet file or folder, or a Hugging Face dataset id
     output: Path
-    num_conversations: int = 200  # conversations to keep (the first usable ones, in input order)
+    num_conversations: int | None = None  # conversations to keep (the first usable ones, in input order); None = all
     max_new_tokens: int = 128  # per regenerated answer; answers that hit it are flagged truncated
     batch_size: int = 32  # local backend: conversations generated together (left padding)
     max_prompt_tokens: int = 512
@@ -151,9 +151,11 @@ class PrepareConfig:
 
     def __post_init__(self) -> None:
         self.output = Path(self.output)
-        positive = {"num_conversations": self.num_conversations, "max_new_tokens": self.max_new_tokens,
+        positive = {"max_new_tokens": self.max_new_tokens,
                     "batch_size": self.batch_size, "max_prompt_tokens": self.max_prompt_tokens,
                     "max_concurrency": self.max_concurrency, "chunk_conversations": self.chunk_conversations}
+        if self.num_conversations is not None:
+            positive["num_conversations"] = self.num_conversations
         if self.max_turns is not None:
             positive["max_turns"] = self.max_turns
         if self.sort_window is not None:
@@ -311,7 +313,7 @@ def _select(cfg: PrepareConfig, tokenizer: Any, skipped: list[dict[str, Any]]) -
     convs: list[_Conversation] = []
     read = 0
     for located in source.located:
-        if len(convs) >= cfg.num_conversations:
+        if cfg.num_conversations is not None and len(convs) >= cfg.num_conversations:
             break
         read += 1
         source_index, row = located.index, located.row

@@ -36,6 +36,7 @@ from deepspec.data.prepare import (
     run_prepare,
     skipped_path_for,
 )
+from tests.helpers import byte_level_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 THINK_TEMPLATE = (
@@ -46,20 +47,7 @@ THINK_TEMPLATE = (
 
 
 def _tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {s: i for i, s in enumerate(specials)}
-    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                  pad_token="<|im_end|>", unk_token="<|endoftext|>")
-    tok.chat_template = THINK_TEMPLATE
-    return tok
+    return byte_level_tokenizer(THINK_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

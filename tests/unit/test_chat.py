@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from deepspec.data.chat import end_of_turn_ids, render_prompt, render_training_samples, render_with_loss_mask
+from deepspec.data.chat import (
+    end_of_turn_ids,
+    render_prompt,
+    render_training_samples,
+    render_with_loss_mask,
+)
+from tests.helpers import byte_level_tokenizer, mask_spans
 
 QWEN3_CONFIG = Path(__file__).resolve().parents[3] / "shared" / "tokenizers" / "qwen3" / "tokenizer_config.json"
 
@@ -34,21 +40,7 @@ WITH_SYSTEM = [{"role": "system", "content": "You answer briefly."}] + THREE_TUR
 
 def tiny_chatml_tokenizer():
     """Byte-level tokenizer (one token per byte, no merges) with ChatML specials: ids 0..3 special."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>"]
-    vocab = {s: i for i, s in enumerate(specials)}
-    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                  pad_token="<|im_end|>", unk_token="<|endoftext|>",
-                                  additional_special_tokens=["<repo_name>"])
-    tok.chat_template = CHATML
-    return tok
+    return byte_level_tokenizer(CHATML, extra_specials=("<repo_name>",))
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +48,7 @@ def tiny_tok():
     return tiny_chatml_tokenizer()
 
 
-def _spans(mask):
-    """Maximal runs of 1 in a 0/1 list, as (start, stop) pairs."""
-    spans, start = [], None
-    for t, m in enumerate(list(mask) + [0]):
-        if m and start is None:
-            start = t
-        elif not m and start is not None:
-            spans.append((start, t))
-            start = None
-    return spans
+_spans = mask_spans
 
 
 def _check_structure(tok, messages, ids, mask):

@@ -20,7 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from deepspec.data.chat import render_prompt, render_training_samples, render_with_loss_mask
+from deepspec.data.chat import (
+    render_prompt,
+    render_training_samples,
+    render_with_loss_mask,
+)
+from tests.helpers import mask_spans
 
 _spec = importlib.util.spec_from_file_location("make_golden", Path(__file__).resolve().parents[1] / "golden" /
                                                "make_golden.py")
@@ -41,15 +46,7 @@ def _tok(name):
     return _TOKENIZERS[name]
 
 
-def _spans(mask):
-    spans, start = [], None
-    for t, m in enumerate(list(mask) + [0]):
-        if m and start is None:
-            start = t
-        elif not m and start is not None:
-            spans.append((start, t))
-            start = None
-    return spans
+_spans = mask_spans
 
 
 CASE_IDS = [(t, c) for t, spec in mg.TEMPLATES.items() for c in spec["cases"]]

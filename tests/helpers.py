@@ -1,0 +1,38 @@
+"""Small builders shared by several test modules."""
+
+from __future__ import annotations
+
+
+def byte_level_tokenizer(chat_template: str, *, extra_specials: tuple[str, ...] = ()):
+    """A byte-level tokenizer (one token per byte, no merges) with ChatML specials.
+
+    Ids 0..2 are ``<|endoftext|>`` (unk), ``<|im_start|>`` (bos) and ``<|im_end|>`` (eos and pad);
+    ``extra_specials`` follow as additional special tokens, then the 256 byte symbols.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_specials]
+    vocab = {s: i for i, s in enumerate(specials)}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    extra = {"additional_special_tokens": list(extra_specials)} if extra_specials else {}
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  pad_token="<|im_end|>", unk_token="<|endoftext|>", **extra)
+    tok.chat_template = chat_template
+    return tok
+
+
+def mask_spans(mask) -> list[tuple[int, int]]:
+    """Maximal runs of 1 in a 0/1 sequence, as ``(start, stop)`` pairs."""
+    spans, start = [], None
+    for t, m in enumerate(list(mask) + [0]):
+        if m and start is None:
+            start = t
+        elif not m and start is not None:
+            spans.append((start, t))
+            start = None
+    return spans
