@@ -652,7 +652,11 @@ def _write_cache(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=num_inputs_hint, desc=f"target cache (rank {rank})" if world_size > 1 else "target cache",
+        own_rows = None  # rows in this rank's shards
+        if num_inputs_hint is not None:
+            own_rows = sum(min(shard_size, num_inputs_hint - k * shard_size)
+                           for k in range(rank, -(-num_inputs_hint // shard_size), world_size))
+        bar = tqdm(total=own_rows, desc=f"target cache (rank {rank})" if world_size > 1 else "target cache",
                    unit="row", disable=None)
     num_reused = 0
 
@@ -675,10 +679,20 @@ def _write_cache(
                     samples.append(kept)
         meta = _shard_metadata(run_key=run_key, index=k, first_input=first, num_inputs=len(items),
                                samples=samples, num_heldout=num_heldout, num_truncated=num_truncated, refused=refused)
+        captured = 0
+
+        def on_sample(count: int) -> None:  # progress inside a shard; the bar counts rows once it is written
+            nonlocal captured
+            captured += count
+            bar.set_postfix_str(f"{shard_name(k)}: {captured}/{len(samples)} samples")
+
         entry = _write_shard(out / shard_name(k), samples, meta, model, layer_ids=layer_ids,
-                             storage_dtype=storage_dtype, hidden_size=hidden_size, on_sample=None)
+                             storage_dtype=storage_dtype, hidden_size=hidden_size,
+                             on_sample=on_sample if bar is not None else None)
         own[k] = entry
         save_progress()
+        if bar is not None:
+            bar.update(len(items))
 
     num_inputs = 0
     try:
@@ -694,11 +708,11 @@ def _write_cache(
                 if k in done:
                     if u % shard_size == 0:
                         num_reused += 1
+                    if bar is not None:
+                        bar.update(1)
                 else:
                     items.append(unit())
             num_inputs = u + 1
-            if bar is not None:
-                bar.update(1)
         if num_inputs and k_cur % world_size == rank and k_cur not in done:
             flush(k_cur, items, k_cur * shard_size)
     finally:
