@@ -246,7 +246,9 @@ def target_forward(
     target_hidden_BTF = torch.cat([captured[i] for i in ids], dim=-1)
     target_last_hidden_BTH = out.last_hidden_state
     # transformers >= 5.x names the output field ``cache`` (``past_key_values`` is a warning shim)
-    cache = out["cache"] if "cache" in out else out.get("past_key_values")
+    # (read by the field the output class declares: the shim logs a deprecation warning)
+    name = "cache" if "cache" in getattr(out, "__dataclass_fields__", {}) else "past_key_values"
+    cache = out.get(name)
     if cache is None:
         cache = past_key_values
     logits_BTV = _lm_head(model)(target_last_hidden_BTH) if compute_logits else None
