@@ -40,7 +40,7 @@ class CacheConfig:
                 raise ValueError(f"cache.{name}: expected an integer >= 1, got {getattr(self, name)}")
         if self.input is None and not self.verify:
             raise ValueError(
-                "cache.input: required (a prepared JSONL file from `deepspec prepare`) unless --verify true"
+                "cache.input: required (a prepared JSONL file from `deepspec prepare`) unless --verify"
             )
 
 

@@ -1031,7 +1031,7 @@ class TargetCache:
             if len(self._offsets[k]) != n + 1:
                 raise RuntimeError(
                     f"{self.path / self._shards[k]['file']}: holds {len(self._offsets[k]) - 1} samples, the manifest "
-                    f"says {n}; the cache folder was modified: run `deepspec cache --verify true` on it"
+                    f"says {n}; the cache folder was modified: run `deepspec cache --verify` on it"
                 )
         return h
 
