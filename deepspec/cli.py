@@ -39,14 +39,30 @@ def _stages():
     }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Reports a flag the chosen stage does not know with that stage's usage (plain argparse would
+    print the top-level ``deepspec`` usage, which lists no stage flags)."""
+
+    stage_parsers: dict[str, argparse.ArgumentParser]
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            stage = self.stage_parsers.get(getattr(parsed, "command", None) or "", self)
+            stage.error(f"unrecognized arguments: {' '.join(extras)} (see `{stage.prog} --help`)")
+        return parsed
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="deepspec", description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.stage_parsers = {}
     for name, (cls, help_text) in _stages().items():
         stage = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         add_dataclass_arguments(stage, cls)
+        parser.stage_parsers[name] = stage
     return parser
 
 

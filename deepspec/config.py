@@ -3,13 +3,18 @@
 Every stage is configured by a keyword-only dataclass. The CLI exposes exactly the dataclass's
 fields as ``--field-name`` flags (argparse rejects unknown flags), converts each value to the
 field's type, and builds the dataclass, whose ``__post_init__`` validates it. So a typo is an error,
-never a silently ignored key.
+never a silently ignored key. Each flag's ``--help`` text is the field's comment in the dataclass
+source (the trailing ``# ...`` of its line, else the comment lines directly above it), then its default.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
+import io
+import textwrap
+import tokenize
 import types
 import typing
 from pathlib import Path
@@ -56,19 +61,100 @@ def _converter(annotation: Any):
     return str, None
 
 
+def field_comments(cls: type) -> dict[str, str]:
+    """Field name -> its comment in the source of ``cls`` (and of its dataclass bases).
+
+    A field's comment is the trailing ``# ...`` on its definition (all its physical lines), else the
+    block of comment lines directly above it (no blank line between). Read with :mod:`tokenize`, so a
+    ``#`` inside a string is not a comment. Returns ``{}`` when the source is not available.
+    """
+    comments: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):  # subclasses override their bases' comments
+        if not dataclasses.is_dataclass(klass) or klass is object:
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        comments.update(_class_body_comments(source))
+    return comments
+
+
+def _class_body_comments(source: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return out
+    body_col = None  # indentation of the class body's statements
+    above: list[str] = []  # comment lines directly above the current statement
+    line: list[tokenize.TokenInfo] = []  # tokens of the current logical line
+    depth = 0  # INDENT depth: 1 = class body
+    for tok in tokens:
+        if tok.type == tokenize.INDENT:
+            depth += 1
+            continue
+        if tok.type == tokenize.DEDENT:
+            depth -= 1
+            continue
+        if tok.type == tokenize.COMMENT and not line:  # a comment on a line of its own
+            if depth == 1 and (body_col is None or tok.start[1] == body_col):
+                above.append(tok.string.lstrip("#").strip())
+            continue
+        if tok.type == tokenize.NL and not line:  # a blank line (or the end of a comment line)
+            if tok.line.strip() == "":
+                above = []
+            continue
+        if tok.type in (tokenize.NEWLINE, tokenize.ENDMARKER):
+            code = [t for t in line if t.type not in (tokenize.COMMENT, tokenize.NL)]
+            if depth == 1 and code:
+                body_col = code[0].start[1] if body_col is None else body_col
+                is_field = (len(code) >= 2 and code[0].type == tokenize.NAME and code[1].string == ":"
+                            and code[0].start[1] == body_col)
+                if is_field:
+                    trailing = [t.string.lstrip("#").strip() for t in line if t.type == tokenize.COMMENT]
+                    text = " ".join(trailing) if trailing else " ".join(above)
+                    if text:
+                        out[code[0].string] = text
+            line, above = [], []
+            continue
+        line.append(tok)
+    return out
+
+
+def _show_default(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return " ".join(str(v) for v in value) if value else "(empty)"
+    if isinstance(value, str) and value == "":
+        return '""'
+    return str(value)
+
+
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
     """Add one ``--field-name`` flag per field of the dataclass ``cls``.
 
-    Fields without a default become required flags.
+    Fields without a default become required flags. Each flag's help is the field's source comment
+    (:func:`field_comments`) followed by its default (``none`` for None: the comment says what that means).
     """
     hints = typing.get_type_hints(cls)
+    comments = field_comments(cls)
     for field in dataclasses.fields(cls):
         if field.name in skip:
             continue
         convert, nargs = _converter(hints[field.name])
-        has_default = field.default is not dataclasses.MISSING or field.default_factory is not dataclasses.MISSING
-        default = field.default if field.default is not dataclasses.MISSING else None
-        help_text = "required" if not has_default else f"default: {default}"
+        if field.default is not dataclasses.MISSING:
+            default_text = f"default: {_show_default(field.default)}"
+        elif field.default_factory is not dataclasses.MISSING:
+            default_text = f"default: {_show_default(field.default_factory())}"
+        else:
+            default_text = "required"
+        has_default = default_text != "required"
+        comment = comments.get(field.name, "")
+        help_text = (f"{comment} ({default_text})" if comment else default_text).replace("%", "%%")
         extra = {"const": True} if nargs == "?" else {}
         parser.add_argument(
             "--" + field.name.replace("_", "-"),

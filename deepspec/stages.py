@@ -19,13 +19,13 @@ class CacheConfig:
     shards (rank and world size come from the ``RANK`` / ``WORLD_SIZE`` environment variables)."""
 
     input: str | None = None  # prepared JSONL (required unless verify)
-    output_dir: str
-    target: str = "default"
+    output_dir: str  # cache folder (a rerun with the same settings resumes, or does nothing if complete)
+    target: str = "default"  # "default" (embedded SmolLM2), a Hugging Face model folder or hub id
     target_layer_ids: list[int] | None = None  # None: evenly spaced from 1 to L-3 (DESIGN s.2)
-    num_target_layers: int = 5
-    max_seq_len: int = 1024
+    num_target_layers: int = 5  # layers captured when target_layer_ids is None
+    max_seq_len: int = 1024  # samples are cut to this many tokens (prefix kept, counted)
     shard_size: int = 256  # prepared rows per shard
-    storage_dtype: str = "float32"  # float32 | bfloat16 | float16 | fp8 (e4m3 + per-token scale)
+    storage_dtype: str = "bfloat16"  # float32 | bfloat16 | float16 | fp8 (e4m3 + per-token scale)
     verify: bool = False  # only check every shard of output_dir against its manifest (no target needed)
 
     def __post_init__(self) -> None:
@@ -49,14 +49,15 @@ class EvalConfig:
     """``deepspec eval``: speculative decoding of each draft against the target-only baseline."""
 
     draft: list[str]  # checkpoint folders (a training checkpoint or its draft/ folder)
-    output_dir: str
-    target: str = "default"
+    output_dir: str  # report folder (eval_report.md / .json / .png)
+    target: str = "default"  # "default" (embedded SmolLM2), a Hugging Face model folder or hub id
+    # benchmark names (deepspec.eval.benchmarks)
     benchmarks: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mt-bench", "alpaca", "arena-hard-v2"])
-    num_prompts: int = 8
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    confidence_threshold: float = 0.0
-    seed: int = 980406
+    num_prompts: int = 8  # prompts per benchmark
+    max_new_tokens: int = 128  # per prompt
+    temperature: float = 0.0  # 0 = greedy; > 0 = sampling (rejection sampling keeps it lossless)
+    confidence_threshold: float = 0.0  # DSpark: cut a proposal before the first slot below it; 0 = off
+    seed: int = 980406  # prompt selection and sampling
     compare_hf_generate: bool = True  # also time HF generate() on the same prompts (baseline sanity)
     enable_thinking: bool | None = None  # chat template variable (Qwen3); use the value the data was prepared with
 
@@ -137,14 +138,24 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
             dist.destroy_process_group()
     if rank == 0:
         refused = summary.num_refused_empty_mask + summary.num_refused_nonfinite
-        print(
-            f"cache: wrote {cfg.output_dir}: {summary.num_samples} samples, {summary.num_tokens} tokens in "
-            f"{summary.num_shards} shards ({summary.num_shards_reused} reused), {summary.total_bytes / 2**20:.1f} MiB "
+        details = (
+            f"{summary.num_samples} samples, {summary.num_tokens} tokens in {summary.num_shards} shards"
+            + ("" if summary.already_complete else f" ({summary.num_shards_reused} reused)")
+            + f", {summary.total_bytes / 2**20:.1f} MiB "
             f"({summary.bytes_per_token:.0f} bytes/token, {summary.storage_dtype}); inputs {summary.num_inputs}, "
             f"held out {summary.num_heldout}, truncated {summary.num_truncated}, refused {refused} "
             f"(no loss token {summary.num_refused_empty_mask}, non-finite features {summary.num_refused_nonfinite}"
             + (f": {summary.refused_nonfinite_ids[:10]}" if summary.refused_nonfinite_ids else "") + ")"
         )
+        if summary.already_complete:
+            # a rerun checks each shard's size and header only (not its checksum), so say so
+            print(
+                "cache already complete (manifest.json present); nothing written. Run "
+                f"`deepspec cache --output-dir {cfg.output_dir} --verify` to check every shard's checksum"
+            )
+            print(f"cache: {cfg.output_dir}: {details}")
+        else:
+            print(f"cache: wrote {cfg.output_dir}: {details}")
     return summary
 
 

@@ -264,15 +264,15 @@ class OpenAIBackend:
     async def _resolve_model(self, servers: list[_Server]) -> str:
         names: dict[str, list[str]] = {}
         for s in servers:
-            listed = await self._with_retries(lambda s=s: s.client.models.list(), s, "GET /v1/models")
+            listed = await self._with_retries(lambda s=s: s.client.models.list(), s, f"GET {s.base_url}/models")
             ids = sorted(m.id for m in listed.data)
             if len(ids) != 1:
-                raise ValueError(f"{s.base_url}/models lists {len(ids)} models ({ids[:8]}); set server_model to the "
-                                 f"one to use.")
+                raise ValueError(f"{s.base_url}/models lists {len(ids)} models ({ids[:8]}); pass --server-model "
+                                 f"(server_model) naming the one to use.")
             names.setdefault(ids[0], []).append(s.base_url)
         if len(names) != 1:
             raise ValueError(f"the servers serve different models ({names}); every base URL must serve the same "
-                             f"target, or set server_model.")
+                             f"target, or pass --server-model (server_model).")
         return next(iter(names))
 
     def resolve_model(self) -> str:
@@ -296,6 +296,22 @@ class OpenAIBackend:
             return True  # APITimeoutError is an APIConnectionError
         return isinstance(exc, openai.APIStatusError) and (exc.status_code >= 500 or exc.status_code in (408, 429))
 
+    @staticmethod
+    def _not_found_hint(exc: BaseException, server: _Server) -> str:
+        """A hint for HTTP 404: a base URL missing its ``/v1``, or a model name the server does not serve."""
+        import openai
+
+        if not isinstance(exc, openai.NotFoundError):
+            return ""
+        hints = []
+        if not server.base_url.endswith("/v1"):
+            hints.append(f"OpenAI-compatible base URLs usually end in /v1 (e.g. http://host:8000/v1); got "
+                         f"{server.base_url}")
+        text = str(exc).lower()
+        if "model" in text and ("does not exist" in text or "not found" in text):
+            hints.append(f"check --server-model against the names listed by GET {server.base_url}/models")
+        return "".join(f". Hint: {h}" for h in hints)
+
     async def _with_retries(self, call: Callable[[], Any], server: _Server, what: str) -> Any:
         import openai
 
@@ -304,7 +320,8 @@ class OpenAIBackend:
                 return await call()
             except openai.OpenAIError as exc:
                 if not self._retryable(exc):
-                    raise BackendError(f"{what}: server {server.base_url} refused the request: {exc}") from exc
+                    raise BackendError(f"{what}: server {server.base_url} refused the request: {exc}"
+                                       f"{self._not_found_hint(exc, server)}") from exc
                 if attempt == self.max_retries:
                     raise BackendError(f"{what}: server {server.base_url} still failing after {self.max_retries} "
                                        f"retries ({type(exc).__name__}: {exc}). Completed rows are kept in the "

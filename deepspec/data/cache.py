@@ -229,12 +229,16 @@ class CacheSummary:
     total_bytes: int  # shard files on disk
     bytes_per_token: float
     storage_dtype: str
+    # the manifest was present and every shard passed the reuse check (size + header), so this run
+    # wrote nothing; the shards' checksums were not recomputed (that is `deepspec cache --verify`)
+    already_complete: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _summary_from_manifest(out: Path, m: dict[str, Any], *, num_shards_reused: int) -> CacheSummary:
+def _summary_from_manifest(out: Path, m: dict[str, Any], *, num_shards_reused: int,
+                           already_complete: bool = False) -> CacheSummary:
     total = sum(s["num_bytes"] for s in m["shards"])
     return CacheSummary(
         out_dir=str(out),
@@ -252,6 +256,7 @@ def _summary_from_manifest(out: Path, m: dict[str, Any], *, num_shards_reused: i
         total_bytes=total,
         bytes_per_token=total / m["num_tokens"] if m["num_tokens"] else 0.0,
         storage_dtype=m["storage_dtype"],
+        already_complete=already_complete,
     )
 
 
@@ -521,10 +526,23 @@ def _check_settings(out: Path, run_key: str, settings: dict[str, Any]) -> None:
             )
 
 
+def _reusable(p: Path, e: dict[str, Any], run_key: str) -> bool:
+    """Cheap check that the shard file ``p`` is the one entry ``e`` records: same size, and a
+    safetensors header that parses and whose metadata names this run key, this index and the
+    entry's counts. The data bytes are not hashed (caches can be tens of TB); a flipped bit in
+    the tensor data is found by ``deepspec cache --verify``, not here."""
+    if not (p.is_file() and p.stat().st_size == e["num_bytes"]):
+        return False
+    meta = _read_shard_meta(p)
+    return (meta is not None and meta.get("run_key") == run_key
+            and all(meta.get(k) == e.get(k) for k in _ENTRY_KEYS))
+
+
 def _collect_done(out: Path, run_key: str) -> dict[int, dict[str, Any]]:
     """Complete shards of this run key: entries of the manifest and of every rank's progress file
-    whose file exists with the recorded size, plus final-named shards whose rename was not yet
-    recorded (killed between rename and progress write; their metadata says which shard they are)."""
+    whose file passes :func:`_reusable` (size + header; checksums are not recomputed), plus
+    final-named shards whose rename was not yet recorded (killed between rename and progress write;
+    their metadata says which shard they are)."""
     done: dict[int, dict[str, Any]] = {}
     for path in [out / MANIFEST_NAME, *sorted(out.glob(PROGRESS_GLOB))]:
         if not path.exists():
@@ -533,8 +551,7 @@ def _collect_done(out: Path, run_key: str) -> dict[int, dict[str, Any]]:
         if data.get("run_key") != run_key:
             continue
         for e in data.get("shards", []):
-            p = out / e["file"]
-            if e["index"] not in done and p.is_file() and p.stat().st_size == e["num_bytes"]:
+            if e["index"] not in done and _reusable(out / e["file"], e, run_key):
                 done[e["index"]] = e
     for p in sorted(out.glob("shard-*.safetensors")):
         m = _SHARD_RE.match(p.name)
@@ -580,6 +597,23 @@ def _barrier(world_size: int) -> None:
 
 
 def _write_cache(
+    units: Iterable[_Unit], out_dir: str | os.PathLike[str], model: nn.Module, **kw: Any
+) -> CacheSummary:
+    """:func:`_write_cache_in` that leaves no empty output folder behind: if this run created
+    ``out_dir`` and fails before writing anything in it (a bad row, a bad setting, Ctrl-C during
+    the first shard), the empty folder is removed. Single process only: under torchrun another
+    rank may be about to write into the folder. A folder holding anything is always kept (resume)."""
+    out = Path(out_dir)
+    existed = out.exists()
+    try:
+        return _write_cache_in(units, out, model, **kw)
+    except BaseException:
+        if not existed and kw.get("world_size", 1) == 1 and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
+
+
+def _write_cache_in(
     units: Iterable[_Unit],
     out_dir: str | os.PathLike[str],
     model: nn.Module,
@@ -635,7 +669,7 @@ def _write_cache(
         m = json.loads(manifest_path.read_text(encoding="utf-8"))
         if all(s["index"] in done for s in m["shards"]):
             _barrier(world_size)  # every rank takes this branch (same files), so the barrier pairs up
-            return _summary_from_manifest(out, m, num_shards_reused=len(m["shards"]))
+            return _summary_from_manifest(out, m, num_shards_reused=len(m["shards"]), already_complete=True)
 
     progress_path = out / progress_name(rank)
     own: dict[int, dict[str, Any]] = {}  # this rank's progress entries (kept across runs)

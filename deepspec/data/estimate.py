@@ -28,14 +28,14 @@ class EstimateConfig:
     """
 
     target: str = "default"  # "default", a Hugging Face model folder, or a config.json path
-    num_target_layers: int = 5
+    num_target_layers: int = 5  # n, when target_layer_ids is None
     target_layer_ids: list[int] | None = None  # overrides num_target_layers (n = its length)
     storage_dtype: str = "bfloat16"  # the mode marked in the table (all modes are listed)
     input: str | None = None  # prepared JSONL to measure the token count from
     max_seq_len: int | None = 1024  # truncation applied when measuring (as `deepspec cache`)
-    num_tokens: int | None = None
-    num_conversations: int | None = None
-    tokens_per_conversation: float | None = None
+    num_tokens: int | None = None  # dataset size in tokens, given directly
+    num_conversations: int | None = None  # with tokens_per_conversation: size = their product
+    tokens_per_conversation: float | None = None  # mean tokens per conversation (with num_conversations)
 
     def __post_init__(self) -> None:
         if self.storage_dtype not in STORAGE_DTYPES:
@@ -81,6 +81,28 @@ def read_target_config(target: str) -> tuple[dict[str, Any], Path]:
         if key not in cfg:
             raise ValueError(f"{path}: no {key!r}; expected a decoder-only language model config")
     return cfg, path
+
+
+# Any of these makes AutoTokenizer load a real vocabulary; without them it builds an empty tokenizer
+# from config.json alone, which then fails later with a misleading "no chat_template".
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _load_folder_tokenizer(folder: Path) -> Any:
+    """The tokenizer of the model folder holding the target's config.json.
+
+    Raises ValueError when the folder holds no tokenizer files (or they give an empty vocabulary).
+    """
+    hint = (f"--input needs the target's tokenizer; {folder} has no tokenizer files (tokenizer.json / "
+            f"tokenizer_config.json); pass the model folder or use --num-tokens")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(hint)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    if len(tokenizer) < 16:  # a config-only tokenizer has a handful of special tokens at most
+        raise ValueError(hint + f" (the tokenizer found there has only {len(tokenizer)} tokens)")
+    return tokenizer
 
 
 def count_prepared_tokens(path: str | Path, tokenizer: Any, *, max_seq_len: int | None) -> dict[str, int]:
@@ -154,14 +176,12 @@ def run_estimate(cfg: EstimateConfig, *, tokenizer: Any = None, log=print) -> Es
     num_tokens: int | None
     if cfg.input is not None:
         if tokenizer is None:
-            from transformers import AutoTokenizer
-
             if cfg.target == "default":
                 from deepspec.target.load import load_tokenizer
 
                 tokenizer = load_tokenizer("default")
             else:
-                tokenizer = AutoTokenizer.from_pretrained(str(path.parent))
+                tokenizer = _load_folder_tokenizer(path.parent)
         c = count_prepared_tokens(cfg.input, tokenizer, max_seq_len=cfg.max_seq_len)
         num_tokens = c["num_tokens"]
         source = (f"measured from {cfg.input}: {c['num_rows']:,} rows ({c['num_heldout']:,} held out), "

@@ -8,7 +8,9 @@ SGLang. Endpoints:
 - ``POST /v1/chat/completions``: ``messages``, ``max_tokens`` (or ``max_completion_tokens``),
   ``temperature``, ``top_p``, ``seed``, ``chat_template_kwargs`` (as vLLM/SGLang: passed to the chat
   template). Answers with ``finish_reason`` ``"length"`` when ``max_tokens`` cut the answer, else
-  ``"stop"``, and ``usage.completion_tokens``. ``n > 1`` and streaming are refused (400).
+  ``"stop"``, and ``usage.completion_tokens``. ``n > 1`` and streaming are refused (400). A
+  ``model`` other than ``model_name`` is refused with 404 ``"The model `X` does not exist."``, as
+  vLLM does (a missing ``model`` is refused with 400).
 
 Requests are served one at a time through the model (a lock; ``ThreadingHTTPServer`` accepts
 connections concurrently). Test-only fault injection is set through the constructor, never through
@@ -105,6 +107,13 @@ class OpenAICompatServer:
             with self._count_lock:
                 self.num_failed_injected += 1
             return 500, {"error": {"message": f"injected failure {number}/{self.fail_first}", "type": "server_error"}}
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            return 400, {"error": {"message": "model: expected the served model name (see GET /v1/models)",
+                                   "type": "invalid_request_error"}}
+        if model != self.model_name:
+            return 404, {"error": {"message": f"The model `{model}` does not exist.", "type": "NotFoundError",
+                                   "param": None, "code": 404}}
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return 400, {"error": {"message": "messages: expected a non-empty list", "type": "invalid_request_error"}}
@@ -174,9 +183,9 @@ class OpenAICompatServer:
 class ServeConfig:
     """``deepspec serve``: an OpenAI-compatible server over the target (for tests and CPU use)."""
 
-    target: str = "default"
-    host: str = "127.0.0.1"
-    port: int = 8000
+    target: str = "default"  # "default" (the embedded SmolLM2) or a Hugging Face model folder
+    host: str = "127.0.0.1"  # interface to listen on (0.0.0.0: every interface)
+    port: int = 8000  # TCP port
     model_name: str = ""  # served model name; "" = the target spec
 
     def __post_init__(self) -> None:

@@ -6,11 +6,19 @@ Backends (:mod:`deepspec.data.backends`): ``local`` (the target in-process, batc
 padding) and ``openai`` (OpenAI-compatible servers: vLLM, SGLang, ``deepspec serve``).
 
 Counting contract: ``read == kept + skipped + failed`` (printed, and in the summary JSON); skipped
-and failed rows are listed with their reasons in ``<stem>.skipped.jsonl`` beside the output.
+and failed rows are listed in ``<stem>.skipped.jsonl`` beside the output, one JSON line each:
+``{"source_index", "id", "where", "status": "skipped" | "failed", "reason"}``, where ``where`` is
+the row's location (``file.jsonl:12`` 1-based line, ``file.json[3]`` / ``file.parquet[3]``
+0-based row, the file inside a folder input named in full, ``org/name:train[3]``,
+``sharegpt-demo[3]``). The console shows the first :data:`NUM_SKIPPED_SHOWN` of them, and a
+warning when no conversation is kept (the exit status stays 0: the outputs are written, empty).
 ``lost_in_source`` counts records the source itself lost (the ShareGPT V3 demo file is cut
-mid-record), which were never read.
+mid-record), which were never read; printed only when nonzero.
 
-Outputs (JSONL, input order, each written atomically: a temporary file renamed when complete):
+Outputs (JSONL, input order). ``output`` must be a file path (a folder is refused at config
+time); its parent folder is created when missing. All outputs are written under temporary names
+first and renamed only when all are complete, the train file first, so a failed write never leaves
+side files under their final names:
 
 - ``<output>``: the ``train`` rows; ``<stem>.heldout.jsonl``: the ``heldout`` rows (always written,
   empty when ``heldout_fraction == 0``). The split is :func:`deepspec.data.sources.assign_split` of
@@ -70,6 +78,7 @@ exact in fp32).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -91,9 +100,10 @@ from deepspec.data.backends import (
 )
 from deepspec.data.chat import render_prompt
 from deepspec.data.conversations import SkipRow
-from deepspec.utils import atomic_path, atomic_write_json, atomic_write_text
+from deepspec.utils import atomic_path, atomic_write_text
 
 SHAREGPT_DEMO = "sharegpt-demo"
+NUM_SKIPPED_SHOWN = 5  # skipped/failed rows listed on the console (all of them are in <stem>.skipped.jsonl)
 BACKENDS = ("local", "openai")
 JOURNAL_FORMAT = "deepspec-prepare-journal/1"
 
@@ -122,22 +132,22 @@ class PrepareConfig:
     """
 
     input: str  # "sharegpt-demo", a .jsonl/.json/.parquet file or folder, or a Hugging Face dataset id
-    output: Path
+    output: Path  # train rows; beside it <stem>.heldout.jsonl, <stem>.skipped.jsonl, <output>.summary.json
     num_conversations: int | None = None  # conversations to keep (the first usable ones, in input order); None = all
     max_new_tokens: int = 128  # per regenerated answer; answers that hit it are flagged truncated
     batch_size: int = 32  # local backend: conversations generated together (left padding)
-    max_prompt_tokens: int = 512
+    max_prompt_tokens: int = 512  # a turn whose prompt is longer ends the conversation (first turn: row skipped)
     max_turns: int | None = None  # assistant turns regenerated per conversation; None (`--max-turns none`) = all
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus sampling (used only when temperature > 0)
-    skip_bad_rows: bool = True  # False: the first unusable row raises ValueError naming it
-    seed: int = 0
+    skip_bad_rows: bool = True  # false: the first unusable row stops the run with an error naming it
+    seed: int = 0  # sampling seed (per request: derived from seed, row and turn)
     sort_window: int | None = None  # local backend: jobs sorted by prompt length per window; None = whole round
     target: str = "default"  # model (local) / tokenizer for prompt lengths (both backends)
     hf_split: str = "train"  # split of a Hugging Face dataset input
     enable_thinking: bool | None = None  # passed to the chat template (Qwen3); None = template default
     heldout_fraction: float = 0.0  # rows held out (by assign_split) into <stem>.heldout.jsonl
-    split_seed: int = 0
+    split_seed: int = 0  # seed of the train/held-out hash split
     backend: str = "local"  # "local" | "openai"
     base_urls: list[str] = field(default_factory=list)  # openai: e.g. http://host:8000/v1 (several allowed)
     server_model: str | None = None  # openai: served model name; None = the single model of /v1/models
@@ -147,10 +157,23 @@ class PrepareConfig:
     retry_backoff_s: float = 1.0  # openai: first retry delay, doubled each retry (jittered, <= 60 s)
     request_timeout_s: float = 600.0  # openai: per request
     chunk_conversations: int = 1024  # conversations regenerated together (round by round) before the next
-    show_progress: bool = True
+    show_progress: bool = True  # progress bar
 
     def __post_init__(self) -> None:
-        self.output = Path(self.output)
+        raw_output = str(self.output) if isinstance(self.output, (str, os.PathLike)) else ""
+        if not raw_output.strip():
+            raise ValueError(f"PrepareConfig.output={self.output!r}: expected a file path such as data/train.jsonl.")
+        self.output = Path(raw_output).expanduser()
+        if raw_output.endswith(("/", os.sep)) or self.output.is_dir():
+            raise ValueError(f"PrepareConfig.output={raw_output!r}: expected a file path, got a folder; name the "
+                             f"train file inside it, e.g. --output {self.output / 'train.jsonl'} (the side files "
+                             f"<stem>.heldout.jsonl, <stem>.skipped.jsonl and <output>.summary.json go beside it).")
+        parent = self.output.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise ValueError(f"PrepareConfig.output={raw_output!r}: {parent} is a file, so the output folder "
+                             f"{self.output.parent} cannot be created; choose another --output path.")
         positive = {"max_new_tokens": self.max_new_tokens,
                     "batch_size": self.batch_size, "max_prompt_tokens": self.max_prompt_tokens,
                     "max_concurrency": self.max_concurrency, "chunk_conversations": self.chunk_conversations}
@@ -272,7 +295,8 @@ class _Conversation:
     source_index: int
     row_id: str
     split_key: str
-    where: str
+    where: str  # location and id, for messages: "data.jsonl:3 (id a1)"
+    location: str  # location alone, for the skipped file: "data.jsonl:3", "data.parquet[2]", "org/name:train[2]"
     source: list[dict[str, str]]  # normalised, cut to max_turns assistant turns
     assistant_positions: list[int]
     history: list[dict[str, str]] = field(default_factory=list)  # regenerated so far (ends after an answer)
@@ -325,22 +349,25 @@ def _select(cfg: PrepareConfig, tokenizer: Any, skipped: list[dict[str, Any]]) -
             prompt_len = len(render_prompt(tokenizer, messages[: positions[0]],
                                            chat_template_kwargs=cfg.chat_template_kwargs))
             if prompt_len > cfg.max_prompt_tokens:
-                raise SkipRow(f"first prompt has {prompt_len} tokens > max_prompt_tokens={cfg.max_prompt_tokens}",
+                raise SkipRow(f"first prompt has {prompt_len} tokens > max_prompt_tokens={cfg.max_prompt_tokens} "
+                              f"(--max-prompt-tokens)",
                               where=where)
         except SkipRow as exc:
             if not cfg.skip_bad_rows:
-                raise ValueError(f"{where}: {exc.reason} (set skip_bad_rows=True to skip and count such rows)") \
-                    from None
-            skipped.append({"source_index": source_index, "id": row_id, "status": "skipped", "reason": exc.reason})
+                raise ValueError(f"{where}: {exc.reason} (pass --skip-bad-rows true (skip_bad_rows=True) to skip "
+                                 f"and count such rows)") from None
+            skipped.append({"source_index": source_index, "id": row_id, "where": located.where, "status": "skipped",
+                            "reason": exc.reason})
             continue
         except _RENDER_ERRORS as exc:  # the chat template refused the conversation
             if not cfg.skip_bad_rows:
                 raise ValueError(f"{where}: chat template failed: {exc}") from exc
-            skipped.append({"source_index": source_index, "id": row_id, "status": "failed",
+            skipped.append({"source_index": source_index, "id": row_id, "where": located.where, "status": "failed",
                             "reason": f"chat template failed: {exc}"})
             continue
         convs.append(_Conversation(source_index=source_index, row_id=row_id, split_key=row_key(row, source_index),
-                                   where=where, source=messages, assistant_positions=positions))
+                                   where=where, location=located.where, source=messages,
+                                   assistant_positions=positions))
     return convs, read, source.num_lost
 
 
@@ -582,8 +609,8 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
                         if not cfg.skip_bad_rows:
                             from deepspec.data.backends import BackendError
 
-                            raise BackendError(f"{requests[i].key}: {result.refused} (set skip_bad_rows=True to "
-                                               f"skip and count such rows)")
+                            raise BackendError(f"{requests[i].key}: {result.refused} (pass --skip-bad-rows true "
+                                               f"(skip_bad_rows=True) to skip and count such rows)")
                         conv.failure, conv.history = f"server refused assistant turn {conv.next_turn}: " \
                                                      f"{result.refused}", []
                         bar.update(remaining)
@@ -613,8 +640,8 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
     kept = [c for c in convs if c.failure is None and c.history]  # convs is in input order
     failed_rows = [c for c in convs if c.failure is not None]
     assert all(c.done for c in convs) and len(kept) + len(failed_rows) == len(convs)
-    skipped += [{"source_index": c.source_index, "id": c.row_id, "status": "failed", "reason": c.failure}
-                for c in failed_rows]
+    skipped += [{"source_index": c.source_index, "id": c.row_id, "where": c.location, "status": "failed",
+                 "reason": c.failure} for c in failed_rows]
     skipped.sort(key=lambda s: s["source_index"])
     train_rows, heldout_rows = [], []
     for c in kept:
@@ -634,19 +661,36 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
     )
     assert summary.read == summary.kept + summary.skipped + summary.failed, summary
 
-    def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
-        with atomic_path(path) as tmp:
-            tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    def rows_text(rows: list[dict[str, Any]]) -> str:
+        return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
-    write_rows(skipped_path_for(cfg.output), skipped)
-    write_rows(heldout_path_for(cfg.output), heldout_rows)
-    write_rows(cfg.output, train_rows)
     cfg_dict = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
-    atomic_write_json(cfg.output.with_name(cfg.output.name + ".summary.json"),
-                      {"config": cfg_dict, "summary": asdict(summary), "tok_per_s": round(summary.tok_per_s, 1)})
+    summary_text = json.dumps({"config": cfg_dict, "summary": asdict(summary),
+                               "tok_per_s": round(summary.tok_per_s, 1)}, indent=2, ensure_ascii=False) + "\n"
+    # Every output is written under a temporary name first, then renamed: the train file first, the
+    # side files after it (ExitStack exits in reverse order). If any write or the train file's
+    # rename fails, no side file appears under its final name and the journal is kept.
+    outputs = [(cfg.output.with_name(cfg.output.name + ".summary.json"), summary_text),
+               (skipped_path_for(cfg.output), rows_text(skipped)),
+               (heldout_path_for(cfg.output), rows_text(heldout_rows)),
+               (cfg.output, rows_text(train_rows))]
+    with contextlib.ExitStack() as stack:
+        for path, text in outputs:
+            stack.enter_context(atomic_path(path)).write_text(text, encoding="utf-8")
     journal.path.unlink()  # every output is in place: the journal has served its purpose
+    lost = (f"; {summary.lost_in_source} record{'s' * (summary.lost_in_source != 1)} lost in the source file itself "
+            f"(never read; the ShareGPT V3 demo file is cut mid-record)" if summary.lost_in_source else "")
     log(f"prepare: read {summary.read} = kept {summary.kept} + skipped {summary.skipped} + failed {summary.failed} "
         f"(train {summary.num_train}, held out {summary.num_heldout}; resumed {num_resumed}); "
-        f"truncated {summary.truncated}; lost in source {summary.lost_in_source}; "
+        f"truncated {summary.truncated}{lost}; "
         f"{num_turns} turns, {num_tokens} tokens in {generate_s:.1f} s ({summary.tok_per_s:.1f} tok/s) -> {cfg.output}")
+    for entry in skipped[:NUM_SKIPPED_SHOWN]:
+        log(f"prepare: {entry['status']} {entry['where']} (id {entry['id']}): {entry['reason']}")
+    if len(skipped) > NUM_SKIPPED_SHOWN:
+        log(f"prepare: ... {len(skipped) - NUM_SKIPPED_SHOWN} more in {summary.skipped_path}")
+    elif skipped:
+        log(f"prepare: every skipped/failed row with its reason: {summary.skipped_path}")
+    if summary.kept == 0:
+        log(f"prepare: warning: no conversation kept ({summary.read} read); see {summary.skipped_path} for the "
+            f"reasons" if summary.read else "prepare: warning: no conversation kept: the input holds no rows")
     return summary

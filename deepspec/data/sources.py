@@ -21,7 +21,11 @@ A *spec* names where conversations come from. :func:`open_source` resolves it in
    exist: :class:`FileNotFoundError`.
 5. ``"<org>/<name>[:<split>]"``: a Hugging Face dataset id, loaded with
    :func:`datasets.load_dataset` (``streaming=True`` by default: rows arrive as they download, no
-   full copy on disk). The ``:<split>`` suffix overrides ``hf_split``.
+   full copy on disk). The ``:<split>`` suffix overrides ``hf_split``. A dataset that cannot be
+   loaded raises :class:`SourceUnavailableError` (a ``ValueError``: the CLI prints it and exits 2).
+   When the Hub's host name does not resolve (no network) it is raised at once, instead of after
+   the ~25 s of retries ``datasets`` would spend; the check is skipped when ``HF_HUB_OFFLINE`` /
+   ``HF_DATASETS_OFFLINE`` is set (``datasets`` then uses its local cache) or a proxy is configured.
 6. Anything else: :class:`ValueError` listing the accepted forms.
 
 Every row comes out as a :class:`SourceRow` with its 0-based ``index`` in source order and a
@@ -63,6 +67,13 @@ JSON_LIST_KEYS: tuple[str, ...] = ("data", "rows", "train", "examples", "records
 # Row fields that hold a row id, tried in order (see :func:`row_key`).
 ID_FIELDS: tuple[str, ...] = ("id", "uuid", "prompt_id", "conversation_id")
 SPLITS: tuple[str, ...] = ("train", "heldout")
+
+class SourceUnavailableError(ValueError):
+    """A source that cannot be opened or read for reasons outside the file format: a Hugging Face
+    dataset without network access, an unknown id or split, the ``datasets`` package missing.
+    The message names the source and how to use a local file instead. A ``ValueError`` subclass,
+    so the CLI reports it as a user error (exit 2, no traceback)."""
+
 
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 _HF_SPLIT = re.compile(r"^[\w.\-\[\]%:]+$")  # "train", "train[:1000]", "test_sft"
@@ -187,8 +198,9 @@ def open_source(spec: str, *, hf_split: str = "train", hf_config: str | None = N
         FileNotFoundError: a path-like spec that does not exist.
         ValueError: an unrecognised spec, an unreadable file (message names the file and row), a
             folder without data files.
-        RuntimeError: a Hugging Face dataset that cannot be loaded (no network, unknown id or
-            split); the message names the id and how to use a local file instead.
+        SourceUnavailableError: a Hugging Face dataset that cannot be loaded (no network, unknown
+            id or split, ``datasets`` not installed); the message names the id and how to use a
+            local file instead. Also raised while iterating, when streaming fails mid-way.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"input={spec!r}: expected 'sharegpt-demo', a .jsonl/.json/.parquet file or folder, "
@@ -280,8 +292,8 @@ def _jsonl_rows(path: Path, skip_unreadable: bool) -> Iterator[SourceRow]:
     for index, (line_no, row, error) in enumerate(iter_jsonl_records(path)):
         where = f"{path}:{line_no}"
         if error is not None and not skip_unreadable:
-            raise ValueError(f"{where}: {error} (open the source with skip_unreadable=True to skip and count "
-                             f"such lines)")
+            raise ValueError(f"{where}: {error} (to skip and count such lines instead: `deepspec prepare "
+                             f"--skip-bad-rows true`, or open_source(..., skip_unreadable=True))")
         yield SourceRow(index, where, row, error)
 
 
@@ -356,8 +368,8 @@ def _import_datasets() -> Any:
     try:
         import datasets
     except ImportError as exc:
-        raise RuntimeError("Hugging Face dataset inputs need the `datasets` package: pip install datasets "
-                           "(or pass a local .jsonl/.json/.parquet file).") from exc
+        raise SourceUnavailableError("Hugging Face dataset inputs need the `datasets` package: pip install "
+                                     "datasets (or pass a local .jsonl/.json/.parquet file).") from exc
     return datasets
 
 
@@ -367,7 +379,7 @@ def _open_saved_dataset(path: Path, *, split: str) -> SourceRows:
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
             raise ValueError(f"input folder {path} is a saved DatasetDict without split {split!r} "
-                             f"(splits: {sorted(loaded)}); set hf_split.")
+                             f"(splits: {sorted(loaded)}); pass --hf-split (hf_split).")
         loaded, name = loaded[split], f"{path}:{split}"
     else:
         name = str(path)
@@ -375,17 +387,52 @@ def _open_saved_dataset(path: Path, *, split: str) -> SourceRows:
                       description=f"saved dataset {name} ({len(loaded)} rows; columns {loaded.column_names[:8]})")
 
 
-def _hf_unavailable(dataset_id: str, split: str, exc: BaseException, index: int | None = None) -> RuntimeError:
+def _hf_unavailable(dataset_id: str, split: str, exc: BaseException | str,
+                    index: int | None = None) -> SourceUnavailableError:
     at = "" if index is None else f" at row {index}"
-    return RuntimeError(
-        f"cannot load Hugging Face dataset {dataset_id!r} (split {split!r}){at}: {type(exc).__name__}: {exc}. "
+    cause = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    return SourceUnavailableError(
+        f"cannot load Hugging Face dataset {dataset_id!r} (split {split!r}){at}: {cause}. "
         f"Check the id and split; without network access, export the dataset where a network exists "
         f"(datasets.load_dataset({dataset_id!r}, split={split!r}).to_json('data.jsonl') or .to_parquet"
-        f"('data.parquet')) and pass the local file as input.")
+        f"('data.parquet')) and pass the local file as input (or set HF_HUB_OFFLINE=1 to use a copy "
+        f"already in the `datasets` cache).")
+
+
+_OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+_PROXY_ENV = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def _hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub surely cannot be reached (its host name does not resolve), else None.
+
+    A quick check so that an offline run fails at once instead of after the retries of ``datasets``.
+    Returns None (no opinion) when offline mode is set (``datasets`` then reads its cache and fails
+    fast by itself) or a proxy is configured (the proxy resolves names, not this machine).
+    """
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(k, "").strip().upper() in ("1", "ON", "YES", "TRUE") for k in _OFFLINE_ENV):
+        return None
+    if any(os.environ.get(k) for k in _PROXY_ENV):
+        return None
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname
+    if not host:
+        return None
+    try:
+        socket.getaddrinfo(host, 443)
+    except (socket.gaierror, UnicodeError) as exc:
+        return f"the Hub host {host} cannot be resolved (no network? {exc})"
+    return None
 
 
 def _open_hf(dataset_id: str, *, split: str, config: str | None, streaming: bool) -> SourceRows:
     datasets = _import_datasets()
+    unreachable = _hub_unreachable()
+    if unreachable is not None:
+        raise _hf_unavailable(dataset_id, split, unreachable)
     try:
         loaded = datasets.load_dataset(dataset_id, name=config, split=split, streaming=streaming)
     except Exception as exc:  # network, hub and split errors come as many types; all end here

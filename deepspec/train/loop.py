@@ -41,32 +41,32 @@ LATEST = "latest"
 class TrainConfig:
     """Draft training settings. Defaults suit the embedded default target on a 2-core CPU."""
 
-    output_dir: str
+    output_dir: str  # folder for checkpoint-N/, latest, train_log.jsonl, train_loss.png
     # Data: exactly one of a target cache (`deepspec cache`) or, in online mode, a prepared JSONL file
     # (`deepspec prepare`) whose target features the frozen target computes inside the training loop.
-    cache_dir: str | None = None
-    online_data: str | None = None
+    cache_dir: str | None = None  # a target cache folder (`deepspec cache`)
+    online_data: str | None = None  # online mode: a prepared JSONL; the target computes the features here
     target_layer_ids: list[int] | None = None  # online: None = default spacing; cache: checked if given
     num_target_layers: int = 5  # online, when target_layer_ids is None
     max_seq_len: int = 1024  # online only (a cache records its own)
     online_feature_dtype: str = "float32"  # online only: the cache storage dtype to reproduce (or fp8)
-    target: str = "default"
+    target: str = "default"  # "default" (the embedded SmolLM2) or a Hugging Face model folder
     algorithm: str = "dspark"  # dspark | dflash (DFlash = the same backbone without heads, CE only)
-    num_draft_layers: int = 1
-    block_size: int = 7
-    num_anchors: int = 32
-    markov_rank: int = 256
-    mask_token: str | None = None
-    batch_size: int = 4
-    grad_accum_steps: int = 1
-    max_steps: int = 200
-    lr: float = 6e-4
-    warmup_frac: float = 0.04
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    dtype: str = "fp32"
+    num_draft_layers: int = 1  # decoder layers of the draft
+    block_size: int = 7  # slots per draft block: the anchor + block_size - 1 mask slots, each proposes one token
+    num_anchors: int = 32  # anchor positions sampled per sequence per step (DESIGN s.5)
+    markov_rank: int = 256  # rank of the Markov head's low-rank bigram factorisation
+    mask_token: str | None = None  # token used as the block's mask input; None = a spare embedding row
+    batch_size: int = 4  # sequences per micro-batch
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    max_steps: int = 200  # optimizer steps
+    lr: float = 6e-4  # peak learning rate (AdamW), after linear warmup, then cosine decay
+    warmup_frac: float = 0.04  # fraction of max_steps spent in linear warmup
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # max global gradient norm
+    dtype: str = "fp32"  # fp32 | bf16 (autocast) for the draft's forward
     save_every: int = 0  # 0: save only at the end
-    seed: int = 0
+    seed: int = 0  # seeds the draft init and the data order
     resume: str | None = None  # None | "auto" | a checkpoint folder
 
     def __post_init__(self) -> None:

@@ -220,8 +220,47 @@ def test_persistent_failures_name_the_row_and_server(tmp_path, source, target, s
         dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
     cfg = _cfg(source, tmp_path / "dead.jsonl", backend="openai", base_urls=[dead], max_retries=1,
                retry_backoff_s=0.01, request_timeout_s=5.0)
-    with pytest.raises(BackendError, match=rf"GET /v1/models: server {dead} still failing.*APIConnectionError"):
+    with pytest.raises(BackendError, match=rf"GET {dead}/models: server {dead} still failing.*APIConnectionError"):
         run_prepare(cfg, None, tok, log=lambda _: None)
+
+
+def test_base_url_without_v1_names_the_url_asked_and_hints_at_v1(tmp_path, source, target, servers):
+    _, tok, _ = target
+    a = servers()
+    root = a.base_url[: -len("/v1")]
+    cfg = _cfg(source, tmp_path / "out.jsonl", backend="openai", base_urls=[root], max_retries=0)
+    with pytest.raises(BackendError, match=rf"GET {root}/models: server {root} refused the request: Error code: 404"
+                                           rf".*Hint: OpenAI-compatible base URLs usually end in /v1 "
+                                           rf"\(e\.g\. http://host:8000/v1\)") as info:
+        run_prepare(cfg, None, tok, log=lambda _: None)
+    assert "--server-model" not in str(info.value)
+    cfg = _cfg(source, tmp_path / "out2.jsonl", backend="openai", base_urls=[root], max_retries=0,
+               server_model="tiny")
+    with pytest.raises(BackendError, match=r"assistant turn 0: server .* 404.*Hint: OpenAI-compatible base URLs"):
+        run_prepare(cfg, None, tok, log=lambda _: None)
+
+
+def test_unknown_model_is_refused_with_404_like_vllm(tmp_path, source, target, servers):
+    import urllib.error
+    import urllib.request
+
+    _, tok, _ = target
+    a = servers()
+    request = urllib.request.Request(f"{a.base_url}/chat/completions", method="POST",
+                                     headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"model": "nope", "messages": [
+                                         {"role": "user", "content": "hi"}]}).encode())
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=10)
+    assert info.value.code == 404
+    assert json.loads(info.value.read())["error"]["message"] == "The model `nope` does not exist."
+    assert a.num_chat_requests == 1 and not a.prompts  # refused before generation
+    cfg = _cfg(source, tmp_path / "out.jsonl", backend="openai", base_urls=[a.base_url], max_retries=0,
+               server_model="nope")
+    with pytest.raises(BackendError, match=r"The model `nope` does not exist.*Hint: check --server-model against "
+                                           rf"the names listed by GET {a.base_url}/models") as info:
+        run_prepare(cfg, None, tok, log=lambda _: None)
+    assert "/v1 (e.g." not in str(info.value) and not cfg.output.exists()
 
 
 def test_sigkill_mid_run_then_resume_equals_uninterrupted(tmp_path, source, target, servers):

@@ -586,3 +586,116 @@ def test_cache_on_embedded_default_target(tmp_path):
         assert (ys - xs).norm() / xs.norm() < 2**-4
         assert ((ys - xs).abs() <= xs.abs().amax(-1, keepdim=True) / 28 * (1 + 1e-6)).all()
         assert ((ys - xs).norm(dim=-1) / xs.norm(dim=-1)).max() < 2**-4  # every token
+
+
+def test_rerun_on_complete_cache_checks_each_shard_by_size_and_header(model, tmp_path):
+    """A rerun over a complete cache does not re-hash shards, but a shard whose header no longer
+    parses (same size) is rewritten; a flipped data bit is left to `--verify` (documented)."""
+    samples = _samples()
+    _write(samples, tmp_path, model)
+    good = _shard_hashes(tmp_path)
+    again = _write(samples, tmp_path, model)
+    assert again.already_complete and again.num_shards_reused == 3
+    path = tmp_path / "shard-00001.safetensors"
+    data = bytearray(path.read_bytes())
+    data[8:9] = b"["  # the header JSON no longer parses; the size is unchanged
+    path.write_bytes(bytes(data))
+    repaired = _write(samples, tmp_path, model)
+    assert not repaired.already_complete and repaired.num_shards_reused == 2
+    assert _shard_hashes(tmp_path) == good
+    verify_target_cache(tmp_path, log=None)
+    # a header from another shard (same size is not enough: index and counts must match the entry)
+    other = tmp_path / "shard-00000.safetensors"
+    if other.stat().st_size == path.stat().st_size:
+        path.write_bytes(other.read_bytes())
+        assert not _write(samples, tmp_path, model).already_complete
+        assert _shard_hashes(tmp_path) == good
+    # a flipped bit in tensor data passes the cheap check: the rerun says so, --verify finds it
+    data = bytearray(path.read_bytes())
+    data[-40] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert _write(samples, tmp_path, model).already_complete
+    with pytest.raises(ValueError, match="shard-00001.safetensors"):
+        verify_target_cache(tmp_path, log=None)
+
+
+def test_cache_stage_says_already_complete_instead_of_wrote(model, tmp_path, monkeypatch, capsys):
+    import deepspec.data.chat as chat
+    from deepspec.stages import CacheConfig, run_cache_stage
+    from deepspec.target import load
+
+    monkeypatch.setattr(chat, "render_training_samples", _fake_render_training_samples)
+    monkeypatch.setattr(load, "tokenizer_fingerprint", lambda tok: "tok-A")
+    src = _write_jsonl(tmp_path / "prepared.jsonl", _rows(5))
+    cfg = CacheConfig(input=str(src), output_dir=str(tmp_path / "cache"), target_layer_ids=LAYER_IDS, shard_size=2)
+    run_cache_stage(cfg, target_model=model, tokenizer=_StandInTokenizer())
+    first = capsys.readouterr().out
+    assert "cache: wrote" in first and "(0 reused)" in first
+    run_cache_stage(cfg, target_model=model, tokenizer=_StandInTokenizer())
+    second = capsys.readouterr().out
+    assert "wrote" not in second and "reused" not in second
+    assert ("cache already complete (manifest.json present); nothing written. Run "
+            f"`deepspec cache --output-dir {tmp_path / 'cache'} --verify` to check every shard's checksum") in second
+
+
+def test_failed_run_leaves_no_empty_output_folder(model, tmp_path, monkeypatch):
+    import deepspec.data.chat as chat
+
+    monkeypatch.setattr(chat, "render_training_samples", _fake_render_training_samples)
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"id": "r0", "text": "no messages"}])
+    kw = dict(target_layer_ids=LAYER_IDS, max_seq_len=16, shard_size=2, progress=False,
+              target_fingerprint="tgt-A", tokenizer_fingerprint="tok-A")
+    with pytest.raises(ValueError, match="messages"):
+        cache_mod.write_target_cache(bad, tmp_path / "new" / "cache", model, _StandInTokenizer(), **kw)
+    assert not (tmp_path / "new" / "cache").exists()
+    with pytest.raises(ValueError, match="equal length"):
+        _write([("x", [1, 2, 3], [1, 1])], tmp_path / "c", model)
+    assert not (tmp_path / "c").exists()
+    (tmp_path / "mine").mkdir()  # a folder the user made is kept, even empty
+    with pytest.raises(ValueError, match="messages"):
+        cache_mod.write_target_cache(bad, tmp_path / "mine", model, _StandInTokenizer(), **kw)
+    assert (tmp_path / "mine").is_dir()
+    # a run that wrote shards before failing keeps them (resume)
+    rows = _rows(4) + [{"id": "r4", "text": "no messages"}]
+    with pytest.raises(ValueError, match="messages"):
+        cache_mod.write_target_cache(_write_jsonl(tmp_path / "late.jsonl", rows), tmp_path / "late", model,
+                                     _StandInTokenizer(), **kw)
+    assert len(list((tmp_path / "late").glob("shard-*.safetensors"))) == 2
+
+
+def test_cache_and_estimate_default_to_bfloat16_and_the_demo_pins_float32(tmp_path, monkeypatch):
+    from deepspec import demo
+    from deepspec.data.estimate import EstimateConfig
+    from deepspec.stages import CacheConfig
+    from deepspec.target import load
+
+    assert CacheConfig(input="x", output_dir="y").storage_dtype == "bfloat16" == EstimateConfig().storage_dtype
+    seen = []
+
+    class _Stop(Exception):
+        pass
+
+    def fake_cache_stage(cfg, **kw):
+        seen.append(cfg)
+        raise _Stop
+
+    monkeypatch.setattr(load, "load_target", lambda spec: (None, None))
+    monkeypatch.setattr(demo, "run_cache_stage", fake_cache_stage)
+    (tmp_path / "prepared.jsonl").write_text("")
+    with pytest.raises(_Stop):
+        demo.run_demo(demo.DemoConfig(output_dir=str(tmp_path)))
+    assert seen[0].storage_dtype == "float32"
+
+
+def test_estimate_input_without_tokenizer_files_is_a_clear_error(tmp_path):
+    from deepspec.data.estimate import EstimateConfig, run_estimate
+
+    folder = tmp_path / "cfg-only"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(
+        {"model_type": "qwen2", "hidden_size": 8, "num_hidden_layers": 24, "vocab_size": 100}))
+    src = _write_jsonl(tmp_path / "p.jsonl", _rows(2))
+    for target in (folder, folder / "config.json"):
+        with pytest.raises(ValueError, match=r"--input needs the target's tokenizer; .*cfg-only has no tokenizer "
+                                             r"files .* pass the model folder or use --num-tokens"):
+            run_estimate(EstimateConfig(target=str(target), input=str(src)), log=lambda s: None)

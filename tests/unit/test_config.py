@@ -1,4 +1,5 @@
 import argparse
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -75,3 +76,75 @@ def test_optional_fields_accept_none():
     assert _parse(["--path", "x", "--name", "abc"]).name == "abc"
     with pytest.raises(SystemExit):
         _parse(["--path", "x", "--steps", "none"])  # not optional
+
+
+@dataclass(kw_only=True)
+class _Documented:
+    """A docstring with a # that is not a comment."""
+
+    # Where the data lives: a folder
+    # or a file.
+    path: str
+    url: str = "http://x/#frag"  # base URL; the "#frag" in the string is not a comment
+    limit: int | None = None  # None = no limit
+
+    tags: list[str] = dataclasses.field(default_factory=lambda: ["a", "b"])  # labels (100% optional)
+    plain: float = 0.5
+
+    def method(self):
+        inner: int = 3  # not a field
+        return inner
+
+
+def _help_of(parser, flag):
+    for action in parser._actions:
+        if flag in action.option_strings:
+            return action.help
+    raise KeyError(flag)
+
+
+def test_help_text_is_the_field_comment_then_the_default():
+    from deepspec.config import field_comments
+
+    assert field_comments(_Documented) == {
+        "path": "Where the data lives: a folder or a file.",
+        "url": 'base URL; the "#frag" in the string is not a comment',
+        "limit": "None = no limit",
+        "tags": "labels (100% optional)",
+    }
+    parser = argparse.ArgumentParser()
+    add_dataclass_arguments(parser, _Documented)
+    assert _help_of(parser, "--path") == "Where the data lives: a folder or a file. (required)"
+    assert _help_of(parser, "--url") == 'base URL; the "#frag" in the string is not a comment (default: http://x/#frag)'
+    assert _help_of(parser, "--limit") == "None = no limit (default: none)"
+    assert _help_of(parser, "--tags") == "labels (100%% optional) (default: a b)"
+    assert _help_of(parser, "--plain") == "default: 0.5"
+    assert "100% optional" in parser.format_help()
+
+
+def test_every_stage_flag_of_the_cli_has_a_description(capsys):
+    from deepspec.cli import build_parser
+
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["cache", "--help"])
+    out = capsys.readouterr().out
+    assert "prepared rows per shard (default: 256)" in out
+    assert "None: evenly spaced from 1 to L-3" in out and "(default: bfloat16)" in out
+    stage = parser.stage_parsers["cache"]
+    undocumented = [a.dest for a in stage._actions if a.help and a.help.startswith(("default:", "required"))]
+    assert undocumented == []
+
+
+def test_mistyped_stage_flag_reports_the_stage_usage(capsys):
+    from deepspec.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["cache", "--output-dir", "o", "--input", "x", "--bogus", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: deepspec cache" in err and "--shard-size" in err
+    assert "deepspec cache: error: unrecognized arguments: --bogus 1" in err
+    with pytest.raises(SystemExit):  # abbreviations are still refused, with the stage usage
+        main(["cache", "--output-dir", "o", "--input", "x", "--shard-siz", "3"])
+    assert "deepspec cache: error: unrecognized arguments: --shard-siz 3" in capsys.readouterr().err

@@ -256,3 +256,104 @@ def test_prepare_config_openai_needs_http_urls(tmp_path):
     cfg = PrepareConfig(input="sharegpt-demo", output=tmp_path / "o.jsonl", backend="openai",
                         base_urls=["http://a:1/v1", "http://b:2/v1"])
     assert cfg.chat_template_kwargs is None
+
+
+def _log_run(tmp_path, tok, model, **overrides):
+    lines: list[str] = []
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, ROWS)
+    knobs = dict(input=str(src), output=tmp_path / "out.jsonl", num_conversations=4, max_new_tokens=8,
+                 batch_size=2, max_prompt_tokens=300, max_turns=None, show_progress=False)
+    knobs.update(overrides)
+    cfg = PrepareConfig(**knobs)
+    return cfg, run_prepare(cfg, model, tok, log=lines.append), lines
+
+
+def test_skipped_rows_carry_their_location_in_a_folder_input(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    # a.jsonl: blank lines make the line number differ from the source index.
+    (folder / "a.jsonl").write_text("\n" + json.dumps(ROWS[0]) + "\n\n" + json.dumps(ROWS[1]) + "\n", encoding="utf-8")
+    pq.write_table(pa.Table.from_pylist([ROWS[5], ROWS[3]]), folder / "b.parquet")
+    (folder / "c.json").write_text(json.dumps([ROWS[1]]), encoding="utf-8")
+    cfg, summary, lines = _log_run(tmp_path, tok, ScriptedTarget(tok), input=str(folder), num_conversations=None)
+    assert (summary.read, summary.kept, summary.skipped) == (5, 2, 3)
+    skipped = [json.loads(line) for line in skipped_path_for(cfg.output).read_text().splitlines()]
+    assert [(s["source_index"], s["where"]) for s in skipped] == [
+        (1, f"{folder / 'a.jsonl'}:4"), (3, f"{folder / 'b.parquet'}[1]"), (4, f"{folder / 'c.json'}[0]")]
+    shown = [line for line in lines if line.startswith("prepare: skipped ")]
+    assert shown[0] == f"prepare: skipped {folder / 'a.jsonl'}:4 (id data-1): no assistant turn after the first " \
+                       f"user turn"
+    assert len(shown) == 3 and "max_prompt_tokens" in shown[1]
+
+
+def test_failed_rows_carry_their_location_and_the_console_shows_the_first_five(tmp_path):
+    tok = tiny_chatml_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m['content'].startswith('q') %}{{ raise_exception('no q') }}"
+                         "{% endif %}{% endfor %}" + tok.chat_template)
+    rows = [_conv(("human", f"q{i}"), ("gpt", "old")) for i in range(7)]
+    src = tmp_path / "many.jsonl"
+    _write_jsonl(src, rows)
+    cfg, summary, lines = _log_run(tmp_path, tok, ScriptedTarget(tok), input=str(src), num_conversations=None)
+    assert (summary.read, summary.kept, summary.failed) == (7, 0, 7)
+    skipped = [json.loads(line) for line in skipped_path_for(cfg.output).read_text().splitlines()]
+    assert [s["where"] for s in skipped] == [f"{src}:{i + 1}" for i in range(7)]
+    assert sum(line.startswith(f"prepare: failed {src}:") for line in lines) == 5
+    assert f"prepare: ... 2 more in {skipped_path_for(cfg.output)}" in lines
+    assert lines[-1] == (f"prepare: warning: no conversation kept (7 read); see {skipped_path_for(cfg.output)} "
+                         f"for the reasons")
+    assert cfg.output.read_text() == ""  # outputs are still written (empty); the exit status stays 0
+
+
+def test_lost_in_source_is_printed_only_when_nonzero(tmp_path, tok):
+    _, summary, lines = _log_run(tmp_path, tok, ScriptedTarget(tok))
+    assert summary.lost_in_source == 0 and not any(" lost in " in line for line in lines)
+    cut = tmp_path / "cut.json"
+    cut.write_text("[" + ",".join(json.dumps(r) for r in ROWS[:2]) + ', {"conversations": [{"from": "hu',
+                   encoding="utf-8")
+    _, summary, lines = _log_run(tmp_path, tok, ScriptedTarget(tok), input=str(cut), output=tmp_path / "c.jsonl")
+    assert summary.lost_in_source == 1
+    assert "; 1 record lost in the source file itself (never read; " in lines[0]
+
+
+def test_strict_messages_name_the_cli_flag(tmp_path, tok):
+    with pytest.raises(ValueError, match=r"--skip-bad-rows true"):
+        _run(tmp_path, tok, ScriptedTarget(tok), skip_bad_rows=False)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(ROWS[0]) + "\n{oops\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: malformed JSON.*--skip-bad-rows true"):
+        _run(tmp_path, tok, ScriptedTarget(tok), input=str(bad), skip_bad_rows=False)
+
+
+def test_prepare_output_must_be_a_file_path(tmp_path):
+    (tmp_path / "out").mkdir()
+    for output in (tmp_path / "out", f"{tmp_path / 'new'}/"):
+        with pytest.raises(ValueError, match=r"PrepareConfig\.output=.*expected a file path, got a folder"):
+            PrepareConfig(input="sharegpt-demo", output=output)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match=r"PrepareConfig\.output=.*afile is a file"):
+        PrepareConfig(input="sharegpt-demo", output=tmp_path / "afile" / "sub" / "o.jsonl")
+
+
+def test_prepare_creates_a_missing_output_folder(tmp_path, tok):
+    cfg, summary = _run(tmp_path, tok, ScriptedTarget(tok), output=tmp_path / "new" / "sub" / "out.jsonl")
+    assert summary.kept == 4 and len(cfg.output.read_text().splitlines()) == 4
+    assert skipped_path_for(cfg.output).is_file() and heldout_path_for(cfg.output).is_file()
+
+
+def test_failed_output_write_leaves_no_side_files_under_final_names(tmp_path, tok):
+    output = tmp_path / "out.jsonl"
+
+    class BlockOutput(ScriptedTarget):  # a folder appears at the output path while the run is working
+        def generate(self, **kwargs):
+            output.mkdir(exist_ok=True)
+            return super().generate(**kwargs)
+
+    with pytest.raises(IsADirectoryError):
+        _run(tmp_path, tok, BlockOutput(tok), output=output)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["in.jsonl", "out.jsonl", "out.jsonl.partial.jsonl"]  # the folder, the input, the journal
+    assert not any(output.iterdir())

@@ -10,6 +10,7 @@ from deepspec.data import sources
 from deepspec.data.conversations import DemoRecords, SkipRow
 from deepspec.data.sources import (
     SourceRow,
+    SourceUnavailableError,
     assign_split,
     dataset_rows,
     open_source,
@@ -209,7 +210,13 @@ def test_saved_dataset_folder_goes_through_datasets(tmp_path):
 # ------------------------------------------------------------------------- Hugging Face dataset ids
 
 
-def test_hf_id_loads_through_datasets_streaming(tmp_path, monkeypatch):
+@pytest.fixture
+def hub_reachable(monkeypatch):
+    """Tests that point `datasets.load_dataset` at local data must not depend on this machine's DNS."""
+    monkeypatch.setattr(sources, "_hub_unreachable", lambda: None)
+
+
+def test_hf_id_loads_through_datasets_streaming(tmp_path, monkeypatch, hub_reachable):
     """The hub loader is pointed at local data: the real `datasets` streaming path, no network."""
     import datasets
 
@@ -236,18 +243,44 @@ def test_hf_id_loads_through_datasets_streaming(tmp_path, monkeypatch):
     assert src.num_records == 3 and next(src.located).where == "org/name:test_sft[0]"
 
 
-def test_hf_network_failure_names_id_and_suggests_local_file(monkeypatch):
+def test_hf_network_failure_names_id_and_suggests_local_file(monkeypatch, hub_reachable):
     import datasets
 
     def offline(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'org/name' on the Hub (LocalEntryNotFoundError)")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(RuntimeError, match=r"'org/name' \(split 'validation'\).*ConnectionError.*local file"):
+    # A ValueError subclass: the CLI reports it as a user error (exit 2, no traceback).
+    with pytest.raises(SourceUnavailableError,
+                       match=r"'org/name' \(split 'validation'\).*ConnectionError.*local file") as info:
         open_source("org/name:validation")
+    assert isinstance(info.value, ValueError)
 
 
-def test_hf_failure_while_streaming_names_the_row(monkeypatch):
+def test_hf_unresolvable_hub_fails_at_once_without_calling_datasets(monkeypatch):
+    import socket
+
+    import datasets
+
+    def no_dns(*args, **kwargs):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("load_dataset would spend ~25 s retrying")
+
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT", *sources._PROXY_ENV):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    monkeypatch.setattr(datasets, "load_dataset", must_not_run)
+    with pytest.raises(SourceUnavailableError, match=r"'org/name' \(split 'train'\).*huggingface\.co cannot be "
+                                                      r"resolved.*local file.*HF_HUB_OFFLINE=1"):
+        open_source("org/name")
+    # Offline mode set: no DNS check; datasets decides (it reads its cache and fails fast by itself).
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert sources._hub_unreachable() is None
+
+
+def test_hf_failure_while_streaming_names_the_row(monkeypatch, hub_reachable):
     import datasets
 
     def stream():
@@ -257,7 +290,7 @@ def test_hf_failure_while_streaming_names_the_row(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: stream())
     rows = open_source("org/name").located
     assert next(rows).row == OPENAI
-    with pytest.raises(RuntimeError, match=r"'org/name' \(split 'train'\) at row 1: ConnectionError"):
+    with pytest.raises(SourceUnavailableError, match=r"'org/name' \(split 'train'\) at row 1: ConnectionError"):
         next(rows)
 
 
@@ -273,7 +306,7 @@ def test_dataset_rows_converts_a_dataset():
 # ------------------------------------------------------------------------------- spec resolution
 
 
-def test_existing_path_wins_over_dataset_id(tmp_path, monkeypatch):
+def test_existing_path_wins_over_dataset_id(tmp_path, monkeypatch, hub_reachable):
     import datasets
 
     monkeypatch.chdir(tmp_path)
