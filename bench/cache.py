@@ -5,6 +5,9 @@ Measures, side by side in one run with interleaved repetitions, on the same per-
 
 - ``plain``:   the target's base model forward (no hooks, no copies; no lm_head, which capture
                does not run either), under ``torch.no_grad``;
+- ``plain-batched``: the same forward on right-padded batches of ``--batch-size`` samples (input
+               order; tokens/s counts real tokens only). Not a capture mode (padded batches change
+               the low-order bits, see ``capture_sample_features``): it prices the batch-1 rule;
 - ``capture``: :func:`deepspec.target.capture.capture_sample_features` (hooks + feature concat);
 - ``write``:   the full cache write of the same samples to a temporary folder
                (:func:`deepspec.data.cache.write_target_cache`, float32 storage): rendering,
@@ -56,6 +59,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-conversations", type=int, default=8, help="conversations to use (default: 8)")
     p.add_argument("--max-seq-len", type=int, default=256, help="truncate samples to this many tokens (default: 256)")
     p.add_argument("--num-target-layers", type=int, default=5, help="feature layers, evenly spaced (default: 5)")
+    p.add_argument("--batch-size", type=int, default=8, help="batch of the plain-batched mode (default: 8)")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions of each mode, interleaved (default: 3)")
     p.add_argument("--storage-dtypes", nargs="+", default=["float32", "bfloat16", "fp8"],
                    help="storage modes for bytes/token (default: float32 bfloat16 fp8)")
@@ -63,7 +67,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave torch's default)")
     p.add_argument("--output-dir", default="runs/bench-cache", help="where the JSON and PNG go")
     args = p.parse_args(argv)
-    for name in ("num_conversations", "max_seq_len", "num_target_layers", "repeats"):
+    for name in ("num_conversations", "max_seq_len", "num_target_layers", "repeats", "batch_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
     return args
@@ -99,6 +103,22 @@ def _time_plain(base, ids_list: list[torch.Tensor], device: torch.device) -> flo
     return time.perf_counter() - t0
 
 
+def _time_plain_batched(base, ids_list: list[torch.Tensor], batch_size: int, device: torch.device) -> float:
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for b0 in range(0, len(ids_list), batch_size):
+            batch = ids_list[b0:b0 + batch_size]
+            width = max(len(t) for t in batch)
+            ids_BS = torch.zeros(len(batch), width, dtype=torch.long)
+            mask_BS = torch.zeros(len(batch), width, dtype=torch.long)
+            for b, ids_T in enumerate(batch):
+                ids_BS[b, : len(ids_T)] = ids_T
+                mask_BS[b, : len(ids_T)] = 1
+            base(input_ids=ids_BS.to(device), attention_mask=mask_BS.to(device), use_cache=False)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 def _time_capture(model, ids_list: list[torch.Tensor], layer_ids: list[int], device: torch.device) -> float:
     t0 = time.perf_counter()
     for ids_T in ids_list:
@@ -115,15 +135,6 @@ def _write(prepared: Path, out_dir: Path, model, tokenizer, *, layer_ids, args, 
     )
 
 
-def _formula_bytes_per_token(hidden: int, n: int, storage_dtype: str, layout: str | None = None) -> int | None:
-    try:
-        if layout is None:
-            return cache_mod.cache_bytes_per_token(hidden, n, storage_dtype)
-        return cache_mod.cache_bytes_per_token(hidden, n, storage_dtype, layout=layout)
-    except (TypeError, ValueError):  # a storage mode or layout this cache module does not offer
-        return None
-
-
 def _plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -132,7 +143,8 @@ def _plot(result: dict, path: Path) -> None:
 
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(10, 4))
     modes = list(result["tok_per_s"])
-    ax_t.bar(modes, [result["tok_per_s"][m] for m in modes], color=["#888", "#3a7", "#37a"])
+    ax_t.bar(modes, [result["tok_per_s"][m] for m in modes], color=["#888", "#bbb", "#3a7", "#37a"])
+    ax_t.tick_params(axis="x", labelrotation=20)
     ax_t.set_ylabel("tokens/s (median)")
     ax_t.set_title(f"capture overhead {100 * result['capture_overhead_frac']:+.1f} %")
     storage = [s for s in result["bytes_per_token"] if result["bytes_per_token"][s].get("on_disk")]
@@ -173,10 +185,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     # warm-up (allocator, kernels, lazy imports), then interleaved repetitions
     _time_plain(base, ids_list[:2], device)
+    _time_plain_batched(base, ids_list[:2], args.batch_size, device)
     _time_capture(model, ids_list[:2], layer_ids, device)
-    times: dict[str, list[float]] = {"plain": [], "capture": [], "capture+write": []}
+    times: dict[str, list[float]] = {"plain": [], "plain-batched": [], "capture": [], "capture+write": []}
     for rep in range(args.repeats):
         times["plain"].append(_time_plain(base, ids_list, device))
+        times["plain-batched"].append(_time_plain_batched(base, ids_list, args.batch_size, device))
         times["capture"].append(_time_capture(model, ids_list, layer_ids, device))
         t0 = time.perf_counter()
         summary = _write(prepared, work / f"write-{rep}", model, tokenizer, layer_ids=layer_ids, args=args,
@@ -191,18 +205,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     bytes_per_token: dict[str, dict] = {}
     for storage in args.storage_dtypes:
-        formula = _formula_bytes_per_token(hidden, len(layer_ids), storage)
-        if formula is None:
-            bytes_per_token[storage] = {"note": f"storage_dtype {storage!r} not offered by deepspec.data.cache"}
-            continue
-        try:
-            s = _write(prepared, work / f"size-{storage}", model, tokenizer, layer_ids=layer_ids, args=args,
-                       storage_dtype=storage, fingerprints=fingerprints)
-        except ValueError as exc:
-            bytes_per_token[storage] = {"formula": formula, "note": f"writer refused: {exc}"}
-            continue
+        formula = cache_mod.cache_bytes_per_token(hidden, len(layer_ids), storage)
+        s = _write(prepared, work / f"size-{storage}", model, tokenizer, layer_ids=layer_ids, args=args,
+                   storage_dtype=storage, fingerprints=fingerprints)
         bytes_per_token[storage] = {"on_disk": s.total_bytes / s.num_tokens, "formula": formula}
-    original = _formula_bytes_per_token(hidden, len(layer_ids), "bfloat16", layout="original")
+    original = cache_mod.cache_bytes_per_token(hidden, len(layer_ids), "bfloat16", layout="original")
 
     result = {
         "target": args.target,
@@ -217,6 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
         "num_target_layers": len(layer_ids),
         "hidden_size": hidden,
         "repeats": args.repeats,
+        "batch_size": args.batch_size,
         "times_s": times,
         "median_s": median_s,
         "tok_per_s": tok_per_s,
@@ -236,12 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"capture + cache write {100 * write_overhead:+.1f} %")
     print(f"\n{'storage':<10}{'on disk B/tok':>15}{'formula B/tok':>15}")
     for storage, v in bytes_per_token.items():
-        if "on_disk" in v:
-            print(f"{storage:<10}{v['on_disk']:>15.1f}{v['formula']:>15}")
-        else:
-            print(f"{storage:<10}  skipped: {v['note']}")
-    if original is not None:
-        print(f"original DeepSpec layout, bf16: {original} B/tok")
+        print(f"{storage:<10}{v['on_disk']:>15.1f}{v['formula']:>15}")
+    print(f"original DeepSpec layout, bf16: {original} B/tok")
     print(f"\nwrote {out / 'cache_bench.json'} and {out / 'cache_bench.png'}")
     shutil.rmtree(work, ignore_errors=True)
     return result
