@@ -125,9 +125,9 @@ def run_demo(cfg: DemoConfig) -> dict:
         checkpoint = run_train_stage(train_cfg, target_model=target_model, tokenizer=tokenizer)
     timings["train_s"] = time.perf_counter() - t0
 
-    from deepspec.models.dspark import DSparkDraftModel
+    from deepspec.models.registry import load_draft
 
-    trained = DSparkDraftModel.from_pretrained(checkpoint / "draft")
+    trained = load_draft(checkpoint / "draft")[1]
     untrained = build_draft(target_model, tokenizer, train_cfg, list(trained.config.target_layer_ids))
     t0 = time.perf_counter()
     results = run_eval_stage(

@@ -195,11 +195,10 @@ def draft_folder(path: str | Path) -> Path:
 
 
 def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts: dict | None = None) -> dict:
-    """Evaluate each draft (name -> DSparkDraftModel; default: loaded from ``cfg.draft``)."""
+    """Evaluate each draft (name -> draft model of any registered algorithm; default: loaded from ``cfg.draft``)."""
     from deepspec.eval.benchmarks import load_benchmark
-    from deepspec.eval.proposers import DSparkProposer
     from deepspec.eval.run import run_eval
-    from deepspec.models.dspark import DSparkDraftModel
+    from deepspec.models.registry import algorithm_for_model, load_draft
     from deepspec.target.load import load_target
 
     if target_model is None:
@@ -209,7 +208,7 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
         for path in cfg.draft:
             folder = draft_folder(path)
             name = folder.parent.name if folder.name == "draft" else folder.name
-            drafts[name] = DSparkDraftModel.from_pretrained(folder)
+            drafts[name] = load_draft(folder)[1]
     layer_ids = None
     for name, model in drafts.items():
         model.eval()
@@ -222,7 +221,7 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
             )
     max_positions = target_model.config.max_position_embeddings
     proposers = {
-        name: DSparkProposer(
+        name: algorithm_for_model(model).proposer(
             model,
             confidence_threshold=cfg.confidence_threshold if cfg.confidence_threshold > 0 else None,
             max_positions=max_positions,

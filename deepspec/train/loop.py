@@ -22,12 +22,9 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from deepspec.data.cache import TargetCache, check_compatible
-from deepspec.models.anchors import sample_anchors
-from deepspec.models.config import dflash_knobs, draft_config_from_target
-from deepspec.models.dspark import DSparkDraftModel
-from deepspec.models.loss import dspark_loss, supervision_weights
-from deepspec.models.mask_token import check_mask_token_absent, choose_mask_token_id
 from deepspec.data.online import OnlineTargetFeatures
+from deepspec.models.mask_token import check_mask_token_absent
+from deepspec.models.registry import ALGORITHMS, get_algorithm
 from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
 from deepspec.target.load import load_target, target_fingerprint, tokenizer_fingerprint
 from deepspec.train.data import collate, micro_batch_indices
@@ -51,7 +48,7 @@ class TrainConfig:
     max_seq_len: int = 1024  # online only (a cache records its own)
     online_feature_dtype: str = "float32"  # online only: the cache storage dtype to reproduce (or fp8)
     target: str = "default"  # "default" (the embedded SmolLM2) or a Hugging Face model folder
-    algorithm: str = "dspark"  # dspark | dflash (DFlash = the same backbone without heads, CE only)
+    algorithm: str = "dspark"  # a registered algorithm (deepspec.models.registry): dspark | dflash | ...
     num_draft_layers: int = 1  # decoder layers of the draft
     block_size: int = 7  # slots per draft block: the anchor + block_size - 1 mask slots, each proposes one token
     num_anchors: int = 32  # anchor positions sampled per sequence per step (DESIGN s.5)
@@ -85,8 +82,8 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}: expected an integer >= 1, got {getattr(self, name)}")
-        if self.algorithm not in ("dspark", "dflash"):
-            raise ValueError(f"train.algorithm: expected 'dspark' or 'dflash', got {self.algorithm!r}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"train.algorithm: expected one of {sorted(ALGORITHMS)}, got {self.algorithm!r}")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"train.dtype: expected 'fp32' or 'bf16', got {self.dtype!r}")
         if not 0.0 <= self.warmup_frac < 1.0:
@@ -95,29 +92,14 @@ class TrainConfig:
             raise ValueError(f"train.lr and train.grad_clip must be > 0, got {self.lr} and {self.grad_clip}")
 
 
-def build_draft(target_model, tokenizer, cfg: TrainConfig, target_layer_ids: list[int]) -> DSparkDraftModel:
-    """A freshly initialised draft of the shape ``cfg`` asks for, seeded by ``cfg.seed``.
+def build_draft(target_model, tokenizer, cfg: TrainConfig, target_layer_ids: list[int]) -> torch.nn.Module:
+    """A freshly initialised draft of ``cfg.algorithm`` and the shape ``cfg`` asks for, seeded by ``cfg.seed``.
 
     The same call with the same seed gives the same untrained draft (used as the eval control).
     """
-    mask_token_id = choose_mask_token_id(
-        tokenizer, target_model.get_input_embeddings().num_embeddings, cfg.mask_token
-    )
-    knobs = {} if cfg.algorithm == "dspark" else dflash_knobs()
-    draft_config = draft_config_from_target(
-        target_model.config,
-        num_draft_layers=cfg.num_draft_layers,
-        target_layer_ids=target_layer_ids,
-        mask_token_id=mask_token_id,
-        block_size=cfg.block_size,
-        markov_rank=cfg.markov_rank,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **knobs,
-    )
     with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG
         torch.manual_seed(cfg.seed)
-        return DSparkDraftModel.from_target(target_model, draft_config)
+        return get_algorithm(cfg.algorithm).build(target_model, tokenizer, cfg, target_layer_ids)
 
 
 def _lr_schedule(optimizer, cfg: TrainConfig):
@@ -216,6 +198,7 @@ def train(cfg: TrainConfig, *, target_model=None, tokenizer=None) -> Path:
         target_model, tokenizer = load_target(cfg.target)
     cache = open_training_data(cfg, target_model, tokenizer)
     target_layer_ids = cache.target_layer_ids
+    algorithm = get_algorithm(cfg.algorithm)
     model = build_draft(target_model, tokenizer, cfg, target_layer_ids)
     check_mask_token_absent(
         model.config.mask_token_id, (cache.read(i, ("input_ids",))["input_ids"] for i in range(len(cache)))
@@ -228,7 +211,7 @@ def train(cfg: TrainConfig, *, target_model=None, tokenizer=None) -> Path:
     resume_from = _resolve_resume(cfg)
     if resume_from is not None:
         state = torch.load(resume_from / TRAINER_STATE, weights_only=False)
-        model.load_state_dict(DSparkDraftModel.from_pretrained(resume_from / "draft").state_dict())
+        model.load_state_dict(algorithm.load(resume_from / "draft").state_dict())
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
@@ -255,28 +238,11 @@ def train(cfg: TrainConfig, *, target_model=None, tokenizer=None) -> Path:
                 len(cache), cfg.batch_size, seed=cfg.seed, micro_step=step * cfg.grad_accum_steps + m
             )
             batch = collate([cache[i] for i in indices], indices)
-            anchor_pos_BA, block_valid_BA = sample_anchors(batch.loss_mask_BS, cfg.num_anchors, generator)
-            micro.append((batch, anchor_pos_BA, block_valid_BA))
-        weight_sum = sum(
-            supervision_weights(b.loss_mask_BS, a, v, model.config)[1].sum() for b, a, v in micro
-        )
+            micro.append(algorithm.prepare(model, batch, generator, cfg))
+        weight_sum = sum(algorithm.weight(model, prepared) for prepared in micro)
         totals: dict[str, float] = {}
-        for batch, anchor_pos_BA, block_valid_BA in micro:
-            with autocast:
-                output = model.forward_train(
-                    batch.input_ids_BS, batch.target_hidden_BSF, anchor_pos_BA, block_valid_BA
-                )
-            loss_out = dspark_loss(
-                output,
-                batch.input_ids_BS,
-                batch.loss_mask_BS,
-                anchor_pos_BA,
-                block_valid_BA,
-                batch.target_last_hidden_BSH,
-                model.lm_head,
-                model.config,
-                weight_sum=weight_sum,
-            )
+        for prepared in micro:
+            loss_out = algorithm.loss(model, prepared, weight_sum=weight_sum, autocast=autocast)
             loss_out.loss.backward()
             for key, value in loss_out.scalars().items():
                 totals[key] = totals.get(key, 0.0) + value

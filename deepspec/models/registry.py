@@ -1,0 +1,206 @@
+"""Drafting algorithms behind one small protocol, and the registry the trainer and evaluation use.
+
+An algorithm is three things (DESIGN.md sections 5-6): a draft model (built from the target's
+configuration, saved and loaded as safetensors + ``config.json``), a training loss, and a proposer
+for the speculative decoding engine. The trainer runs every algorithm through the same loop:
+
+    prepared = algo.prepare(model, batch, generator)      # per micro-batch (e.g. DSpark's anchors)
+    weight_sum = sum(algo.weight(model, p) for p in micro)  # the global batch's supervision weight
+    out = algo.loss(model, prepared, weight_sum=weight_sum) # sum over the micro-batch / weight_sum
+
+so the loss of a step is the supervision-weighted mean over the whole global batch, whatever the
+micro-batching (and, under data parallelism, ranks all-reduce ``weight_sum``).
+
+Shape legend: B batch, S padded sequence length, A anchors per sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from deepspec.train.data import TrainBatch
+
+DRAFT_CONFIG_NAME = "config.json"
+
+
+class LossLike(Protocol):
+    loss: torch.Tensor  # scalar, differentiable: this micro-batch's share of the global-batch mean
+
+    def scalars(self) -> dict[str, float]: ...  # what the trainer logs (summed over micro-batches)
+
+
+class DraftAlgorithm(Protocol):
+    """What the trainer and the evaluation need from a drafting algorithm."""
+
+    name: str
+
+    def build(self, target_model: nn.Module, tokenizer: Any, cfg: Any, target_layer_ids: list[int]) -> nn.Module:
+        """A freshly initialised draft for this target (``cfg``: the trainer's config; the caller seeds)."""
+        ...
+
+    def load(self, path: str | Path) -> nn.Module:
+        """A draft saved by ``model.save_pretrained(path)``."""
+        ...
+
+    def prepare(self, model: nn.Module, batch: TrainBatch, generator: torch.Generator, cfg: Any) -> Any:
+        """Everything a micro-batch's loss needs besides the model (a pure function of the generator state)."""
+        ...
+
+    def weight(self, model: nn.Module, prepared: Any) -> torch.Tensor:
+        """This micro-batch's total supervision weight (float scalar), for global-batch normalisation."""
+        ...
+
+    def loss(self, model: nn.Module, prepared: Any, *, weight_sum: torch.Tensor, autocast: Any) -> LossLike:
+        """The micro-batch's weighted loss sum divided by ``weight_sum`` (the global batch's weight)."""
+        ...
+
+    def proposer(self, model: nn.Module, *, confidence_threshold: float | None = None,
+                 max_positions: int | None = None) -> Any:
+        """A :class:`deepspec.eval.proposers.Proposer` drafting with ``model`` (algorithms without a
+        confidence head ignore ``confidence_threshold``)."""
+        ...
+
+    def owns(self, model: nn.Module) -> bool:
+        """Whether ``model`` is a draft of this algorithm's model class."""
+        ...
+
+
+# ----------------------------------------------------------------------------------------------- DSpark
+
+
+@dataclass
+class _BlockMicroBatch:
+    batch: TrainBatch
+    anchor_pos_BA: torch.Tensor
+    block_valid_BA: torch.Tensor
+
+
+class DSparkAlgorithm:
+    """DSpark (DESIGN s.5): block-parallel drafter with Markov and confidence heads. With
+    ``heads=False`` it is DFlash: the same backbone, CE loss only."""
+
+    def __init__(self, name: str, *, heads: bool) -> None:
+        self.name = name
+        self.heads = heads
+
+    def build(self, target_model, tokenizer, cfg, target_layer_ids):
+        from deepspec.models.config import dflash_knobs, draft_config_from_target
+        from deepspec.models.dspark import DSparkDraftModel
+        from deepspec.models.mask_token import choose_mask_token_id
+
+        mask_token_id = choose_mask_token_id(
+            tokenizer, target_model.get_input_embeddings().num_embeddings, cfg.mask_token
+        )
+        draft_config = draft_config_from_target(
+            target_model.config,
+            num_draft_layers=cfg.num_draft_layers,
+            target_layer_ids=target_layer_ids,
+            mask_token_id=mask_token_id,
+            block_size=cfg.block_size,
+            markov_rank=cfg.markov_rank,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **({} if self.heads else dflash_knobs()),
+        )
+        return DSparkDraftModel.from_target(target_model, draft_config)
+
+    def load(self, path):
+        from deepspec.models.dspark import DSparkDraftModel
+
+        return DSparkDraftModel.from_pretrained(path)
+
+    def prepare(self, model, batch, generator, cfg):
+        from deepspec.models.anchors import sample_anchors
+
+        anchor_pos_BA, block_valid_BA = sample_anchors(batch.loss_mask_BS, cfg.num_anchors, generator)
+        return _BlockMicroBatch(batch, anchor_pos_BA, block_valid_BA)
+
+    def weight(self, model, prepared):
+        from deepspec.models.loss import supervision_weights
+
+        return supervision_weights(
+            prepared.batch.loss_mask_BS, prepared.anchor_pos_BA, prepared.block_valid_BA, model.config
+        )[1].sum()
+
+    def loss(self, model, prepared, *, weight_sum, autocast):
+        from deepspec.models.loss import dspark_loss
+
+        b = prepared.batch
+        with autocast:
+            output = model.forward_train(b.input_ids_BS, b.target_hidden_BSF, prepared.anchor_pos_BA,
+                                         prepared.block_valid_BA)
+        return dspark_loss(output, b.input_ids_BS, b.loss_mask_BS, prepared.anchor_pos_BA, prepared.block_valid_BA,
+                           b.target_last_hidden_BSH, model.lm_head, model.config, weight_sum=weight_sum)
+
+    def proposer(self, model, *, confidence_threshold=None, max_positions=None):
+        from deepspec.eval.proposers import DSparkProposer
+
+        return DSparkProposer(model, confidence_threshold=confidence_threshold, max_positions=max_positions)
+
+    def owns(self, model):
+        from deepspec.models.dspark import DSparkDraftModel
+
+        return isinstance(model, DSparkDraftModel) and (
+            self.heads == (model.config.use_markov_head or model.config.use_confidence_head))
+
+
+# ----------------------------------------------------------------------------------------------- registry
+
+ALGORITHMS: dict[str, Callable[[], DraftAlgorithm]] = {
+    "dspark": lambda: DSparkAlgorithm("dspark", heads=True),
+    "dflash": lambda: DSparkAlgorithm("dflash", heads=False),
+}
+
+
+def get_algorithm(name: str) -> DraftAlgorithm:
+    """The algorithm registered under ``name``.
+
+    Raises:
+        ValueError: an unknown name (the message lists the registered ones).
+    """
+    if name not in ALGORITHMS:
+        raise ValueError(f"algorithm: expected one of {sorted(ALGORITHMS)}, got {name!r}")
+    return ALGORITHMS[name]()
+
+
+def algorithm_of_draft(path: str | Path) -> str:
+    """The algorithm that saved the draft folder ``path`` (its ``config.json``: ``deepspec_algorithm``,
+    else DSpark/DFlash by whether the heads are present).
+
+    Raises:
+        FileNotFoundError: no ``config.json`` in ``path``.
+    """
+    import json
+
+    config_path = Path(path) / DRAFT_CONFIG_NAME
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{path}: no {DRAFT_CONFIG_NAME}; pass a draft folder written by `deepspec train`")
+    cfg = json.loads(config_path.read_text(encoding="utf-8"))
+    if "deepspec_algorithm" in cfg:
+        return str(cfg["deepspec_algorithm"])
+    return "dspark" if cfg.get("use_markov_head", True) or cfg.get("use_confidence_head", True) else "dflash"
+
+
+def load_draft(path: str | Path) -> tuple[str, nn.Module]:
+    """``(algorithm name, model)`` of a saved draft folder."""
+    name = algorithm_of_draft(path)
+    return name, get_algorithm(name).load(path)
+
+
+def algorithm_for_model(model: nn.Module) -> DraftAlgorithm:
+    """The registered algorithm whose drafts look like ``model``.
+
+    Raises:
+        ValueError: no registered algorithm owns this model class.
+    """
+    for make in ALGORITHMS.values():
+        algo = make()
+        if algo.owns(model):
+            return algo
+    raise ValueError(f"no registered drafting algorithm owns a {type(model).__name__}")
