@@ -4,8 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= runs/demo
+RECIPE_OUT ?= runs/recipe
 
-.PHONY: install demo test clean
+.PHONY: install demo recipe test clean
 
 install: $(VENV)/.installed
 
@@ -21,6 +22,10 @@ $(VENV)/.installed: pyproject.toml
 
 demo: install
 	$(VENV)/bin/deepspec demo --output-dir $(DEMO_OUT)
+
+# The CPU recipe: DSpark, DFlash and Eagle3 trained on the same data with the same budget, one report.
+recipe: install
+	$(VENV)/bin/deepspec demo --output-dir $(RECIPE_OUT) --algorithms dspark dflash eagle3
 
 test: install
 	$(PY) -m pytest -q

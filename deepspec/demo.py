@@ -11,7 +11,7 @@ training stage resumes from its latest checkpoint), so an interrupted demo conti
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from deepspec.data.prepare import PrepareConfig
@@ -50,8 +50,17 @@ class DemoConfig:
     eval_max_new_tokens: int = 48  # per prompt
     temperature: float = 0.0  # eval decoding; 0 = greedy
     seed: int = 0  # prepare and training seed
+    # drafting algorithms trained on the same cache with the same budget and evaluated together
+    # (`make recipe`: dspark dflash eagle3); the first one also gets an untrained control
+    algorithms: list[str] = field(default_factory=lambda: ["dspark"])
 
     def __post_init__(self) -> None:
+        from deepspec.models.registry import ALGORITHMS
+
+        unknown = [a for a in self.algorithms if a not in ALGORITHMS]
+        if unknown or not self.algorithms or len(set(self.algorithms)) != len(self.algorithms):
+            raise ValueError(f"demo.algorithms: expected distinct names among {sorted(ALGORITHMS)}, "
+                             f"got {self.algorithms}")
         for name in ("num_conversations", "train_steps", "eval_num_prompts", "eval_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"demo.{name}: expected an integer >= 1, got {getattr(self, name)}")
@@ -104,35 +113,44 @@ def run_demo(cfg: DemoConfig) -> dict:
     )
     timings["cache_s"] = time.perf_counter() - t0
 
-    train_dir = out / "train"
-    train_cfg = TrainConfig(
-        cache_dir=str(cache_dir),
-        output_dir=str(train_dir),
-        num_draft_layers=cfg.num_draft_layers,
-        max_steps=cfg.train_steps,
-        batch_size=cfg.batch_size,
-        num_anchors=cfg.num_anchors,
-        markov_rank=cfg.markov_rank,
-        lr=cfg.lr,
-        seed=cfg.seed,
-        resume="auto",
-    )
-    t0 = time.perf_counter()
-    if _done_training(train_dir, cfg.train_steps):
-        checkpoint = train_dir / (train_dir / LATEST).read_text().strip()
-        print(f"train: reusing {checkpoint}")
-    else:
-        checkpoint = run_train_stage(train_cfg, target_model=target_model, tokenizer=tokenizer)
-    timings["train_s"] = time.perf_counter() - t0
-
     from deepspec.models.registry import load_draft
 
-    trained = load_draft(checkpoint / "draft")[1]
-    untrained = build_draft(target_model, tokenizer, train_cfg, list(trained.config.target_layer_ids))
+    drafts = {}
+    checkpoints = []
+    untrained = None
+    for algorithm in cfg.algorithms:
+        train_dir = out / ("train" if algorithm == "dspark" else f"train-{algorithm}")
+        train_cfg = TrainConfig(
+            cache_dir=str(cache_dir),
+            output_dir=str(train_dir),
+            algorithm=algorithm,
+            num_draft_layers=cfg.num_draft_layers,
+            max_steps=cfg.train_steps,
+            batch_size=cfg.batch_size,
+            num_anchors=cfg.num_anchors,
+            markov_rank=cfg.markov_rank,
+            lr=cfg.lr,
+            seed=cfg.seed,
+            resume="auto",
+        )
+        t0 = time.perf_counter()
+        if _done_training(train_dir, cfg.train_steps):
+            checkpoint = train_dir / (train_dir / LATEST).read_text().strip()
+            print(f"train {algorithm}: reusing {checkpoint}")
+        else:
+            checkpoint = run_train_stage(train_cfg, target_model=target_model, tokenizer=tokenizer)
+        timings[f"train_{algorithm}_s" if len(cfg.algorithms) > 1 else "train_s"] = time.perf_counter() - t0
+        checkpoints.append(str(checkpoint))
+        drafts[f"{algorithm}-trained"] = load_draft(checkpoint / "draft")[1]
+        if untrained is None:  # the control: the first algorithm's draft at its initialisation
+            layer_ids = list(drafts[f"{algorithm}-trained"].config.target_layer_ids)
+            untrained = (f"{algorithm}-untrained", build_draft(target_model, tokenizer, train_cfg, layer_ids))
+    drafts[untrained[0]] = untrained[1]
+
     t0 = time.perf_counter()
     results = run_eval_stage(
         EvalConfig(
-            draft=[str(checkpoint)],
+            draft=checkpoints,  # recorded in the report's config; the loaded drafts are passed below
             output_dir=str(out / "eval"),
             num_prompts=cfg.eval_num_prompts,
             max_new_tokens=cfg.eval_max_new_tokens,
@@ -141,11 +159,11 @@ def run_demo(cfg: DemoConfig) -> dict:
         ),
         target_model=target_model,
         tokenizer=tokenizer,
-        drafts={"dspark-trained": trained, "dspark-untrained": untrained},
+        drafts=drafts,
     )
     timings["eval_s"] = time.perf_counter() - t0
     atomic_write_json(out / "demo_timings.json", timings)
-    print(summary_table(results, ("dspark-trained", "dspark-untrained")))
+    print(summary_table(results, tuple(drafts)))
     print("demo stage times (s): " + ", ".join(f"{k[:-2]} {v:.0f}" for k, v in timings.items()))
     print(f"report: {out / 'eval' / 'eval_report.md'}")
     return results

@@ -53,6 +53,7 @@ class TrainConfig:
     block_size: int = 7  # slots per draft block: the anchor + block_size - 1 mask slots, each proposes one token
     num_anchors: int = 32  # anchor positions sampled per sequence per step (DESIGN s.5)
     markov_rank: int = 256  # rank of the Markov head's low-rank bigram factorisation
+    markov_head: str = "vanilla"  # DSpark Markov head variant: vanilla | gated | rnn
     mask_token: str | None = None  # token used as the block's mask input; None = a spare embedding row
     batch_size: int = 4  # sequences per micro-batch
     grad_accum_steps: int = 1  # micro-batches per optimizer step
