@@ -177,7 +177,8 @@ def run_train_stage(cfg, *, target_model=None, tokenizer=None) -> Path:
     from deepspec.train.loop import train
 
     checkpoint = train(cfg, target_model=target_model, tokenizer=tokenizer)
-    print(f"train: final checkpoint {checkpoint}")
+    if _distributed_env()[0] == 0:
+        print(f"train: final checkpoint {checkpoint}")
     return checkpoint
 
 

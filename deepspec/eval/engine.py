@@ -204,7 +204,7 @@ class SpeculativeEngine:
         logits_V = self.target_model.get_output_embeddings()(out.target_last_hidden_BTH[0, -1])
         anchor = self._sample_first(logits_V, temperature, generator)
         anchor_pos = len(prompt_ids)
-        self.proposer.extend_context(out.target_hidden_BTF[0])
+        self.proposer.extend_context(out.target_hidden_BTF[0], list(prompt_ids))
         result.output_ids.append(anchor)
         self._sync()
         result.ttft_s = time.perf_counter() - t0
@@ -239,7 +239,8 @@ class SpeculativeEngine:
             # Commit accepted + 1; keep KV and features of the verified positions anchor..anchor+accepted.
             num_verified = res.num_accepted + 1
             crop_kv_cache(cache, anchor_pos + num_verified)
-            self.proposer.extend_context(out.target_hidden_BTF[0, :num_verified])
+            self.proposer.extend_context(out.target_hidden_BTF[0, :num_verified],
+                                         [anchor, *draft_ids_N[: res.num_accepted].tolist()])
             result.output_ids.extend(res.committed)
             anchor, anchor_pos = res.committed[-1], anchor_pos + num_verified
             self._sync()

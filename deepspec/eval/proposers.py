@@ -6,9 +6,9 @@ width (``len(target_layer_ids) * hidden_size``).
 The engine (``deepspec.eval.engine``) drives every proposer through the same three calls:
 
 1. ``reset()`` before each prompt;
-2. ``extend_context(target_hidden_TF)`` with the target features of the next committed positions,
-   in order (first the whole prompt after prefill, then after every verify step the features of
-   the verified, committed positions ``anchor .. anchor + num_accepted``);
+2. ``extend_context(target_hidden_TF, token_ids_T)`` with the target features of the next committed
+   positions and the tokens at those positions, in order (first the whole prompt after prefill,
+   then after every verify step the verified, committed positions ``anchor .. anchor + num_accepted``);
 3. ``propose(anchor_token, anchor_pos, temperature=..., generator=...)``.
 
 Context invariant: when ``propose(anchor_pos=p)`` is called the proposer has received the features
@@ -88,8 +88,9 @@ class Proposer(Protocol):
         """Forget all context (called before every prompt)."""
         ...
 
-    def extend_context(self, target_hidden_TF: Tensor) -> None:
-        """Append the target features of the next committed positions, in order (``[T, F]``)."""
+    def extend_context(self, target_hidden_TF: Tensor, token_ids_T: list[int]) -> None:
+        """Append the target features of the next committed positions, in order (``[T, F]``), with the
+        tokens at those positions (``T`` ids; Eagle3 pairs each feature with the next token)."""
         ...
 
     def propose(
@@ -114,7 +115,7 @@ class NullProposer:
     def reset(self) -> None:
         pass
 
-    def extend_context(self, target_hidden_TF: Tensor) -> None:
+    def extend_context(self, target_hidden_TF: Tensor, token_ids_T: list[int]) -> None:
         pass
 
     def propose(
@@ -138,7 +139,8 @@ class DSparkProposer:
 
     One block forward ``[anchor, m, .., m]`` at positions ``anchor_pos .. anchor_pos+K-1`` attending
     to the cached context K/V (``DSparkDraftModel.block_hidden``), then a cheap serial pass: slot
-    ``k``'s logits are ``base_k + markov_w2(markov_w1[prev])`` with ``prev`` = the anchor for k=0 and
+    ``k``'s logits are ``base_k`` + the Markov head's bias (``DSparkDraftModel.slot_step``: vanilla
+    ``markov_w2(markov_w1[prev])``, or the gated / rnn variant) with ``prev`` = the anchor for k=0 and
     the token just drafted afterwards (DSpark paper, "parallel backbone + sequential correction").
     ``probs = softmax(logits / T)`` in fp32 is both sampled from and returned. At T=0 the token is
     the argmax and ``draft_probs_NV`` is ``None`` (greedy verify reads only the tokens).
@@ -167,8 +169,8 @@ class DSparkProposer:
     def reset(self) -> None:
         self.cache = self.model.new_context_cache()
 
-    def extend_context(self, target_hidden_TF: Tensor) -> None:
-        self.model.append_context(self.cache, target_hidden_TF)
+    def extend_context(self, target_hidden_TF: Tensor, token_ids_T: list[int]) -> None:
+        self.model.append_context(self.cache, target_hidden_TF)  # DSpark's context is the features alone
 
     @torch.no_grad()
     def propose(
@@ -189,15 +191,11 @@ class DSparkProposer:
         dev = hidden_KD.device
         prev = torch.tensor([int(anchor_token)], device=dev)
         ids, probs_rows, conf = [], [], []
+        markov_state = None  # the Markov head's state along the block (rnn variant; None otherwise)
         for k in range(n_max):
-            logits_V = base_KV[k].float()
-            feats = None
-            if m.markov_head is not None:
-                feats = m.markov_head.features(prev)[0]
-                logits_V = logits_V + m.markov_head.bias(feats).float()
-            if m.confidence_head is not None:
-                x = hidden_KD[k] if feats is None else torch.cat([hidden_KD[k], feats.to(hidden_KD.dtype)])
-                c = torch.sigmoid(m.confidence_head(x).float())
+            logits_V, conf_logit, markov_state = m.slot_step(hidden_KD[k], base_KV[k], prev, markov_state)
+            if conf_logit is not None:
+                c = torch.sigmoid(conf_logit.float())
                 if self.confidence_threshold is not None and float(c) < self.confidence_threshold:
                     break
                 conf.append(c.reshape(()))
@@ -216,3 +214,106 @@ class DSparkProposer:
             draft_probs_NV=torch.stack(probs_rows) if probs_rows else None,
             confidence_N=torch.stack(conf).float() if conf else None,
         )
+
+
+# =====================================================================================
+# Eagle3Proposer (helper E3, issue 4).
+# =====================================================================================
+
+
+class Eagle3Proposer:
+    """Eagle3 chain drafter behind the :class:`Proposer` protocol (``deepspec.models.eagle3``).
+
+    Draft row ``t`` pairs the target feature of position ``t`` with the token at ``t + 1``, so the
+    proposer needs the committed *tokens* as well as their features: ``extend_context`` takes
+    ``token_ids_T``, the tokens at the same positions as ``target_hidden_TF``. A row enters the draft's KV cache (step 0,
+    from target features) once its next token is known; ``propose(anchor_token, anchor_pos)``
+    therefore first commits rows ``.. anchor_pos - 1`` (the last one reads the anchor), then drafts
+    ``k`` tokens by chaining: step ``j >= 1`` reads the token drafted at step ``j - 1`` and that
+    step's own pre-norm hidden state, at RoPE position ``anchor_pos - 1 + j``, attending to every
+    committed row and to the chain's earlier steps (the TTT attention rule). Chain K/V are never
+    committed: after verify, the accepted positions come back with real target features through
+    ``extend_context``, so a rejection needs no crop of the draft's cache.
+
+    ``k`` defaults to the draft's ``ttt_steps``; ``max_positions`` caps drafted positions as in
+    :class:`DSparkProposer`. At T = 0 tokens are argmaxes and ``draft_probs_NV`` is None; at T > 0
+    ``softmax(logits / T)`` (fp32) is sampled from and returned.
+    """
+
+
+    def __init__(self, model, *, k: int | None = None, max_positions: int | None = None):
+        from deepspec.models.eagle3 import Eagle3DraftModel
+
+        if not isinstance(model, Eagle3DraftModel):
+            raise ValueError(f"Eagle3Proposer.model: expected an Eagle3DraftModel, received {type(model).__name__}.")
+        self.model = model.eval()
+        self.max_proposal_len = int(k if k is not None else model.config.ttt_steps)
+        if self.max_proposal_len < 1:
+            raise ValueError(f"Eagle3Proposer.k: expected >= 1, received {self.max_proposal_len}.")
+        self.max_positions = int(max_positions if max_positions is not None
+                                 else model.config.max_position_embeddings)
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = self.model.new_cache()
+        self.tokens: list[int] = []  # committed tokens by position (0 .. num_features - 1)
+        self.pending: list[Tensor] = []  # features [F] of positions cache.length .. num_features - 1
+        self.last_hidden: Tensor | None = None  # step-0 output of the last committed row
+
+    @property
+    def num_features(self) -> int:
+        return self.cache.length + len(self.pending)
+
+    def extend_context(self, target_hidden_TF: Tensor, token_ids_T: Tensor | list[int]) -> None:
+        ids = [int(t) for t in (token_ids_T.tolist() if isinstance(token_ids_T, Tensor) else token_ids_T)]
+        if len(ids) != target_hidden_TF.shape[0]:
+            raise ValueError(f"Eagle3Proposer.extend_context: expected {target_hidden_TF.shape[0]} token ids (one per "
+                             f"feature row), received {len(ids)}.")
+        start = self.num_features
+        del self.tokens[start:]
+        self.tokens.extend(ids)
+        self.pending.extend(target_hidden_TF.unbind(0))
+
+    @torch.no_grad()
+    def propose(
+        self,
+        anchor_token: int,
+        anchor_pos: int,
+        *,
+        temperature: float,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        m = self.model
+        dev = m.fc.weight.device
+        if anchor_pos < 1 or self.num_features != anchor_pos:
+            raise ValueError(f"Eagle3Proposer.propose: expected features of exactly positions 0..{anchor_pos - 1}, "
+                             f"received {self.num_features}.")
+        n_max = min(self.max_proposal_len, self.max_positions - 1 - int(anchor_pos))
+        if n_max <= 0:
+            return Proposal.empty(dev)
+        del self.tokens[anchor_pos:]
+        self.tokens.append(int(anchor_token))
+        # Commit rows cache.length .. anchor_pos - 1 (row t reads token t + 1; the last reads the anchor).
+        start = self.cache.length
+        if self.pending:
+            next_ids = torch.tensor(self.tokens[start + 1: anchor_pos + 1], dtype=torch.long, device=dev)
+            self.last_hidden = m.commit_rows(self.cache, next_ids, torch.stack(self.pending))[-1]
+            self.pending = []
+        hidden = self.last_hidden
+        chain_k: list[Tensor] = []
+        chain_v: list[Tensor] = []
+        ids, probs_rows = [], []
+        for j in range(n_max):
+            if j > 0:
+                hidden = m.chain_step(self.cache, chain_k, chain_v, ids[-1], hidden, anchor_pos - 1 + j)
+            logits_V = m.logits(hidden).float()
+            if temperature <= 0:
+                tok = logits_V.argmax().view(1)
+            else:
+                p_V = torch.softmax(logits_V / temperature, dim=-1)
+                tok = torch.multinomial(p_V.to(generator.device if generator is not None else p_V.device), 1,
+                                        generator=generator).to(dev)
+                probs_rows.append(p_V)
+            ids.append(tok)
+        return Proposal(draft_ids_N=torch.cat(ids).long(),
+                        draft_probs_NV=torch.stack(probs_rows) if probs_rows else None)

@@ -24,6 +24,13 @@ _FAMILIES: dict[str, tuple[str, str, str]] = {
 }
 SUPPORTED_FAMILIES = tuple(_FAMILIES)
 
+# DSpark Markov head variants (DeepSpec's ``markov_head_type``; see deepspec.models.dspark):
+#   vanilla: bias_k = W2 W1[prev_k]
+#   gated:   bias_k = W2 (sigmoid(gate_proj([h_k ; W1[prev_k]])) * W1[prev_k])
+#   rnn:     s_k = g * s_{k-1} + (1 - g) * tanh(c), bias_k = W2 tanh(o) with
+#            [g_raw ; c ; o] = joint_proj([s_{k-1} ; W1[prev_k] ; h_k]), g = sigmoid(g_raw), s_0 = 0
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+
 # Architectures written into the draft checkpoint's config.json (original naming).
 ARCHITECTURES = {
     "llama": "LlamaDSparkModel",
@@ -73,6 +80,7 @@ class DraftConfig:
     pad_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     markov_rank: int = 256
+    markov_head_type: str = "vanilla"  # one of MARKOV_HEAD_TYPES
     use_markov_head: bool = True
     use_confidence_head: bool = True
     # --- loss (DESIGN s.5) ---
@@ -129,6 +137,9 @@ class DraftConfig:
         if self.use_markov_head and (not isinstance(self.markov_rank, int) or self.markov_rank <= 0):
             raise _err("markov_rank", "a positive integer when use_markov_head", self.markov_rank,
                        "Set markov_rank=256 or use_markov_head=False.")
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise _err("markov_head_type", f"one of {MARKOV_HEAD_TYPES}", self.markov_head_type,
+                       "Use 'vanilla' (the default), 'gated' or 'rnn' (train --markov-head).")
         if self.loss_decay_gamma <= 0:
             raise _err("loss_decay_gamma", "> 0", self.loss_decay_gamma, "The original uses 4.0.")
         for name in ("ce_weight", "l1_weight", "confidence_weight"):
@@ -226,6 +237,7 @@ def draft_config_from_target(
     mask_token_id: int,
     block_size: int = 7,
     markov_rank: int = 256,
+    markov_head_type: str = "vanilla",
     use_markov_head: bool = True,
     use_confidence_head: bool = True,
     pad_token_id: int | None = None,
@@ -238,6 +250,7 @@ def draft_config_from_target(
     Args:
         target_config: the target's ``PretrainedConfig`` (or anything with the same attributes).
             Family from ``model_type`` (llama, qwen3, qwen2, mistral).
+        markov_head_type: DSpark Markov head variant, one of :data:`MARKOV_HEAD_TYPES`.
         pad_token_id / eos_token_ids: ids the mask token must differ from (tokenizer's; defaults
             to the target config's ``pad_token_id`` / ``eos_token_id``). ``eos_token_id`` (int or
             list, tokenizer spelling) is accepted too; both are merged.
@@ -299,6 +312,7 @@ def draft_config_from_target(
         pad_token_id=None if pad_token_id is None else int(pad_token_id),
         eos_token_ids=sorted(set(eos_all)),
         markov_rank=markov_rank,
+        markov_head_type=markov_head_type,
         use_markov_head=use_markov_head,
         use_confidence_head=use_confidence_head,
         **knobs,

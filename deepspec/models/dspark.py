@@ -8,7 +8,8 @@ Architecture (parameter names follow the original DeepSpec DSpark checkpoints):
   embed_tokens (frozen copy of the target's), fc (Linear F -> D, no bias), hidden_norm,
   layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj [, self_attn.{q,k}_norm for qwen3],
   post_attention_layernorm, mlp.{gate,up,down}_proj}, norm, lm_head (frozen copy),
-  markov_head.{markov_w1 (Embedding V x r), markov_w2 (Linear r -> V, no bias)},
+  markov_head.{markov_w1 (Embedding V x r), markov_w2 (Linear r -> V, no bias)} (+ ``gate_proj``
+  for the ``gated`` variant, ``joint_proj`` for ``rnn``: see :class:`MarkovHead`),
   confidence_head.proj (Linear D + r -> 1, with bias).
 
 Each draft layer attends from the block's hidden states (queries) to
@@ -74,18 +75,92 @@ def _compiled_flex_attention():
 
 
 class MarkovHead(nn.Module):
-    """Rank-r bigram logit bias ``markov_w2(markov_w1[prev_token])`` (DSpark paper Eq. 5)."""
+    """``vanilla``: rank-r bigram logit bias ``markov_w2(markov_w1[prev_token])`` (DSpark paper Eq. 5).
 
-    def __init__(self, vocab_size: int, rank: int):
+    Every variant exposes the same two calls, so training and inference apply the same head:
+      * :meth:`step` ``(prev_ids_X, hidden_XD, state) -> (bias_XV, feats_Xr, state)``: one slot
+        (``state`` is ``None`` at the first slot of a block; the proposer threads it along);
+      * :meth:`block` ``(prev_ids_XK, hidden_XKD) -> (bias_XKV, feats_XKr)``: teacher-forced over a
+        block's K slots (training and the consistency tests), equal to K calls of :meth:`step`.
+    ``hidden`` is the slot's final (normed) draft hidden state, the one ``lm_head`` reads;
+    ``feats = markov_w1[prev]`` is what the confidence head reads, for every variant.
+    """
+
+    head_type = "vanilla"
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int | None = None):
         super().__init__()
+        self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
 
     def features(self, prev_ids: Tensor) -> Tensor:
-        return self.markov_w1(prev_ids)
+        return self.markov_w1(prev_ids.long())
 
     def bias(self, feats: Tensor) -> Tensor:
         return self.markov_w2(feats)
+
+    def step(self, prev_ids: Tensor, hidden: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        feats = self.features(prev_ids)
+        return self.bias(feats), feats, state
+
+    def block(self, prev_ids_XK: Tensor, hidden_XKD: Tensor) -> tuple[Tensor, Tensor]:
+        # memoryless: every slot at once
+        bias, feats, _ = self.step(prev_ids_XK, hidden_XKD, None)
+        return bias, feats
+
+
+class GatedMarkovHead(MarkovHead):
+    """``gated``: the bigram features are scaled per rank component by a learned sigmoid gate read
+    from the slot's hidden state and the features themselves (DeepSpec ``GatedMarkovHead``):
+    ``g = sigmoid(gate_proj([h_k ; W1[prev]]))``, ``bias = W2 (g * W1[prev])``."""
+
+    head_type = "gated"
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
+        super().__init__(vocab_size, rank)
+        self.gate_proj = nn.Linear(hidden_size + rank, rank)
+
+    def step(self, prev_ids, hidden, state):
+        feats = self.features(prev_ids)
+        f = feats.to(hidden.dtype)
+        gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, f], dim=-1)))
+        return self.bias((gate * f).to(self.markov_w2.weight.dtype)), feats, state
+
+
+class RNNMarkovHead(MarkovHead):
+    """``rnn``: a GRU-style state carried along the block (DeepSpec ``RNNHead``), so slot k's bias
+    depends on all earlier tokens of the block, not only the previous one:
+    ``[g ; c ; o] = joint_proj([s_{k-1} ; W1[prev_k] ; h_k])``, ``s_k = sigmoid(g) * s_{k-1} +
+    (1 - sigmoid(g)) * tanh(c)``, ``bias_k = W2 tanh(o)``, ``s_0 = 0`` at each block's first slot."""
+
+    head_type = "rnn"
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
+        super().__init__(vocab_size, rank)
+        self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+
+    def step(self, prev_ids, hidden, state):
+        feats = self.features(prev_ids)
+        f = feats.to(hidden.dtype)
+        if state is None:
+            state = f.new_zeros(f.shape)
+        z = torch.cat([state.to(hidden.dtype), f, hidden], dim=-1)
+        gate_raw, cand_raw, out_raw = self.joint_proj(z).chunk(3, dim=-1)
+        gate = torch.sigmoid(gate_raw)
+        new_state = gate * state + (1.0 - gate) * torch.tanh(cand_raw)
+        return self.bias(torch.tanh(out_raw).to(self.markov_w2.weight.dtype)), feats, new_state
+
+    def block(self, prev_ids_XK, hidden_XKD):
+        state, biases, feats = None, [], []
+        for k in range(prev_ids_XK.shape[-1]):
+            b, f, state = self.step(prev_ids_XK[..., k], hidden_XKD[..., k, :], state)
+            biases.append(b)
+            feats.append(f)
+        return torch.stack(biases, dim=-2), torch.stack(feats, dim=-2)
+
+
+MARKOV_HEADS = {cls.head_type: cls for cls in (MarkovHead, GatedMarkovHead, RNNMarkovHead)}
 
 
 class ConfidenceHead(nn.Module):
@@ -194,7 +269,8 @@ class DSparkDraftModel(nn.Module):
         self.norm = Norm(c.hidden_size, eps=c.rms_norm_eps)
         self.rotary_emb = c.family_class("RotaryEmbedding")(hf)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        self.markov_head = MarkovHead(c.vocab_size, c.markov_rank) if c.use_markov_head else None
+        self.markov_head = (MARKOV_HEADS[c.markov_head_type](c.vocab_size, c.markov_rank, c.hidden_size)
+                            if c.use_markov_head else None)
         self.confidence_head = ConfidenceHead(c.hidden_size + c.markov_dim) if c.use_confidence_head else None
         self._init_weights()
         self.freeze_embeddings()
@@ -248,18 +324,36 @@ class DSparkDraftModel(nn.Module):
     def _rope(self, like: Tensor, pos_BT: Tensor) -> tuple[Tensor, Tensor]:
         return self.rotary_emb(like, pos_BT)
 
-    def heads(self, hidden_BXD: Tensor, prev_ids_BX: Tensor) -> tuple[Tensor, Tensor | None]:
-        """Final-hidden -> (logits incl. Markov bias ``[..., V]``, confidence logits ``[...]`` | None)."""
-        logits = self.lm_head(hidden_BXD)
+    def heads(self, hidden_XKD: Tensor, prev_ids_XK: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Final hidden of a block (or a batch of blocks) ``[..., K, D]`` and the tokens before each
+        slot ``[..., K]`` -> (logits incl. the Markov bias ``[..., K, V]``, confidence logits
+        ``[..., K]`` | None), teacher-forced (every Markov variant via ``markov_head.block``)."""
+        logits = self.lm_head(hidden_XKD)
         feats = None
         if self.markov_head is not None:
-            feats = self.markov_head.features(prev_ids_BX)
-            logits = logits + self.markov_head.bias(feats)
-        conf = None
-        if self.confidence_head is not None:
-            x = hidden_BXD if feats is None else torch.cat([hidden_BXD, feats.to(hidden_BXD.dtype)], dim=-1)
-            conf = self.confidence_head(x)
-        return logits, conf
+            bias, feats = self.markov_head.block(prev_ids_XK, hidden_XKD)
+            logits = logits + bias.to(logits.dtype)
+        return logits, self._confidence(hidden_XKD, feats)
+
+    def _confidence(self, hidden: Tensor, feats: Tensor | None) -> Tensor | None:
+        if self.confidence_head is None:
+            return None
+        x = hidden if feats is None else torch.cat([hidden, feats.to(hidden.dtype)], dim=-1)
+        return self.confidence_head(x)
+
+    def slot_step(self, hidden_D: Tensor, base_logits_V: Tensor, prev_id: Tensor,
+                  state: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """One serial drafting slot (inference): ``(logits_V fp32 incl. the Markov bias, confidence
+        logit | None, Markov state)``. ``prev_id``: the token before the slot, shape ``[1]``;
+        ``state``: ``None`` at slot 0, then the returned one. K calls with the drafted tokens equal
+        :meth:`heads` on the block."""
+        logits_V = base_logits_V.float()
+        feats = None
+        if self.markov_head is not None:
+            bias_1V, feats_1r, state = self.markov_head.step(prev_id.view(1), hidden_D.unsqueeze(0), state)
+            logits_V = logits_V + bias_1V[0].float()
+            feats = feats_1r[0]
+        return logits_V, self._confidence(hidden_D, feats), state
 
     # ------------------------------------------------------------------ training forward
     def forward_train(self, input_ids_BS: Tensor, target_hidden_BSF: Tensor, anchor_pos_BA: Tensor,
@@ -365,13 +459,17 @@ class DSparkDraftModel(nn.Module):
     # ------------------------------------------------------------------ save / load
     def save_pretrained(self, out_dir: str | Path) -> Path:
         """Write ``model.safetensors`` (all weights incl. frozen embed/lm_head: self-contained, as the
-        original) and ``config.json`` (DraftConfig + ``architectures``), atomically as a folder."""
+        original) and ``config.json`` (DraftConfig + ``architectures`` + ``deepspec_algorithm``),
+        atomically as a folder."""
         from safetensors.torch import save_file
 
         out_dir = Path(out_dir)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        # deepspec_algorithm: the registry's name (deepspec.models.registry.algorithm_of_draft); DFlash is
+        # this model with both heads off.
+        heads = self.config.use_markov_head or self.config.use_confidence_head
         cfg = {"architectures": [self.config.architecture], "model_type": "dspark",
-               "draft_config": self.config.to_dict()}
+               "deepspec_algorithm": "dspark" if heads else "dflash", "draft_config": self.config.to_dict()}
         with atomic_path(out_dir) as tmp:
             tmp.mkdir(parents=True)
             save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from deepspec.models.eagle3 import Eagle3Algorithm
 from deepspec.train.data import TrainBatch
 
 DRAFT_CONFIG_NAME = "config.json"
@@ -104,6 +105,7 @@ class DSparkAlgorithm:
             mask_token_id=mask_token_id,
             block_size=cfg.block_size,
             markov_rank=cfg.markov_rank,
+            markov_head_type=cfg.markov_head,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
             **({} if self.heads else dflash_knobs()),
@@ -155,6 +157,7 @@ class DSparkAlgorithm:
 ALGORITHMS: dict[str, Callable[[], DraftAlgorithm]] = {
     "dspark": lambda: DSparkAlgorithm("dspark", heads=True),
     "dflash": lambda: DSparkAlgorithm("dflash", heads=False),
+    "eagle3": Eagle3Algorithm,
 }
 
 
@@ -184,7 +187,8 @@ def algorithm_of_draft(path: str | Path) -> str:
     cfg = json.loads(config_path.read_text(encoding="utf-8"))
     if "deepspec_algorithm" in cfg:
         return str(cfg["deepspec_algorithm"])
-    return "dspark" if cfg.get("use_markov_head", True) or cfg.get("use_confidence_head", True) else "dflash"
+    draft = cfg.get("draft_config", cfg)  # drafts saved before ``deepspec_algorithm`` existed
+    return "dspark" if draft.get("use_markov_head", True) or draft.get("use_confidence_head", True) else "dflash"
 
 
 def load_draft(path: str | Path) -> tuple[str, nn.Module]:

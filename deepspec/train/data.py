@@ -2,13 +2,15 @@
 
 Legend: B sequences per micro-batch, S padded sequence length, F = n_layers * H target features, H hidden.
 
-The data order is a pure function of ``(seed, epoch)``, so an exact resume only needs the global
-micro-batch counter: the trainer skips nothing and repeats nothing.
+The data order is a pure function of ``(seed, step, rank, world_size)`` (epoch permutations seeded
+by ``(seed, epoch)``, concatenated, cut into global batches of ``batch_size x grad_accum_steps x
+world_size`` samples), so an exact resume only needs the step counter: nothing skipped, nothing repeated.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -26,22 +28,72 @@ class TrainBatch:
 
 def epoch_order(num_samples: int, *, seed: int, epoch: int) -> list[int]:
     """The sample order of one epoch: a permutation seeded by ``(seed, epoch)``."""
+    return list(_epoch_order(num_samples, seed, epoch))
+
+
+@lru_cache(maxsize=4)
+def _epoch_order(num_samples: int, seed: int, epoch: int) -> tuple[int, ...]:
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(num_samples, generator=generator).tolist()
+    return tuple(torch.randperm(num_samples, generator=generator).tolist())
 
 
-def micro_batch_indices(num_samples: int, batch_size: int, *, seed: int, micro_step: int) -> list[int]:
-    """Sample indices of global micro-batch number ``micro_step`` (0-based), epochs concatenated.
+def step_sample_indices(num_samples: int, global_batch: int, *, seed: int, step: int) -> list[int]:
+    """The ``global_batch`` sample indices of optimizer step ``step`` (0-based): slots
+    ``[step * global_batch, (step + 1) * global_batch)`` of the epoch orders concatenated.
 
-    Every epoch is cut into ``ceil(num_samples / batch_size)`` micro-batches (the last one may be
-    smaller), so each sample is seen exactly once per epoch.
+    Every sample is seen exactly once per epoch; a step may straddle two epochs (its last slots
+    then come from the next epoch's order).
+
+    Raises:
+        ValueError: no samples.
     """
     if num_samples <= 0:
         raise ValueError("the target cache holds no samples; run `deepspec cache` on non-empty prepared data")
-    per_epoch = -(-num_samples // batch_size)
-    epoch, index = divmod(micro_step, per_epoch)
-    order = epoch_order(num_samples, seed=seed, epoch=epoch)
-    return order[index * batch_size : (index + 1) * batch_size]
+    out: list[int] = []
+    pos = step * global_batch
+    while len(out) < global_batch:
+        epoch, index = divmod(pos, num_samples)
+        take = min(global_batch - len(out), num_samples - index)
+        out.extend(_epoch_order(num_samples, seed, epoch)[index : index + take])
+        pos += take
+    return out
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """One micro-batch of one rank: its samples and the global slot of its first sample in the step."""
+
+    slot: int  # position of indices[0] among the step's global batch (seeds the micro-batch's RNG)
+    indices: list[int]
+
+
+def rank_micro_batches(num_samples: int, *, batch_size: int, grad_accum_steps: int, seed: int, step: int,
+                       rank: int = 0, world_size: int = 1) -> list[MicroBatchPlan]:
+    """The micro-batches of ``rank`` at optimizer step ``step``: a pure function of
+    ``(seed, step, rank, world_size)`` (and the sizes).
+
+    The step's global batch is ``batch_size * grad_accum_steps * world_size`` samples
+    (:func:`step_sample_indices`); rank ``r`` takes the contiguous share
+    ``[r * batch_size * grad_accum_steps, (r + 1) * batch_size * grad_accum_steps)``, cut into
+    ``grad_accum_steps`` micro-batches of ``batch_size``. Ranks' shares are disjoint and together
+    cover the global batch, so 2 ranks x 1 micro-batch and 1 rank x 2 micro-batches see the same
+    micro-batches (same samples, same slots) in the same step.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank}")
+    per_rank = batch_size * grad_accum_steps
+    order = step_sample_indices(num_samples, per_rank * world_size, seed=seed, step=step)
+    base = rank * per_rank
+    return [
+        MicroBatchPlan(base + m * batch_size, order[base + m * batch_size : base + (m + 1) * batch_size])
+        for m in range(grad_accum_steps)
+    ]
+
+
+def micro_batch_seed(seed: int, step: int, slot: int) -> int:
+    """Seed of the generator a micro-batch's random choices (e.g. DSpark's anchors) are drawn with: a
+    function of ``(seed, step, slot)`` only, so neither resume nor the rank/accumulation split changes them."""
+    return ((seed * 1_000_003 + step) * 1_000_003 + slot) % (2**63 - 1)
 
 
 def collate(samples: list[dict[str, torch.Tensor]], sample_indices: list[int]) -> TrainBatch:

@@ -7,17 +7,31 @@ Optimisation follows the original recipe (DESIGN section 7): AdamW with fp32 mas
 linear warmup then cosine decay to 0, gradient clipping, gradient accumulation. Loss terms are
 normalised by the decay-weight sum of the *whole global batch* (every micro-batch of a step), so a
 step's gradient equals that of one big batch whatever the accumulation count (DESIGN section 5).
+
+Scaling: launched by ``torchrun --nproc-per-node N -m deepspec.cli train ...`` every rank takes a
+disjoint share of each step's global batch (``batch_size x grad_accum_steps x N`` samples), the
+draft is sharded with FSDP2 (``fully_shard``; gloo on CPU, NCCL on CUDA) and the supervision weight
+sum is all-reduced, so N ranks compute the same step as one process over the same global batch.
+Checkpoints hold the full (gathered) weights and optimizer state, written by rank 0 alone, so a
+run resumes exactly, also on another number of ranks. See docs/semantics.md, "Trainer (issue 4)".
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import math
+import os
+import re
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
@@ -27,7 +41,7 @@ from deepspec.models.mask_token import check_mask_token_absent
 from deepspec.models.registry import ALGORITHMS, get_algorithm
 from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
 from deepspec.target.load import load_target, target_fingerprint, tokenizer_fingerprint
-from deepspec.train.data import collate, micro_batch_indices
+from deepspec.train.data import collate, micro_batch_seed, rank_micro_batches
 from deepspec.utils import atomic_path, atomic_write_json, atomic_write_text
 
 TRAINER_STATE = "trainer_state.pt"
@@ -64,6 +78,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global gradient norm
     dtype: str = "fp32"  # fp32 | bf16 (autocast) for the draft's forward
     save_every: int = 0  # 0: save only at the end
+    keep_last: int = 0  # keep the newest N checkpoint-*/ folders (never the one `latest` names); 0 = keep all
     seed: int = 0  # seeds the draft init and the data order
     resume: str | None = None  # None | "auto" | a checkpoint folder
 
@@ -89,6 +104,10 @@ class TrainConfig:
             raise ValueError(f"train.dtype: expected 'fp32' or 'bf16', got {self.dtype!r}")
         if not 0.0 <= self.warmup_frac < 1.0:
             raise ValueError(f"train.warmup_frac: expected a fraction in [0, 1), got {self.warmup_frac}")
+        if self.save_every < 0 or self.keep_last < 0:
+            raise ValueError(
+                f"train.save_every and train.keep_last: expected integers >= 0, got {self.save_every} and {self.keep_last}"
+            )
         if self.lr <= 0 or self.grad_clip <= 0:
             raise ValueError(f"train.lr and train.grad_clip must be > 0, got {self.lr} and {self.grad_clip}")
 
@@ -121,26 +140,176 @@ def _resolve_resume(cfg: TrainConfig) -> Path | None:
     return path
 
 
-def save_checkpoint(model, optimizer, scheduler, *, step: int, cfg: TrainConfig) -> Path:
-    """Write ``checkpoint-<step>/`` (draft safetensors + config.json + trainer state) atomically and
-    point ``latest`` at it."""
+@dataclass
+class _Dist:
+    """This process's place in the run: rank/world from torchrun's environment (0/1 without it)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    created_group: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.world_size > 1
+
+
+def _setup_distributed() -> _Dist:
+    """Read ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` (set by torchrun); with a world of more than one
+    process, create the default process group (NCCL on ``cuda:LOCAL_RANK`` when CUDA is available,
+    else gloo on CPU). One process: ``cuda:0`` when CUDA is available, else CPU, and no group."""
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    created = False
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+        created = True
+    return _Dist(rank, world_size, local_rank, device, created)
+
+
+def _shard_model(model: torch.nn.Module, cfg: TrainConfig, ctx: _Dist) -> torch.nn.Module:
+    """FSDP2 (``fully_shard``) over a 1-D mesh of all ranks.
+
+    Units: each module the model lists in ``fsdp_units()`` (optional; modules whose parameters are
+    used only inside their own ``forward``, e.g. decoder layers that compute everything in their
+    forward), then the root, which holds every remaining trainable parameter. The DSpark/DFlash drafts
+    list none today: their ``forward_train`` calls ``layer.self_attn.context_kv`` outside the layer's
+    forward, which per-layer units would run on still-sharded weights; the draft is a few layers, so
+    one unit costs one all-gather of the trainable weights per forward.
+
+    Frozen parameters (the target's embedding and lm_head copies) are *ignored* by FSDP: replicated and
+    unsharded on every rank (no gradient, so sharding them would only add all-gathers; a loss may call
+    ``model.lm_head`` outside the forward). Trainable parameters keep fp32 master shards; with
+    ``dtype="bf16"`` the all-gathered compute copies are bf16 and gradients are reduced in fp32.
+    ``forward_train`` is registered so FSDP's unshard/reshard hooks run for it as for ``forward``.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import (
+        MixedPrecisionPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    mp_policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cfg.dtype == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    frozen = {p for p in model.parameters() if not p.requires_grad}
+    units = model.fsdp_units() if callable(getattr(model, "fsdp_units", None)) else []
+    for unit in units:
+        ignored = {p for p in unit.parameters() if p in frozen}
+        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored or None)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=frozen or None)
+    for method in ("forward_train",):
+        if callable(getattr(model, method, None)):
+            register_fsdp_forward_method(model, method)
+    return model
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` (tensors inside dataclasses, dicts, lists, tuples) with every tensor on ``device``."""
+    if device.type == "cpu":
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: _to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
+
+
+def _state_dict_options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def save_checkpoint(model, optimizer, scheduler, *, step: int, cfg: TrainConfig, ctx: _Dist | None = None,
+                    template: torch.nn.Module | None = None) -> Path:
+    """Write ``checkpoint-<step>/`` (``draft/`` safetensors + config.json, ``trainer_state.pt``) and point
+    ``latest`` at it, both atomically; then apply the ``keep_last`` retention.
+
+    Every rank must call this (the full, unsharded model and optimizer state dicts are gathered with
+    collectives); only rank 0 writes. ``template``: a plain (unsharded) copy of the draft that rank 0
+    fills with the gathered weights to call its ``save_pretrained`` (None: ``model`` is unsharded).
+    The optimizer state is keyed by parameter name (``get_optimizer_state_dict``), so a checkpoint
+    written by N ranks resumes on M ranks.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    ctx = ctx or _Dist(0, 1, 0, torch.device("cpu"))
+    options = _state_dict_options(cpu_offload=True)
+    model_sd = get_model_state_dict(model, options=options)
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
     out = Path(cfg.output_dir)
     name = f"checkpoint-{step:06d}"
-    with atomic_path(out / name) as tmp:
-        tmp.mkdir()
-        model.save_pretrained(tmp / "draft")
-        torch.save(
-            {
-                "step": step,
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "train_config": asdict(cfg),
-                "torch_rng": torch.get_rng_state(),
-            },
-            tmp / TRAINER_STATE,
-        )
-    atomic_write_text(out / LATEST, name + "\n")
+    if ctx.is_main:
+        draft = model
+        if template is not None:
+            template.load_state_dict(model_sd)
+            draft = template
+        with atomic_path(out / name) as tmp:
+            tmp.mkdir()
+            draft.save_pretrained(tmp / "draft")
+            torch.save(
+                {
+                    "step": step,
+                    "optimizer": optim_sd,
+                    "scheduler": scheduler.state_dict(),
+                    "train_config": asdict(cfg),
+                    "world_size": ctx.world_size,
+                    "torch_rng": torch.get_rng_state(),
+                },
+                tmp / TRAINER_STATE,
+            )
+        atomic_write_text(out / LATEST, name + "\n")
+        apply_retention(out, cfg.keep_last)
+    if ctx.sharded:
+        dist.barrier()
     return out / name
+
+
+def _checkpoint_step(path: Path) -> int | None:
+    match = re.fullmatch(r"checkpoint-(\d+)", path.name)
+    return int(match.group(1)) if match and path.is_dir() else None
+
+
+def apply_retention(output_dir: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the ``keep_last`` newest (highest-step) ``checkpoint-*/`` folders of
+    ``output_dir``, never the one ``latest`` names; ``keep_last`` 0 keeps everything. A folder is
+    renamed to a hidden name before it is removed, so a crash never leaves a half-deleted
+    checkpoint under its final name. Returns the deleted folders."""
+    if keep_last <= 0:
+        return []
+    out = Path(output_dir)
+    pointer = out / LATEST
+    latest = pointer.read_text().strip() if pointer.exists() else None
+    found = sorted((step, p) for p in out.iterdir() if (step := _checkpoint_step(p)) is not None)
+    doomed = [p for _, p in found[:-keep_last] if p.name != latest]
+    for path in doomed:
+        trash = path.with_name(f".{path.name}.deleting")
+        os.replace(path, trash)
+        shutil.rmtree(trash)
+    return doomed
 
 
 def open_training_data(cfg: TrainConfig, target_model, tokenizer) -> TargetCache | OnlineTargetFeatures:
@@ -184,17 +353,35 @@ def open_training_data(cfg: TrainConfig, target_model, tokenizer) -> TargetCache
 def train(cfg: TrainConfig, *, target_model=None, tokenizer=None) -> Path:
     """Train a draft on a target cache, or online (``cfg.online_data``); return the final checkpoint folder.
 
+    One process (``deepspec train``) or one process per device under ``torchrun`` (the rank and world
+    size come from its environment): each rank loads the target, takes its disjoint share of every
+    step's global batch (``batch_size x grad_accum_steps x world_size`` samples,
+    :func:`deepspec.train.data.rank_micro_batches`), and the draft is sharded with FSDP2
+    (:func:`_shard_model`). The supervision-weight sum is all-reduced before the losses are divided,
+    so a step's gradient is the token-weighted mean over the whole global batch whatever the split
+    into ranks and micro-batches.
+
     In online mode the frozen target computes each micro-batch's features inside the loop
     (:class:`deepspec.data.online.OnlineTargetFeatures`, the cache writer's capture rule), so a
     run gives the same losses and weights as one on a float32 cache of the same data.
 
-    The draft weights of a checkpoint are in ``<checkpoint>/draft`` (loadable with
-    ``DSparkDraftModel.from_pretrained``). Resume happens only when ``cfg.resume`` asks for it.
+    The draft weights of a checkpoint are in ``<checkpoint>/draft`` (loadable with the algorithm's
+    ``load``). Resume happens only when ``cfg.resume`` asks for it. Rank 0 alone writes checkpoints,
+    ``train_log.jsonl``, ``train_loss.png`` and the TensorBoard events (``<output_dir>/tensorboard``).
 
     Raises:
         ValueError: the cache was built for another target/tokenizer/layer set, the mask token occurs
             in the data, or a setting is invalid.
     """
+    ctx = _setup_distributed()
+    try:
+        return _train(cfg, ctx, target_model=target_model, tokenizer=tokenizer)
+    finally:
+        if ctx.created_group:
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None) -> Path:
     if target_model is None:
         target_model, tokenizer = load_target(cfg.target)
     cache = open_training_data(cfg, target_model, tokenizer)
@@ -204,6 +391,15 @@ def train(cfg: TrainConfig, *, target_model=None, tokenizer=None) -> Path:
     check_mask_token_absent(
         model.config.mask_token_id, (cache.read(i, ("input_ids",))["input_ids"] for i in range(len(cache)))
     )
+    if ctx.device.type != "cpu" and cfg.online_data is not None:
+        target_model.to(ctx.device)  # online features are computed on every rank's device
+    template = None
+    if ctx.sharded:
+        # rank 0 keeps a plain copy to write gathered weights through the draft's own save_pretrained
+        template = copy.deepcopy(model) if ctx.is_main else None
+        model = _shard_model(model.to(ctx.device), cfg, ctx)
+    else:
+        model = model.to(ctx.device)
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -211,63 +407,112 @@ def train(cfg: TrainConfig, *, target_model=None, tokenizer=None) -> Path:
     start_step = 0
     resume_from = _resolve_resume(cfg)
     if resume_from is not None:
-        state = torch.load(resume_from / TRAINER_STATE, weights_only=False)
-        model.load_state_dict(algorithm.load(resume_from / "draft").state_dict())
-        optimizer.load_state_dict(state["optimizer"])
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        state = torch.load(resume_from / TRAINER_STATE, weights_only=False, map_location="cpu")
+        set_model_state_dict(model, algorithm.load(resume_from / "draft").state_dict(),
+                             options=_state_dict_options())
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"], options=_state_dict_options())
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
         start_step = state["step"]
-        print(f"resumed from {resume_from} at step {start_step}")
+        if ctx.is_main:
+            print(f"resumed from {resume_from} at step {start_step}")
 
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "train_config.json", asdict(cfg))
     log_path = out / "train_log.jsonl"
-    log_rows = _read_log(log_path, upto_step=start_step)
+    log_rows: list[dict] = []
+    writer = None
+    if ctx.is_main:
+        from torch.utils.tensorboard import SummaryWriter
+
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out / "train_config.json", asdict(cfg))
+        log_rows = _read_log(log_path, upto_step=start_step)
+        # purge_step drops events an earlier run logged after the resume point (they are replayed)
+        writer = SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1 if start_step else None)
     model.train()
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
-    generator = torch.Generator().manual_seed(cfg.seed)
-    bar = tqdm(range(start_step, cfg.max_steps), desc="train", initial=start_step, total=cfg.max_steps)
+    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
+    # FSDP averages gradients over ranks; each rank's loss is already its share of the global mean
+    grad_scale = float(ctx.world_size)
+    bar = tqdm(range(start_step, cfg.max_steps), desc="train", initial=start_step, total=cfg.max_steps,
+               disable=not ctx.is_main)
     last_ckpt = None
-    for step in bar:
-        t0 = time.perf_counter()
-        # The anchors of step s depend only on (seed, s): resume reproduces them exactly.
-        generator.manual_seed(cfg.seed * 1_000_003 + step)
-        micro = []
-        for m in range(cfg.grad_accum_steps):
-            indices = micro_batch_indices(
-                len(cache), cfg.batch_size, seed=cfg.seed, micro_step=step * cfg.grad_accum_steps + m
-            )
-            batch = collate([cache[i] for i in indices], indices)
-            micro.append(algorithm.prepare(model, batch, generator, cfg))
-        weight_sum = sum(algorithm.weight(model, prepared) for prepared in micro)
-        totals: dict[str, float] = {}
-        for prepared in micro:
-            loss_out = algorithm.loss(model, prepared, weight_sum=weight_sum, autocast=autocast)
-            loss_out.loss.backward()
-            for key, value in loss_out.scalars().items():
-                totals[key] = totals.get(key, 0.0) + value
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        row = {
-            "step": step + 1,
-            "lr": scheduler.get_last_lr()[0],
-            "grad_norm": float(grad_norm),
-            "step_time_s": time.perf_counter() - t0,
-            **{k: v / cfg.grad_accum_steps if "tau" in k else v for k, v in totals.items()},
-        }
-        log_rows.append(row)
-        with log_path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
-        bar.set_postfix(loss=f"{row['loss']:.3f}", tau_est=f"{row.get('tau_estimate', float('nan')):.2f}")
-        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.max_steps:
-            last_ckpt = save_checkpoint(model, optimizer, scheduler, step=step + 1, cfg=cfg)
-    if start_step < cfg.max_steps or last_ckpt is None:
-        last_ckpt = save_checkpoint(model, optimizer, scheduler, step=cfg.max_steps, cfg=cfg)
-    _plot_log(log_rows, out / "train_loss.png")
+    try:
+        for step in bar:
+            t0 = time.perf_counter()
+            micro = []
+            num_tokens = 0
+            plans = rank_micro_batches(len(cache), batch_size=cfg.batch_size, grad_accum_steps=cfg.grad_accum_steps,
+                                       seed=cfg.seed, step=step, rank=ctx.rank, world_size=ctx.world_size)
+            for plan in plans:
+                samples = [cache[i] for i in plan.indices]
+                num_tokens += sum(int(sample["input_ids"].shape[0]) for sample in samples)
+                batch = collate(samples, plan.indices)
+                # random choices (anchors) depend only on (seed, step, slot): resume and any rank or
+                # accumulation split reproduce them exactly
+                generator = torch.Generator().manual_seed(micro_batch_seed(cfg.seed, step, plan.slot))
+                micro.append(_to_device(algorithm.prepare(model, batch, generator, cfg), ctx.device))
+            weight_sum = sum(algorithm.weight(model, prepared) for prepared in micro).to(ctx.device, torch.float32)
+            if ctx.sharded:
+                dist.all_reduce(weight_sum)
+            totals: dict[str, float] = {}
+            for prepared in micro:
+                loss_out = algorithm.loss(model, prepared, weight_sum=weight_sum, autocast=autocast)
+                (loss_out.loss * grad_scale if ctx.sharded else loss_out.loss).backward()
+                for key, value in loss_out.scalars().items():
+                    totals[key] = totals.get(key, 0.0) + value
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
+                grad_norm = grad_norm.full_tensor()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            totals["num_tokens"] = float(num_tokens)
+            totals = _reduce_scalars(totals, ctx)
+            step_time = time.perf_counter() - t0
+            row = {
+                "step": step + 1,
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": float(grad_norm),
+                "step_time_s": step_time,
+                "tokens_per_s": totals["num_tokens"] / step_time,
+                # loss terms add up over micro-batches and ranks; tau estimates are averaged
+                **{k: v / (cfg.grad_accum_steps * ctx.world_size) if "tau" in k else v for k, v in totals.items()},
+            }
+            if ctx.is_main:
+                log_rows.append(row)
+                with log_path.open("a", encoding="utf-8") as f:
+                    f.write(json.dumps(row) + "\n")
+                for key, value in row.items():
+                    if key != "step":
+                        writer.add_scalar(f"train/{key}", value, step + 1)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", tau_est=f"{row.get('tau_estimate', float('nan')):.2f}")
+            if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.max_steps:
+                last_ckpt = save_checkpoint(model, optimizer, scheduler, step=step + 1, cfg=cfg, ctx=ctx,
+                                            template=template)
+        if start_step < cfg.max_steps or last_ckpt is None:
+            last_ckpt = save_checkpoint(model, optimizer, scheduler, step=cfg.max_steps, cfg=cfg, ctx=ctx,
+                                        template=template)
+    finally:
+        if writer is not None:
+            writer.close()
+    if ctx.is_main:
+        _plot_log(log_rows, out / "train_loss.png")
     return last_ckpt
+
+
+def _reduce_scalars(values: dict[str, float], ctx: _Dist) -> dict[str, float]:
+    """Sum each logged scalar over the ranks (one all-reduce; every rank logs the same keys)."""
+    if not ctx.sharded:
+        return values
+    keys = sorted(values)
+    packed = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(packed)
+    return dict(zip(keys, packed.tolist()))
 
 
 def _read_log(path: Path, *, upto_step: int) -> list[dict]:

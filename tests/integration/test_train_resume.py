@@ -1,4 +1,7 @@
-"""The trainer on a tiny random target: checkpoints, exact resume, refusal of a foreign cache."""
+"""The trainer on a tiny random target: exact resume (10 steps = 5 + resume + 5), checkpoint retention,
+TensorBoard scalars, refusal of a foreign cache."""
+
+import json
 
 import pytest
 import torch
@@ -7,8 +10,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from deepspec.data.cache import write_target_cache_from_samples
 from deepspec.models.dspark import DSparkDraftModel
 from deepspec.target.load import target_fingerprint, tokenizer_fingerprint
-from deepspec.train.loop import TrainConfig, train
+from deepspec.train import loop
+from deepspec.train.data import collate as collate_fn
+from deepspec.train.loop import TrainConfig, apply_retention, train
 from tests.unit.test_chat import tiny_chatml_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 LAYER_IDS = [0, 1]
 
@@ -45,7 +52,81 @@ def _weights(checkpoint):
     return DSparkDraftModel.from_pretrained(checkpoint / "draft").state_dict()
 
 
-def test_resume_gives_the_same_weights_as_an_uninterrupted_run(setup, tmp_path):
+def _log(out):
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def _tb_scalars(out) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _recording_collate(record):
+    real = collate_fn
+
+    def collate(samples, indices):
+        record.append(list(indices))
+        return real(samples, indices)
+
+    return collate
+
+
+def test_ten_steps_equal_five_then_resume_then_five(setup, tmp_path, monkeypatch):
+    """Same weights (bitwise, fp32 CPU), same learning rates, same data order, same log and TensorBoard steps."""
+    model, tok, cache = setup
+    # 6 samples, global batch 2 x 2 = 4: steps straddle epochs, so the order is not trivially periodic
+    kw = dict(max_steps=10, grad_accum_steps=2, save_every=5)
+    order_full: list[list[int]] = []
+    monkeypatch.setattr(loop, "collate", _recording_collate(order_full))
+    full = train(_cfg(cache, tmp_path / "full", **kw), target_model=model, tokenizer=tok)
+    assert full.name == "checkpoint-000010"
+
+    # the same run, killed right after its step-5 checkpoint, then resumed with resume="auto"
+    order_cut: list[list[int]] = []
+    monkeypatch.setattr(loop, "collate", _recording_collate(order_cut))
+    real_save = loop.save_checkpoint
+
+    def save_then_crash(*args, step, **kwargs):
+        path = real_save(*args, step=step, **kwargs)
+        if step == 5:
+            raise _Interrupted
+        return path
+
+    monkeypatch.setattr(loop, "save_checkpoint", save_then_crash)
+    with pytest.raises(_Interrupted):
+        train(_cfg(cache, tmp_path / "cut", **kw), target_model=model, tokenizer=tok)
+    monkeypatch.setattr(loop, "save_checkpoint", real_save)
+    assert (tmp_path / "cut" / "latest").read_text().strip() == "checkpoint-000005"
+    assert len(order_cut) == 5 * 2
+    resumed = train(_cfg(cache, tmp_path / "cut", resume="auto", **kw), target_model=model, tokenizer=tok)
+    assert resumed.name == "checkpoint-000010"
+
+    a, b = _weights(full), _weights(resumed)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert order_cut == order_full  # same data order: 10 steps x 2 micro-batches
+    # epochs of 6 samples concatenated: steps 1-3 (12 slots) see every sample exactly twice
+    assert sorted(i for micro in order_full[:6] for i in micro) == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    rows_full, rows_cut = _log(tmp_path / "full"), _log(tmp_path / "cut")
+    assert [r["step"] for r in rows_cut] == list(range(1, 11))
+    for key in ("lr", "loss", "grad_norm", "tau_estimate"):
+        assert [r[key] for r in rows_cut] == [r[key] for r in rows_full], key
+    # TensorBoard: one scalar per logged quantity and step, no duplicate steps after the resume
+    scalars = _tb_scalars(tmp_path / "cut")
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tau_estimate", "train/tokens_per_s", "train/ce"):
+        assert [s for s, _ in scalars[tag]] == list(range(1, 11)), tag
+    assert [v for _, v in scalars["train/lr"]] == pytest.approx([r["lr"] for r in rows_full])
+
+
+def test_resume_from_a_path_in_another_folder(setup, tmp_path):
     model, tok, cache = setup
     full = train(_cfg(cache, tmp_path / "full", save_every=3), target_model=model, tokenizer=tok)
     middle = tmp_path / "full" / "checkpoint-000003"
@@ -53,20 +134,40 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(setup, tmp_path):
     # continue from the middle checkpoint in another folder: steps 4..6 must replay exactly
     resumed = train(_cfg(cache, tmp_path / "resumed", resume=str(middle)), target_model=model, tokenizer=tok)
     a, b = _weights(full), _weights(resumed)
-    assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert (tmp_path / "resumed" / "latest").read_text().strip() == "checkpoint-000006"
+    # resume happens only when asked: a rerun without `resume` starts again from step 0
+    assert loop._resolve_resume(_cfg(cache, tmp_path / "full")) is None
+    with pytest.raises(ValueError, match="not a checkpoint folder"):
+        train(_cfg(cache, tmp_path / "x", resume=str(tmp_path)), target_model=model, tokenizer=tok)
+
+
+def test_retention_keeps_the_last_n_checkpoints(setup, tmp_path):
+    model, tok, cache = setup
+    out = tmp_path / "run"
+    train(_cfg(cache, out, save_every=1, keep_last=2), target_model=model, tokenizer=tok)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-000005", "checkpoint-000006"]
+    assert (out / "latest").read_text().strip() == "checkpoint-000006"
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp or half-deleted folder
+    # never the one `latest` names, even when it is not among the newest
+    for step in (1, 2, 3, 4):
+        (tmp_path / "fake" / f"checkpoint-{step:06d}").mkdir(parents=True)
+    (tmp_path / "fake" / "latest").write_text("checkpoint-000001\n")
+    deleted = apply_retention(tmp_path / "fake", 2)
+    assert [p.name for p in deleted] == ["checkpoint-000002"]
+    assert sorted(p.name for p in (tmp_path / "fake").iterdir()) == [
+        "checkpoint-000001", "checkpoint-000003", "checkpoint-000004", "latest"]
+    assert apply_retention(tmp_path / "fake", 0) == []  # 0 keeps everything
 
 
 def test_training_reduces_loss_and_refuses_another_target(setup, tmp_path):
     model, tok, cache = setup
     train(_cfg(cache, tmp_path / "run", max_steps=12), target_model=model, tokenizer=tok)
-    import json
-
-    rows = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    rows = _log(tmp_path / "run")
     assert len(rows) == 12 and rows[-1]["loss"] < rows[0]["loss"]
     assert (tmp_path / "run" / "train_loss.png").stat().st_size > 0
+    assert all(r["tokens_per_s"] > 0 for r in rows)
     other = LlamaForCausalLM(model.config).eval().requires_grad_(False)
     with pytest.raises(ValueError, match="target"):
         train(_cfg(cache, tmp_path / "other"), target_model=other, tokenizer=tok)

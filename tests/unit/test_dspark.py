@@ -10,8 +10,8 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 
 from deepspec.eval.proposers import DSparkProposer
 from deepspec.models.anchors import sample_anchors
-from deepspec.models.config import DraftConfig, dflash_knobs, draft_config_from_target
-from deepspec.models.dspark import DSparkDraftModel
+from deepspec.models.config import MARKOV_HEAD_TYPES, DraftConfig, dflash_knobs, draft_config_from_target
+from deepspec.models.dspark import DSparkDraftModel, GatedMarkovHead, MarkovHead, RNNMarkovHead
 from deepspec.models.loss import dspark_loss
 
 V, MASK = 64, 5
@@ -43,9 +43,13 @@ def make_draft(family="llama", seed=0, **kw):
                                    mask_token_id=MASK, markov_rank=8, **kw)
     torch.manual_seed(seed + 1)
     draft = DSparkDraftModel.from_target(target, cfg)
-    # give the Markov head a non-zero bias so tests exercise it
+    # give the Markov head a non-zero bias (and the gated / rnn variants non-trivial gates) so tests exercise it
     if draft.markov_head is not None:
         torch.nn.init.normal_(draft.markov_head.markov_w2.weight, std=0.5)
+        for name in ("gate_proj", "joint_proj"):
+            if hasattr(draft.markov_head, name):
+                torch.nn.init.normal_(getattr(draft.markov_head, name).weight, std=0.5)
+                torch.nn.init.normal_(getattr(draft.markov_head, name).bias, std=0.5)
     return target, draft
 
 
@@ -85,6 +89,7 @@ def test_config_qwen3_4b_from_config_alone():
     (dict(target_layer_ids=[0, 3]), "target_layer_ids"),  # L-1
     (dict(target_layer_ids=[0, 0]), "target_layer_ids"),
     (dict(markov_rank=0), "markov_rank"),
+    (dict(markov_head_type="lstm"), "markov_head_type"),
 ])
 def test_config_validation(kw, field):
     t = tiny_target()
@@ -120,26 +125,47 @@ def test_parameter_names_and_frozen_copies():
     assert draft.confidence_head.proj.in_features == 32 + 8
 
 
+def _forward(draft, *args, use_flex):
+    import warnings
+
+    if not use_flex:
+        return draft.forward_train(*args, use_flex=False)
+    with warnings.catch_warnings(), torch.no_grad():  # flex on CPU: forward only
+        warnings.simplefilter("ignore")
+        try:
+            return draft.forward_train(*args, use_flex=True)
+        except (RuntimeError, NotImplementedError) as e:  # pragma: no cover - depends on torch build
+            pytest.skip(f"flex_attention forward unavailable on CPU: {e}")
+
+
+@pytest.mark.parametrize("use_flex", [False, True])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_block_never_sees_context_at_or_after_anchor(family):
-    target, draft = make_draft(family)
+def test_block_never_sees_context_at_or_after_anchor(family, use_flex):
+    target, draft = make_draft(family, markov_head_type="rnn")
     ids, _ = batch(B=1)
     feats, _ = capture(target, ids)
     ap = torch.tensor([[6, 9, 15]])
     valid = torch.ones(1, 3, dtype=torch.bool)
-    base = draft.forward_train(ids, feats, ap, valid)
+    base = _forward(draft, ids, feats, ap, valid, use_flex=use_flex)
     feats2 = feats.clone()
     feats2[:, 9:] += torch.randn_like(feats2[:, 9:])  # changes context at/after anchor 9
     ids2 = ids.clone()
     ids2[:, 16:] = 7  # tokens beyond blocks' anchors (block 2 prev tokens change -> only its logits)
-    out = draft.forward_train(ids2, feats2, ap, valid)
+    out = _forward(draft, ids2, feats2, ap, valid, use_flex=use_flex)
     torch.testing.assert_close(out.logits_BAKV[:, :2], base.logits_BAKV[:, :2])
     assert not torch.allclose(out.logits_BAKV[:, 2], base.logits_BAKV[:, 2])
+    # the feature AT the anchor position alone: still invisible to that block (strictly before)
+    feats3 = feats.clone()
+    feats3[:, 9] += 5.0
+    out3 = _forward(draft, ids, feats3, ap, valid, use_flex=use_flex)
+    torch.testing.assert_close(out3.logits_BAKV[:, :2], base.logits_BAKV[:, :2])
+    assert not torch.allclose(out3.logits_BAKV[:, 2], base.logits_BAKV[:, 2])  # block at 15 sees position 9
 
 
+@pytest.mark.parametrize("markov", MARKOV_HEAD_TYPES)
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral"])
-def test_training_and_inference_paths_agree(family):
-    target, draft = make_draft(family)
+def test_training_and_inference_paths_agree(family, markov):
+    target, draft = make_draft(family, markov_head_type=markov)
     ids, lm = batch(B=2, S=24)
     feats, _ = capture(target, ids)
     ap = torch.tensor([[4, 6, 20], [0, 11, 0]])  # overlapping, near the end, padding
@@ -238,13 +264,14 @@ def test_dflash_config_has_no_heads():
 
 
 # ----------------------------------------------------------------------------- proposer
-def test_proposer_greedy_matches_serial_markov_and_respects_limits():
-    target, draft = make_draft("llama")
+@pytest.mark.parametrize("markov", MARKOV_HEAD_TYPES)
+def test_proposer_greedy_matches_serial_markov_and_respects_limits(markov):
+    target, draft = make_draft("llama", markov_head_type=markov)
     ids, _ = batch(B=1, S=20)
     feats, _ = capture(target, ids)
     prop = DSparkProposer(draft, max_positions=128)
     assert prop.max_proposal_len == 7
-    prop.extend_context(feats[0, :12])
+    prop.extend_context(feats[0, :12], ids[0, :12].tolist())
     p = prop.propose(int(ids[0, 12]), 12, temperature=0.0, generator=None)
     assert p.draft_ids_N.shape == (7,) and p.draft_probs_NV is None and p.confidence_N.shape == (7,)
     # greedy oracle: serial Markov correction using the drafted tokens
@@ -257,11 +284,11 @@ def test_proposer_greedy_matches_serial_markov_and_respects_limits():
     torch.testing.assert_close(torch.sigmoid(conf_K), p.confidence_N)
     # position limit: positions 13.. must stay < max_positions=16 -> 3 tokens
     short = DSparkProposer(draft, max_positions=16)
-    short.extend_context(feats[0, :12])
+    short.extend_context(feats[0, :12], ids[0, :12].tolist())
     assert short.propose(int(ids[0, 12]), 12, temperature=0.0, generator=None).num_proposed == 3
     # confidence cut: threshold above every confidence -> empty proposal; 0 -> full
     cut = DSparkProposer(draft, confidence_threshold=1.0)
-    cut.extend_context(feats[0, :12])
+    cut.extend_context(feats[0, :12], ids[0, :12].tolist())
     assert cut.propose(int(ids[0, 12]), 12, temperature=0.0, generator=None).num_proposed == 0
     prop.reset()
     assert prop.cache.length == 0
@@ -274,10 +301,179 @@ def test_proposer_sampling_probs_and_determinism():
     results = []
     for _ in range(2):
         prop = DSparkProposer(draft)
-        prop.extend_context(feats[0, :10])
+        prop.extend_context(feats[0, :10], ids[0, :10].tolist())
         p = prop.propose(int(ids[0, 10]), 10, temperature=0.8, generator=torch.Generator().manual_seed(5))
         assert p.draft_probs_NV.dtype == torch.float32 and p.draft_probs_NV.shape == (7, V)
         torch.testing.assert_close(p.draft_probs_NV.sum(-1), torch.ones(7))
         assert (p.draft_probs_NV.gather(1, p.draft_ids_N[:, None]) > 0).all()
         results.append(p.draft_ids_N)
     assert torch.equal(results[0], results[1])
+
+
+# ----------------------------------------------------------------------------- Markov head variants
+def test_markov_variant_parameters_and_saved_config(tmp_path):
+    import json
+
+    expected = {"vanilla": (MarkovHead, set()),
+                "gated": (GatedMarkovHead, {"markov_head.gate_proj.weight", "markov_head.gate_proj.bias"}),
+                "rnn": (RNNMarkovHead, {"markov_head.joint_proj.weight", "markov_head.joint_proj.bias"})}
+    for markov, (cls, extra) in expected.items():
+        target, draft = make_draft("llama", markov_head_type=markov)
+        assert type(draft.markov_head) is cls
+        names = {n for n, _ in draft.named_parameters() if n.startswith("markov_head.")}
+        assert names == {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"} | extra
+        path = draft.save_pretrained(tmp_path / markov)
+        assert json.loads((path / "config.json").read_text())["draft_config"]["markov_head_type"] == markov
+        loaded = DSparkDraftModel.from_pretrained(path)
+        assert type(loaded.markov_head) is cls
+        ids, _ = batch(B=1)
+        feats, _ = capture(target, ids)
+        ap, valid = torch.tensor([[3, 10]]), torch.ones(1, 2, dtype=torch.bool)
+        torch.testing.assert_close(loaded.forward_train(ids, feats, ap, valid).logits_BAKV,
+                                   draft.forward_train(ids, feats, ap, valid).logits_BAKV)
+    # a config.json written before the field existed loads as vanilla
+    d = draft.config.to_dict()
+    del d["markov_head_type"]
+    assert DraftConfig.from_dict(d).markov_head_type == "vanilla"
+
+
+def _serial_bias(head, prev_K, hidden_KD):
+    """Oracle: the variant's formula written out slot by slot with plain tensor ops."""
+    W1, W2 = head.markov_w1.weight, head.markov_w2.weight
+    s = torch.zeros(head.rank)
+    out = []
+    for k in range(prev_K.shape[0]):
+        f = W1[prev_K[k]]
+        if isinstance(head, GatedMarkovHead):
+            g = torch.sigmoid(head.gate_proj.weight @ torch.cat([hidden_KD[k], f]) + head.gate_proj.bias)
+            out.append(W2 @ (g * f))
+        elif isinstance(head, RNNMarkovHead):
+            z = head.joint_proj.weight @ torch.cat([s, f, hidden_KD[k]]) + head.joint_proj.bias
+            r = head.rank
+            g, c, o = torch.sigmoid(z[:r]), torch.tanh(z[r:2 * r]), torch.tanh(z[2 * r:])
+            out.append(W2 @ o)
+            s = g * s + (1 - g) * c
+        else:
+            out.append(W2 @ f)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("markov", MARKOV_HEAD_TYPES)
+def test_markov_variant_formulas_and_memory(markov):
+    _, draft = make_draft("qwen3", markov_head_type=markov)
+    head = draft.markov_head
+    g = torch.Generator().manual_seed(0)
+    K = draft.config.block_size
+    prev = torch.randint(6, V, (K,), generator=g)
+    hidden = torch.randn(K, 32, generator=g)
+    with torch.no_grad():
+        bias, feats = head.block(prev, hidden)
+        torch.testing.assert_close(bias, _serial_bias(head, prev, hidden), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(feats, head.markov_w1.weight[prev])
+        # batched blocks [2, K] equal one block at a time
+        prev2, hidden2 = torch.stack([prev, prev.flip(0)]), torch.stack([hidden, hidden.flip(0)])
+        torch.testing.assert_close(head.block(prev2, hidden2)[0][1], head.block(prev.flip(0), hidden.flip(0))[0])
+        # memory: changing the token before slot 1 changes slot 3's bias only for the rnn head
+        prev_b = prev.clone()
+        prev_b[1] = (prev[1] + 1 - 6) % (V - 6) + 6
+        changed = not torch.allclose(head.block(prev_b, hidden)[0][3], bias[3])
+        assert changed == (markov == "rnn")
+        # the hidden state matters for gated and rnn, not for vanilla
+        changed = not torch.allclose(head.block(prev, hidden + 1.0)[0][0], bias[0])
+        assert changed == (markov != "vanilla")
+
+
+def test_gated_head_closed_gate_removes_bias():
+    _, draft = make_draft("llama", markov_head_type="gated")
+    with torch.no_grad():
+        draft.markov_head.gate_proj.weight.zero_()
+        draft.markov_head.gate_proj.bias.fill_(-50.0)
+        bias, _ = draft.markov_head.block(torch.tensor([7, 8]), torch.randn(2, 32))
+    assert bias.abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("markov", MARKOV_HEAD_TYPES)
+def test_markov_variants_train(markov):
+    target, draft = make_draft("llama", markov_head_type=markov)
+    ids, lm = batch(B=2, S=32, seed=3)
+    feats, last = capture(target, ids)
+    ap, valid = sample_anchors(lm, 6, torch.Generator().manual_seed(0))
+    out = draft.forward_train(ids, feats, ap, valid)
+    lo = dspark_loss(out, ids, lm, ap, valid, last, draft.lm_head, draft.config)
+    lo.loss.backward()
+    for n, p in draft.markov_head.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, n
+
+
+def test_registry_build_passes_markov_head(tmp_path):
+    from deepspec.models.registry import algorithm_for_model, get_algorithm
+    from deepspec.train.loop import TrainConfig
+    from tests.unit.test_chat import tiny_chatml_tokenizer
+
+    tok = tiny_chatml_tokenizer()
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=64))
+    for markov in MARKOV_HEAD_TYPES:
+        cfg = TrainConfig(output_dir=str(tmp_path), online_data="unused.jsonl", markov_rank=8, markov_head=markov)
+        draft = get_algorithm("dspark").build(target, tok, cfg, [0, 1])
+        assert draft.config.markov_head_type == markov and draft.markov_head.head_type == markov
+        assert algorithm_for_model(draft).name == "dspark"
+
+
+# ----------------------------------------------------------------------------- attention paths
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral"])
+def test_flex_dense_and_per_block_loop_agree_with_padding_blocks(family):
+    """Block-parallel forward (dense SDPA mask and flex BlockMask) == a loop that runs each block
+    alone against only its visible context (context < anchor, no mask needed); padding blocks finite."""
+    target, draft = make_draft(family, markov_head_type="gated")
+    ids, _ = batch(B=2, S=20)
+    feats, _ = capture(target, ids)
+    ap = torch.tensor([[0, 5, 6, 17], [2, 13, 0, 0]])  # anchor 0 (no context), overlapping, near the end
+    valid = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    dense = _forward(draft, ids, feats, ap, valid, use_flex=False)
+    flex = _forward(draft, ids, feats, ap, valid, use_flex=True)
+    assert torch.isfinite(dense.logits_BAKV).all() and torch.isfinite(flex.logits_BAKV).all()
+    assert torch.isfinite(dense.confidence_logits_BAK).all()
+    torch.testing.assert_close(flex.logits_BAKV, dense.logits_BAKV, atol=1e-4, rtol=1e-4)
+    K, S = draft.config.block_size, ids.shape[1]
+    with torch.no_grad():
+        for b in range(2):
+            for j in range(4):
+                if not valid[b, j]:
+                    continue
+                a = int(ap[b, j])
+                cache = draft.new_context_cache()
+                draft.append_context(cache, feats[b, :a])
+                hidden_KD, _ = draft.block_hidden(cache, int(ids[b, a]), a)
+                logits_KV, _ = draft.heads(hidden_KD, ids[b, (a + torch.arange(K)).clamp(max=S - 1)])
+                torch.testing.assert_close(dense.logits_BAKV[b, j], logits_KV, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(flex.logits_BAKV[b, j], logits_KV, atol=1e-4, rtol=1e-4)
+
+
+def test_padding_blocks_carry_no_loss_and_no_gradient():
+    """Adding padding blocks (wherever their placeholder anchor points) changes neither the loss nor
+    any gradient, and produces no NaN."""
+    target, draft = make_draft("qwen3", markov_head_type="rnn")
+    ids, lm = batch(B=1, S=24)
+    feats, last = capture(target, ids)
+
+    def loss_and_grads(ap, valid):
+        draft.zero_grad()
+        out = draft.forward_train(ids, feats, ap, valid)
+        assert torch.isfinite(out.logits_BAKV).all() and torch.isfinite(out.confidence_logits_BAK).all()
+        lo = dspark_loss(out, ids, lm, ap, valid, last, draft.lm_head, draft.config)
+        lo.loss.backward()
+        return lo, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+
+    lo1, g1 = loss_and_grads(torch.tensor([[5, 11]]), torch.tensor([[True, True]]))
+    lo2, g2 = loss_and_grads(torch.tensor([[5, 11, 0, 23]]), torch.tensor([[True, True, False, False]]))
+    assert lo1.num_valid_slots == lo2.num_valid_slots
+    torch.testing.assert_close(lo2.loss, lo1.loss)
+    assert g1.keys() == g2.keys()
+    for n in g1:
+        torch.testing.assert_close(g2[n], g1[n], atol=1e-6, rtol=1e-5)
+    # only padding blocks: zero loss, zero gradient, no NaN
+    lo3, g3 = loss_and_grads(torch.tensor([[0, 23]]), torch.zeros(1, 2, dtype=torch.bool))
+    assert float(lo3.loss.detach()) == 0.0 and all(torch.all(g == 0) for g in g3.values())

@@ -67,13 +67,17 @@ class CheckingProposer:
     def __init__(self, feature_width: int):
         self.feature_width = feature_width
         self.num_context = 0
+        self.tokens: list[int] = []
         self.num_calls = 0
 
     def reset(self):
         self.num_context = 0
+        self.tokens = []  # the committed tokens at the positions whose features were received
 
-    def extend_context(self, target_hidden_TF):
+    def extend_context(self, target_hidden_TF, token_ids_T):
         assert target_hidden_TF.dim() == 2 and target_hidden_TF.shape[1] == self.feature_width
+        assert len(token_ids_T) == target_hidden_TF.shape[0]
+        self.tokens.extend(token_ids_T)
         self.num_context += target_hidden_TF.shape[0]
 
     def propose(self, anchor_token, anchor_pos, *, temperature, generator):
@@ -152,6 +156,9 @@ def test_greedy_matches_hf_generate(target, kind):
         assert tau == pytest.approx(K + 1)
     if kind == "null":
         assert len(res.steps) == max_new - 1 and all(s.num_proposed == 0 for s in res.steps)
+    else:  # the proposer received the token at every position whose features it received
+        assert proposer.tokens == (PROMPT + res.output_ids)[: len(proposer.tokens)]
+        assert len(proposer.tokens) == proposer.num_context
     assert res.ttft_s > 0 and res.total_time_s >= res.ttft_s
 
 
@@ -328,7 +335,7 @@ def test_sampling_is_lossless_statistically():
         def reset(self):
             pass
 
-        def extend_context(self, h):
+        def extend_context(self, h, token_ids):
             pass
 
         def propose(self, anchor_token, anchor_pos, *, temperature, generator):

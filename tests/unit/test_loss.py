@@ -168,3 +168,117 @@ def test_dflash_ce_only_without_target_hidden():
     assert math.isnan(got.tau_estimate)
     with pytest.raises(ValueError, match="target_last_hidden_BSH"):
         dspark_loss(out, ids, lm, ap, valid, None, lm_head_fixture(), make_config())
+
+
+# ----------------------------------------------------------------------------- with the draft model
+def _draft_setup(family="llama", seed=0):
+    from tests.unit.test_dspark import batch, capture, make_draft
+
+    target, draft = make_draft(family, seed=seed)
+    return target, draft, batch, capture
+
+
+def test_model_loss_same_sample_padded_to_two_lengths():
+    """A sample right-padded to two lengths (zero features, loss mask 0: what collate produces)
+    gives the same draft logits on its blocks, the same loss and the same gradients."""
+    target, draft, batch, capture = _draft_setup("qwen3")
+    ids, lm = batch(B=1, S=20, seed=4)
+    feats, last = capture(target, ids)
+    ap, valid = torch.tensor([[4, 9, 15]]), torch.ones(1, 3, dtype=torch.bool)
+    results = []
+    for pad in (0, 9):
+        z = lambda t: torch.cat([t, torch.zeros(1, pad, *t.shape[2:], dtype=t.dtype)], 1)  # noqa: E731
+        draft.zero_grad()
+        out = draft.forward_train(z(ids), z(feats), ap, valid)
+        lo = dspark_loss(out, z(ids), z(lm), ap, valid, z(last), draft.lm_head, draft.config)
+        lo.loss.backward()
+        results.append((lo, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
+    (l0, g0), (l1, g1) = results
+    assert l0.num_valid_slots == l1.num_valid_slots > 0
+    torch.testing.assert_close(l1.loss, l0.loss)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], atol=1e-6, rtol=1e-5)
+
+
+def test_micro_batches_give_the_global_token_weighted_mean():
+    """Through the algorithm protocol (what the trainer runs): a global batch split into micro-batches,
+    each normalised by the global weight sum, gives the same summed loss and accumulated gradients
+    as the whole batch at once; and that loss is the weighted mean over all slots, so a sequence with
+    many supervised slots weighs more than one with few (not a mean of per-sequence means)."""
+    from deepspec.models.registry import _BlockMicroBatch, get_algorithm
+    from deepspec.train.data import TrainBatch
+
+    target, draft, batch, capture = _draft_setup("llama")
+    ids, lm = batch(B=4, S=24, seed=5)
+    lm[1, 10:] = 0  # sequence 1 has few supervised slots
+    feats, last = capture(target, ids)
+    ap, valid = torch.tensor([[4, 9, 15], [5, 6, 0], [3, 12, 20], [8, 0, 0]]), torch.tensor(
+        [[True, True, True], [True, True, False], [True, True, True], [True, False, False]])
+    algo = get_algorithm("dspark")
+    nullctx = torch.autocast("cpu", enabled=False)
+
+    def micro(rows):
+        tb = TrainBatch(ids[rows], lm[rows], feats[rows], last[rows], list(rows))
+        return _BlockMicroBatch(tb, ap[rows], valid[rows])
+
+    def run(groups):
+        draft.zero_grad()
+        parts = [micro(g) for g in groups]
+        ws = sum(algo.weight(draft, p) for p in parts)
+        total = 0.0
+        for p in parts:
+            out = algo.loss(draft, p, weight_sum=ws, autocast=nullctx)
+            out.loss.backward()
+            total = total + out.loss.detach()
+        return total, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+
+    full, g_full = run([[0, 1, 2, 3]])
+    split, g_split = run([[0], [1, 2], [3]])
+    torch.testing.assert_close(split, full, atol=1e-6, rtol=1e-5)
+    for n in g_full:
+        torch.testing.assert_close(g_split[n], g_full[n], atol=1e-6, rtol=1e-4)
+    # the global-batch loss is the slot-weighted mean, not the mean of per-micro-batch losses
+    own = [algo.loss(draft, micro([i]), weight_sum=algo.weight(draft, micro([i])), autocast=nullctx).loss.detach()
+           for i in range(4)]
+    w = torch.stack([algo.weight(draft, micro([i])) for i in range(4)])
+    torch.testing.assert_close(full, (torch.stack(own) * w).sum() / w.sum(), atol=1e-6, rtol=1e-5)
+    assert not torch.isclose(full, torch.stack(own).mean())
+
+
+def test_l1_target_is_the_final_norm_hidden_state():
+    """The L1 target distribution is softmax(lm_head(final-norm hidden)) = the target's own next-token
+    distribution, with a final norm weight far from 1 (a pre-norm hidden state would give another)."""
+    from deepspec.target.capture import target_forward
+
+    target, draft, batch, _ = _draft_setup("llama")
+    with torch.no_grad():
+        target.model.norm.weight.copy_(torch.linspace(0.3, 3.0, target.config.hidden_size))
+    ids, lm = batch(B=1, S=20, seed=6)
+    captured = {}
+    def keep_pre_norm(module, inputs, output):  # returns None: the output is left unchanged
+        captured.setdefault("pre", inputs[0].detach())
+
+    hook = target.model.norm.register_forward_hook(keep_pre_norm)
+    try:
+        cap = target_forward(target, ids, [0, 1])  # the capture rule of the cache writer and online mode
+    finally:
+        hook.remove()
+    with torch.no_grad():
+        ref_logits = target(ids).logits
+    last = cap.target_last_hidden_BTH
+    torch.testing.assert_close(draft.lm_head(last), ref_logits, atol=1e-5, rtol=1e-5)
+    ap, valid = torch.tensor([[4, 11]]), torch.ones(1, 2, dtype=torch.bool)
+    out = draft.forward_train(ids, cap.target_hidden_BTF, ap, valid)
+    got = dspark_loss(out, ids, lm, ap, valid, last, draft.lm_head, draft.config)
+    # oracle from the target's real logits
+    valid_BAK, w_BAK = supervision_weights(lm, ap, valid, draft.config)
+    num = 0.0
+    for j in range(2):
+        for k in range(draft.config.block_size):
+            if valid_BAK[0, j, k]:
+                a = int(ap[0, j])
+                p = torch.softmax(out.logits_BAKV[0, j, k].detach().float(), -1)
+                num += float(w_BAK[0, j, k]) * float((p - torch.softmax(ref_logits[0, a + k], -1)).abs().sum())
+    assert math.isclose(float(got.l1), num / float(w_BAK.sum()), rel_tol=1e-5)
+    wrong = dspark_loss(out, ids, lm, ap, valid, captured["pre"], draft.lm_head, draft.config)
+    assert not math.isclose(float(wrong.l1), float(got.l1), rel_tol=1e-3)  # the test can tell them apart

@@ -77,3 +77,58 @@ def test_flex_forward_matches_dense_on_cpu():
     out_dense = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_block_mask(anchor_pos, valid, S, K),
                                                enable_gqa=True)
     torch.testing.assert_close(out_flex, out_dense, atol=1e-5, rtol=1e-5)
+
+
+def attention_oracle(q, k, v, anchor_pos_BA, block_valid_BA, S, K):
+    """Python loop attention: each query softmaxes over exactly the keys the rule lets it see
+    (context keys strictly before its block's anchor when the block is valid, its own block's keys)."""
+    B, Hq, Q, d = q.shape
+    Hk = k.shape[1]
+    out = torch.zeros_like(q)
+    for b in range(B):
+        for h in range(Hq):
+            hk = h // (Hq // Hk)  # GQA: consecutive query heads share a KV head
+            for qi in range(Q):
+                j = qi // K
+                a, valid = int(anchor_pos_BA[b, j]), bool(block_valid_BA[b, j])
+                keys = [kv for kv in range(S) if valid and kv < a] + [S + j * K + i for i in range(K)]
+                scores = torch.stack([q[b, h, qi] @ k[b, hk, kv] for kv in keys]) / d ** 0.5
+                w = torch.softmax(scores, 0)
+                out[b, h, qi] = sum(w[i] * v[b, hk, kv] for i, kv in enumerate(keys))
+    return out
+
+
+@pytest.mark.parametrize("anchor_pos, valid, S, K", CASES)
+def test_flex_and_dense_attention_equal_loop_oracle(anchor_pos, valid, S, K):
+    B, A = anchor_pos.shape
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, 4, A * K, 8, generator=g)
+    k = torch.randn(B, 2, S + A * K, 8, generator=g)
+    v = torch.randn(B, 2, S + A * K, 8, generator=g)
+    exp = attention_oracle(q, k, v, anchor_pos, valid, S, K)
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_block_mask(anchor_pos, valid, S, K),
+                                           enable_gqa=True)
+    torch.testing.assert_close(dense, exp, atol=1e-5, rtol=1e-5)
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            bm = flex_block_mask(anchor_pos, valid, S, K, device="cpu")
+            flex = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    except (RuntimeError, NotImplementedError) as e:  # pragma: no cover - depends on torch build
+        pytest.skip(f"flex_attention forward unavailable on CPU: {e}")
+    torch.testing.assert_close(flex, exp, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(flex).all() and torch.isfinite(dense).all()
+
+
+def test_flex_block_mask_materialises_to_the_dense_mask():
+    """The BlockMask built from the rule, turned back into a dense bool mask, is the dense mask."""
+    for anchor_pos, valid, S, K in CASES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            bm = flex_block_mask(anchor_pos, valid, S, K, device="cpu", BLOCK_SIZE=8)
+        B, A = anchor_pos.shape
+        q_idx = torch.arange(A * K)[:, None]
+        kv_idx = torch.arange(S + A * K)[None, :]
+        dense = torch.stack([bm.mask_mod(torch.tensor(b), torch.tensor(0), q_idx, kv_idx) for b in range(B)])
+        assert torch.equal(dense.unsqueeze(1), dense_block_mask(anchor_pos, valid, S, K))

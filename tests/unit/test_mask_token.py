@@ -52,3 +52,35 @@ def test_mask_token_present_in_data_is_an_error():
     assert check_mask_token_absent(3, [torch.tensor([4, 5]), torch.tensor([1, 2])]) == 4
     with pytest.raises(ValueError, match="sample 1"):
         check_mask_token_absent(3, [torch.tensor([4, 5]), torch.tensor([1, 3])])
+
+
+def test_each_forbidden_id_is_named_in_the_error():
+    tok = _Tok(VOCAB, pad=0, eos=2, bos=1)
+    for requested, name in ((0, "pad_token_id"), (2, "eos_token_id"), ("<|im_end|>", "eos_token_id"),
+                            ("1", "bos_token_id")):
+        with pytest.raises(ValueError, match=f"mask_token_id: .*equals the tokenizer's {name}.*reserved special token"):
+            choose_mask_token_id(tok, num_embeddings=6, requested=requested)
+    for bad in (-1, 6, "6"):
+        with pytest.raises(ValueError, match=r"expected an id in \[0, 6\)"):
+            choose_mask_token_id(tok, num_embeddings=6, requested=bad)
+    assert choose_mask_token_id(tok, num_embeddings=6, requested="<repo_name>") == 3
+    assert choose_mask_token_id(tok, num_embeddings=6, requested=5) == 5  # a real token: checked against the data
+
+
+def test_draft_config_refuses_pad_eos_and_out_of_range():
+    from deepspec.models.config import DraftConfig
+
+    base = dict(family="llama", hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                intermediate_size=16, max_position_embeddings=32, vocab_size=10, target_hidden_size=8,
+                target_num_hidden_layers=3, target_layer_ids=[0, 1], num_draft_layers=1, pad_token_id=0,
+                eos_token_ids=[1, 2])
+    DraftConfig(mask_token_id=3, **base)
+    for mask_id, expected in ((0, "pad_token_id"), (2, "not an eos id"), (10, r"\[0, 10\)"), (-1, r"\[0, 10\)")):
+        with pytest.raises(ValueError, match=f"DraftConfig.mask_token_id: expected .*{expected}"):
+            DraftConfig(mask_token_id=mask_id, **base)
+
+
+def test_mask_token_in_data_message_names_the_fix():
+    with pytest.raises(ValueError, match=r"mask_token_id 3 occurs in training sample 0.*--mask-token"):
+        check_mask_token_absent(3, [torch.tensor([[3]])])
+    assert check_mask_token_absent(3, []) == 0

@@ -1,0 +1,535 @@
+"""Eagle3 draft model, its training-time-test (TTT) loss and its algorithm entry (issue 4).
+
+Li et al., "EAGLE-3: Scaling up Inference Acceleration of LLMs via Training-Time Test" (2025).
+
+Legend: B batch, S sequence length, H hidden (= target hidden), F = n_layers * H target feature
+width, V vocab, K ttt_steps (unrolled steps = tokens drafted per proposal), T a run of rows,
+Hq query heads, Hk KV heads, d head_dim, N supervised rows of one step.
+
+Architecture (parameter names follow the original Eagle3 checkpoints where they exist):
+  embed_tokens (frozen copy of the target's), fc (Linear F -> H, no bias: fuses the target
+  features of all cached layers), midlayer = one decoder layer of the target's family whose
+  attention projections read ``cat(input_layernorm(embed(token)), hidden_norm(hidden))`` (2H ->
+  q/k/v), with the residual taken from ``hidden``; post_attention_layernorm + the family's MLP;
+  norm (final), lm_head (frozen copy of the target's, full vocabulary).
+
+Rows. Row ``t`` of a sequence pairs the fused target feature ``f_t`` (position t) with the *next*
+token ``x_{t+1}`` and predicts ``x_{t+2}``. TTT step ``k`` (0 <= k < K) at row ``t`` reads the
+token ``x_{t+1+k}`` and, instead of ``f_t``, the draft's own pre-norm output of step ``k-1`` at row
+``t`` (step 0 reads ``fc(f_t)``); it predicts ``x_{t+k+2}``. Its RoPE position is ``t + k``.
+
+Attention at step k (the Eagle3 trick): row ``t`` attends to the step-0 keys of rows ``0..t``
+(causal) and to its own keys of steps ``1..k`` (the diagonal of each later step). This is exactly
+what chain drafting sees at inference: the committed rows (step 0, from target features) plus the
+chain's own earlier steps. Implemented with dense SDPA over ``cat(K_0, .., K_k)`` and a bool mask.
+
+Loss (soft cross-entropy against the target): row t at step k is supervised iff
+``t + k + 2 < S`` and ``loss_mask[t + k + 2]``; its target is
+``softmax(lm_head(target_last_hidden[t + k + 1]))``; weight ``decay^k`` (0.8). The micro-batch's
+loss is ``sum_k decay^k sum_rows CE / weight_sum`` with ``weight_sum`` the global batch's total
+supervision weight (the protocol's ``weight``), so padding and micro-batching do not change it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from deepspec.utils import atomic_path
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+ALGORITHM_NAME = "eagle3"
+
+_SHAPE_FIELDS = ("family", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "intermediate_size", "hidden_act", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
+                 "vocab_size", "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "target_hidden_size",
+                 "target_num_hidden_layers", "target_layer_ids")
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+
+@dataclass(kw_only=True)
+class Eagle3Config:
+    """Shape (copied from the target, as for DSpark) and TTT knobs of an Eagle3 draft."""
+
+    family: str
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int
+    vocab_size: int
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    target_hidden_size: int
+    target_num_hidden_layers: int
+    target_layer_ids: list[int]
+    ttt_steps: int = 7  # unrolled training steps = tokens drafted per proposal
+    step_decay: float = 0.8  # weight of TTT step k is step_decay ** k
+    pad_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    # Eagle3 has no mask token. The trainer checks ``config.mask_token_id`` against the data; -1 never
+    # occurs there, so the check is a no-op for Eagle3.
+    mask_token_id: int = dataclasses.field(default=-1, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.eos_token_ids = [int(i) for i in self.eos_token_ids]
+        self.rope_parameters = dict(self.rope_parameters)
+        if not isinstance(self.ttt_steps, int) or isinstance(self.ttt_steps, bool) or self.ttt_steps < 1:
+            raise ValueError(f"Eagle3Config.ttt_steps: expected an integer >= 1, received {self.ttt_steps!r}. "
+                             "The original uses 7.")
+        if not 0.0 < self.step_decay <= 1.0:
+            raise ValueError(f"Eagle3Config.step_decay: expected a value in (0, 1], received {self.step_decay!r}. "
+                             "The original uses 0.8.")
+        self._draft_view()  # validates the shape fields (family, heads, layer ids, ...)
+
+    @property
+    def feature_width(self) -> int:
+        return len(self.target_layer_ids) * self.target_hidden_size
+
+    def _draft_view(self):
+        """The shape fields as a DSpark :class:`DraftConfig` (one place derives family modules and the
+        transformers config); its mask token is an arbitrary valid id that Eagle3 never uses."""
+        from deepspec.models.config import DraftConfig
+
+        forbidden = {self.pad_token_id, *self.eos_token_ids}
+        dummy = next(i for i in range(self.vocab_size) if i not in forbidden)
+        return DraftConfig(**{k: getattr(self, k) for k in _SHAPE_FIELDS}, num_draft_layers=1,
+                           block_size=2, mask_token_id=dummy, pad_token_id=self.pad_token_id,
+                           eos_token_ids=self.eos_token_ids, use_markov_head=False, use_confidence_head=False,
+                           ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0)
+
+    def family_module(self):
+        return self._draft_view().family_module()
+
+    def family_class(self, suffix: str):
+        return self._draft_view().family_class(suffix)
+
+    def to_hf_config(self):
+        return self._draft_view().to_hf_config()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("mask_token_id")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Eagle3Config:
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"Eagle3Config.from_dict: unknown keys {unknown}; expected a subset of {sorted(known)}.")
+        return cls(**d)
+
+
+def eagle3_config_from_target(target_config: Any, *, target_layer_ids: list[int], ttt_steps: int = 7,
+                              step_decay: float = 0.8, pad_token_id: int | None = None,
+                              eos_token_id: list[int] | int | None = None) -> Eagle3Config:
+    """Derive an :class:`Eagle3Config` from a transformers target config (same family rules as DSpark's
+    :func:`deepspec.models.config.draft_config_from_target`)."""
+    from deepspec.models.config import draft_config_from_target
+
+    vocab = int(target_config.vocab_size)
+    pad = pad_token_id if pad_token_id is not None else getattr(target_config, "pad_token_id", None)
+    eos = eos_token_id if eos_token_id is not None else getattr(target_config, "eos_token_id", None)
+    eos_list = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    dummy = next(i for i in range(vocab) if i != pad and i not in eos_list)
+    base = draft_config_from_target(target_config, num_draft_layers=1, target_layer_ids=target_layer_ids,
+                                    mask_token_id=dummy, block_size=2, use_markov_head=False,
+                                    use_confidence_head=False, pad_token_id=pad, eos_token_ids=eos_list,
+                                    ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0)
+    return Eagle3Config(**{k: getattr(base, k) for k in _SHAPE_FIELDS}, ttt_steps=ttt_steps, step_decay=step_decay,
+                        pad_token_id=base.pad_token_id, eos_token_ids=base.eos_token_ids)
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+
+@dataclass
+class Eagle3Cache:
+    """Inference K/V of committed rows (step 0, from target features): ``k``/``v`` ``[1, Hk, T, d]``
+    (RoPE applied to K at positions ``0..T-1``); ``length`` = committed rows."""
+
+    k: Tensor | None = None
+    v: Tensor | None = None
+    length: int = 0
+
+    def crop(self, n: int) -> None:
+        if not 0 <= n <= self.length:
+            raise ValueError(f"Eagle3Cache.crop: expected 0 <= n <= length={self.length}, received {n}.")
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
+        self.length = n
+
+
+class Eagle3Attention(nn.Module):
+    """Self-attention whose q/k/v projections read the 2H input ``[embed ; hidden]``."""
+
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        self._apply_rope = c.family_module().apply_rotary_pos_emb
+        if c.qk_norm:
+            Norm = c.family_class("RMSNorm")
+            self.q_norm = Norm(c.head_dim, eps=c.rms_norm_eps)
+            self.k_norm = Norm(c.head_dim, eps=c.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _split(self, x: Tensor, n_heads: int, norm) -> Tensor:
+        B, T, _ = x.shape
+        x = x.view(B, T, n_heads, self.head_dim)
+        if norm is not None:
+            x = norm(x)
+        return x.transpose(1, 2)  # [B, h, T, d]
+
+    def forward(self, x_BT2: Tensor, cos: Tensor, sin: Tensor, prev_k: Tensor | None, prev_v: Tensor | None,
+                mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries/keys/values of the T new rows; attend to ``cat(prev, new)`` under ``mask`` (bool
+        ``[.., T, P+T]``, True = visible; None = everything visible). Returns (out ``[B, T, H]``,
+        new K (RoPE'd), new V), both ``[B, Hk, T, d]``."""
+        B, T, _ = x_BT2.shape
+        q = self._split(self.q_proj(x_BT2), self.num_heads, self.q_norm)
+        k = self._split(self.k_proj(x_BT2), self.num_kv_heads, self.k_norm)
+        v = self._split(self.v_proj(x_BT2), self.num_kv_heads, None)
+        q, k = self._apply_rope(q, k, cos, sin)
+        k_all = k if prev_k is None else torch.cat([prev_k.expand(B, -1, -1, -1), k], dim=2)
+        v_all = v if prev_v is None else torch.cat([prev_v.expand(B, -1, -1, -1), v], dim=2)
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)), k, v
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, c: Eagle3Config, hf_config):
+        super().__init__()
+        Norm = c.family_class("RMSNorm")
+        self.self_attn = Eagle3Attention(c)
+        self.mlp = c.family_class("MLP")(hf_config)
+        self.input_layernorm = Norm(c.hidden_size, eps=c.rms_norm_eps)  # on the token embedding
+        self.hidden_norm = Norm(c.hidden_size, eps=c.rms_norm_eps)  # on the fused feature / previous hidden
+        self.post_attention_layernorm = Norm(c.hidden_size, eps=c.rms_norm_eps)
+
+    def forward(self, emb_BTH: Tensor, hid_BTH: Tensor, cos, sin, prev_k, prev_v, mask):
+        x = torch.cat([self.input_layernorm(emb_BTH), self.hidden_norm(hid_BTH)], dim=-1)
+        attn, k, v = self.self_attn(x, cos, sin, prev_k, prev_v, mask)
+        h = hid_BTH + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), k, v
+
+
+def ttt_masks(S: int, steps: int, device=None) -> list[Tensor]:
+    """Bool masks ``[S, S*(k+1)]`` per step k: causal over step 0's keys, diagonal over steps 1..k."""
+    causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(S, dtype=torch.bool, device=device)
+    return [torch.cat([causal] + [eye] * k, dim=1) for k in range(steps)]
+
+
+class Eagle3DraftModel(nn.Module):
+    """Eagle3 drafter (see the module docstring)."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.config = c = config
+        hf = c.to_hf_config()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.fc = nn.Linear(c.feature_width, c.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(c, hf)
+        self.norm = c.family_class("RMSNorm")(c.hidden_size, eps=c.rms_norm_eps)
+        self.rotary_emb = c.family_class("RotaryEmbedding")(hf)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+        self.freeze_embeddings()
+
+    def freeze_embeddings(self) -> None:
+        """embed_tokens and lm_head are copies of the target's and never trained (as DSpark's)."""
+        self.embed_tokens.weight.requires_grad_(False)
+        self.lm_head.weight.requires_grad_(False)
+
+    @classmethod
+    def from_target(cls, target_model: nn.Module, config: Eagle3Config) -> Eagle3DraftModel:
+        model = cls(config)
+        emb = target_model.get_input_embeddings().weight
+        head = target_model.get_output_embeddings().weight
+        if tuple(emb.shape) != tuple(model.embed_tokens.weight.shape) or tuple(head.shape) != tuple(
+                model.lm_head.weight.shape):
+            raise ValueError(f"Eagle3DraftModel.from_target: expected target embedding/lm_head of shape "
+                             f"{tuple(model.embed_tokens.weight.shape)}, received {tuple(emb.shape)} / "
+                             f"{tuple(head.shape)}. Build the config with eagle3_config_from_target(target.config).")
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(emb.detach().float())
+            model.lm_head.weight.copy_(head.detach().float())
+        return model.to(emb.device)
+
+    # ------------------------------------------------------------------ training forward
+    def forward_train(self, input_ids_BS: Tensor, target_hidden_BSF: Tensor,
+                      steps: int | None = None) -> list[Tensor]:
+        """The K unrolled TTT steps; returns the pre-norm hidden states ``[B, S, H]`` of each step
+        (row t of step k predicts ``x_{t+k+2}``; rows whose inputs run past S are garbage, never
+        supervised, and never seen by supervised rows)."""
+        K = self.config.ttt_steps if steps is None else steps
+        B, S = input_ids_BS.shape
+        dev = input_ids_BS.device
+        ids = input_ids_BS.long()
+        hid = self.fc(target_hidden_BSF.to(self.fc.weight.dtype))
+        masks = ttt_masks(S, K, dev)
+        ks: list[Tensor] = []
+        vs: list[Tensor] = []
+        outs = []
+        for k in range(K):
+            # token of row t at step k: x_{t+1+k} (past the end: token 0, an unsupervised row)
+            tok = torch.zeros_like(ids)
+            if k + 1 < S:
+                tok[:, : S - 1 - k] = ids[:, k + 1:]
+            emb = self.embed_tokens(tok).to(hid.dtype)
+            cos, sin = self.rotary_emb(hid, (torch.arange(S, device=dev) + k).unsqueeze(0))
+            prev_k = torch.cat(ks, dim=2) if ks else None
+            prev_v = torch.cat(vs, dim=2) if vs else None
+            hid, kk, vv = self.midlayer(emb, hid, cos, sin, prev_k, prev_v, masks[k])
+            ks.append(kk)
+            vs.append(vv)
+            outs.append(hid)
+        return outs
+
+    # ------------------------------------------------------------------ inference
+    def new_cache(self) -> Eagle3Cache:
+        return Eagle3Cache()
+
+    @torch.no_grad()
+    def commit_rows(self, cache: Eagle3Cache, next_token_ids_T: Tensor, target_hidden_TF: Tensor) -> Tensor:
+        """Append rows ``cache.length ..`` (feature ``f_t`` with next token ``x_{t+1}``) at step 0,
+        attending to every committed row and causally among themselves. Returns their pre-norm
+        outputs ``[T, H]`` (the last one starts a chain)."""
+        T = int(next_token_ids_T.shape[0])
+        dev = self.fc.weight.device
+        hid = self.fc(target_hidden_TF.to(dev, self.fc.weight.dtype)).unsqueeze(0)
+        emb = self.embed_tokens(next_token_ids_T.to(dev).long().view(1, T)).to(hid.dtype)
+        L = cache.length
+        cos, sin = self.rotary_emb(hid, torch.arange(L, L + T, device=dev).unsqueeze(0))
+        mask = torch.ones(T, L + T, dtype=torch.bool, device=dev)
+        mask[:, L:] = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        out, k, v = self.midlayer(emb, hid, cos, sin, cache.k, cache.v, mask)
+        cache.k = k if cache.k is None else torch.cat([cache.k, k], dim=2)
+        cache.v = v if cache.v is None else torch.cat([cache.v, v], dim=2)
+        cache.length += T
+        return out[0]
+
+    @torch.no_grad()
+    def chain_step(self, cache: Eagle3Cache, chain_k: list[Tensor], chain_v: list[Tensor], token_id: Tensor,
+                   hidden_H: Tensor, pos: int) -> Tensor:
+        """One chain step k >= 1 at RoPE position ``pos``: input (token, previous step's hidden),
+        attending to all committed rows and the chain's earlier steps; appends its K/V to the chain
+        lists. Returns the pre-norm output ``[H]``."""
+        dev = self.fc.weight.device
+        hid = hidden_H.view(1, 1, -1)
+        emb = self.embed_tokens(token_id.to(dev).long().view(1, 1)).to(hid.dtype)
+        cos, sin = self.rotary_emb(hid, torch.tensor([[pos]], device=dev))
+        prev_k = torch.cat([cache.k, *chain_k], dim=2)
+        prev_v = torch.cat([cache.v, *chain_v], dim=2)
+        out, k, v = self.midlayer(emb, hid, cos, sin, prev_k, prev_v, None)
+        chain_k.append(k)
+        chain_v.append(v)
+        return out[0, 0]
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    # ------------------------------------------------------------------ save / load
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        """``model.safetensors`` (all weights, self-contained) + ``config.json`` with
+        ``deepspec_algorithm: eagle3``, written atomically as a folder."""
+        from safetensors.torch import save_file
+
+        out_dir = Path(out_dir)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        cfg = {"architectures": ["Eagle3DraftModel"], "model_type": "eagle3", "deepspec_algorithm": ALGORITHM_NAME,
+               "eagle3_config": self.config.to_dict()}
+        with atomic_path(out_dir) as tmp:
+            tmp.mkdir(parents=True)
+            save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+            (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+        return out_dir
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu") -> Eagle3DraftModel:
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
+            raise FileNotFoundError(f"Eagle3DraftModel.from_pretrained: expected {path}/{CONFIG_NAME} and "
+                                    f"{path}/{WEIGHTS_NAME}; pass a folder written by save_pretrained().")
+        cfg = json.loads((path / CONFIG_NAME).read_text(encoding="utf-8"))
+        if cfg.get("deepspec_algorithm") != ALGORITHM_NAME:
+            raise ValueError(f"Eagle3DraftModel.from_pretrained: {path} holds a "
+                             f"{cfg.get('deepspec_algorithm', 'dspark/dflash')!r} draft, not an Eagle3 one.")
+        model = cls(Eagle3Config.from_dict(cfg["eagle3_config"]))
+        model.load_state_dict(load_file(str(path / WEIGHTS_NAME)), strict=True)
+        model.freeze_embeddings()
+        return model.to(device)
+
+
+# ----------------------------------------------------------------------------------------------- loss
+
+
+def ttt_supervision(loss_mask_BS: Tensor, steps: int, decay: float) -> tuple[Tensor, Tensor]:
+    """``(valid_KBS bool, weight_KBS float32)``: row t of step k is supervised iff ``t+k+2 < S`` and
+    ``loss_mask[t+k+2]``; its weight is ``decay**k``."""
+    B, S = loss_mask_BS.shape
+    lm = loss_mask_BS.bool()
+    valid = torch.zeros(steps, B, S, dtype=torch.bool, device=lm.device)
+    for k in range(steps):
+        if k + 2 < S:
+            valid[k, :, : S - k - 2] = lm[:, k + 2:]
+    w = valid.float() * (decay ** torch.arange(steps, dtype=torch.float32, device=lm.device)).view(steps, 1, 1)
+    return valid, w
+
+
+@dataclass
+class Eagle3LossOutput:
+    """``loss`` carries the graph. ``acc_K``: fraction of this micro-batch's supervised rows at step
+    k where argmax(draft) == argmax(target) (teacher-forced greedy acceptance of slot k given an
+    accepted prefix). ``tau_estimate = 1 + sum_k prod_{j<=k} acc_j``. ``share`` = local weight /
+    global weight: ``scalars()`` reports ``acc_k`` times ``share`` so that the trainer's sum over
+    micro-batches is a weight-averaged accuracy."""
+
+    loss: Tensor
+    weight_sum: Tensor
+    local_weight_sum: Tensor
+    num_supervised_K: list[int]
+    acc_K: list[float]
+    tau_estimate: float
+
+    def scalars(self) -> dict[str, float]:
+        share = float(self.local_weight_sum) / max(float(self.weight_sum), 1e-12)
+        out = {"loss": float(self.loss.detach()), "num_supervised": float(sum(self.num_supervised_K)),
+               "tau_estimate": self.tau_estimate}
+        out.update({f"acc_{k}": a * share for k, a in enumerate(self.acc_K)})
+        return out
+
+
+def _soft_ce_chunk(hidden_NH: Tensor, target_hidden_NH: Tensor, w_N: Tensor, final_norm: nn.Module,
+                   lm_w: Tensor) -> tuple[Tensor, Tensor]:
+    """Weighted soft-CE sum of a chunk and (detached) argmax matches; recomputed in backward."""
+    logits = F.linear(final_norm(hidden_NH), lm_w).float()
+    with torch.no_grad():
+        tlogits = F.linear(target_hidden_NH.to(lm_w.dtype), lm_w).float()
+        tprob = torch.softmax(tlogits, dim=-1)
+        match = (logits.argmax(-1) == tlogits.argmax(-1)).float()
+    ce = -(tprob * F.log_softmax(logits, dim=-1)).sum(-1)
+    return (w_N * ce).sum(), match
+
+
+def eagle3_loss(model: Eagle3DraftModel, input_ids_BS: Tensor, loss_mask_BS: Tensor, target_hidden_BSF: Tensor,
+                target_last_hidden_BSH: Tensor, *, weight_sum: Tensor | float | None = None,
+                autocast: Any = None, chunk_rows: int = 1024) -> Eagle3LossOutput:
+    """TTT loss of one micro-batch (module docstring). ``weight_sum``: the global batch's
+    :func:`ttt_supervision` weight sum (None = this micro-batch's own). Only supervised rows are
+    projected to the vocabulary, in checkpointed chunks of ``chunk_rows`` (memory ``chunk x V``)."""
+    c = model.config
+    K = c.ttt_steps
+    dev = model.fc.weight.device
+
+    with autocast if autocast is not None else contextlib.nullcontext():
+        outs = model.forward_train(input_ids_BS.to(dev), target_hidden_BSF.to(dev))
+    valid_KBS, w_KBS = ttt_supervision(loss_mask_BS.to(dev), K, c.step_decay)
+    local_ws = w_KBS.sum()
+    norm = local_ws if weight_sum is None else torch.as_tensor(weight_sum, dtype=torch.float32, device=dev)
+    norm = norm.clamp_min(1e-12)
+    loss = sum(o.sum() for o in outs) * 0.0  # keeps the graph when nothing is supervised
+    tl = target_last_hidden_BSH.to(dev)
+    counts, accs = [], []
+    for k in range(K):
+        b_N, t_N = valid_KBS[k].nonzero(as_tuple=True)
+        N = int(b_N.numel())
+        counts.append(N)
+        if N == 0:
+            accs.append(0.0)
+            continue
+        h_NH = outs[k][b_N, t_N]
+        th_NH = tl[b_N, t_N + k + 1]
+        w_N = w_KBS[k][b_N, t_N]
+        matches = []
+        for s in range(0, N, chunk_rows):
+            e = min(N, s + chunk_rows)
+            part, match = checkpoint(_soft_ce_chunk, h_NH[s:e], th_NH[s:e], w_N[s:e], model.norm,
+                                     model.lm_head.weight, use_reentrant=False)
+            loss = loss + part / norm
+            matches.append(match)
+        accs.append(float(torch.cat(matches).mean()))
+    tau, surv = 1.0, 1.0
+    for n, a in zip(counts, accs):
+        if n == 0:
+            break
+        surv *= a
+        tau += surv
+    return Eagle3LossOutput(loss=loss, weight_sum=norm.detach(), local_weight_sum=local_ws.detach(),
+                            num_supervised_K=counts, acc_K=accs, tau_estimate=tau)
+
+
+# ----------------------------------------------------------------------------------------------- algorithm
+
+
+class Eagle3Algorithm:
+    """Eagle3 behind :class:`deepspec.models.registry.DraftAlgorithm`. ``ttt_steps`` comes from
+    ``cfg.ttt_steps`` when the trainer's config has it, else ``cfg.block_size`` (the same number of
+    drafted tokens per step as DSpark/DFlash, 7 by default)."""
+
+    name = ALGORITHM_NAME
+
+    def build(self, target_model, tokenizer, cfg, target_layer_ids):
+        if getattr(cfg, "num_draft_layers", 1) != 1:
+            raise ValueError(f"train.num_draft_layers: Eagle3 has exactly one decoder layer, received "
+                             f"{cfg.num_draft_layers}; set num_draft_layers=1 for algorithm=eagle3.")
+        steps = getattr(cfg, "ttt_steps", None) or cfg.block_size
+        config = eagle3_config_from_target(target_model.config, target_layer_ids=list(target_layer_ids),
+                                           ttt_steps=int(steps), pad_token_id=getattr(tokenizer, "pad_token_id", None),
+                                           eos_token_id=getattr(tokenizer, "eos_token_id", None))
+        return Eagle3DraftModel.from_target(target_model, config)
+
+    def load(self, path):
+        return Eagle3DraftModel.from_pretrained(path)
+
+    def prepare(self, model, batch, generator, cfg):
+        return batch  # no sampling: every supervised row of every step is used
+
+    def weight(self, model, prepared):
+        return ttt_supervision(prepared.loss_mask_BS, model.config.ttt_steps, model.config.step_decay)[1].sum()
+
+    def loss(self, model, prepared, *, weight_sum, autocast):
+        b = prepared
+        return eagle3_loss(model, b.input_ids_BS, b.loss_mask_BS, b.target_hidden_BSF, b.target_last_hidden_BSH,
+                           weight_sum=weight_sum, autocast=autocast)
+
+    def proposer(self, model, *, confidence_threshold=None, max_positions=None):
+        from deepspec.eval.proposers import Eagle3Proposer
+
+        return Eagle3Proposer(model, max_positions=max_positions)
+
+    def owns(self, model):
+        return isinstance(model, Eagle3DraftModel)

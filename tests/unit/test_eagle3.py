@@ -1,0 +1,254 @@
+"""Eagle3 (issue 4): model shapes, TTT loss rules, train/inference consistency, save/load, the trainer,
+and lossless speculative decoding through the engine. Tiny random Llama targets only.
+
+Legend: B batch, S seq, K ttt steps, H hidden, F feature width, V vocab.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from deepspec.eval.engine import SpeculativeEngine
+from deepspec.eval.proposers import Eagle3Proposer, NullProposer
+from deepspec.models.eagle3 import (Eagle3Algorithm, Eagle3Config, Eagle3DraftModel, eagle3_config_from_target,
+                                    eagle3_loss, ttt_masks, ttt_supervision)
+from deepspec.models.registry import algorithm_for_model, get_algorithm, load_draft
+from deepspec.target.capture import target_forward
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V = 96
+LAYER_IDS = [0, 1]
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=EOS,
+                      pad_token_id=EOS)
+    model = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # sharpen the random logits: no near-ties in greedy decoding
+        model.lm_head.weight.mul_(8.0)
+    return model.requires_grad_(False)
+
+
+def make_draft(target, seed=1, steps=7):
+    cfg = eagle3_config_from_target(target.config, target_layer_ids=LAYER_IDS, ttt_steps=steps)
+    torch.manual_seed(seed)
+    return Eagle3DraftModel.from_target(target, cfg)
+
+
+def features(target, ids_BS):
+    out = target_forward(target, ids_BS, LAYER_IDS)
+    return out.target_hidden_BTF.float(), out.target_last_hidden_BTH.float()
+
+
+def sample(target, S=20, seed=0, prompt=4):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, V, (1, S), generator=g)
+    lm = torch.ones(1, S, dtype=torch.long)
+    lm[:, :prompt] = 0
+    feats, last = features(target, ids)
+    return ids, lm, feats, last
+
+
+# ----------------------------------------------------------------------------- shapes and rules
+def test_shapes_config_and_masks(target):
+    d = make_draft(target)
+    c = d.config
+    assert (c.feature_width, c.ttt_steps, c.step_decay, c.family) == (64, 7, 0.8, "llama")
+    assert Eagle3Config.from_dict(c.to_dict()) == c
+    assert d.fc.weight.shape == (32, 64)
+    assert d.midlayer.self_attn.q_proj.weight.shape == (4 * 8, 64)  # reads [embed ; hidden] = 2H
+    assert d.midlayer.self_attn.k_proj.weight.shape == (2 * 8, 64)
+    assert not d.embed_tokens.weight.requires_grad and not d.lm_head.weight.requires_grad
+    assert torch.equal(d.lm_head.weight, target.lm_head.weight)
+    ids, lm, feats, last = sample(target, S=12)
+    outs = d.forward_train(ids.expand(2, -1), feats.expand(2, -1, -1))
+    assert len(outs) == 7 and all(o.shape == (2, 12, 32) for o in outs)
+    m = ttt_masks(5, 3)
+    assert [tuple(x.shape) for x in m] == [(5, 5), (5, 10), (5, 15)]
+    assert torch.equal(m[2][:, 5:10], torch.eye(5, dtype=torch.bool)) and torch.equal(m[0], m[2][:, :5])
+    assert m[0][1, 0] and not m[0][0, 1]
+
+
+def test_step_weights_decay_and_shifted_mask():
+    lm = torch.ones(2, 10, dtype=torch.long)
+    lm[1, 6:] = 0  # a right-padded sample of length 6
+    valid, w = ttt_supervision(lm, 4, 0.8)
+    for k in range(4):
+        assert torch.allclose(w[k][valid[k]], torch.full_like(w[k][valid[k]], 0.8 ** k))
+        assert int(valid[k, 0].sum()) == 10 - k - 2  # row t predicts t+k+2 < S
+        assert int(valid[k, 1].sum()) == max(0, 6 - k - 2)
+    assert valid[1, 0, 6] and not valid[1, 0, 7]  # step 1: t + 3 < 10
+    lm2 = torch.ones(1, 10, dtype=torch.long)
+    lm2[0, 5] = 0
+    valid2, _ = ttt_supervision(lm2, 3, 0.8)
+    assert not valid2[0, 0, 3] and not valid2[2, 0, 1] and valid2[2, 0, 2]  # position 5 never a label
+
+
+def test_loss_invariant_to_padding_and_global_normalisation(target):
+    d = make_draft(target)
+    ids, lm, feats, last = sample(target, S=20)
+    base = eagle3_loss(d, ids, lm, feats, last)
+    pad = 9
+    ids_p = torch.cat([ids, torch.randint(2, V, (1, pad))], 1)
+    lm_p = torch.cat([lm, torch.zeros(1, pad, dtype=torch.long)], 1)
+    feats_p = torch.cat([feats, torch.randn(1, pad, feats.shape[-1])], 1)
+    last_p = torch.cat([last, torch.randn(1, pad, last.shape[-1])], 1)
+    padded = eagle3_loss(d, ids_p, lm_p, feats_p, last_p)
+    assert torch.allclose(base.loss, padded.loss, atol=1e-5), (base.loss, padded.loss)
+    assert base.num_supervised_K == padded.num_supervised_K
+    # two samples in one batch, global normaliser = the weighted mean over both samples
+    ids2, lm2, feats2, last2 = sample(target, S=29, seed=3)
+    both = eagle3_loss(d, torch.cat([ids_p, ids2]), torch.cat([lm_p, lm2]), torch.cat([feats_p, feats2]),
+                       torch.cat([last_p, last2]))
+    w1 = ttt_supervision(lm, 7, 0.8)[1].sum()
+    w2 = ttt_supervision(lm2, 7, 0.8)[1].sum()
+    second = eagle3_loss(d, ids2, lm2, feats2, last2)
+    expect = (base.loss * w1 + second.loss * w2) / (w1 + w2)
+    assert torch.allclose(both.loss, expect, atol=1e-5)
+    both.loss.backward()
+    assert d.fc.weight.grad is not None and d.embed_tokens.weight.grad is None
+    s = both.scalars()
+    assert {"loss", "tau_estimate", "acc_0", "acc_6", "num_supervised"} <= set(s)
+
+
+def test_training_forward_matches_inference_chain(target):
+    """Row t of TTT step k equals chain step k after committing rows 0..t (teacher-forced tokens)."""
+    d = make_draft(target).eval()
+    ids, lm, feats, last = sample(target, S=16)
+    with torch.no_grad():
+        outs = d.forward_train(ids, feats)
+    for t in (0, 4, 8):
+        cache = d.new_cache()
+        split = min(2, t)  # commit rows 0..split-1 first, then the rest: exercises the cached path
+        if split:
+            d.commit_rows(cache, ids[0, 1:split + 1], feats[0, :split])
+        h = d.commit_rows(cache, ids[0, split + 1:t + 2], feats[0, split:t + 1])[-1]
+        assert torch.allclose(h, outs[0][0, t], atol=1e-5)
+        ck, cv = [], []
+        for k in range(1, 5):
+            h = d.chain_step(cache, ck, cv, ids[0, t + 1 + k], h, t + k)
+            assert torch.allclose(h, outs[k][0, t], atol=1e-5), (t, k)
+
+
+def test_save_load_round_trip_and_registry(target, tmp_path):
+    d = make_draft(target, steps=3)
+    with torch.no_grad():
+        d.fc.weight.add_(0.5)
+    d.save_pretrained(tmp_path / "draft")
+    cfg = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert cfg["deepspec_algorithm"] == "eagle3" and cfg["eagle3_config"]["ttt_steps"] == 3
+    name, loaded = load_draft(tmp_path / "draft")
+    assert name == "eagle3" and isinstance(loaded, Eagle3DraftModel) and loaded.config == d.config
+    a, b = d.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert isinstance(algorithm_for_model(loaded), Eagle3Algorithm)
+    assert isinstance(get_algorithm("eagle3").proposer(loaded), Eagle3Proposer)
+    assert not get_algorithm("dspark").owns(loaded)
+
+
+# ----------------------------------------------------------------------------- engine
+def _engine(target, proposer):
+    return SpeculativeEngine(target, LAYER_IDS, proposer, [EOS])
+
+
+PROMPTS = [[0, 5, 17, 42, 8, 33, 71], [0, 9, 9, 9], [0, 60, 2, 77, 31, 14, 15, 92, 6, 40, 41]]
+
+
+def _greedy_data(target, prompt, n):
+    out = _engine(target, NullProposer()).generate(prompt, max_new_tokens=n)
+    return prompt + out.output_ids
+
+
+@pytest.fixture(scope="module")
+def trained_draft(target):
+    """A draft trained on the target's own greedy continuations of the prompts (repetitive data)."""
+    d = make_draft(target, steps=4)
+    seqs = [_greedy_data(target, p, 40) for p in PROMPTS]
+    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=3e-3)
+    first = last = None
+    d.train()
+    for step in range(80):
+        total = 0.0
+        for s in seqs:
+            ids = torch.tensor([s])
+            lm = torch.ones_like(ids)
+            feats, lasth = features(target, ids)
+            out = eagle3_loss(d, ids, lm, feats, lasth)
+            out.loss.backward()
+            total += float(out.loss.detach())
+        opt.step()
+        opt.zero_grad()
+        first = total if first is None else first
+        last = total
+    assert last < first
+    return d.eval()
+
+
+@pytest.mark.parametrize("which", ["random", "trained"])
+def test_engine_lossless_greedy(target, trained_draft, which):
+    draft = make_draft(target) if which == "random" else trained_draft
+    accepted = 0
+    for prompt in PROMPTS:
+        ref = _engine(target, NullProposer()).generate(prompt, max_new_tokens=30)
+        res = _engine(target, Eagle3Proposer(draft)).generate(prompt, max_new_tokens=30)
+        assert res.output_ids == ref.output_ids, prompt
+        assert all(s.num_proposed == draft.config.ttt_steps for s in res.steps[:-1])
+        accepted += sum(s.num_accepted for s in res.steps)
+    if which == "trained":
+        assert accepted > 0  # tau > 1 on data like the training data
+
+
+def test_engine_sampling_and_position_cap(target, trained_draft):
+    g = torch.Generator().manual_seed(0)
+    res = _engine(target, Eagle3Proposer(trained_draft, k=3)).generate(PROMPTS[0], max_new_tokens=12,
+                                                                       temperature=0.8, generator=g)
+    assert 1 <= len(res.output_ids) <= 12 and all(s.num_proposed <= 3 for s in res.steps)
+    p = Eagle3Proposer(trained_draft, max_positions=12)
+    ref = _engine(target, NullProposer()).generate(PROMPTS[0], max_new_tokens=30)
+    res = _engine(target, p).generate(PROMPTS[0], max_new_tokens=30)
+    assert res.output_ids == ref.output_ids
+    with pytest.raises(ValueError, match="token ids"):
+        Eagle3Proposer(trained_draft).extend_context(torch.zeros(2, 64), [1])
+
+
+# ----------------------------------------------------------------------------- trainer
+def test_trainer_lowers_the_loss(tmp_path):
+    from deepspec.data.cache import write_target_cache_from_samples
+    from deepspec.target.load import target_fingerprint, tokenizer_fingerprint
+    from deepspec.train.loop import TrainConfig, train
+    from tests.unit.test_chat import tiny_chatml_tokenizer
+
+    tok = tiny_chatml_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    gen = torch.Generator().manual_seed(1)
+    samples = []
+    for i in range(4):
+        ids = torch.randint(4, len(tok), (30,), generator=gen).tolist()
+        samples.append((f"s{i}", ids, [0] * 8 + [1] * 22))
+    cache = tmp_path / "cache"
+    write_target_cache_from_samples(samples, cache, model, target_layer_ids=LAYER_IDS,
+                                    target_fingerprint=target_fingerprint(model),
+                                    tokenizer_fingerprint=tokenizer_fingerprint(tok), storage_dtype="float32",
+                                    progress=False)
+    out = tmp_path / "run"
+    ckpt = train(TrainConfig(cache_dir=str(cache), output_dir=str(out), algorithm="eagle3", batch_size=2,
+                             block_size=3, max_steps=10, lr=1e-2, warmup_frac=0.1), target_model=model,
+                 tokenizer=tok)
+    rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert len(rows) == 10 and rows[-1]["loss"] < rows[0]["loss"]
+    assert "acc_0" in rows[0] and "tau_estimate" in rows[0]
+    name, draft = load_draft(ckpt / "draft")
+    assert name == "eagle3" and draft.config.ttt_steps == 3
