@@ -397,17 +397,27 @@ class Eagle3DraftModel(nn.Module):
 # ----------------------------------------------------------------------------------------------- loss
 
 
-def ttt_supervision(loss_mask_BS: Tensor, steps: int, decay: float) -> tuple[Tensor, Tensor]:
+def ttt_supervision(loss_mask_BS: Tensor, steps: int, decay: float,
+                    rows_BS: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(valid_KBS bool, weight_KBS float32)``: row t of step k is supervised iff ``t+k+2 < S`` and
-    ``loss_mask[t+k+2]``; its weight is ``decay**k``."""
+    ``loss_mask[t+k+2]`` (and, if ``rows_BS`` is given, ``rows_BS[t]``: only sampled chains); its
+    weight is ``decay**k``."""
     B, S = loss_mask_BS.shape
     lm = loss_mask_BS.bool()
     valid = torch.zeros(steps, B, S, dtype=torch.bool, device=lm.device)
     for k in range(steps):
         if k + 2 < S:
             valid[k, :, : S - k - 2] = lm[:, k + 2:]
+    if rows_BS is not None:
+        valid &= rows_BS.bool().to(valid.device)[None]
     w = valid.float() * (decay ** torch.arange(steps, dtype=torch.float32, device=lm.device)).view(steps, 1, 1)
     return valid, w
+
+
+@dataclass
+class _Eagle3MicroBatch:
+    batch: Any  # deepspec.train.data.TrainBatch
+    rows_BS: Tensor | None  # bool: chain starts supervised this step (None = all)
 
 
 @dataclass
@@ -447,9 +457,10 @@ def _soft_ce_chunk(hidden_NH: Tensor, target_hidden_NH: Tensor, w_N: Tensor, fin
 
 def eagle3_loss(model: Eagle3DraftModel, input_ids_BS: Tensor, loss_mask_BS: Tensor, target_hidden_BSF: Tensor,
                 target_last_hidden_BSH: Tensor, *, weight_sum: Tensor | float | None = None,
-                autocast: Any = None, chunk_rows: int = 1024) -> Eagle3LossOutput:
+                autocast: Any = None, chunk_rows: int = 1024, rows_BS: Tensor | None = None) -> Eagle3LossOutput:
     """TTT loss of one micro-batch (module docstring). ``weight_sum``: the global batch's
-    :func:`ttt_supervision` weight sum (None = this micro-batch's own). Only supervised rows are
+    :func:`ttt_supervision` weight sum (None = this micro-batch's own). ``rows_BS``: supervise only
+    the chains starting at these rows (None = every row). Only supervised rows are
     projected to the vocabulary, in checkpointed chunks of ``chunk_rows`` (memory ``chunk x V``)."""
     c = model.config
     K = c.ttt_steps
@@ -457,7 +468,7 @@ def eagle3_loss(model: Eagle3DraftModel, input_ids_BS: Tensor, loss_mask_BS: Ten
 
     with autocast if autocast is not None else contextlib.nullcontext():
         outs = model.forward_train(input_ids_BS.to(dev), target_hidden_BSF.to(dev))
-    valid_KBS, w_KBS = ttt_supervision(loss_mask_BS.to(dev), K, c.step_decay)
+    valid_KBS, w_KBS = ttt_supervision(loss_mask_BS.to(dev), K, c.step_decay, rows_BS)
     local_ws = w_KBS.sum()
     norm = local_ws if weight_sum is None else torch.as_tensor(weight_sum, dtype=torch.float32, device=dev)
     norm = norm.clamp_min(1e-12)
@@ -516,15 +527,31 @@ class Eagle3Algorithm:
         return Eagle3DraftModel.from_pretrained(path)
 
     def prepare(self, model, batch, generator, cfg):
-        return batch  # no sampling: every supervised row of every step is used
+        """The batch and the chains to supervise: every row when ``cfg.num_anchors`` is 0, else up to
+        ``num_anchors`` chain starts per sequence, drawn uniformly without replacement among rows whose
+        step-0 target is supervised (the same supervision budget as DSpark's anchors: ``num_anchors``
+        chains/blocks of ``ttt_steps``/``block_size`` predictions). Sampling is an unbiased estimate
+        of the all-rows loss; it cuts the vocabulary projections, which dominate a CPU step."""
+        num = int(getattr(cfg, "num_anchors", 0) or 0)
+        if num <= 0:
+            return _Eagle3MicroBatch(batch, None)
+        valid0 = ttt_supervision(batch.loss_mask_BS, 1, 1.0)[0][0]  # [B, S]: step-0 target supervised
+        rows = torch.zeros_like(valid0)
+        for b in range(valid0.shape[0]):
+            cand = valid0[b].nonzero(as_tuple=True)[0]
+            if cand.numel() > num:
+                cand = cand[torch.randperm(cand.numel(), generator=generator)[:num]]
+            rows[b, cand] = True
+        return _Eagle3MicroBatch(batch, rows)
 
     def weight(self, model, prepared):
-        return ttt_supervision(prepared.loss_mask_BS, model.config.ttt_steps, model.config.step_decay)[1].sum()
+        return ttt_supervision(prepared.batch.loss_mask_BS, model.config.ttt_steps, model.config.step_decay,
+                               prepared.rows_BS)[1].sum()
 
     def loss(self, model, prepared, *, weight_sum, autocast):
-        b = prepared
+        b = prepared.batch
         return eagle3_loss(model, b.input_ids_BS, b.loss_mask_BS, b.target_hidden_BSF, b.target_last_hidden_BSH,
-                           weight_sum=weight_sum, autocast=autocast)
+                           weight_sum=weight_sum, autocast=autocast, rows_BS=prepared.rows_BS)
 
     def proposer(self, model, *, confidence_threshold=None, max_positions=None):
         from deepspec.eval.proposers import Eagle3Proposer

@@ -252,3 +252,27 @@ def test_trainer_lowers_the_loss(tmp_path):
     assert "acc_0" in rows[0] and "tau_estimate" in rows[0]
     name, draft = load_draft(ckpt / "draft")
     assert name == "eagle3" and draft.config.ttt_steps == 3
+
+
+def test_prepare_samples_chain_starts_within_the_supervision_budget():
+    from types import SimpleNamespace
+
+    from deepspec.train.data import TrainBatch
+
+    B, S = 2, 40
+    lm = torch.zeros(B, S, dtype=torch.long)
+    lm[0, 5:30] = 1
+    lm[1, 10:14] = 1  # only 2 rows whose step-0 target (t + 2) is supervised
+    batch = TrainBatch(torch.zeros(B, S, dtype=torch.long), lm, torch.zeros(B, S, 4), torch.zeros(B, S, 2), [0, 1])
+    algo = Eagle3Algorithm()
+    gen = torch.Generator().manual_seed(0)
+    prepared = algo.prepare(None, batch, gen, SimpleNamespace(num_anchors=6))
+    valid0 = ttt_supervision(lm, 1, 1.0)[0][0]
+    assert prepared.rows_BS.sum(1).tolist() == [6, 4]  # capped at 6; all 4 candidates of row 1 kept
+    assert not (prepared.rows_BS & ~valid0).any()  # only rows whose first prediction is supervised
+    again = algo.prepare(None, batch, torch.Generator().manual_seed(0), SimpleNamespace(num_anchors=6))
+    assert torch.equal(prepared.rows_BS, again.rows_BS)  # a pure function of the generator state
+    assert algo.prepare(None, batch, gen, SimpleNamespace(num_anchors=0)).rows_BS is None
+    full = ttt_supervision(lm, 7, 0.8)[1]
+    sub = ttt_supervision(lm, 7, 0.8, prepared.rows_BS)[1]
+    assert 0 < sub.sum() < full.sum() and torch.all(sub <= full)
