@@ -183,8 +183,11 @@ def run_train_stage(cfg, *, target_model=None, tokenizer=None) -> Path:
 
 
 def draft_folder(path: str | Path) -> Path:
-    """Accept a training checkpoint folder (``checkpoint-N/``) or the draft folder inside it."""
+    """Accept a training run folder (its ``latest`` checkpoint), a checkpoint folder (``checkpoint-N/``)
+    or the draft folder inside it."""
     path = Path(path)
+    if (path / "latest").is_file() and not (path / "draft").exists():
+        path = path / (path / "latest").read_text().strip()
     if (path / "draft" / "config.json").exists():
         return path / "draft"
     if (path / "config.json").exists():
@@ -193,6 +196,15 @@ def draft_folder(path: str | Path) -> Path:
         f"draft: no draft found at {path} (looked for {path / 'config.json'} and {path / 'draft' / 'config.json'}); "
         "pass a folder written by `deepspec train`"
     )
+
+
+def _unique_name(name: str, taken: dict) -> str:
+    """``name``, or ``name#2``, ``name#3``, ... if already taken (two drafts never share a report row)."""
+    candidate, k = name, 1
+    while candidate in taken:
+        k += 1
+        candidate = f"{name}#{k}"
+    return candidate
 
 
 def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts: dict | None = None) -> dict:
@@ -208,8 +220,10 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
         drafts = {}
         for path in cfg.draft:
             folder = draft_folder(path)
-            name = folder.parent.name if folder.name == "draft" else folder.name
-            drafts[name] = load_draft(folder)[1]
+            algorithm, model = load_draft(folder)
+            checkpoint = folder.parent if folder.name == "draft" else folder
+            name = _unique_name(f"{algorithm}:{checkpoint.parent.name}/{checkpoint.name}", drafts)
+            drafts[name] = model
     layer_ids = None
     for name, model in drafts.items():
         model.eval()

@@ -178,16 +178,27 @@ def algorithm_of_draft(path: str | Path) -> str:
 
     Raises:
         FileNotFoundError: no ``config.json`` in ``path``.
+        ValueError: a ``config.json`` that no DeepSpec draft wrote (e.g. a target model folder), or an
+            algorithm that is not registered.
     """
     import json
 
     config_path = Path(path) / DRAFT_CONFIG_NAME
     if not config_path.is_file():
         raise FileNotFoundError(f"{path}: no {DRAFT_CONFIG_NAME}; pass a draft folder written by `deepspec train`")
-    cfg = json.loads(config_path.read_text(encoding="utf-8"))
+    try:
+        cfg = json.loads(config_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_path}: not valid JSON ({exc.msg}); pass a draft folder written by `deepspec train`")
+    if not isinstance(cfg, dict) or not ("deepspec_algorithm" in cfg or "draft_config" in cfg):
+        raise ValueError(f"{path}: {DRAFT_CONFIG_NAME} is not a DeepSpec draft's (no 'deepspec_algorithm'); pass a "
+                         f"checkpoint folder written by `deepspec train` (checkpoint-N/ or its draft/)")
     if "deepspec_algorithm" in cfg:
-        return str(cfg["deepspec_algorithm"])
-    draft = cfg.get("draft_config", cfg)  # drafts saved before ``deepspec_algorithm`` existed
+        name = str(cfg["deepspec_algorithm"])
+        if name not in ALGORITHMS:
+            raise ValueError(f"{path}: saved by algorithm {name!r}, which is not registered ({sorted(ALGORITHMS)})")
+        return name
+    draft = cfg["draft_config"]  # drafts saved before ``deepspec_algorithm`` existed
     return "dspark" if draft.get("use_markov_head", True) or draft.get("use_confidence_head", True) else "dflash"
 
 
