@@ -13,18 +13,22 @@ disjoint share of each step's global batch (``batch_size x grad_accum_steps x N`
 draft is sharded with FSDP2 (``fully_shard``; gloo on CPU, NCCL on CUDA) and the supervision weight
 sum is all-reduced, so N ranks compute the same step as one process over the same global batch.
 Checkpoints hold the full (gathered) weights and optimizer state, written by rank 0 alone, so a
-run resumes exactly, also on another number of ranks. See docs/semantics.md, "Trainer (issue 4)".
+run resumes exactly for the same global batch and ``max_steps``, also on another number of ranks
+(a resume checks the draft's shape and warns about what makes it inexact). See docs/semantics.md,
+"Trainer (issue 4)".
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import math
 import os
 import re
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -62,12 +66,16 @@ class TrainConfig:
     max_seq_len: int = 1024  # online only (a cache records its own)
     online_feature_dtype: str = "float32"  # online only: the cache storage dtype to reproduce (or fp8)
     target: str = "default"  # "default" (the embedded SmolLM2) or a Hugging Face model folder
-    algorithm: str = "dspark"  # a registered algorithm (deepspec.models.registry): dspark | dflash | ...
+    # (the --help text is the trailing comment; tests/integration/test_train_resume.py checks that it lists every
+    # algorithm of deepspec.models.registry.ALGORITHMS)
+    algorithm: str = "dspark"  # the drafting algorithm: dspark | dflash | eagle3 (deepspec.models.registry)
     num_draft_layers: int = 1  # decoder layers of the draft
-    block_size: int = 7  # slots per draft block: the anchor + block_size - 1 mask slots, each proposes one token
+    # dspark/dflash: slots per draft block (the anchor + block_size - 1 mask slots, each proposes one token);
+    # eagle3: the number of unrolled training-time-test steps (tokens proposed per step)
+    block_size: int = 7
     num_anchors: int = 32  # anchor positions sampled per sequence per step (DESIGN s.5)
-    markov_rank: int = 256  # rank of the Markov head's low-rank bigram factorisation
-    markov_head: str = "vanilla"  # DSpark Markov head variant: vanilla | gated | rnn
+    markov_rank: int = 256  # rank of the DSpark Markov head's low-rank bigram factorisation (dspark only)
+    markov_head: str = "vanilla"  # DSpark Markov head variant: vanilla | gated | rnn (dspark only)
     mask_token: str | None = None  # token used as the block's mask input; None = a spare embedding row
     batch_size: int = 4  # sequences per micro-batch
     grad_accum_steps: int = 1  # micro-batches per optimizer step
@@ -128,16 +136,122 @@ def _lr_schedule(optimizer, cfg: TrainConfig):
     )
 
 
-def _resolve_resume(cfg: TrainConfig) -> Path | None:
+def _resolve_resume(cfg: TrainConfig, *, log: bool = False) -> Path | None:
+    """The checkpoint folder to resume from: None without ``cfg.resume`` or, with ``"auto"``, when
+    ``output_dir`` has no ``latest`` pointer (``log``: say so). Raises ValueError for a ``latest``
+    naming a missing checkpoint or a path that is not a checkpoint folder."""
     if cfg.resume is None:
         return None
     if cfg.resume == "auto":
         pointer = Path(cfg.output_dir) / LATEST
-        return Path(cfg.output_dir) / pointer.read_text().strip() if pointer.exists() else None
+        if not pointer.exists():
+            if log:
+                print(f"resume: no checkpoint in {cfg.output_dir}; starting from step 0")
+            return None
+        path = Path(cfg.output_dir) / pointer.read_text().strip()
+        if not (path / TRAINER_STATE).exists():
+            raise ValueError(
+                f"train.resume: {pointer} names {path.name}, but {path / TRAINER_STATE} does not exist; point "
+                f"`latest` at an existing checkpoint-*/ folder, pass --resume with a checkpoint folder, or delete "
+                f"`latest` to start from step 0"
+            )
+        return path
     path = Path(cfg.resume)
     if not (path / TRAINER_STATE).exists():
         raise ValueError(f"train.resume: {path} is not a checkpoint folder (no {TRAINER_STATE}); pass one or 'auto'")
     return path
+
+
+def _draft_settings(draft_config_json: dict[str, Any]) -> dict[str, Any]:
+    """The settings a draft folder's ``config.json`` records, flattened: ``deepspec_algorithm`` and the
+    fields of its nested ``*_config`` dict (``draft_config`` for DSpark/DFlash, ``eagle3_config``)."""
+    flat = {k: v for k, v in draft_config_json.items() if k == "deepspec_algorithm"}
+    for key, value in draft_config_json.items():
+        if key.endswith("_config") and isinstance(value, dict):
+            flat.update(value)
+    return flat
+
+
+def check_resume_shape(checkpoint: Path, model: torch.nn.Module, cfg: TrainConfig) -> None:
+    """Refuse to resume ``checkpoint`` into a draft built with other settings (another layer set,
+    ``--markov-head``, ``--markov-rank``, ``--num-draft-layers``, ``--block-size``, algorithm, ...):
+    loading would fail with a raw size mismatch, or worse, succeed on a different model.
+
+    Compares the checkpoint's ``draft/config.json`` with the fresh draft's config (``model.config.to_dict()``,
+    what ``save_pretrained`` writes).
+
+    Raises:
+        ValueError: listing every differing field as ``{field: (checkpoint, now)}``.
+    """
+    saved = _draft_settings(json.loads((checkpoint / "draft" / "config.json").read_text(encoding="utf-8")))
+    # JSON round trip: tuples become lists, as in the saved file
+    now = {"deepspec_algorithm": cfg.algorithm, **json.loads(json.dumps(model.config.to_dict()))}
+    if "deepspec_algorithm" not in saved:  # written before the field existed: compare the config alone
+        now.pop("deepspec_algorithm")
+    missing = object()
+    diff = {k: (saved.get(k, missing), now.get(k, missing)) for k in sorted(saved.keys() | now.keys())
+            if saved.get(k, missing) != now.get(k, missing)}
+    if diff:
+        shown = ", ".join(f"{k}: ({'absent' if a is missing else repr(a)}, {'absent' if b is missing else repr(b)})"
+                          for k, (a, b) in diff.items())
+        raise ValueError(
+            f"train.resume: checkpoint {checkpoint} was trained with {{{shown}}} (checkpoint, now); resume with the "
+            "same settings or start a new --output-dir"
+        )
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def warn_resume_changes(state: dict[str, Any], cfg: TrainConfig, world_size: int) -> list[str]:
+    """Warn (stderr) about settings that make a resume inexact; returns the messages.
+
+    A resume reproduces the uninterrupted run only with the same ``max_steps`` and warmup (the cosine
+    schedule is rebuilt from the new values at the restored step) and the same global batch
+    ``batch_size x grad_accum_steps x ranks`` (the data order and anchors are cut by global batch).
+    The peak ``lr`` and ``weight_decay`` are restored with the optimizer and scheduler state, so new
+    values of those flags do not apply. Checkpoints without ``train_config`` warn about nothing.
+    """
+    old = state.get("train_config") or {}
+    messages = []
+    if old:
+        if old["max_steps"] != cfg.max_steps:
+            messages.append(f"the checkpoint was trained with max_steps={old['max_steps']}; the learning-rate "
+                            f"schedule now spans {cfg.max_steps} steps")
+        if old["warmup_frac"] != cfg.warmup_frac:
+            messages.append(f"the checkpoint was trained with warmup_frac={old['warmup_frac']}; the learning-rate "
+                            f"warmup now spans {math.ceil(cfg.warmup_frac * cfg.max_steps)} steps")
+        for name in ("lr", "weight_decay"):
+            if old[name] != getattr(cfg, name):
+                messages.append(f"the checkpoint was trained with {name}={old[name]}; resume keeps it (restored "
+                                f"with the optimizer state), {name}={getattr(cfg, name)} is ignored")
+        old_world = state.get("world_size", 1)
+        old_global = old["batch_size"] * old["grad_accum_steps"] * old_world
+        new_global = cfg.batch_size * cfg.grad_accum_steps * world_size
+        if old_global != new_global:
+            messages.append(
+                f"global batch was {old['batch_size']} x {old['grad_accum_steps']} x {old_world} = {old_global}, "
+                f"now {cfg.batch_size} x {cfg.grad_accum_steps} x {world_size} = {new_global}; keep batch_size x "
+                "grad_accum_steps x ranks equal to continue exactly"
+            )
+    for message in messages:
+        _warn(message)
+    return messages
+
+
+def warn_ignored_flags(model: torch.nn.Module, cfg: TrainConfig) -> list[str]:
+    """Warn (stderr) about ``--markov-head`` / ``--markov-rank`` set away from their defaults for a
+    draft without a Markov head (dflash, eagle3), which ignores them; returns the messages."""
+    if getattr(model.config, "use_markov_head", False):
+        return []
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    messages = [f"--{name.replace('_', '-')} {getattr(cfg, name)} is ignored: a {cfg.algorithm} draft has no "
+                "Markov head (only dspark has one)"
+                for name in ("markov_head", "markov_rank") if getattr(cfg, name) != defaults[name]]
+    for message in messages:
+        _warn(message)
+    return messages
 
 
 @dataclass
@@ -214,24 +328,45 @@ def _shard_model(model: torch.nn.Module, cfg: TrainConfig, ctx: _Dist) -> torch.
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=frozen or None)
     for method in ("forward_train",):
         if callable(getattr(model, method, None)):
+            # wrapped inside FSDP's hooks: FSDP2 warns about every output that is a view (an in-place op
+            # on one would skip its pre-backward all-gather); forward_train returns small views (the
+            # drafts' hidden_BAKD, confidence_logits_BAK), cloned here so the warning does not fire
+            setattr(model, method, _without_view_outputs(getattr(model, method)))
             register_fsdp_forward_method(model, method)
     return model
+
+
+def _without_view_outputs(method):
+    """``method`` returning its outputs with every tensor that is a view (``_base`` set) cloned (a copy of
+    that tensor only; gradients flow through the clone). Views in the drafts' outputs are small: hidden
+    states and confidence logits, not the vocabulary logits."""
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        return _map_tensors(lambda t: t.clone() if t._base is not None else t, method(*args, **kwargs))
+
+    return wrapped
+
+
+def _map_tensors(fn, obj: Any) -> Any:
+    """``obj`` (tensors inside dataclasses, dicts, lists, tuples) with every tensor ``t`` replaced by ``fn(t)``."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: _map_tensors(fn, getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(fn, v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(fn, v) for v in obj)
+    return obj
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
     """``obj`` (tensors inside dataclasses, dicts, lists, tuples) with every tensor on ``device``."""
     if device.type == "cpu":
         return obj
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: _to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init}
-        return dataclasses.replace(obj, **changes)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, device) for v in obj)
-    return obj
+    return _map_tensors(lambda t: t.to(device, non_blocking=True), obj)
 
 
 def _state_dict_options(**kw):
@@ -369,9 +504,13 @@ def train(cfg: TrainConfig, *, target_model=None, tokenizer=None) -> Path:
     ``load``). Resume happens only when ``cfg.resume`` asks for it. Rank 0 alone writes checkpoints,
     ``train_log.jsonl``, ``train_loss.png`` and the TensorBoard events (``<output_dir>/tensorboard``).
 
+    Resuming a checkpoint already at ``cfg.max_steps`` does nothing and returns that checkpoint.
+
     Raises:
         ValueError: the cache was built for another target/tokenizer/layer set, the mask token occurs
-            in the data, or a setting is invalid.
+            in the data, a setting is invalid, the checkpoint to resume is past ``cfg.max_steps`` or was
+            trained with another draft shape (:func:`check_resume_shape`), or ``latest`` names a
+            missing checkpoint.
     """
     ctx = _setup_distributed()
     try:
@@ -382,12 +521,33 @@ def train(cfg: TrainConfig, *, target_model=None, tokenizer=None) -> Path:
 
 
 def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None) -> Path:
+    resume_from = _resolve_resume(cfg, log=ctx.is_main)
+    state = None
+    if resume_from is not None:
+        state = torch.load(resume_from / TRAINER_STATE, weights_only=False, map_location="cpu")
+        if state["step"] > cfg.max_steps:
+            raise ValueError(
+                f"train.max_steps: --max-steps {cfg.max_steps} is below the step of the checkpoint to resume, "
+                f"{state['step']} ({resume_from}); pass --max-steps {state['step']} or more to continue it, or a "
+                "new --output-dir (without --resume) to train from step 0"
+            )
+        if state["step"] == cfg.max_steps:
+            if ctx.is_main:
+                print(f"train: already complete: {resume_from} is at step {state['step']} = --max-steps; nothing "
+                      "to do (raise --max-steps to train further)")
+            return resume_from
     if target_model is None:
         target_model, tokenizer = load_target(cfg.target)
     cache = open_training_data(cfg, target_model, tokenizer)
     target_layer_ids = cache.target_layer_ids
     algorithm = get_algorithm(cfg.algorithm)
     model = build_draft(target_model, tokenizer, cfg, target_layer_ids)
+    if resume_from is not None:
+        check_resume_shape(resume_from, model, cfg)
+    if ctx.is_main:
+        warn_ignored_flags(model, cfg)
+        if state is not None:
+            warn_resume_changes(state, cfg, ctx.world_size)
     check_mask_token_absent(
         model.config.mask_token_id, (cache.read(i, ("input_ids",))["input_ids"] for i in range(len(cache)))
     )
@@ -405,14 +565,12 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None) -
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     scheduler = _lr_schedule(optimizer, cfg)
     start_step = 0
-    resume_from = _resolve_resume(cfg)
     if resume_from is not None:
         from torch.distributed.checkpoint.state_dict import (
             set_model_state_dict,
             set_optimizer_state_dict,
         )
 
-        state = torch.load(resume_from / TRAINER_STATE, weights_only=False, map_location="cpu")
         set_model_state_dict(model, algorithm.load(resume_from / "draft").state_dict(),
                              options=_state_dict_options())
         set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"], options=_state_dict_options())
@@ -468,6 +626,8 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None) -
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
                 grad_norm = grad_norm.full_tensor()
+            # the rate this step uses (get_last_lr after scheduler.step() would be the next step's)
+            step_lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -476,7 +636,7 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None) -
             step_time = time.perf_counter() - t0
             row = {
                 "step": step + 1,
-                "lr": scheduler.get_last_lr()[0],
+                "lr": step_lr,
                 "grad_norm": float(grad_norm),
                 "step_time_s": step_time,
                 "tokens_per_s": totals["num_tokens"] / step_time,

@@ -1,6 +1,6 @@
 """The trainer under torchrun with 2 CPU ranks (gloo, FSDP2): one checkpoint set written by rank 0,
 weights equal to a 1-process run over the same global batch, and a checkpoint gathered from the
-sharded run resumes exactly, in one process and in 2 ranks."""
+sharded run resumes exactly, in one process and in 2 ranks; no FSDP2 "returned a view tensor" warning."""
 
 from __future__ import annotations
 
@@ -62,6 +62,8 @@ def test_two_cpu_ranks_train_like_one_process_and_resume(setup, tmp_path):
                               "--cache-dir", str(cache), "--target", str(target), "--output-dir", str(out), *flags,
                               *extra], cwd=repo, env=subprocess_env(), capture_output=True, text=True, timeout=600, check=False)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        # the trainer clones the small view tensors forward_train returns (FSDP2 warned on every run)
+        assert "returned a view tensor" not in run.stderr, run.stderr[-3000:]
 
     two_ranks(multi)
 

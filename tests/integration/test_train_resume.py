@@ -171,3 +171,152 @@ def test_training_reduces_loss_and_refuses_another_target(setup, tmp_path):
     other = LlamaForCausalLM(model.config).eval().requires_grad_(False)
     with pytest.raises(ValueError, match="target"):
         train(_cfg(cache, tmp_path / "other"), target_model=other, tokenizer=tok)
+
+
+# ------------------------------------------------------------------ resume checks (new-user trial findings)
+
+
+@pytest.fixture(scope="module")
+def six_steps(setup, tmp_path_factory):
+    """A finished 6-step run with a step-3 checkpoint; tests copy it before writing into it."""
+    model, tok, cache = setup
+    out = tmp_path_factory.mktemp("six") / "run"
+    train(_cfg(cache, out, save_every=3), target_model=model, tokenizer=tok)
+    return out
+
+
+def _copy_run(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_logged_lr_is_the_rate_each_step_used(setup, six_steps):
+    """Step 1 runs at lr 0 (transformers' linear warmup starts at 0), then the schedule's value for
+    steps 1, 2, ... (not the value after ``scheduler.step()``, which is the next step's)."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    cfg = _cfg(setup[2], six_steps)
+    sched = get_cosine_schedule_with_warmup(torch.optim.SGD([torch.zeros(1)], lr=cfg.lr), num_warmup_steps=2,
+                                            num_training_steps=cfg.max_steps)
+    expected = [cfg.lr * sched.lr_lambdas[0](i) for i in range(cfg.max_steps)]
+    assert expected[0] == 0.0 and expected[2] == cfg.lr  # 2 warmup steps (0.2 x 6, rounded up)
+    assert [r["lr"] for r in _log(six_steps)] == pytest.approx(expected, abs=1e-12)
+
+
+def test_resume_at_max_steps_does_nothing(setup, six_steps, tmp_path, capsys):
+    model, tok, cache = setup
+    out = _copy_run(six_steps, tmp_path / "run")
+    log_before = (out / "train_log.jsonl").read_text()
+    result = train(_cfg(cache, out, resume="auto", save_every=3), target_model=model, tokenizer=tok)
+    assert result == out / "checkpoint-000006"
+    assert "already complete" in capsys.readouterr().out
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-000003", "checkpoint-000006"]
+    assert (out / "latest").read_text().strip() == "checkpoint-000006"
+    assert (out / "train_log.jsonl").read_text() == log_before
+
+
+def test_resume_past_max_steps_is_refused(setup, six_steps, tmp_path):
+    """Formerly wrote checkpoint-000002 holding the step-6 weights and moved `latest` back to it."""
+    model, tok, cache = setup
+    out = _copy_run(six_steps, tmp_path / "run")
+    with pytest.raises(ValueError, match=r"--max-steps 2 .* 6 \("):
+        train(_cfg(cache, out, resume="auto", max_steps=2), target_model=model, tokenizer=tok)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-000003", "checkpoint-000006"]
+    assert (out / "latest").read_text().strip() == "checkpoint-000006"
+
+
+@pytest.mark.parametrize("change, fields", [
+    ({"markov_rank": 4}, ["markov_rank: (8, 4)"]),
+    ({"markov_head": "gated", "num_draft_layers": 2}, ["markov_head_type: ('vanilla', 'gated')",
+                                                       "num_draft_layers: (1, 2)"]),
+    ({"block_size": 5}, ["block_size: (7, 5)"]),
+    ({"algorithm": "dflash"}, ["deepspec_algorithm: ('dspark', 'dflash')", "use_markov_head: (True, False)"]),
+])
+def test_resume_with_another_model_shape_is_refused(setup, six_steps, tmp_path, change, fields):
+    """Formerly a raw RuntimeError (size mismatch / missing optimizer state) from the state-dict load."""
+    model, tok, cache = setup
+    middle = six_steps / "checkpoint-000003"
+    with pytest.raises(ValueError, match="same settings or start a new --output-dir") as info:
+        train(_cfg(cache, tmp_path / "x", resume=str(middle), **change), target_model=model, tokenizer=tok)
+    message = str(info.value)
+    assert f"checkpoint {middle} was trained with" in message
+    for field in fields:
+        assert field in message
+
+
+def test_resume_with_a_changed_schedule_or_global_batch_warns(setup, six_steps, tmp_path, capsys):
+    model, tok, cache = setup
+    middle = six_steps / "checkpoint-000003"
+    # same settings: exact resume, no warning
+    train(_cfg(cache, tmp_path / "same", resume=str(middle)), target_model=model, tokenizer=tok)
+    assert "warning" not in capsys.readouterr().err
+    # same global batch split differently (1 x 2 instead of 2 x 1): still exact, no warning
+    state = torch.load(middle / "trainer_state.pt", weights_only=False)
+    assert loop.warn_resume_changes(state, _cfg(cache, tmp_path, batch_size=1, grad_accum_steps=2), 1) == []
+    assert loop.warn_resume_changes(state, _cfg(cache, tmp_path, batch_size=1), 2) == []
+    train(_cfg(cache, tmp_path / "other", resume=str(middle), max_steps=7, batch_size=1, grad_accum_steps=3),
+          target_model=model, tokenizer=tok)
+    err = capsys.readouterr().err
+    assert ("warning: the checkpoint was trained with max_steps=6; the learning-rate schedule now spans 7 steps"
+            in err)
+    assert ("warning: global batch was 2 x 1 x 1 = 2, now 1 x 3 x 1 = 3; keep batch_size x grad_accum_steps x "
+            "ranks equal to continue exactly") in err
+    # the peak lr and weight decay come back with the optimizer state: new values are ignored, say so
+    assert loop.warn_resume_changes(state, _cfg(cache, tmp_path, lr=2e-2), 1) == [
+        ("the checkpoint was trained with lr=0.01; resume keeps it (restored with the optimizer state), lr=0.02 is "
+         "ignored")]
+    # another world size with the same per-rank batch changes the global batch
+    assert loop.warn_resume_changes(state, _cfg(cache, tmp_path), 2) == [
+        ("global batch was 2 x 1 x 1 = 2, now 2 x 1 x 2 = 4; keep batch_size x grad_accum_steps x ranks equal to "
+         "continue exactly")]
+
+
+def test_resume_auto_without_a_checkpoint_and_a_dangling_latest(setup, tmp_path, capsys):
+    cache = setup[2]
+    assert loop._resolve_resume(_cfg(cache, tmp_path / "new", resume="auto"), log=True) is None
+    assert capsys.readouterr().out == f"resume: no checkpoint in {tmp_path / 'new'}; starting from step 0\n"
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "latest").write_text("checkpoint-000004\n")
+    with pytest.raises(ValueError, match=r"latest.* names checkpoint-000004.*--resume"):
+        loop._resolve_resume(_cfg(cache, tmp_path / "run", resume="auto"))
+
+
+def test_markov_flags_warn_for_drafts_without_a_markov_head(setup, tmp_path, capsys):
+    model, tok, cache = setup
+    for algorithm in ("dflash", "eagle3"):
+        cfg = _cfg(cache, tmp_path, algorithm=algorithm, markov_head="gated")  # markov_rank=8 is not the default
+        draft = loop.build_draft(model, tok, cfg, LAYER_IDS)
+        assert loop.warn_ignored_flags(draft, cfg) == [
+            f"--markov-head gated is ignored: a {algorithm} draft has no Markov head (only dspark has one)",
+            f"--markov-rank 8 is ignored: a {algorithm} draft has no Markov head (only dspark has one)"]
+        assert "warning: --markov-head gated is ignored" in capsys.readouterr().err
+        defaults = TrainConfig(cache_dir=str(cache), output_dir=str(tmp_path), algorithm=algorithm)
+        assert loop.warn_ignored_flags(loop.build_draft(model, tok, defaults, LAYER_IDS), defaults) == []
+    cfg = _cfg(cache, tmp_path, markov_head="gated")
+    assert loop.warn_ignored_flags(loop.build_draft(model, tok, cfg, LAYER_IDS), cfg) == []
+
+
+def test_train_help_lists_the_registered_algorithms():
+    from deepspec.cli import build_parser
+    from deepspec.models.registry import ALGORITHMS
+
+    stage = build_parser().stage_parsers["train"]
+    helps = {a.dest: a.help for a in stage._actions}
+    assert all(name in helps["algorithm"] for name in ALGORITHMS), helps["algorithm"]
+    assert "eagle3" in helps["block_size"] and "unrolled" in helps["block_size"]
+
+
+@pytest.mark.parametrize("algorithm", ["dflash", "eagle3"])
+def test_same_settings_resume_passes_the_shape_check(setup, tmp_path, algorithm):
+    """No false alarm: every algorithm's saved config.json matches the draft the same flags build."""
+    model, tok, cache = setup
+    kw = {"algorithm": algorithm, "markov_rank": 256, "max_steps": 2, "save_every": 1, "block_size": 3}
+    train(_cfg(cache, tmp_path / "a", **kw), target_model=model, tokenizer=tok)
+    resumed = train(_cfg(cache, tmp_path / "b", resume=str(tmp_path / "a" / "checkpoint-000001"), **kw),
+                    target_model=model, tokenizer=tok)
+    assert resumed.name == "checkpoint-000002"
+    with pytest.raises(ValueError, match="block_size|ttt_steps"):
+        train(_cfg(cache, tmp_path / "c", resume=str(tmp_path / "a" / "checkpoint-000001"), **{**kw, "block_size": 4}),
+              target_model=model, tokenizer=tok)
