@@ -181,6 +181,23 @@ def _rope_single(x: Tensor, cos: Tensor, sin: Tensor, rotate_half) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
+def qk_norms(c) -> tuple[nn.Module | None, nn.Module | None]:
+    """The family's per-head q/k RMSNorms when the target has them (Qwen3), else ``(None, None)``."""
+    if not c.qk_norm:
+        return None, None
+    Norm = c.family_class("RMSNorm")
+    return Norm(c.head_dim, eps=c.rms_norm_eps), Norm(c.head_dim, eps=c.rms_norm_eps)
+
+
+def split_heads(x_BTX: Tensor, n_heads: int, head_dim: int, norm: nn.Module | None) -> Tensor:
+    """``[B, T, n_heads*head_dim]`` -> ``[B, n_heads, T, head_dim]``, with the per-head norm applied first."""
+    B, T, _ = x_BTX.shape
+    x = x_BTX.view(B, T, n_heads, head_dim)
+    if norm is not None:
+        x = norm(x)
+    return x.transpose(1, 2)
+
+
 class DSparkAttention(nn.Module):
     def __init__(self, config: DraftConfig):
         super().__init__()
@@ -193,19 +210,10 @@ class DSparkAttention(nn.Module):
         fam = c.family_module()
         self._apply_rope = fam.apply_rotary_pos_emb
         self._rotate_half = fam.rotate_half
-        if c.qk_norm:
-            Norm = c.family_class("RMSNorm")
-            self.q_norm = Norm(c.head_dim, eps=c.rms_norm_eps)
-            self.k_norm = Norm(c.head_dim, eps=c.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
+        self.q_norm, self.k_norm = qk_norms(c)
 
     def _split(self, x_BTX: Tensor, n_heads: int, norm) -> Tensor:
-        B, T, _ = x_BTX.shape
-        x = x_BTX.view(B, T, n_heads, self.head_dim)
-        if norm is not None:
-            x = norm(x)
-        return x.transpose(1, 2)  # [B, h, T, d]
+        return split_heads(x_BTX, n_heads, self.head_dim, norm)
 
     def context_kv(self, ctx_BTD: Tensor, cos_BTd: Tensor, sin_BTd: Tensor) -> tuple[Tensor, Tensor]:
         """This layer's K/V ``[B, Hk, T, d]`` of context features, RoPE applied (K only)."""

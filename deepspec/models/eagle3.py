@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from deepspec.models.dspark import qk_norms, split_heads
 from deepspec.utils import atomic_path
 
 WEIGHTS_NAME = "model.safetensors"
@@ -192,19 +193,10 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         self._apply_rope = c.family_module().apply_rotary_pos_emb
-        if c.qk_norm:
-            Norm = c.family_class("RMSNorm")
-            self.q_norm = Norm(c.head_dim, eps=c.rms_norm_eps)
-            self.k_norm = Norm(c.head_dim, eps=c.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
+        self.q_norm, self.k_norm = qk_norms(c)
 
     def _split(self, x: Tensor, n_heads: int, norm) -> Tensor:
-        B, T, _ = x.shape
-        x = x.view(B, T, n_heads, self.head_dim)
-        if norm is not None:
-            x = norm(x)
-        return x.transpose(1, 2)  # [B, h, T, d]
+        return split_heads(x, n_heads, self.head_dim, norm)
 
     def forward(self, x_BT2: Tensor, cos: Tensor, sin: Tensor, prev_k: Tensor | None, prev_v: Tensor | None,
                 mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
