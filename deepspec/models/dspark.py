@@ -181,6 +181,27 @@ def _rope_single(x: Tensor, cos: Tensor, sin: Tensor, rotate_half) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
+def copy_target_embeddings(model: nn.Module, target_model: nn.Module, config_builder: str) -> nn.Module:
+    """Copy (not share) the target's input embedding and lm_head into the draft's frozen
+    ``embed_tokens`` / ``lm_head`` (in the draft's dtype) and move the draft to the target's device.
+
+    Raises:
+        ValueError: the shapes differ (the draft config was not derived from this target; the message
+            names ``config_builder``, the function to build it with).
+    """
+    emb = target_model.get_input_embeddings().weight
+    head = target_model.get_output_embeddings().weight
+    want_emb, want_head = tuple(model.embed_tokens.weight.shape), tuple(model.lm_head.weight.shape)
+    if tuple(emb.shape) != want_emb or tuple(head.shape) != want_head:
+        raise ValueError(f"{type(model).__name__}.from_target: expected target embedding/lm_head of shape "
+                         f"{want_emb}, received {tuple(emb.shape)} / {tuple(head.shape)}. Build the config with "
+                         f"{config_builder}(target.config).")
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(emb.detach().to(model.embed_tokens.weight.dtype))
+        model.lm_head.weight.copy_(head.detach().to(model.lm_head.weight.dtype))
+    return model.to(emb.device)
+
+
 def qk_norms(c) -> tuple[nn.Module | None, nn.Module | None]:
     """The family's per-head q/k RMSNorms when the target has them (Qwen3), else ``(None, None)``."""
     if not c.qk_norm:
@@ -308,18 +329,7 @@ class DSparkDraftModel(nn.Module):
     def from_target(cls, target_model: nn.Module, config: DraftConfig) -> DSparkDraftModel:
         """New draft with ``embed_tokens`` / ``lm_head`` copied (not shared) from the target, frozen.
         Tied targets (SmolLM2) copy the same matrix into both."""
-        model = cls(config)
-        emb = target_model.get_input_embeddings().weight
-        head = target_model.get_output_embeddings().weight
-        if tuple(emb.shape) != tuple(model.embed_tokens.weight.shape) or tuple(head.shape) != tuple(
-                model.lm_head.weight.shape):
-            raise ValueError(f"from_target: expected target embedding/lm_head of shape "
-                             f"{tuple(model.embed_tokens.weight.shape)}, received {tuple(emb.shape)} / "
-                             f"{tuple(head.shape)}. Build the config with draft_config_from_target(target.config).")
-        with torch.no_grad():
-            model.embed_tokens.weight.copy_(emb.detach().to(model.embed_tokens.weight.dtype))
-            model.lm_head.weight.copy_(head.detach().to(model.lm_head.weight.dtype))
-        return model.to(emb.device)
+        return copy_target_embeddings(cls(config), target_model, "draft_config_from_target")
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]

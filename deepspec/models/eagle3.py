@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from deepspec.models.dspark import qk_norms, split_heads
+from deepspec.models.dspark import copy_target_embeddings, qk_norms, split_heads
 from deepspec.utils import atomic_path
 
 WEIGHTS_NAME = "model.safetensors"
@@ -266,18 +266,7 @@ class Eagle3DraftModel(nn.Module):
 
     @classmethod
     def from_target(cls, target_model: nn.Module, config: Eagle3Config) -> Eagle3DraftModel:
-        model = cls(config)
-        emb = target_model.get_input_embeddings().weight
-        head = target_model.get_output_embeddings().weight
-        if tuple(emb.shape) != tuple(model.embed_tokens.weight.shape) or tuple(head.shape) != tuple(
-                model.lm_head.weight.shape):
-            raise ValueError(f"Eagle3DraftModel.from_target: expected target embedding/lm_head of shape "
-                             f"{tuple(model.embed_tokens.weight.shape)}, received {tuple(emb.shape)} / "
-                             f"{tuple(head.shape)}. Build the config with eagle3_config_from_target(target.config).")
-        with torch.no_grad():
-            model.embed_tokens.weight.copy_(emb.detach().float())
-            model.lm_head.weight.copy_(head.detach().float())
-        return model.to(emb.device)
+        return copy_target_embeddings(cls(config), target_model, "eagle3_config_from_target")
 
     # ------------------------------------------------------------------ training forward
     def forward_train(self, input_ids_BS: Tensor, target_hidden_BSF: Tensor,
