@@ -153,14 +153,6 @@ def cache_bytes_per_token(
     return size + (1 if layout == "original" else 0)
 
 
-def estimate_cache_bytes(
-    num_tokens: int, hidden_size: int, num_target_layers: int, storage_dtype: str = "bfloat16",
-    *, layout: str = "deepspec",
-) -> int:
-    """Size in bytes of a cache of ``num_tokens`` tokens (see :func:`cache_bytes_per_token`)."""
-    return int(num_tokens) * cache_bytes_per_token(hidden_size, num_target_layers, storage_dtype, layout=layout)
-
-
 def sha256_file(path: str | os.PathLike[str], chunk_bytes: int = 1 << 22) -> str:
     """Hex sha256 of a file's bytes, read in chunks."""
     h = hashlib.sha256()
