@@ -40,17 +40,18 @@ ARCHITECTURES = {
 }
 
 
-def _err(field_name: str, expected: str, received: Any, fix: str) -> ValueError:
-    return ValueError(f"DraftConfig.{field_name}: expected {expected}, received {received!r}. {fix}")
+def _err(field_name: str, expected: str, received: Any, fix: str, cls: str = "DraftConfig") -> ValueError:
+    return ValueError(f"{cls}.{field_name}: expected {expected}, received {received!r}. {fix}")
 
 
 @dataclass(kw_only=True)
-class DraftConfig:
-    """All shape and algorithm fields of a draft model (DSpark, or DFlash with the heads off).
+class TargetShapeConfig:
+    """The fields every draft copies from its target (family, backbone shape, RoPE, target layers, special
+    ids), their validation, and what derives from them (family classes, a transformers config).
 
-    Shape fields mirror the target (see :func:`draft_config_from_target`). ``hidden_size`` must
-    equal the target hidden size because ``embed_tokens`` / ``lm_head`` are copied from the target.
-    Validated in ``__post_init__``; errors are ``ValueError`` naming field, expected, received, fix.
+    ``hidden_size`` must equal the target hidden size because ``embed_tokens`` / ``lm_head`` are copied
+    from the target. Validated in ``__post_init__``; errors are ``ValueError`` naming
+    ``<ConfigClass>.<field>``, expected, received, and the fix. Derive one with :func:`target_shape_fields`.
     """
 
     # --- family and backbone shape (copied from the target) ---
@@ -73,12 +74,103 @@ class DraftConfig:
     target_hidden_size: int
     target_num_hidden_layers: int
     target_layer_ids: list[int]
+    pad_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        cls = type(self).__name__
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.eos_token_ids = [int(i) for i in self.eos_token_ids]
+        self.rope_parameters = dict(self.rope_parameters)
+        if self.family not in _FAMILIES:
+            raise _err("family", f"one of {SUPPORTED_FAMILIES}", self.family,
+                       "Use a target whose config.model_type is a supported family.", cls)
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "max_position_embeddings", "vocab_size",
+                     "target_hidden_size", "target_num_hidden_layers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise _err(name, "a positive integer", v, "Check the target config / the knob.", cls)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise _err("num_key_value_heads", f"a divisor of num_attention_heads={self.num_attention_heads}",
+                       self.num_key_value_heads, "Copy both from the target config.", cls)
+        if self.hidden_size != self.target_hidden_size:
+            raise _err("hidden_size", f"== target_hidden_size ({self.target_hidden_size}); embed_tokens and "
+                       "lm_head are copied from the target", self.hidden_size,
+                       "Build the config from the target config (target_shape_fields).", cls)
+        if "rope_theta" not in self.rope_parameters:
+            raise _err("rope_parameters", "a dict with 'rope_theta' (transformers>=5 layout)",
+                       self.rope_parameters, "Copy target_config.rope_parameters.", cls)
+        self.rope_parameters.setdefault("rope_type", "default")
+        if not self.target_layer_ids:
+            raise _err("target_layer_ids", "a non-empty list of decoder-layer ids", self.target_layer_ids,
+                       "Use deepspec.target.capture.default_target_layer_ids(num_hidden_layers).", cls)
+        L = self.target_num_hidden_layers
+        for i in self.target_layer_ids:
+            if i != -1 and not 0 <= i < L - 1:
+                raise _err("target_layer_ids", f"ids in {{-1}} U [0, {L - 2}] (L-1={L - 1} is post-norm, rejected)",
+                           self.target_layer_ids, "Pick layers strictly below the last decoder layer.", cls)
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise _err("target_layer_ids", "distinct ids", self.target_layer_ids, "Remove duplicates.", cls)
+
+    @property
+    def feature_width(self) -> int:
+        """F = n_layers * H, the width of the concatenated target features."""
+        return len(self.target_layer_ids) * self.target_hidden_size
+
+    @property
+    def num_decoder_layers(self) -> int:
+        """Decoder layers of the draft (what :meth:`to_hf_config` describes); 1 unless a subclass says."""
+        return 1
+
+    def family_module(self):
+        """The transformers modeling module of this family (source of RMSNorm/MLP/RoPE blocks)."""
+        import importlib
+
+        return importlib.import_module(_FAMILIES[self.family][0])
+
+    def family_class(self, suffix: str):
+        """E.g. ``family_class("RMSNorm")`` -> ``LlamaRMSNorm`` for the llama family."""
+        return getattr(self.family_module(), _FAMILIES[self.family][2] + suffix)
+
+    def to_hf_config(self):
+        """A transformers config of the target family describing the draft layers (used to build
+        the library's RMSNorm / MLP / rotary embedding; never a full model)."""
+        import importlib
+
+        mod_name, cfg_name, _ = _FAMILIES[self.family]
+        cfg_mod = importlib.import_module(mod_name.replace("modeling_", "configuration_"))
+        kwargs = dict(
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            hidden_act=self.hidden_act,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=dict(self.rope_parameters),
+            max_position_embeddings=self.max_position_embeddings,
+            vocab_size=self.vocab_size,
+            num_hidden_layers=self.num_decoder_layers,
+        )
+        if self.family in ("llama",):
+            kwargs["mlp_bias"] = self.mlp_bias
+            kwargs["attention_bias"] = self.qkv_bias
+        return getattr(cfg_mod, cfg_name)(**kwargs)
+
+
+@dataclass(kw_only=True)
+class DraftConfig(TargetShapeConfig):
+    """All shape and algorithm fields of a draft model (DSpark, or DFlash with the heads off).
+
+    Shape fields mirror the target (:class:`TargetShapeConfig`, see :func:`draft_config_from_target`).
+    Validated in ``__post_init__``; errors are ``ValueError`` naming field, expected, received, fix.
+    """
+
     # --- draft knobs ---
     num_draft_layers: int
     block_size: int = 7
     mask_token_id: int
-    pad_token_id: int | None = None
-    eos_token_ids: list[int] = field(default_factory=list)
     markov_rank: int = 256
     markov_head_type: str = "vanilla"  # one of MARKOV_HEAD_TYPES
     use_markov_head: bool = True
@@ -90,39 +182,11 @@ class DraftConfig:
     confidence_weight: float = 1.0
 
     def __post_init__(self) -> None:
-        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        self.eos_token_ids = [int(i) for i in self.eos_token_ids]
-        self.rope_parameters = dict(self.rope_parameters)
-        if self.family not in _FAMILIES:
-            raise _err("family", f"one of {SUPPORTED_FAMILIES}", self.family,
-                       "Use a target whose config.model_type is a supported family.")
-        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "intermediate_size", "max_position_embeddings", "vocab_size",
-                     "target_hidden_size", "target_num_hidden_layers", "num_draft_layers", "block_size"):
+        super().__post_init__()
+        for name in ("num_draft_layers", "block_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise _err(name, "a positive integer", v, "Check the target config / the knob.")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise _err("num_key_value_heads", f"a divisor of num_attention_heads={self.num_attention_heads}",
-                       self.num_key_value_heads, "Copy both from the target config.")
-        if self.hidden_size != self.target_hidden_size:
-            raise _err("hidden_size", f"== target_hidden_size ({self.target_hidden_size}); embed_tokens and "
-                       "lm_head are copied from the target", self.hidden_size,
-                       "Build the config with draft_config_from_target().")
-        if "rope_theta" not in self.rope_parameters:
-            raise _err("rope_parameters", "a dict with 'rope_theta' (transformers>=5 layout)",
-                       self.rope_parameters, "Copy target_config.rope_parameters.")
-        self.rope_parameters.setdefault("rope_type", "default")
-        if not self.target_layer_ids:
-            raise _err("target_layer_ids", "a non-empty list of decoder-layer ids", self.target_layer_ids,
-                       "Use deepspec.target.capture.default_target_layer_ids(num_hidden_layers).")
-        L = self.target_num_hidden_layers
-        for i in self.target_layer_ids:
-            if i != -1 and not 0 <= i < L - 1:
-                raise _err("target_layer_ids", f"ids in {{-1}} U [0, {L - 2}] (L-1={L - 1} is post-norm, rejected)",
-                           self.target_layer_ids, "Pick layers strictly below the last decoder layer.")
-        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
-            raise _err("target_layer_ids", "distinct ids", self.target_layer_ids, "Remove duplicates.")
+                raise _err(name, "a positive integer", v, "Check the knob.")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise _err("mask_token_id", f"an id in [0, {self.vocab_size})", self.mask_token_id,
                        "Use a reserved special token (SmolLM2: <repo_name> = 3) or a spare embedding row.")
@@ -153,11 +217,6 @@ class DraftConfig:
 
     # ------------------------------------------------------------------ derived
     @property
-    def feature_width(self) -> int:
-        """F = n_layers * H, the width of the concatenated target features."""
-        return len(self.target_layer_ids) * self.target_hidden_size
-
-    @property
     def markov_dim(self) -> int:
         """Width of W1[prev] fed to the confidence head (0 without a Markov head)."""
         return self.markov_rank if self.use_markov_head else 0
@@ -179,40 +238,9 @@ class DraftConfig:
                              "Remove them or upgrade DeepSpec.")
         return cls(**d)
 
-    def family_module(self):
-        """The transformers modeling module of this family (source of RMSNorm/MLP/RoPE blocks)."""
-        import importlib
-
-        return importlib.import_module(_FAMILIES[self.family][0])
-
-    def family_class(self, suffix: str):
-        """E.g. ``family_class("RMSNorm")`` -> ``LlamaRMSNorm`` for the llama family."""
-        return getattr(self.family_module(), _FAMILIES[self.family][2] + suffix)
-
-    def to_hf_config(self):
-        """A transformers config of the target family describing the draft layers (used to build
-        the library's RMSNorm / MLP / rotary embedding; never a full model)."""
-        import importlib
-
-        mod_name, cfg_name, _ = _FAMILIES[self.family]
-        cfg_mod = importlib.import_module(mod_name.replace("modeling_", "configuration_"))
-        kwargs = dict(
-            hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            intermediate_size=self.intermediate_size,
-            hidden_act=self.hidden_act,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_parameters=dict(self.rope_parameters),
-            max_position_embeddings=self.max_position_embeddings,
-            vocab_size=self.vocab_size,
-            num_hidden_layers=self.num_draft_layers,
-        )
-        if self.family in ("llama",):
-            kwargs["mlp_bias"] = self.mlp_bias
-            kwargs["attention_bias"] = self.qkv_bias
-        return getattr(cfg_mod, cfg_name)(**kwargs)
+    @property
+    def num_decoder_layers(self) -> int:
+        return self.num_draft_layers
 
 
 def dflash_knobs() -> dict[str, Any]:
@@ -227,6 +255,75 @@ def _eos_list(eos: Any) -> list[int]:
     if isinstance(eos, (list, tuple)):
         return [int(e) for e in eos]
     return [int(eos)]
+
+
+def target_shape_fields(
+    target_config: Any,
+    *,
+    target_layer_ids: list[int],
+    pad_token_id: int | None = None,
+    eos_token_ids: list[int] | int | None = None,
+    eos_token_id: list[int] | int | None = None,
+) -> dict[str, Any]:
+    """The :class:`TargetShapeConfig` fields of a draft for ``target_config`` (DESIGN s.5 "Draft shape").
+
+    Args:
+        target_config: the target's ``PretrainedConfig`` (or anything with the same attributes).
+            Family from ``model_type`` (llama, qwen3, qwen2, mistral).
+        target_layer_ids: the target layers whose features the draft reads.
+        pad_token_id / eos_token_ids: the tokenizer's ids (default: the target config's
+            ``pad_token_id`` / ``eos_token_id``). ``eos_token_id`` (int or list, tokenizer spelling) is
+            accepted too; both are merged.
+
+    Raises:
+        ValueError: an unsupported family.
+    """
+    family = getattr(target_config, "model_type", None)
+    if family not in _FAMILIES:
+        raise ValueError(f"target_config.model_type: expected one of {SUPPORTED_FAMILIES}, received {family!r}. "
+                         "DeepSpec builds drafts for these families only.")
+    H = int(target_config.hidden_size)
+    n_heads = int(target_config.num_attention_heads)
+    n_kv = int(getattr(target_config, "num_key_value_heads", None) or n_heads)
+    head_dim = int(getattr(target_config, "head_dim", None) or H // n_heads)
+    rope = getattr(target_config, "rope_parameters", None)
+    if rope is None:  # older layout
+        rope = {"rope_type": "default", "rope_theta": float(getattr(target_config, "rope_theta", 10000.0))}
+        if getattr(target_config, "rope_scaling", None):
+            rope.update(target_config.rope_scaling)
+            rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
+    attn_bias = bool(getattr(target_config, "attention_bias", False))
+    if family == "qwen2":
+        qkv_bias, o_bias = True, False
+    else:
+        qkv_bias = o_bias = attn_bias
+    if pad_token_id is None:
+        pad_token_id = getattr(target_config, "pad_token_id", None)
+    eos_all = _eos_list(eos_token_ids) + _eos_list(eos_token_id)
+    if not eos_all:
+        eos_all = _eos_list(getattr(target_config, "eos_token_id", None))
+    return dict(
+        family=family,
+        hidden_size=H,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv,
+        head_dim=head_dim,
+        intermediate_size=int(target_config.intermediate_size),
+        hidden_act=str(getattr(target_config, "hidden_act", "silu")),
+        rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-6)),
+        rope_parameters=dict(rope),
+        max_position_embeddings=int(target_config.max_position_embeddings),
+        vocab_size=int(target_config.vocab_size),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(getattr(target_config, "mlp_bias", False)),
+        qk_norm=family == "qwen3",
+        target_hidden_size=H,
+        target_num_hidden_layers=int(target_config.num_hidden_layers),
+        target_layer_ids=list(target_layer_ids),
+        pad_token_id=None if pad_token_id is None else int(pad_token_id),
+        eos_token_ids=sorted(set(eos_all)),
+    )
 
 
 def draft_config_from_target(
@@ -258,59 +355,17 @@ def draft_config_from_target(
     Raises:
         ValueError: unsupported family, missing config fields, or any DraftConfig validation error.
     """
-    family = getattr(target_config, "model_type", None)
-    if family not in _FAMILIES:
-        raise ValueError(f"target_config.model_type: expected one of {SUPPORTED_FAMILIES}, received {family!r}. "
-                         "DeepSpec builds drafts for these families only.")
     known = {f.name for f in dataclasses.fields(DraftConfig)}
     unknown = sorted(set(knobs) - known)
     if unknown:
         raise ValueError(f"draft_config_from_target: unknown knobs {unknown}; expected DraftConfig fields. "
                          "Fix the spelling.")
-    H = int(target_config.hidden_size)
-    n_heads = int(target_config.num_attention_heads)
-    n_kv = int(getattr(target_config, "num_key_value_heads", None) or n_heads)
-    head_dim = int(getattr(target_config, "head_dim", None) or H // n_heads)
-    rope = getattr(target_config, "rope_parameters", None)
-    if rope is None:  # older layout
-        rope = {"rope_type": "default", "rope_theta": float(getattr(target_config, "rope_theta", 10000.0))}
-        if getattr(target_config, "rope_scaling", None):
-            rope.update(target_config.rope_scaling)
-            rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
-    attn_bias = bool(getattr(target_config, "attention_bias", False))
-    if family == "qwen2":
-        qkv_bias, o_bias = True, False
-    else:
-        qkv_bias = o_bias = attn_bias
-    if pad_token_id is None:
-        pad_token_id = getattr(target_config, "pad_token_id", None)
-    eos_all = _eos_list(eos_token_ids) + _eos_list(eos_token_id)
-    if not eos_all:
-        eos_all = _eos_list(getattr(target_config, "eos_token_id", None))
     return DraftConfig(
-        family=family,
-        hidden_size=H,
-        num_attention_heads=n_heads,
-        num_key_value_heads=n_kv,
-        head_dim=head_dim,
-        intermediate_size=int(target_config.intermediate_size),
-        hidden_act=str(getattr(target_config, "hidden_act", "silu")),
-        rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-6)),
-        rope_parameters=dict(rope),
-        max_position_embeddings=int(target_config.max_position_embeddings),
-        vocab_size=int(target_config.vocab_size),
-        qkv_bias=qkv_bias,
-        o_bias=o_bias,
-        mlp_bias=bool(getattr(target_config, "mlp_bias", False)),
-        qk_norm=family == "qwen3",
-        target_hidden_size=H,
-        target_num_hidden_layers=int(target_config.num_hidden_layers),
-        target_layer_ids=list(target_layer_ids),
+        **target_shape_fields(target_config, target_layer_ids=target_layer_ids, pad_token_id=pad_token_id,
+                              eos_token_ids=eos_token_ids, eos_token_id=eos_token_id),
         num_draft_layers=num_draft_layers,
         block_size=block_size,
         mask_token_id=mask_token_id,
-        pad_token_id=None if pad_token_id is None else int(pad_token_id),
-        eos_token_ids=sorted(set(eos_all)),
         markov_rank=markov_rank,
         markov_head_type=markov_head_type,
         use_markov_head=use_markov_head,

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from deepspec.models.config import TargetShapeConfig, target_shape_fields
 from deepspec.models.dspark import copy_target_embeddings, qk_norms, split_heads
 from deepspec.utils import atomic_path
 
@@ -51,82 +52,30 @@ WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 ALGORITHM_NAME = "eagle3"
 
-_SHAPE_FIELDS = ("family", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                 "intermediate_size", "hidden_act", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
-                 "vocab_size", "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "target_hidden_size",
-                 "target_num_hidden_layers", "target_layer_ids")
-
 
 # ----------------------------------------------------------------------------------------------- config
 
 
 @dataclass(kw_only=True)
-class Eagle3Config:
-    """Shape (copied from the target, as for DSpark) and TTT knobs of an Eagle3 draft."""
+class Eagle3Config(TargetShapeConfig):
+    """Shape (copied from the target, as for DSpark: :class:`TargetShapeConfig`) and TTT knobs of an
+    Eagle3 draft."""
 
-    family: str
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
-    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
-    max_position_embeddings: int
-    vocab_size: int
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
-    target_hidden_size: int
-    target_num_hidden_layers: int
-    target_layer_ids: list[int]
     ttt_steps: int = 7  # unrolled training steps = tokens drafted per proposal
     step_decay: float = 0.8  # weight of TTT step k is step_decay ** k
-    pad_token_id: int | None = None
-    eos_token_ids: list[int] = field(default_factory=list)
 
     # Eagle3 has no mask token. The trainer checks ``config.mask_token_id`` against the data; -1 never
     # occurs there, so the check is a no-op for Eagle3.
     mask_token_id: int = dataclasses.field(default=-1, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        self.eos_token_ids = [int(i) for i in self.eos_token_ids]
-        self.rope_parameters = dict(self.rope_parameters)
+        super().__post_init__()  # the shape fields (family, heads, layer ids, ...)
         if not isinstance(self.ttt_steps, int) or isinstance(self.ttt_steps, bool) or self.ttt_steps < 1:
             raise ValueError(f"Eagle3Config.ttt_steps: expected an integer >= 1, received {self.ttt_steps!r}. "
                              "The original uses 7.")
         if not 0.0 < self.step_decay <= 1.0:
             raise ValueError(f"Eagle3Config.step_decay: expected a value in (0, 1], received {self.step_decay!r}. "
                              "The original uses 0.8.")
-        self._draft_view()  # validates the shape fields (family, heads, layer ids, ...)
-
-    @property
-    def feature_width(self) -> int:
-        return len(self.target_layer_ids) * self.target_hidden_size
-
-    def _draft_view(self):
-        """The shape fields as a DSpark :class:`DraftConfig` (one place derives family modules and the
-        transformers config); its mask token is an arbitrary valid id that Eagle3 never uses."""
-        from deepspec.models.config import DraftConfig
-
-        forbidden = {self.pad_token_id, *self.eos_token_ids}
-        dummy = next(i for i in range(self.vocab_size) if i not in forbidden)
-        return DraftConfig(**{k: getattr(self, k) for k in _SHAPE_FIELDS}, num_draft_layers=1,
-                           block_size=2, mask_token_id=dummy, pad_token_id=self.pad_token_id,
-                           eos_token_ids=self.eos_token_ids, use_markov_head=False, use_confidence_head=False,
-                           ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0)
-
-    def family_module(self):
-        return self._draft_view().family_module()
-
-    def family_class(self, suffix: str):
-        return self._draft_view().family_class(suffix)
-
-    def to_hf_config(self):
-        return self._draft_view().to_hf_config()
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -147,19 +96,9 @@ def eagle3_config_from_target(target_config: Any, *, target_layer_ids: list[int]
                               eos_token_id: list[int] | int | None = None) -> Eagle3Config:
     """Derive an :class:`Eagle3Config` from a transformers target config (same family rules as DSpark's
     :func:`deepspec.models.config.draft_config_from_target`)."""
-    from deepspec.models.config import draft_config_from_target
-
-    vocab = int(target_config.vocab_size)
-    pad = pad_token_id if pad_token_id is not None else getattr(target_config, "pad_token_id", None)
-    eos = eos_token_id if eos_token_id is not None else getattr(target_config, "eos_token_id", None)
-    eos_list = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-    dummy = next(i for i in range(vocab) if i != pad and i not in eos_list)
-    base = draft_config_from_target(target_config, num_draft_layers=1, target_layer_ids=target_layer_ids,
-                                    mask_token_id=dummy, block_size=2, use_markov_head=False,
-                                    use_confidence_head=False, pad_token_id=pad, eos_token_ids=eos_list,
-                                    ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0)
-    return Eagle3Config(**{k: getattr(base, k) for k in _SHAPE_FIELDS}, ttt_steps=ttt_steps, step_decay=step_decay,
-                        pad_token_id=base.pad_token_id, eos_token_ids=base.eos_token_ids)
+    return Eagle3Config(**target_shape_fields(target_config, target_layer_ids=target_layer_ids,
+                                              pad_token_id=pad_token_id, eos_token_id=eos_token_id),
+                        ttt_steps=ttt_steps, step_decay=step_decay)
 
 
 # ----------------------------------------------------------------------------------------------- model
