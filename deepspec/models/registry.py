@@ -202,8 +202,16 @@ def algorithm_of_draft(path: str | Path) -> str:
     return "dspark" if draft.get("use_markov_head", True) or draft.get("use_confidence_head", True) else "dflash"
 
 
-def load_draft(path: str | Path) -> tuple[str, nn.Module]:
-    """``(algorithm name, model)`` of a saved draft folder."""
+def load_draft(path: str | Path, *, target_model: nn.Module | None = None) -> tuple[str, nn.Module]:
+    """``(algorithm name, model)`` of a saved draft folder: DeepSpec's own, or the original DeepSpec
+    layout (``Qwen3DSparkModel``, :mod:`deepspec.models.original`), loaded as a DSpark / DFlash draft.
+    ``target_model`` is needed only by an original checkpoint that omits ``embed_tokens`` / ``lm_head``
+    (and, when given, checks that such a checkpoint fits the target)."""
+    from deepspec.models.original import is_original_layout, load_original_dspark
+
+    if is_original_layout(path):
+        model = load_original_dspark(path, target_model=target_model)
+        return algorithm_for_model(model).name, model
     name = algorithm_of_draft(path)
     return name, get_algorithm(name).load(path)
 
