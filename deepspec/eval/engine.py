@@ -13,6 +13,10 @@ target-only decoding: the speedup baseline runs the very same code.
 
 Scope and choices:
 - Batch size 1 (no padding, no ragged acceptance across a batch); the attention mask is implicit.
+- Sampling (:class:`~deepspec.eval.verify.SamplingParams`): ``None`` or temperature 0 is greedy;
+  at T > 0 the first token is drawn from ``sampling_probs(prefill logits)`` and every verify step
+  uses the same params (the draft's ``q`` and the target's ``p`` go through the same top-k / top-p
+  filters), so the output follows exactly the distribution target-only sampling draws from.
 - The first output token is sampled from the prefill logits; it counts as an output token and
   its time is the TTFT. It is not a verify step.
 - ``max_new_tokens``: proposals are NOT shortened for it; the final step may commit more tokens
@@ -21,12 +25,22 @@ Scope and choices:
   accept_rate) describe the drafter and are unaffected, while token counts used for throughput
   (``GenerationResult.num_new_tokens``) are the truncated ones.
 - The target's ``max_position_embeddings`` caps positions: a proposal is truncated so that
-  ``anchor_pos + N < max_position_embeddings``; generation stops when the anchor itself cannot be
-  fed (``stop_reason == "max_positions"``).
+  ``anchor_pos + N < max_position_embeddings`` (so no position id fed reaches it); near the limit
+  speculation shortens, then stops (plain one-token steps), and generation stops when the anchor
+  itself cannot be fed (``stop_reason == "max_positions"``).
 - The KV cache is a transformers ``DynamicCache`` of full layers; after verify it is cropped to the
-  committed length. A cache that cannot crop raises ``RuntimeError`` (never a silent stale cache).
+  committed length. A cache that cannot crop raises ``RuntimeError`` (never a silent stale cache):
+  checked once after the prefill when the proposer can propose, and at every crop.
+- A proposer with ``max_proposal_len == 0`` (``NullProposer``) never reads target features: the
+  engine then runs the target without capture hooks (``target_layer_ids=[]`` to ``forward_fn``,
+  see :func:`deepspec.target.capture.target_forward`) and never calls ``extend_context``, so the target-only baseline pays
+  for nothing it does not use and is comparable with Hugging Face ``generate()``.
 - The prefill computes logits only for the last prompt position (``lm_head`` on the final-norm
   hidden state), not ``[P, V]``; a family with logit soft-capping would need it here as well.
+- Timing (``time.perf_counter``; on CUDA the device is synchronised at each boundary, where the
+  next host read would wait anyway): a step's ``propose_s`` is the proposer's call, ``verify_s``
+  the target forward over ``[anchor, d_1..d_N]`` (input tensors included), and the remainder of
+  ``time_s`` (verify math, KV crop, ``extend_context``, bookkeeping) is the per-step overhead.
 """
 
 from __future__ import annotations
@@ -40,19 +54,31 @@ import torch
 from torch import Tensor
 
 from deepspec.eval.proposers import Proposer
-from deepspec.eval.verify import target_probs, verify
+from deepspec.eval.verify import SamplingParams, sampling_probs, verify
+from deepspec.target.capture import target_forward
+
+GREEDY = SamplingParams()
 
 
 @dataclass(frozen=True, kw_only=True)
 class StepRecord:
-    """One verify step. ``num_proposed`` N (after position truncation), ``num_accepted`` accepted
-    drafts, ``num_committed`` tokens committed by the step (before ``max_new_tokens`` truncation),
-    ``time_s`` wall time of propose + verify forward + verify + update."""
+    """One verify step.
+
+    ``num_proposed`` N (after position truncation), ``num_accepted`` accepted drafts,
+    ``num_committed`` tokens committed by the step (before ``max_new_tokens`` truncation). Times in
+    seconds: ``time_s`` the whole step (propose + target forward + verify + update), ``propose_s``
+    the ``proposer.propose`` call, ``verify_s`` the target forward over ``[anchor, d_1..d_N]``;
+    overhead = ``time_s - propose_s - verify_s``. ``confidence``: the proposal's ``confidence_N``
+    for the N proposed tokens (after position truncation), or None when the proposer gives none.
+    """
 
     num_proposed: int
     num_accepted: int
     num_committed: int
     time_s: float
+    propose_s: float = 0.0
+    verify_s: float = 0.0
+    confidence: tuple[float, ...] | None = None
 
 
 @dataclass(kw_only=True)
@@ -76,34 +102,33 @@ class GenerationResult:
         return len(self.output_ids)
 
 
+def _check_croppable(cache: Any) -> None:
+    if not hasattr(cache, "crop") or getattr(cache, "is_croppable", True) is False:
+        raise RuntimeError(
+            f"crop_kv_cache: the target's KV cache ({type(cache).__name__}) cannot be cropped; speculative "
+            "decoding needs a croppable cache (transformers DynamicCache without sliding/linear layers)."
+        )
+
+
 def crop_kv_cache(cache: Any, new_len: int) -> None:
     """Crop a transformers cache to ``new_len`` positions, or raise ``RuntimeError``.
 
-    transformers 5.x ``DynamicCache.crop`` takes a negative count of tokens to remove (a positive
-    argument raises); 4.x accepted a negative count too (``max_length < 0`` removes from the end),
-    so ``crop(-remove)`` works on both.
+    Raises when the cache would have to grow, has no ``crop`` / reports ``is_croppable`` False, or
+    still holds another length after the crop. transformers 5.x ``DynamicCache.crop`` takes a
+    negative count of tokens to remove (a positive argument raises); 4.x accepted a negative count
+    too (``max_length < 0`` removes from the end), so ``crop(-remove)`` works on both.
     """
     cur = int(cache.get_seq_length())
     if cur == new_len:
         return
     if new_len > cur:
         raise RuntimeError(f"crop_kv_cache: cannot grow a KV cache from {cur} to {new_len} positions.")
-    if not hasattr(cache, "crop") or getattr(cache, "is_croppable", True) is False:
-        raise RuntimeError(
-            f"crop_kv_cache: the target's KV cache ({type(cache).__name__}) cannot be cropped; speculative "
-            "decoding needs a croppable cache (transformers DynamicCache without sliding/linear layers)."
-        )
+    _check_croppable(cache)
     cache.crop(new_len - cur)
     if int(cache.get_seq_length()) != new_len:
         raise RuntimeError(
             f"crop_kv_cache: after crop the KV cache holds {cache.get_seq_length()} positions, expected {new_len}."
         )
-
-
-def _default_forward_fn() -> Callable[..., Any]:
-    from deepspec.target.capture import target_forward
-
-    return target_forward
 
 
 class SpeculativeEngine:
@@ -112,11 +137,16 @@ class SpeculativeEngine:
     Args:
         target_model: a Hugging Face causal LM (eval mode); its ``lm_head`` maps the final-norm
             hidden state to logits.
-        target_layer_ids: the decoder layers whose outputs are the proposer's context features.
+        target_layer_ids: the decoder layers whose outputs are the proposer's context features
+            (not captured at all when the proposer's ``max_proposal_len`` is 0).
         proposer: the drafter; ``NullProposer`` gives the target-only baseline.
         eos_token_ids: tokens that end generation.
-        forward_fn: the capture function (default ``deepspec.target.capture.target_forward``; the
-            parameter exists for tests).
+        forward_fn: the target forward, called as ``forward_fn(model, input_ids_BT, layer_ids, *,
+            position_ids_BT, past_key_values, use_cache, compute_logits)`` and returning a
+            :class:`~deepspec.target.capture.TargetOutput`; ``layer_ids`` is ``[]`` when no features
+            are needed. Default :func:`deepspec.target.capture.target_forward` (the parameter exists for tests).
+
+    Raises ValueError for an empty ``eos_token_ids``.
     """
 
     def __init__(
@@ -134,9 +164,13 @@ class SpeculativeEngine:
         self.target_layer_ids = list(target_layer_ids)
         self.proposer = proposer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.forward_fn = forward_fn or _default_forward_fn()
+        self.forward_fn = forward_fn or target_forward
         self.max_positions = int(getattr(target_model.config, "max_position_embeddings", 1 << 62))
         self.device = next(target_model.parameters()).device
+        # A proposer that can never propose reads no features: run the target without capture.
+        self.uses_features = int(proposer.max_proposal_len) > 0
+        self._feature_layer_ids = self.target_layer_ids if self.uses_features else []
+        self._lm_head = target_model.get_output_embeddings()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -148,17 +182,19 @@ class SpeculativeEngine:
         return self.forward_fn(
             self.target_model,
             input_ids_BT,
-            self.target_layer_ids,
+            self._feature_layer_ids,
             position_ids_BT=position_ids_BT,
             past_key_values=cache,
             use_cache=True,
             compute_logits=compute_logits,
         )
 
-    def _sample_first(self, logits_V: Tensor, temperature: float, generator: torch.Generator | None) -> int:
-        if temperature == 0:
+    @staticmethod
+    def _sample_first(logits_V: Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
+        """The first output token: argmax when greedy, else one draw from ``sampling_probs(logits_V)``."""
+        if sampling.greedy:
             return int(logits_V.argmax())
-        probs_V = target_probs(logits_V, temperature)
+        probs_V = sampling_probs(logits_V, sampling)
         device = generator.device if generator is not None else probs_V.device
         return int(torch.multinomial(probs_V.to(device), 1, generator=generator).item())
 
@@ -168,30 +204,42 @@ class SpeculativeEngine:
         prompt_ids: Sequence[int],
         *,
         max_new_tokens: int,
-        temperature: float = 0.0,
+        sampling: SamplingParams | None = None,
         generator: torch.Generator | None = None,
     ) -> GenerationResult:
         """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` (see the module docstring).
 
-        Raises ValueError for an empty prompt, ``max_new_tokens < 1``, ``temperature < 0`` or a
-        prompt that does not fit the target's ``max_position_embeddings``.
+        Args:
+            prompt_ids: the prompt's token ids (``P`` >= 1, ``P < max_position_embeddings``).
+            max_new_tokens: the most output tokens returned (>= 1).
+            sampling: greedy when None (or temperature 0); else temperature / top-k / top-p sampling.
+            generator: drives every random draw at T > 0 (first token, proposer, verify); None uses
+                the global RNG. Unused when greedy.
+
+        Returns a :class:`GenerationResult`. Raises ValueError for an empty prompt,
+        ``max_new_tokens < 1``, a ``sampling`` that is not a SamplingParams or a prompt that does not
+        fit the target's ``max_position_embeddings``; RuntimeError when the target's KV cache cannot
+        be rolled back (see :func:`crop_kv_cache`).
         """
         from transformers import DynamicCache
 
+        if sampling is None:
+            sampling = GREEDY
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling: expected a SamplingParams or None (greedy), received {type(sampling).__name__}.")
         if len(prompt_ids) == 0:
             raise ValueError("prompt_ids: expected at least one token, received an empty prompt.")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected >= 1, received {max_new_tokens}.")
-        if temperature < 0:
-            raise ValueError(f"temperature: expected >= 0 (0 = greedy), received {temperature}.")
         if len(prompt_ids) >= self.max_positions:
             raise ValueError(
                 f"prompt_ids: {len(prompt_ids)} tokens leave no room under the target's max_position_embeddings "
                 f"({self.max_positions}); shorten the prompt."
             )
-        self.proposer.reset()
+        proposer, uses_features, sync = self.proposer, self.uses_features, self._sync
+        proposer.reset()
         result = GenerationResult(prompt_len=len(prompt_ids), output_ids=[])
-        self._sync()
+        sync()
         t0 = time.perf_counter()
 
         # Prefill: KV cache + features of positions 0..P-1; the first token is the first anchor.
@@ -201,12 +249,15 @@ class SpeculativeEngine:
         cache = DynamicCache()
         out = self._forward(list(prompt_ids), 0, cache, compute_logits=False)
         cache = out.past_key_values
-        logits_V = self.target_model.get_output_embeddings()(out.target_last_hidden_BTH[0, -1])
-        anchor = self._sample_first(logits_V, temperature, generator)
+        if uses_features:
+            _check_croppable(cache)  # fail before the first rejection, not at it
+        logits_V = self._lm_head(out.target_last_hidden_BTH[0, -1])
+        anchor = self._sample_first(logits_V, sampling, generator)
         anchor_pos = len(prompt_ids)
-        self.proposer.extend_context(out.target_hidden_BTF[0], list(prompt_ids))
+        if uses_features:
+            proposer.extend_context(out.target_hidden_BTF[0], list(prompt_ids))
         result.output_ids.append(anchor)
-        self._sync()
+        sync()
         result.ttft_s = time.perf_counter() - t0
 
         stop = "eos" if anchor in self.eos_token_ids else ""
@@ -219,19 +270,24 @@ class SpeculativeEngine:
                 break
             t_step = time.perf_counter()
             # Propose, truncated so every fed position is < max_position_embeddings.
-            proposal = self.proposer.propose(anchor, anchor_pos, temperature=temperature, generator=generator)
+            proposal = proposer.propose(anchor, anchor_pos, sampling=sampling, generator=generator)
             n = min(proposal.num_proposed, self.max_positions - 1 - anchor_pos)
             draft_ids_N = proposal.draft_ids_N[:n]
             draft_probs_NV = None if proposal.draft_probs_NV is None else proposal.draft_probs_NV[:n]
+            draft_list = draft_ids_N.tolist()
+            sync()
+            t_verify = time.perf_counter()
 
             # Verify: one target forward over [anchor, d_1..d_N].
-            out = self._forward([anchor, *draft_ids_N.tolist()], anchor_pos, cache, compute_logits=True)
+            out = self._forward([anchor, *draft_list], anchor_pos, cache, compute_logits=True)
             cache = out.past_key_values
+            sync()
+            t_verified = time.perf_counter()
             res = verify(
                 draft_ids_N,
                 draft_probs_NV,
                 out.logits_BTV[0],
-                temperature=temperature,
+                sampling=sampling,
                 generator=generator,
                 eos_token_ids=self.eos_token_ids,
             )
@@ -239,17 +295,22 @@ class SpeculativeEngine:
             # Commit accepted + 1; keep KV and features of the verified positions anchor..anchor+accepted.
             num_verified = res.num_accepted + 1
             crop_kv_cache(cache, anchor_pos + num_verified)
-            self.proposer.extend_context(out.target_hidden_BTF[0, :num_verified],
-                                         [anchor, *draft_ids_N[: res.num_accepted].tolist()])
+            if uses_features:
+                proposer.extend_context(out.target_hidden_BTF[0, :num_verified], [anchor, *draft_list[: res.num_accepted]])
             result.output_ids.extend(res.committed)
             anchor, anchor_pos = res.committed[-1], anchor_pos + num_verified
-            self._sync()
+            conf = None if proposal.confidence_N is None else tuple(proposal.confidence_N[:n].tolist())
+            sync()
+            t_end = time.perf_counter()
             result.steps.append(
                 StepRecord(
                     num_proposed=n,
                     num_accepted=res.num_accepted,
                     num_committed=len(res.committed),
-                    time_s=time.perf_counter() - t_step,
+                    time_s=t_end - t_step,
+                    propose_s=t_verify - t_step,
+                    verify_s=t_verified - t_verify,
+                    confidence=conf,
                 )
             )
             if res.hit_eos:
@@ -259,6 +320,6 @@ class SpeculativeEngine:
             del result.output_ids[max_new_tokens:]
             stop = "max_new_tokens"
         result.stop_reason = stop
-        self._sync()
+        sync()
         result.total_time_s = time.perf_counter() - t0
         return result

@@ -9,17 +9,15 @@ The engine (``deepspec.eval.engine``) drives every proposer through the same thr
 2. ``extend_context(target_hidden_TF, token_ids_T)`` with the target features of the next committed
    positions and the tokens at those positions, in order (first the whole prompt after prefill,
    then after every verify step the verified, committed positions ``anchor .. anchor + num_accepted``);
-3. ``propose(anchor_token, anchor_pos, temperature=..., generator=...)``.
+3. ``propose(anchor_token, anchor_pos, sampling=..., generator=...)``.
 
 Context invariant: when ``propose(anchor_pos=p)`` is called the proposer has received the features
 of exactly positions ``0 .. p-1``; the anchor token itself has no target feature yet (it was just
 sampled from the target). A proposer may return fewer than ``max_proposal_len`` tokens (even 0; the
 engine then does a plain target step). The engine itself truncates a proposal that would run past
 the target's ``max_position_embeddings`` (the proposer is not told; it simply sees fewer committed
-features next step).
-
-Sections: the protocol and ``NullProposer`` (helper EVAL); ``DSparkProposer`` (helper MODEL) at
-the end of the file.
+features next step). A proposer with ``max_proposal_len == 0`` (``NullProposer``) gets no
+``extend_context`` calls: the engine then runs the target without capturing features.
 """
 
 from __future__ import annotations
@@ -30,6 +28,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from deepspec.eval.verify import SamplingParams, sampling_probs
+
 
 @dataclass(kw_only=True)
 class Proposal:
@@ -39,7 +39,8 @@ class Proposal:
         draft_ids_N: int64 ``[N]``, the proposed tokens ``d_1 .. d_N`` (positions
             ``anchor_pos + 1 .. anchor_pos + N``).
         draft_probs_NV: float32 ``[N, V]``, row ``i`` is the distribution ``q_i`` that ``d_i`` was
-            sampled from (after temperature). Used by rejection sampling at T > 0; at T = 0 the
+            sampled from: ``sampling_probs(draft_logits_i, sampling)`` (temperature, top-k, top-p),
+            the very tensor the token was drawn from. Used by rejection sampling at T > 0; at T = 0 the
             verify is greedy and only ``draft_ids_N`` is read (a one-hot is NOT required), so a
             greedy proposer may return ``None`` here.
         confidence_N: float32 ``[N]`` or ``None``: the proposer's own acceptance estimate per slot
@@ -98,12 +99,15 @@ class Proposer(Protocol):
         anchor_token: int,
         anchor_pos: int,
         *,
-        temperature: float,
+        sampling: SamplingParams,
         generator: torch.Generator | None,
     ) -> Proposal:
         """Propose up to K tokens following ``anchor_token`` at ``anchor_pos``.
 
-        ``temperature`` 0 means greedy (argmax); ``generator`` drives any sampling."""
+        ``sampling.greedy``: each token is the argmax of the draft logits (``draft_probs_NV`` may be
+        None). Otherwise each token is drawn (with ``generator``) from
+        ``q = sampling_probs(draft_logits, sampling)`` and that same fp32 ``q`` is returned as the
+        row of ``draft_probs_NV``, so the token is scored with the distribution it came from."""
         ...
 
 
@@ -123,27 +127,46 @@ class NullProposer:
         anchor_token: int,
         anchor_pos: int,
         *,
-        temperature: float,
+        sampling: SamplingParams,
         generator: torch.Generator | None,
     ) -> Proposal:
         return Proposal.empty()
 
 
+def draw_token(
+    logits_V: Tensor, sampling: SamplingParams, generator: torch.Generator | None
+) -> tuple[Tensor, Tensor | None]:
+    """One draft token from logits ``[V]`` (any float dtype): ``(token int64 [1], q fp32 [V] or None)``.
+
+    Greedy: the argmax and no distribution. Otherwise ``q = sampling_probs(logits_V, sampling)`` and
+    one ``torch.multinomial`` draw from that same ``q`` (on the generator's device; the token comes
+    back on the logits' device), so a proposer scores its token with the exact tensor it sampled
+    from (the ``q`` of Leviathan et al. 2023, Alg. 1).
+    """
+    if sampling.greedy:
+        return logits_V.argmax().view(1), None
+    q_V = sampling_probs(logits_V, sampling)
+    gen_device = generator.device if generator is not None else q_V.device
+    tok = torch.multinomial(q_V.to(gen_device), 1, generator=generator).to(q_V.device)
+    return tok, q_V
+
+
 # =====================================================================================
-# DSparkProposer (helper MODEL) goes below this line.
+# DSparkProposer
 # =====================================================================================
 
 
 class DSparkProposer:
-    """DSpark / DFlash drafter behind the :class:`Proposer` protocol (helper MODEL).
+    """DSpark / DFlash drafter behind the :class:`Proposer` protocol.
 
     One block forward ``[anchor, m, .., m]`` at positions ``anchor_pos .. anchor_pos+K-1`` attending
     to the cached context K/V (``DSparkDraftModel.block_hidden``), then a cheap serial pass: slot
     ``k``'s logits are ``base_k`` + the Markov head's bias (``DSparkDraftModel.slot_step``: vanilla
     ``markov_w2(markov_w1[prev])``, or the gated / rnn variant) with ``prev`` = the anchor for k=0 and
     the token just drafted afterwards (DSpark paper, "parallel backbone + sequential correction").
-    ``probs = softmax(logits / T)`` in fp32 is both sampled from and returned. At T=0 the token is
-    the argmax and ``draft_probs_NV`` is ``None`` (greedy verify reads only the tokens).
+    ``q = sampling_probs(logits, sampling)`` (fp32; temperature, top-k, top-p) is both sampled from
+    and returned. At T=0 the token is the argmax and ``draft_probs_NV`` is ``None`` (greedy verify
+    reads only the tokens).
 
     The confidence head gives ``c_k = sigmoid(logit)`` per slot (returned as ``confidence_N``); with
     ``confidence_threshold`` set, the proposal is cut before the first slot with ``c_k`` below it.
@@ -178,7 +201,7 @@ class DSparkProposer:
         anchor_token: int,
         anchor_pos: int,
         *,
-        temperature: float,
+        sampling: SamplingParams,
         generator: torch.Generator | None,
     ) -> Proposal:
         m = self.model
@@ -199,12 +222,9 @@ class DSparkProposer:
                 if self.confidence_threshold is not None and float(c) < self.confidence_threshold:
                     break
                 conf.append(c.reshape(()))
-            if temperature <= 0:
-                tok = logits_V.argmax().view(1)
-            else:
-                p_V = torch.softmax(logits_V / temperature, dim=-1)
-                tok = torch.multinomial(p_V, 1, generator=generator)
-                probs_rows.append(p_V)
+            tok, q_V = draw_token(logits_V, sampling, generator)
+            if q_V is not None:
+                probs_rows.append(q_V)
             ids.append(tok)
             prev = tok
         if not ids:
@@ -217,7 +237,7 @@ class DSparkProposer:
 
 
 # =====================================================================================
-# Eagle3Proposer (helper E3, issue 4).
+# Eagle3Proposer
 # =====================================================================================
 
 
@@ -237,7 +257,7 @@ class Eagle3Proposer:
 
     ``k`` defaults to the draft's ``ttt_steps``; ``max_positions`` caps drafted positions as in
     :class:`DSparkProposer`. At T = 0 tokens are argmaxes and ``draft_probs_NV`` is None; at T > 0
-    ``softmax(logits / T)`` (fp32) is sampled from and returned.
+    ``sampling_probs(logits, sampling)`` (fp32) is sampled from and returned.
     """
 
 
@@ -280,7 +300,7 @@ class Eagle3Proposer:
         anchor_token: int,
         anchor_pos: int,
         *,
-        temperature: float,
+        sampling: SamplingParams,
         generator: torch.Generator | None,
     ) -> Proposal:
         m = self.model
@@ -306,14 +326,9 @@ class Eagle3Proposer:
         for j in range(n_max):
             if j > 0:
                 hidden = m.chain_step(self.cache, chain_k, chain_v, ids[-1], hidden, anchor_pos - 1 + j)
-            logits_V = m.logits(hidden).float()
-            if temperature <= 0:
-                tok = logits_V.argmax().view(1)
-            else:
-                p_V = torch.softmax(logits_V / temperature, dim=-1)
-                tok = torch.multinomial(p_V.to(generator.device if generator is not None else p_V.device), 1,
-                                        generator=generator).to(dev)
-                probs_rows.append(p_V)
+            tok, q_V = draw_token(m.logits(hidden), sampling, generator)
+            if q_V is not None:
+                probs_rows.append(q_V)
             ids.append(tok)
         return Proposal(draft_ids_N=torch.cat(ids).long(),
                         draft_probs_NV=torch.stack(probs_rows) if probs_rows else None)

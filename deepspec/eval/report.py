@@ -1,23 +1,39 @@
-"""Evaluation report: Markdown table, JSON (config, versions, hardware, figures) and a PNG of
-per-position acceptance, each written atomically (``deepspec.utils``).
+"""Evaluation report: Markdown tables, JSON (config, versions, hardware, figures) and PNG plots,
+each written atomically (``deepspec.utils``).
 
 Input is the dict built by :func:`deepspec.eval.run.run_eval`::
 
     {"config": {...}, "environment": {...}, "definitions": {...},
      "benchmarks": {bench: {"target-only": {...}, "hf-generate": {...} (optional), proposer: {...}}}}
+
+where each method's dict is :func:`deepspec.eval.metrics.benchmark_metrics` (``hf-generate`` keeps
+only its wall-clock keys). Files written by :func:`write_report`: ``eval_results.json``,
+``eval_report.md``, ``acceptance.png`` (prefix-survival rate per draft position),
+``tau_histogram.png`` (acceptance-length distribution) and, when any method carries confidences,
+``reliability.png`` (confidence-head reliability diagram).
 """
 
 from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from deepspec.eval.metrics import METRIC_DEFINITIONS
 from deepspec.utils import atomic_path, atomic_write_json, atomic_write_text
 
 BASELINE = "target-only"
 HF_GENERATE = "hf-generate"
+
+FILE_NAMES: dict[str, str] = {
+    "json": "eval_results.json",
+    "markdown": "eval_report.md",
+    "png": "acceptance.png",
+    "tau_histogram": "tau_histogram.png",
+    "reliability": "reliability.png",
+}
 
 
 def environment_info() -> dict[str, Any]:
@@ -52,56 +68,174 @@ def _fmt(x: Any, digits: int = 2) -> str:
     return str(x)
 
 
-def markdown_report(results: dict[str, Any]) -> str:
-    """Render the results as Markdown: one table (benchmark x method) plus the metric definitions."""
+def _methods(results: Mapping[str, Any]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    for bench, methods in results.get("benchmarks", {}).items():
+        for method, m in methods.items():
+            yield bench, method, m
+
+
+def _is_proposer(method: str, m: Mapping[str, Any]) -> bool:
+    return method not in (BASELINE, HF_GENERATE) and bool(m.get("num_steps"))
+
+
+def has_calibration(results: Mapping[str, Any]) -> bool:
+    """True when any method on any benchmark carries confidence-calibration figures."""
+    return any(m.get("calibration") for _, _, m in _methods(results))
+
+
+def _sampling_line(cfg: Mapping[str, Any]) -> str:
+    sampling = cfg.get("sampling")
+    if isinstance(sampling, Mapping):
+        text = "sampling " + ", ".join(f"{k} {v}" for k, v in sampling.items())
+    else:
+        text = f"temperature {cfg.get('temperature')}"
+    if cfg.get("num_turns") is not None:
+        text += f", turns {cfg['num_turns']}"
+    return text
+
+
+def _main_table(results: Mapping[str, Any]) -> list[str]:
+    lines = [
+        ("| benchmark | method | prompts | tau | accept_rate_prefix@1..K | verify_rate | tok/s | TTFT ms | TPOT ms | "
+         "speedup | identical |"),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for bench, method, m in _methods(results):
+        if method == HF_GENERATE:
+            lines.append(
+                f"| {bench} | {method} | {m.get('num_prompts')} | - | - | - | {_fmt(m.get('tok_per_s'), 1)} | - | - | "
+                f"{_fmt(m.get('speedup'))} | {_fmt(m.get('frac_identical_to_baseline'))} |"
+            )
+            continue
+        rates = " ".join(_fmt(r) for r in m.get("accept_rate_prefix", [])) or "-"
+        lines.append(
+            f"| {bench} | {method} | {m.get('num_prompts')} | {_fmt(m.get('tau'))} | {rates} | "
+            f"{_fmt(m.get('verify_rate'))} | {_fmt(m.get('tok_per_s'), 1)} | {_fmt(m.get('ttft_ms'), 1)} | "
+            f"{_fmt(m.get('tpot_ms'), 1)} | {_fmt(m.get('speedup'))} | {_fmt(m.get('frac_identical_to_baseline'))} |"
+        )
+    return lines
+
+
+def _tau_histogram_table(results: Mapping[str, Any]) -> list[str]:
+    lines = [
+        "## Acceptance length (tau) histogram",
+        "",
+        "Verify steps by acceptance length (accepted drafts + 1) = 1, 2, .., K + 1.",
+        "",
+        "| benchmark | method | steps | tau | steps at tau = 1..K+1 |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for bench, method, m in _methods(results):
+        if not _is_proposer(method, m):
+            continue
+        counts = " ".join(str(c) for c in m.get("tau_histogram", [])) or "-"
+        lines.append(f"| {bench} | {method} | {m.get('num_steps')} | {_fmt(m.get('tau'))} | {counts} |")
+    return lines
+
+
+def _timing_table(results: Mapping[str, Any]) -> list[str]:
+    lines = [
+        "## Per-step timing",
+        "",
+        "Means over verify steps; overhead = step - propose - target forward.",
+        "",
+        ("| benchmark | method | steps | step ms | propose ms | verify ms | overhead ms | mean proposed | "
+         "truncated |"),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for bench, method, m in _methods(results):
+        if method == HF_GENERATE:
+            continue
+        lines.append(
+            f"| {bench} | {method} | {m.get('num_steps')} | {_fmt(m.get('time_ms_per_step'))} | "
+            f"{_fmt(m.get('propose_ms_per_step'))} | {_fmt(m.get('verify_ms_per_step'))} | "
+            f"{_fmt(m.get('overhead_ms_per_step'))} | {_fmt(m.get('mean_num_proposed'))} | "
+            f"{_fmt(m.get('frac_steps_truncated'))} |"
+        )
+    return lines
+
+
+def _calibration_table(results: Mapping[str, Any]) -> list[str]:
+    lines = [
+        "## Confidence-head calibration",
+        "",
+        ("Pairs: per step, slots k = 1..min(accepted + 1, proposed); label 1 if accepted. "
+         "Position `all` pools every position."),
+        "",
+        "| method | benchmark | k | n | mean conf | accept rate | ECE | AUROC | Brier |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    by_method: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for bench, method, m in _methods(results):
+        if m.get("calibration"):
+            by_method.setdefault(method, []).append((bench, m["calibration"]))
+    for method, entries in by_method.items():
+        for bench, cal in entries:
+            for k, row in [("all", cal["pooled"])] + [(r["k"], r) for r in cal["per_position"]]:
+                lines.append(
+                    f"| {method} | {bench} | {k} | {row['num_pairs']} | {_fmt(row['mean_confidence'], 3)} | "
+                    f"{_fmt(row['accept_rate'], 3)} | {_fmt(row['ece'], 3)} | {_fmt(row['auroc'], 3)} | "
+                    f"{_fmt(row['brier'], 3)} |"
+                )
+    return lines
+
+
+def markdown_report(results: dict[str, Any], figures: Mapping[str, str] | None = None) -> str:
+    """Render the results as Markdown: the main table (benchmark x method), the tau histogram, the
+    per-step timing breakdown, the calibration table (when any method has confidences), links to
+    ``figures`` (title -> file name beside the report) and the metric definitions
+    (``results["definitions"]``, else :data:`~deepspec.eval.metrics.METRIC_DEFINITIONS`)."""
     cfg = results.get("config", {})
     env = results.get("environment", {})
     lines = [
         "# DeepSpec evaluation",
         "",
-        f"temperature {cfg.get('temperature')}, max_new_tokens {cfg.get('max_new_tokens')}, seed {cfg.get('seed')}, "
-        f"target {cfg.get('target', '?')}; torch {env.get('torch')}, transformers {env.get('transformers')}, "
-        f"deepspec {env.get('deepspec')}; {env.get('cuda_device') or env.get('processor')} "
-        f"({env.get('cpu_count')} CPUs), {env.get('platform')}.",
+        (f"{_sampling_line(cfg)}, max_new_tokens {cfg.get('max_new_tokens')}, seed {cfg.get('seed')}, "
+         f"target {cfg.get('target', '?')}; torch {env.get('torch')}, transformers {env.get('transformers')}, "
+         f"deepspec {env.get('deepspec')}; {env.get('cuda_device') or env.get('processor')} "
+         f"({env.get('cpu_count')} CPUs), {env.get('platform')}."),
         "",
-        "| benchmark | method | prompts | tau | accept_rate_prefix@1..K | verify_rate | tok/s | TTFT ms | TPOT ms | "
-        "speedup | identical |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *_main_table(results),
     ]
-    for bench, methods in results.get("benchmarks", {}).items():
-        for method, m in methods.items():
-            if method == HF_GENERATE:
-                lines.append(
-                    f"| {bench} | {method} | {m.get('num_prompts')} | - | - | - | {_fmt(m.get('tok_per_s'), 1)} | - | - | "
-                    f"{_fmt(m.get('speedup'))} | {_fmt(m.get('frac_identical_to_baseline'))} |"
-                )
-                continue
-            rates = " ".join(_fmt(r) for r in m.get("accept_rate_prefix", [])) or "-"
-            lines.append(
-                f"| {bench} | {method} | {m.get('num_prompts')} | {_fmt(m.get('tau'))} | {rates} | "
-                f"{_fmt(m.get('verify_rate'))} | {_fmt(m.get('tok_per_s'), 1)} | {_fmt(m.get('ttft_ms'), 1)} | "
-                f"{_fmt(m.get('tpot_ms'), 1)} | {_fmt(m.get('speedup'))} | {_fmt(m.get('frac_identical_to_baseline'))} |"
-            )
-    if any(HF_GENERATE in per_method for per_method in results["benchmarks"].values()):
+    if any(HF_GENERATE in per_method for per_method in results.get("benchmarks", {}).values()):
         lines += [
             "",
-            f"`{HF_GENERATE}`: Hugging Face `generate()` on the same prompts; its speedup column is "
-            "target-only time per output token / generate() time per output token (> 1 means generate() is "
-            "faster than our target-only loop).",
+            (f"`{HF_GENERATE}`: Hugging Face `generate()` on the same prompts; its speedup column is "
+             "target-only time per output token / generate() time per output token (> 1 means generate() is "
+             "faster than our target-only loop)."),
         ]
+    lines += ["", *_tau_histogram_table(results), "", *_timing_table(results)]
+    if has_calibration(results):
+        lines += ["", *_calibration_table(results)]
+    if figures:
+        lines += ["", "## Figures"]
+        for title, name in figures.items():
+            lines += ["", f"![{title}]({name})"]
     lines += ["", "## Definitions", ""]
-    for key, text in results.get("definitions", {}).items():
+    for key, text in (results.get("definitions") or METRIC_DEFINITIONS).items():
         lines.append(f"- `{key}`: {text}")
     return "\n".join(lines) + "\n"
 
 
-def plot_acceptance(results: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """PNG: prefix-survival acceptance per draft position, one panel per benchmark, one line per proposer."""
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig: Any, path: str | os.PathLike[str]) -> None:
+    plt = _pyplot()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def plot_acceptance(results: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """PNG: prefix-survival acceptance per draft position, one panel per benchmark, one line per proposer."""
+    plt = _pyplot()
     benches = list(results.get("benchmarks", {}))
     fig, axes = plt.subplots(1, max(len(benches), 1), figsize=(4 * max(len(benches), 1), 3.2), squeeze=False)
     for ax, bench in zip(axes[0], benches):
@@ -119,18 +253,101 @@ def plot_acceptance(results: dict[str, Any], path: str | os.PathLike[str]) -> No
             ax.legend(fontsize=7)
     axes[0][0].set_ylabel("accepted >= k / proposed >= k")
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    _save(fig, path)
+
+
+def plot_tau_histogram(results: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """PNG: acceptance-length distribution, one panel per benchmark, one bar group per proposer.
+
+    Bars are fractions of the method's verify steps (the counts are in the JSON / Markdown), so
+    methods with different step counts compare; target-only (always tau = 1) is left out.
+    """
+    plt = _pyplot()
+    benches = list(results.get("benchmarks", {}))
+    ncol = max(len(benches), 1)
+    fig, axes = plt.subplots(1, ncol, figsize=(4.5 * ncol, 3.2), squeeze=False)
+    for ax, bench in zip(axes[0], benches):
+        shown = [(method, m) for method, m in results["benchmarks"][bench].items()
+                 if _is_proposer(method, m) and m.get("tau_histogram")]
+        width = 0.8 / max(len(shown), 1)
+        for i, (method, m) in enumerate(shown):
+            counts = m["tau_histogram"]
+            total = sum(counts)
+            xs = [t + 1 + (i - (len(shown) - 1) / 2) * width for t in range(len(counts))]
+            ax.bar(xs, [c / total for c in counts], width=width, label=f"{method} (tau {m['tau']:.2f})")
+        if shown:
+            ax.set_xticks(range(1, max(len(m["tau_histogram"]) for _, m in shown) + 1))
+        else:
+            ax.text(0.5, 0.5, "no proposer steps", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(bench)
+        ax.set_xlabel("acceptance length (accepted + 1)")
+        ax.grid(alpha=0.3, axis="y")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("fraction of verify steps")
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def plot_reliability(results: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """PNG reliability diagram of the confidence head, pooled over draft positions: one column per
+    benchmark with calibration data; top, accept rate vs mean confidence per bin (one line per method,
+    the diagonal is perfect calibration); bottom, pairs per bin. Raises ValueError without data."""
+    benches = [b for b, methods in results.get("benchmarks", {}).items()
+               if any(m.get("calibration") for m in methods.values())]
+    if not benches:
+        raise ValueError("results: no method carries confidence-calibration figures; nothing to plot.")
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, len(benches), figsize=(4.5 * len(benches), 6.0), squeeze=False,
+                             gridspec_kw={"height_ratios": [3, 1.4]})
+    for col, bench in enumerate(benches):
+        top, bottom = axes[0][col], axes[1][col]
+        top.plot([0, 1], [0, 1], linestyle="--", color="gray", linewidth=1, label="perfect calibration")
+        shown = [(method, m["calibration"]) for method, m in results["benchmarks"][bench].items()
+                 if m.get("calibration")]
+        width = 0.8 / max(len(shown), 1)
+        for i, (method, cal) in enumerate(shown):
+            bins = [b for b in cal["pooled"]["bins"] if b["num_pairs"]]
+            ece = cal["pooled"]["ece"]
+            line = top.plot([b["mean_confidence"] for b in bins], [b["accept_rate"] for b in bins], marker="o",
+                            label=f"{method} (ECE {_fmt(ece, 3)}, n {cal['pooled']['num_pairs']})")
+            all_bins = cal["pooled"]["bins"]
+            bin_w = all_bins[0]["hi"] - all_bins[0]["lo"]
+            xs = [(b["lo"] + b["hi"]) / 2 + (i - (len(shown) - 1) / 2) * width * bin_w for b in all_bins]
+            bottom.bar(xs, [b["num_pairs"] for b in all_bins], width=width * bin_w, color=line[0].get_color())
+        top.set_title(bench)
+        top.set_xlim(0, 1)
+        top.set_ylim(0, 1.02)
+        top.set_ylabel("empirical accept rate")
+        top.grid(alpha=0.3)
+        top.legend(fontsize=7)
+        bottom.set_xlim(0, 1)
+        bottom.set_xlabel("confidence (bin)")
+        bottom.set_ylabel("pairs per bin")
+        bottom.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    _save(fig, path)
 
 
 def write_report(results: dict[str, Any], out_dir: str | os.PathLike[str]) -> dict[str, Path]:
-    """Write ``eval_results.json``, ``eval_report.md`` and ``acceptance.png`` into ``out_dir``
-    (created if missing); return their paths."""
+    """Write the report files (:data:`FILE_NAMES`) into ``out_dir`` (created if missing); return their
+    paths by key: ``json``, ``markdown``, ``png`` (acceptance), ``tau_histogram`` always, and
+    ``reliability`` only when some method carries confidences (a stale ``reliability.png`` from an
+    earlier run in the same folder is removed otherwise, so the folder never shows a plot that does not
+    belong to its report)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "eval_results.json", "markdown": out / "eval_report.md", "png": out / "acceptance.png"}
+    keys = ["json", "markdown", "png", "tau_histogram"] + (["reliability"] if has_calibration(results) else [])
+    paths = {k: out / FILE_NAMES[k] for k in keys}
+    figures = {"acceptance per position": FILE_NAMES["png"], "acceptance length histogram": FILE_NAMES["tau_histogram"]}
+    if "reliability" in paths:
+        figures["confidence reliability"] = FILE_NAMES["reliability"]
     atomic_write_json(paths["json"], results)
-    atomic_write_text(paths["markdown"], markdown_report(results))
     plot_acceptance(results, paths["png"])
+    plot_tau_histogram(results, paths["tau_histogram"])
+    if "reliability" in paths:
+        plot_reliability(results, paths["reliability"])
+    else:
+        (out / FILE_NAMES["reliability"]).unlink(missing_ok=True)
+    atomic_write_text(paths["markdown"], markdown_report(results, figures))
     return paths

@@ -3,15 +3,25 @@
 For each benchmark and each prompt (in order) the methods run back to back, interleaved per prompt
 (target-only first, then each proposer, then optionally Hugging Face ``generate()``), so slow
 drifts of the machine (thermal, other load) hit all methods alike. Each method gets a fresh
-``torch.Generator`` on the target's device, seeded with ``seed + prompt_index``, so sampling runs are
-reproducible and the methods see the same seed on the same prompt. Speedup is measured in this one process.
+``torch.Generator`` on the target's device, seeded with ``seed + prompt_index`` (shared by that
+method's turns of the prompt), so sampling runs are reproducible and the methods see the same seed
+on the same prompt. Speedup is measured in this one process.
+
+Multi-turn (``num_turns >= 2``, e.g. MT-Bench): turn ``t`` of a prompt is rendered on that method's
+own conversation so far, ``[user_1, assistant_1, .., user_t]``, where ``assistant_j`` is the method's
+decoded answer to turn ``j`` (``skip_special_tokens``, EOS removed) -- the second turn is built on
+the model's own first answer, as MT-Bench prescribes. A prompt with fewer turns runs the turns it
+has. The steps and outputs of every turn are pooled in the metrics (one ``GenerationResult`` per
+turn, in the order prompt 0 turn 1, prompt 0 turn 2, prompt 1 turn 1, ...); ``samples`` holds one
+record per (prompt, turn).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +30,7 @@ from deepspec.eval.benchmarks import BenchmarkPrompt
 from deepspec.eval.engine import GenerationResult, SpeculativeEngine
 from deepspec.eval.metrics import METRIC_DEFINITIONS, benchmark_metrics
 from deepspec.eval.proposers import NullProposer, Proposer
+from deepspec.eval.verify import SamplingParams
 from deepspec.eval.report import BASELINE, HF_GENERATE, environment_info, write_report
 
 
@@ -37,14 +48,16 @@ def eos_token_ids_of(target_model: Any, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
-def _hf_generate(model: Any, prompt_ids: list[int], *, max_new_tokens: int, temperature: float,
-                 eos: list[int], pad: int, seed: int) -> GenerationResult:
-    """Time HF ``generate()`` on one prompt (greedy, or plain temperature sampling: no top-k / top-p)."""
+def hf_generate(model: Any, prompt_ids: list[int], *, max_new_tokens: int, sampling: SamplingParams,
+                eos: list[int], pad: int) -> GenerationResult:
+    """Time HF ``generate()`` on one prompt with the same sampling: greedy, or temperature + the same
+    top-k / top-p (``top_k=0`` and ``top_p=1.0`` are off in HF as here). Seeding is the caller's
+    (``torch.manual_seed``). Returns a GenerationResult with ``output_ids`` (cut after the first EOS)
+    and ``total_time_s``; no steps, no TTFT."""
     device = next(model.parameters()).device
     ids_BT = torch.tensor([prompt_ids], device=device)
-    kwargs: dict[str, Any] = {"do_sample": False} if temperature == 0 else {
-        "do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-    torch.manual_seed(seed)
+    kwargs: dict[str, Any] = {"do_sample": False} if sampling.greedy else {
+        "do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
@@ -59,6 +72,34 @@ def _hf_generate(model: Any, prompt_ids: list[int], *, max_new_tokens: int, temp
             new = new[: i + 1]
             break
     return GenerationResult(prompt_len=len(prompt_ids), output_ids=new, total_time_s=total, stop_reason="hf")
+
+
+def answer_text(tokenizer: Any, output_ids: Sequence[int], eos_token_ids: Collection[int]) -> str:
+    """A generated answer as the next turn's assistant message: the trailing EOS removed, decoded with
+    ``skip_special_tokens=True``."""
+    ids = list(output_ids)
+    while ids and ids[-1] in eos_token_ids:
+        ids.pop()
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _run_turns(generate: Callable[[list[int]], GenerationResult], tokenizer: Any, prompt: BenchmarkPrompt, *,
+               num_turns: int, eos: list[int], first_ids: list[int],
+               chat_template_kwargs: Mapping[str, Any] | None) -> list[GenerationResult]:
+    """One method's conversation on ``prompt``: turn 1 on ``first_ids`` (already rendered), each later
+    turn on ``[user_1, own answer_1, .., user_t]``. Returns one result per turn run."""
+    from deepspec.data.chat import render_prompt
+
+    turns = prompt.turns[:num_turns]
+    messages: list[dict[str, str]] = []
+    results: list[GenerationResult] = []
+    for t, user in enumerate(turns):
+        messages.append({"role": "user", "content": user})
+        ids = first_ids if t == 0 else render_prompt(tokenizer, messages, chat_template_kwargs=chat_template_kwargs)
+        results.append(generate(ids))
+        if t + 1 < len(turns):
+            messages.append({"role": "assistant", "content": answer_text(tokenizer, results[-1].output_ids, eos)})
+    return results
 
 
 def render_benchmark_prompts(tokenizer: Any, benchmarks: Mapping[str, Sequence[BenchmarkPrompt]], *,
@@ -79,9 +120,10 @@ def run_eval(
     benchmarks: Mapping[str, Sequence[BenchmarkPrompt]],
     *,
     max_new_tokens: int,
-    temperature: float,
+    sampling: SamplingParams,
     seed: int,
     out_dir: str | os.PathLike[str] | None,
+    num_turns: int = 1,
     compare_hf_generate: bool = True,
     warmup: bool = True,
     progress: bool = True,
@@ -97,17 +139,23 @@ def run_eval(
         target_layer_ids: layers whose features the proposers read.
         proposers: name -> proposer (names must differ from ``"target-only"`` / ``"hf-generate"``).
         benchmarks: name -> prompts (see ``deepspec.eval.benchmarks.load_benchmarks``).
-        max_new_tokens, temperature, seed: decoding settings shared by every method.
+        max_new_tokens, sampling, seed: decoding settings shared by every method (per turn:
+            ``max_new_tokens`` bounds each turn's answer).
         out_dir: where the report goes (None: no files).
-        compare_hf_generate: also time HF ``generate()`` on the same prompts, so the target-only
-            baseline is shown not to be slow by construction.
+        num_turns: user turns run per prompt (>= 1; 1 = the first turn only, the default). With 2,
+            prompts that have a second turn (MT-Bench) run it on the method's own first answer
+            (see the module docstring); every turn's steps are pooled in the metrics.
+        compare_hf_generate: also time HF ``generate()`` on the same prompts with the same sampling
+            params, so the target-only baseline is shown not to be slow by construction.
         warmup: one short untimed generation per method before measuring.
         config_extra: extra entries for the report's ``config`` (e.g. target path, checkpoint).
         chat_template_kwargs: template variables for the prompts (e.g. ``{"enable_thinking": False}``),
             the same ones the training data was rendered with (see :func:`render_benchmark_prompts`).
 
     Returns the results dict (``config``, ``environment``, ``definitions``, ``benchmarks``:
-    bench -> method -> metrics, ``samples``: bench -> method -> per-prompt records).
+    bench -> method -> metrics, ``samples``: bench -> method -> one record per (prompt, turn)).
+    Raises ValueError for a reserved proposer name, ``max_new_tokens < 1``, ``num_turns < 1`` or a
+    ``sampling`` that is not a SamplingParams.
     """
     from tqdm.auto import tqdm
 
@@ -116,6 +164,10 @@ def run_eval(
             raise ValueError(f"proposers: the name {name!r} is reserved for a baseline; rename that proposer.")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected >= 1, received {max_new_tokens}.")
+    if isinstance(num_turns, bool) or not isinstance(num_turns, int) or num_turns < 1:
+        raise ValueError(f"num_turns: expected an integer >= 1, received {num_turns!r}.")
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling: expected a SamplingParams, received {type(sampling).__name__}.")
     eos = eos_token_ids_of(target_model, tokenizer)
     pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else eos[0]
     engines = {BASELINE: SpeculativeEngine(target_model, target_layer_ids, NullProposer(), eos)}
@@ -132,25 +184,34 @@ def run_eval(
         first = next((ids for ids in rendered.values() if ids), [None])[0]
         if first is not None:
             for engine in engines.values():
-                engine.generate(first, max_new_tokens=min(8, max_new_tokens), temperature=temperature,
+                engine.generate(first, max_new_tokens=min(8, max_new_tokens), sampling=sampling,
                                 generator=new_generator(seed))
 
     methods = list(engines) + ([HF_GENERATE] if compare_hf_generate else [])
     total = sum(len(v) for v in rendered.values()) * len(methods)
-    bar = tqdm(total=total, desc="eval", disable=not progress, unit="gen")
+    bar = tqdm(total=total, desc="eval", disable=not progress, unit="prompt")
     figures: dict[str, dict[str, Any]] = {}
     samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    turns_kw = dict(num_turns=num_turns, eos=eos, chat_template_kwargs=chat_template_kwargs)
     for bench, prompts in benchmarks.items():
         runs: dict[str, list[GenerationResult]] = {m: [] for m in methods}
+        turn_of: list[tuple[str, int]] = []  # (prompt id, turn 1..) of each pooled result, in order
         for i, (prompt, ids) in enumerate(zip(prompts, rendered[bench])):
+            turn_of.extend((prompt.id, t + 1) for t in range(min(num_turns, len(prompt.turns))))
             for name, engine in engines.items():
                 bar.set_postfix_str(f"{bench} {name}")
-                runs[name].append(engine.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                                  generator=new_generator(seed + i)))
+                gen = new_generator(seed + i)
+                runs[name].extend(_run_turns(
+                    lambda x, engine=engine, gen=gen: engine.generate(x, max_new_tokens=max_new_tokens,
+                                                                      sampling=sampling, generator=gen),
+                    tokenizer, prompt, first_ids=ids, **turns_kw))
                 bar.update(1)
             if compare_hf_generate:
-                runs[HF_GENERATE].append(_hf_generate(target_model, ids, max_new_tokens=max_new_tokens,
-                                                      temperature=temperature, eos=eos, pad=pad, seed=seed + i))
+                torch.manual_seed(seed + i)
+                runs[HF_GENERATE].extend(_run_turns(
+                    lambda x: hf_generate(target_model, x, max_new_tokens=max_new_tokens, sampling=sampling,
+                                           eos=eos, pad=pad),
+                    tokenizer, prompt, first_ids=ids, **turns_kw))
                 bar.update(1)
         base = runs[BASELINE]
         figures[bench] = {
@@ -164,9 +225,9 @@ def run_eval(
                 "speedup", "frac_identical_to_baseline")}
         samples[bench] = {
             name: [
-                {"id": p.id, "prompt_len": r.prompt_len, "num_new_tokens": r.num_new_tokens,
+                {"id": pid, "turn": turn, "prompt_len": r.prompt_len, "num_new_tokens": r.num_new_tokens,
                  "stop_reason": r.stop_reason, "num_steps": len(r.steps), "total_time_s": r.total_time_s}
-                for p, r in zip(prompts, res)
+                for (pid, turn), r in zip(turn_of, res)
             ]
             for name, res in runs.items()
         }
@@ -180,7 +241,9 @@ def run_eval(
     results: dict[str, Any] = {
         "config": {
             "max_new_tokens": max_new_tokens,
-            "temperature": temperature,
+            "sampling": dataclasses.asdict(sampling),
+            "temperature": sampling.temperature,
+            "num_turns": num_turns,
             "seed": seed,
             "target_layer_ids": list(target_layer_ids),
             "eos_token_ids": eos,

@@ -1,14 +1,20 @@
-"""Pure verify math for speculative decoding: greedy acceptance and rejection sampling.
+"""Pure verify math for speculative decoding: sampling filters, greedy acceptance, rejection sampling.
 
-Legend: N number of draft tokens in the proposal, V vocab. Row ``i`` of a ``[N+1, V]`` target tensor
-is the target's prediction for the position of draft token ``d_{i+1}`` (row 0 comes from the anchor,
-row N is the bonus position after the last draft token).
+Legend: B rows of a batch, N number of draft tokens in a proposal (``N_max`` the padded width of a
+batch), V vocab. Row ``i`` of a ``[N+1, V]`` target tensor is the target's prediction for the
+position of draft token ``d_{i+1}`` (row 0 comes from the anchor, row N is the bonus position after
+the last draft token).
 
 Rules (DESIGN.md s.6; Leviathan et al. 2023 "Fast Inference from Transformers via Speculative
-Decoding", Alg. 1; Chen et al. 2023 "Accelerating LLM Decoding with Speculative Sampling"):
+Decoding", Alg. 1 and Appendix A.1; Chen et al. 2023 "Accelerating Large Language Model Decoding
+with Speculative Sampling", Alg. 2):
 
+- Sampling distribution (:func:`sampling_probs`): ``softmax(logits / T)`` in fp32, then top-k, then
+  top-p, renormalised. The draft's ``q`` and the target's ``p`` go through the same filters, so
+  speculative output follows exactly the distribution the target-only baseline samples from.
 - Greedy (temperature 0): accept ``d_i`` while it equals the target argmax; then commit the target
-  argmax at the first mismatch (or the bonus argmax after the last draft).
+  argmax at the first mismatch (or the bonus argmax after the last draft). Top-k / top-p do not
+  change the argmax and are ignored.
 - Temperature > 0: accept ``d_i`` with probability ``min(1, p(d_i) / q(d_i))`` using independent
   uniforms ``u_i``; the test is ``u_i * q(d_i) < p(d_i)`` (no division: ``q = 0, p > 0`` accepts,
   ``p = 0`` rejects, never NaN). The number accepted is the length of the all-accepted prefix. On
@@ -19,19 +25,103 @@ Decoding", Alg. 1; Chen et al. 2023 "Accelerating LLM Decoding with Speculative 
   EOS and no bonus / residual token is drawn. ``num_accepted`` then counts the accepted drafts up to
   and including the EOS.
 
+Generator use (what makes results reproducible, and a batch row equal to the single-row call): a
+T > 0 step draws ``torch.rand(N)`` (the uniforms) and then exactly one ``torch.multinomial`` draw
+(residual or bonus), both from the step's generator; a greedy step draws nothing.
+
 All probabilities are fp32. Functions take tensors and return tensors or a small dataclass; no
 state, no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 
+# ----------------------------------------------------------------------------- sampling parameters
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How the next token is chosen, for the target and the draft alike.
+
+    Attributes:
+        temperature: 0 = greedy (argmax; ``top_k`` / ``top_p`` then have no effect); > 0 = sample
+            from ``softmax(logits / temperature)`` after the filters below.
+        top_k: 0 = off; else keep the ``top_k`` most likely tokens. Ties at the boundary: every
+            token whose logit equals the ``top_k``-th largest is kept too (so more than ``top_k``
+            tokens survive only on exact ties; no tie is broken by token id). Same rule as
+            transformers' ``TopKLogitsWarper`` and vLLM.
+        top_p: 1.0 = off; else nucleus filtering (Holtzman et al. 2020), applied after top-k: keep
+            the smallest set of most likely tokens whose probability mass is ``>= top_p`` (always
+            at least the most likely token); tokens tied with the least likely kept token are kept
+            too.
+
+    Raises ValueError (naming the field) for a negative or non-finite ``temperature``, a negative
+    or non-integer ``top_k``, or ``top_p`` outside ``(0, 1]``.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"SamplingParams.temperature: expected a finite number >= 0 (0 = greedy), received {t!r}.")
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"SamplingParams.top_k: expected an integer >= 0 (0 = off), received {k!r}.")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p: expected a number in (0, 1] (1.0 = off), received {p!r}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+
+def sampling_probs(logits_XV: Tensor, params: SamplingParams) -> Tensor:
+    """The distribution a token is sampled from: fp32 ``[..., V]`` from logits ``[..., V]`` (any float dtype).
+
+    ``softmax(logits / T)`` computed in fp32, then top-k (on the logits), then top-p (on the
+    top-k-renormalised probabilities), renormalised; filtered tokens have probability exactly 0.
+    Tie rules: see :class:`SamplingParams`. Every row keeps at least its most likely token, so
+    every row sums to 1 and holds no NaN (for finite logits). Temperature, top-k and top-p are each
+    sampling from an adjusted distribution (Leviathan et al. 2023, s.2.2 "standardized sampling"),
+    so rejection sampling stays lossless when the draft's ``q`` and the target's ``p`` both come
+    from this function with the same params.
+
+    Raises ValueError when ``params.greedy`` (temperature 0 is the argmax path, not a distribution).
+    """
+    if params.greedy:
+        raise ValueError(
+            "temperature: expected > 0 for sampling probabilities, received 0; use the greedy path (argmax) "
+            "for temperature 0."
+        )
+    scaled_XV = logits_XV.float() / params.temperature
+    v = scaled_XV.shape[-1]
+    if 0 < params.top_k < v:
+        kth_X1 = torch.topk(scaled_XV, params.top_k, dim=-1).values[..., -1:]
+        scaled_XV = scaled_XV.masked_fill(scaled_XV < kth_X1, float("-inf"))
+    probs_XV = torch.softmax(scaled_XV, dim=-1)
+    if params.top_p < 1.0:
+        sorted_XV = torch.sort(probs_XV, dim=-1, descending=True).values
+        # keep sorted token j while the mass strictly before it is < top_p: the smallest prefix with
+        # mass >= top_p (j = 0 is always kept); its last probability is the threshold.
+        mass_before_XV = torch.cumsum(sorted_XV, dim=-1) - sorted_XV
+        num_kept_X1 = (mass_before_XV < params.top_p).sum(dim=-1, keepdim=True)
+        threshold_X1 = sorted_XV.gather(-1, num_kept_X1 - 1)
+        probs_XV = probs_XV.masked_fill(probs_XV < threshold_X1, 0.0)
+        probs_XV = probs_XV / probs_XV.sum(dim=-1, keepdim=True)
+    return probs_XV
+
+
+# ----------------------------------------------------------------------------- acceptance rules
 @dataclass(frozen=True, kw_only=True)
 class VerifyResult:
     """Outcome of one verify step.
@@ -50,40 +140,35 @@ class VerifyResult:
     hit_eos: bool
 
 
-def target_probs(logits_NV: Tensor, temperature: float) -> Tensor:
-    """``softmax(logits / T)`` in fp32. ``[..., V]`` any float dtype -> fp32 ``[..., V]``.
-
-    Raises ValueError for ``temperature <= 0`` (T = 0 is the greedy path, which uses argmax).
-    """
-    if not temperature > 0:
-        raise ValueError(
-            f"temperature: expected > 0 for sampling probabilities, received {temperature}; "
-            "use the greedy path (argmax) for temperature 0."
-        )
-    return torch.softmax(logits_NV.float() / temperature, dim=-1)
-
-
 def accepted_prefix_len(accept_N: Tensor) -> int:
     """Length of the all-True prefix of a bool ``[N]`` tensor (``[F,T,F,F] -> 0``, ``[T,T,F,T] -> 2``)."""
     if accept_N.numel() == 0:
         return 0
-    return int(torch.cumprod(accept_N.to(torch.long), dim=0).sum().item())
+    return int(accepted_prefix_lens(accept_N).item())
+
+
+def accepted_prefix_lens(accept_XN: Tensor) -> Tensor:
+    """int64 ``[...]``: the all-True prefix length of each row of a bool ``[..., N]`` tensor."""
+    return torch.cumprod(accept_XN.to(torch.long), dim=-1).sum(dim=-1)
 
 
 def accept_mask(p_draft_N: Tensor, q_draft_N: Tensor, u_N: Tensor) -> Tensor:
-    """Bool ``[N]``: draft ``i`` passes its own test, ``u_i * q(d_i) < p(d_i)`` (``u_i`` uniform in [0, 1)).
+    """Bool, same shape as the inputs: draft ``i`` passes its own test ``u_i * q(d_i) < p(d_i)``
+    (``u_i`` uniform in [0, 1)); any shape, elementwise.
 
     Equivalent to ``u_i < min(1, p/q)`` without a division: ``q = 0, p > 0`` accepts, ``p = 0``
-    rejects, ``p >= q`` always accepts. The step's accepted count is the all-True prefix of this.
+    rejects, ``p >= q`` always accepts. The step's accepted count is the all-True prefix of this
+    (Leviathan et al. 2023, Alg. 1).
     """
     return u_N * q_draft_N < p_draft_N
 
 
 def residual_distribution(p_V: Tensor, q_V: Tensor) -> Tensor:
-    """``normalise(max(0, p - q))`` in fp32; ``p`` itself when that mass is 0 (e.g. ``p == q``).
+    """``normalise(max(0, p - q))`` in fp32 ``[V]``; ``p`` itself when that mass is 0 (e.g. ``p == q``).
 
     The fallback keeps sampling well defined: a rejection implies ``p(d) < q(d)`` for the draft
     token, hence positive residual mass in exact arithmetic, but fp32 rounding can still zero it.
+    (Leviathan et al. 2023, Alg. 1 and Theorem 3.5; Chen et al. 2023, Alg. 2.)
     """
     p_V = p_V.float()
     diff_V = torch.clamp_min(p_V - q_V.float(), 0.0)
@@ -91,6 +176,12 @@ def residual_distribution(p_V: Tensor, q_V: Tensor) -> Tensor:
     if not bool(mass > 0):
         return p_V / p_V.sum()
     return diff_V / mass
+
+
+def _uniforms(n: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """``n`` uniforms in [0, 1) drawn on the generator's device, returned on ``device``."""
+    gen_device = generator.device if generator is not None else device
+    return torch.rand(n, generator=generator, device=gen_device).to(device)
 
 
 def _sample(probs_V: Tensor, generator: torch.Generator | None) -> int:
@@ -108,8 +199,19 @@ def _finish(drafts: list[int], num_accepted: int, extra_token: int, eos_ids: Col
     return VerifyResult(num_accepted=num_accepted, committed=committed, hit_eos=extra_token in eos_ids)
 
 
+def _extra_token(p_N1V: Tensor, q_NV: Tensor, num_accepted: int, generator: torch.Generator | None) -> int:
+    """The token after the accepted prefix at T > 0: residual at a rejection, bonus after all N."""
+    n = q_NV.shape[0]
+    if num_accepted < n:
+        return _sample(residual_distribution(p_N1V[num_accepted], q_NV[num_accepted]), generator)
+    return _sample(p_N1V[n], generator)
+
+
+# ----------------------------------------------------------------------------- one step
 def verify_greedy(draft_ids_N: Tensor, target_logits_N1V: Tensor, *, eos_token_ids: Collection[int]) -> VerifyResult:
-    """Greedy verify. ``draft_ids_N`` int ``[N]``; ``target_logits_N1V`` ``[N+1, V]`` (any float dtype)."""
+    """Greedy verify. ``draft_ids_N`` int ``[N]``; ``target_logits_N1V`` ``[N+1, V]`` (any float dtype).
+
+    Raises ValueError on mismatched shapes."""
     _check_shapes(draft_ids_N, target_logits_N1V)
     n = draft_ids_N.shape[0]
     target_ids_N1 = target_logits_N1V.argmax(dim=-1).to(draft_ids_N.device)
@@ -130,30 +232,22 @@ def verify_sampling(
     Args:
         draft_ids_N: int ``[N]`` draft tokens.
         draft_probs_NV: fp32 ``[N, V]``: ``q_i``, the distribution each draft token was sampled from.
-        target_probs_N1V: fp32 ``[N+1, V]``: ``p_i`` (already divided by T and softmaxed).
-        generator: drives the uniforms and the residual / bonus draws.
+        target_probs_N1V: fp32 ``[N+1, V]``: ``p_i`` (already filtered: :func:`sampling_probs`).
+        generator: draws ``torch.rand(N)`` (the uniforms), then one residual / bonus token.
+
+    Raises ValueError on mismatched shapes or a missing ``draft_probs_NV``.
     """
     _check_shapes(draft_ids_N, target_probs_N1V)
     n = draft_ids_N.shape[0]
-    if draft_probs_NV is None or tuple(draft_probs_NV.shape) != (n, target_probs_N1V.shape[1]):
-        raise ValueError(
-            f"draft_probs_NV: expected shape ({n}, {target_probs_N1V.shape[1]}) for sampling verify, received "
-            f"{None if draft_probs_NV is None else tuple(draft_probs_NV.shape)}; a proposer must return the "
-            "probabilities its tokens were sampled from when temperature > 0."
-        )
+    _check_draft_probs(draft_probs_NV, n, target_probs_N1V.shape[1])
     p_N1V = target_probs_N1V.float()
     q_NV = draft_probs_NV.float().to(p_N1V.device)
-    ids_N = draft_ids_N.to(p_N1V.device)
-    rows_N = torch.arange(n, device=p_N1V.device)
-    p_draft_N = p_N1V[rows_N, ids_N]
-    q_draft_N = q_NV[rows_N, ids_N]
-    gen_device = generator.device if generator is not None else p_N1V.device
-    u_N = torch.rand(n, generator=generator, device=gen_device).to(p_N1V.device)
+    ids_N1 = draft_ids_N.to(p_N1V.device)[:, None]
+    p_draft_N = p_N1V[:n].gather(1, ids_N1)[:, 0]
+    q_draft_N = q_NV.gather(1, ids_N1)[:, 0]
+    u_N = _uniforms(n, generator, p_N1V.device)
     num_accepted = accepted_prefix_len(accept_mask(p_draft_N, q_draft_N, u_N))
-    if num_accepted < n:
-        extra = _sample(residual_distribution(p_N1V[num_accepted], q_NV[num_accepted]), generator)
-    else:
-        extra = _sample(p_N1V[n], generator)
+    extra = _extra_token(p_N1V, q_NV, num_accepted, generator)
     return _finish(draft_ids_N.tolist(), num_accepted, extra, eos_token_ids)
 
 
@@ -162,30 +256,157 @@ def verify(
     draft_probs_NV: Tensor | None,
     target_logits_N1V: Tensor,
     *,
-    temperature: float,
+    sampling: SamplingParams,
     generator: torch.Generator | None,
     eos_token_ids: Collection[int],
 ) -> VerifyResult:
-    """Dispatch: ``temperature == 0`` -> :func:`verify_greedy`, else :func:`verify_sampling` on
-    ``softmax(target_logits / T)`` in fp32. ``N = 0`` is a plain target step (commit one token)."""
-    if temperature < 0:
-        raise ValueError(f"temperature: expected >= 0, received {temperature}; use 0 for greedy.")
-    if temperature == 0:
+    """One verify step.
+
+    Args:
+        draft_ids_N: int ``[N]`` draft tokens ``d_1..d_N`` (``N = 0``: a plain target step, one token).
+        draft_probs_NV: fp32 ``[N, V]``, the draft's ``q`` (:func:`sampling_probs` of the draft
+            logits with the same ``sampling``); required at T > 0 when ``N > 0``, ignored when greedy.
+        target_logits_N1V: ``[N+1, V]`` (any float dtype), the target forward over ``[anchor, d_1..d_N]``.
+        sampling: greedy -> :func:`verify_greedy`; else :func:`verify_sampling` with
+            ``p = sampling_probs(target_logits_N1V, sampling)``.
+        generator: drives the T > 0 draws (see the module docstring); unused when greedy.
+        eos_token_ids: tokens that end generation (the EOS rule).
+
+    Raises ValueError on mismatched shapes or a missing ``draft_probs_NV`` at T > 0.
+    """
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling: expected a SamplingParams, received {type(sampling).__name__}.")
+    if sampling.greedy:
         return verify_greedy(draft_ids_N, target_logits_N1V, eos_token_ids=eos_token_ids)
     if draft_probs_NV is None and draft_ids_N.shape[0] == 0:
         draft_probs_NV = target_logits_N1V.new_zeros((0, target_logits_N1V.shape[-1]), dtype=torch.float32)
     return verify_sampling(
         draft_ids_N,
         draft_probs_NV,
-        target_probs(target_logits_N1V, temperature),
+        sampling_probs(target_logits_N1V, sampling),
         generator=generator,
         eos_token_ids=eos_token_ids,
     )
 
 
+# ----------------------------------------------------------------------------- a batch of steps
+def verify_batch(
+    draft_ids_BN: Tensor,
+    num_drafts_B: Sequence[int] | Tensor,
+    draft_probs_BNV: Tensor | None,
+    target_logits_BN1V: Tensor,
+    *,
+    sampling: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    eos_token_ids: Collection[int],
+) -> list[VerifyResult]:
+    """One verify step for each of ``B`` rows; each row has its own sampling and proposal length.
+
+    Row ``b`` gives exactly what :func:`verify` gives for ``draft_ids_BN[b, :n_b]``,
+    ``draft_probs_BNV[b, :n_b]``, ``target_logits_BN1V[b, :n_b + 1]``, ``sampling[b]`` and
+    ``generators[b]`` (the same draws in the same order: one generator per row). The accept masks
+    of all rows are computed at once; the per-row parts (filters, residual / bonus draws) loop.
+    Rows sharing one generator (or None) are still correct samples, but their draws interleave
+    differently from sequential :func:`verify` calls (all uniforms first, then the extra tokens).
+
+    Args:
+        draft_ids_BN: int ``[B, N_max]``, right-padded (padding is never read).
+        num_drafts_B: ``n_b``, the drafts proposed in row ``b`` (``0 <= n_b <= N_max``).
+        draft_probs_BNV: fp32 ``[B, N_max, V]`` (``q``; read for T > 0 rows only), or None when
+            every T > 0 row proposes nothing or every row is greedy.
+        target_logits_BN1V: ``[B, N_max+1, V]`` (any float dtype); row ``b`` reads ``[:n_b + 1]``.
+        sampling: ``B`` :class:`SamplingParams`, greedy and T > 0 rows mixed freely.
+        generators: ``B`` generators (None: the global RNG); greedy rows draw nothing.
+        eos_token_ids: tokens that end generation.
+
+    Returns ``B`` :class:`VerifyResult`, in row order.
+    Raises ValueError on inconsistent shapes / lengths or a missing ``draft_probs_BNV``.
+    """
+    b, n_max = _check_batch(draft_ids_BN, num_drafts_B, draft_probs_BNV, target_logits_BN1V, sampling, generators)
+    device = target_logits_BN1V.device
+    n_B = torch.as_tensor([int(n) for n in num_drafts_B], dtype=torch.long, device=device)
+    ids_BN = draft_ids_BN.to(device)
+    valid_BN = torch.arange(n_max, device=device)[None, :] < n_B[:, None]
+    greedy_B = torch.tensor([s.greedy for s in sampling], dtype=torch.bool, device=device)
+
+    # Greedy rows: the draft matches the target argmax.
+    target_ids_BN1 = target_logits_BN1V.argmax(dim=-1)
+    greedy_accept_BN = ids_BN == target_ids_BN1[:, :n_max]
+
+    # T > 0 rows: p and q of each draft token and one uniform per proposed draft (row generator).
+    p_rows: dict[int, Tensor] = {}
+    p_draft_BN = torch.zeros(b, n_max, device=device)
+    q_draft_BN = torch.ones(b, n_max, device=device)
+    u_BN = torch.ones(b, n_max, device=device)
+    for row, params in enumerate(sampling):
+        if params.greedy:
+            continue
+        n = int(n_B[row])
+        p_rows[row] = sampling_probs(target_logits_BN1V[row, : n + 1], params)
+        if n:
+            ids_N1 = ids_BN[row, :n, None]
+            p_draft_BN[row, :n] = p_rows[row][:n].gather(1, ids_N1)[:, 0]
+            q_draft_BN[row, :n] = draft_probs_BNV[row, :n].float().to(device).gather(1, ids_N1)[:, 0]
+        u_BN[row, :n] = _uniforms(n, generators[row], device)
+    sample_accept_BN = accept_mask(p_draft_BN, q_draft_BN, u_BN)
+
+    accept_BN = torch.where(greedy_B[:, None], greedy_accept_BN, sample_accept_BN) & valid_BN
+    num_accepted_B = accepted_prefix_lens(accept_BN).tolist()
+
+    results = []
+    for row, params in enumerate(sampling):
+        n, k = int(n_B[row]), num_accepted_B[row]
+        if params.greedy:
+            extra = int(target_ids_BN1[row, k])
+        else:
+            q_NV = (draft_probs_BNV[row, :n].float().to(device) if n
+                    else torch.zeros(0, target_logits_BN1V.shape[-1], device=device))
+            extra = _extra_token(p_rows[row], q_NV, k, generators[row])
+        results.append(_finish(ids_BN[row, :n].tolist(), k, extra, eos_token_ids))
+    return results
+
+
+# ----------------------------------------------------------------------------- checks
 def _check_shapes(draft_ids_N: Tensor, target_N1V: Tensor) -> None:
     if draft_ids_N.dim() != 1 or target_N1V.dim() != 2 or target_N1V.shape[0] != draft_ids_N.shape[0] + 1:
         raise ValueError(
             f"verify: expected draft_ids [N] and target rows [N+1, V], received {tuple(draft_ids_N.shape)} and "
             f"{tuple(target_N1V.shape)}; the target forward runs over [anchor, d_1..d_N] (N+1 positions)."
         )
+
+
+def _check_draft_probs(draft_probs_NV: Tensor | None, n: int, v: int) -> None:
+    if draft_probs_NV is None or tuple(draft_probs_NV.shape) != (n, v):
+        raise ValueError(
+            f"draft_probs_NV: expected shape ({n}, {v}) for sampling verify, received "
+            f"{None if draft_probs_NV is None else tuple(draft_probs_NV.shape)}; a proposer must return the "
+            "probabilities its tokens were sampled from when temperature > 0."
+        )
+
+
+def _check_batch(draft_ids_BN, num_drafts_B, draft_probs_BNV, target_logits_BN1V, sampling, generators) -> tuple[int, int]:
+    if draft_ids_BN.dim() != 2 or target_logits_BN1V.dim() != 3 or (
+        tuple(target_logits_BN1V.shape[:2]) != (draft_ids_BN.shape[0], draft_ids_BN.shape[1] + 1)
+    ):
+        raise ValueError(
+            f"verify_batch: expected draft_ids [B, N_max] and target logits [B, N_max+1, V], received "
+            f"{tuple(draft_ids_BN.shape)} and {tuple(target_logits_BN1V.shape)}."
+        )
+    b, n_max = draft_ids_BN.shape
+    for name, seq in (("num_drafts_B", num_drafts_B), ("sampling", sampling), ("generators", generators)):
+        if len(seq) != b:
+            raise ValueError(f"verify_batch.{name}: expected {b} entries (one per row), received {len(seq)}.")
+    bad = [int(n) for n in num_drafts_B if not 0 <= int(n) <= n_max]
+    if bad:
+        raise ValueError(f"verify_batch.num_drafts_B: expected values in [0, {n_max}], received {bad}.")
+    for s in sampling:
+        if not isinstance(s, SamplingParams):
+            raise ValueError(f"verify_batch.sampling: expected SamplingParams, received {type(s).__name__}.")
+    needs_q = any(not s.greedy and int(n) > 0 for s, n in zip(sampling, num_drafts_B))
+    v = target_logits_BN1V.shape[-1]
+    if needs_q and (draft_probs_BNV is None or tuple(draft_probs_BNV.shape) != (b, n_max, v)):
+        raise ValueError(
+            f"verify_batch.draft_probs_BNV: expected shape ({b}, {n_max}, {v}) when a T > 0 row proposes drafts, "
+            f"received {None if draft_probs_BNV is None else tuple(draft_probs_BNV.shape)}."
+        )
+    return b, n_max

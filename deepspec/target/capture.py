@@ -115,13 +115,14 @@ def _default_or_hint(L: int) -> str:
 class TargetOutput:
     """What a target forward gives the draft side.
 
-    target_hidden_BTF: features of ``target_layer_ids`` concatenated on the last axis, model dtype.
+    target_hidden_BTF: features of ``target_layer_ids`` concatenated on the last axis, model dtype
+        (None when no layer ids were asked for).
     target_last_hidden_BTH: final-norm output (``logits = lm_head(target_last_hidden)``).
     logits_BTV: ``lm_head(target_last_hidden_BTH)`` if ``compute_logits`` else None.
     past_key_values: the KV cache after this call (the object passed in, updated), or None.
     """
 
-    target_hidden_BTF: torch.Tensor
+    target_hidden_BTF: torch.Tensor | None
     target_last_hidden_BTH: torch.Tensor
     logits_BTV: torch.Tensor | None
     past_key_values: Any
@@ -188,7 +189,9 @@ def target_forward(
     Args:
         model: a HF ``*ForCausalLM`` (or its base model if ``compute_logits`` is False).
         input_ids_BT: long [B, T] (the new tokens; with a KV cache, only those not yet in it).
-        target_layer_ids: validated with :func:`validate_target_layer_ids`.
+        target_layer_ids: validated with :func:`validate_target_layer_ids`; ``[]`` captures nothing
+            (a plain forward, no hooks: ``target_hidden_BTF`` is None), for callers that need only
+            the final hidden state, logits and KV cache (the target-only decoding baseline).
         attention_mask_BT: [B, past + T] 1 = real token, 0 = padding (left or right). With a KV
             cache it covers the cached tokens too (HF convention).
         position_ids_BT: long [B, T]. If None and ``attention_mask_BT`` is given, derived from
@@ -205,7 +208,7 @@ def target_forward(
     base = _base_model(model)
     layers = base.layers
     L = len(layers)
-    ids = validate_target_layer_ids(target_layer_ids, L)
+    ids = validate_target_layer_ids(target_layer_ids, L) if len(target_layer_ids) else []
     T = input_ids_BT.shape[1]
 
     if position_ids_BT is None and attention_mask_BT is not None:
@@ -243,7 +246,7 @@ def target_forward(
 
     missing = [i for i in ids if i not in captured]
     assert not missing, f"capture hooks did not fire for layers {missing}"
-    target_hidden_BTF = torch.cat([captured[i] for i in ids], dim=-1)
+    target_hidden_BTF = torch.cat([captured[i] for i in ids], dim=-1) if ids else None
     target_last_hidden_BTH = out.last_hidden_state
     # transformers >= 5.x names the output field ``cache`` (``past_key_values`` is a warning shim)
     # (read by the field the output class declares: the shim logs a deprecation warning)

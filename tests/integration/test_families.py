@@ -74,7 +74,7 @@ def family(request, tmp_path_factory):
 
 
 def _generate(engine, prompt):
-    return engine.generate(prompt, max_new_tokens=20, temperature=0.0)
+    return engine.generate(prompt, max_new_tokens=20)  # greedy (sampling=None)
 
 
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))

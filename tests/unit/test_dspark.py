@@ -9,6 +9,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from deepspec.eval.proposers import DSparkProposer
+from deepspec.eval.verify import SamplingParams
 from deepspec.models.anchors import sample_anchors
 from deepspec.models.config import MARKOV_HEAD_TYPES, DraftConfig, dflash_knobs, draft_config_from_target
 from deepspec.models.dspark import DSparkDraftModel, GatedMarkovHead, MarkovHead, RNNMarkovHead
@@ -272,7 +273,7 @@ def test_proposer_greedy_matches_serial_markov_and_respects_limits(markov):
     prop = DSparkProposer(draft, max_positions=128)
     assert prop.max_proposal_len == 7
     prop.extend_context(feats[0, :12], ids[0, :12].tolist())
-    p = prop.propose(int(ids[0, 12]), 12, temperature=0.0, generator=None)
+    p = prop.propose(int(ids[0, 12]), 12, sampling=SamplingParams(), generator=None)
     assert p.draft_ids_N.shape == (7,) and p.draft_probs_NV is None and p.confidence_N.shape == (7,)
     # greedy oracle: serial Markov correction using the drafted tokens
     cache = draft.new_context_cache()
@@ -285,11 +286,11 @@ def test_proposer_greedy_matches_serial_markov_and_respects_limits(markov):
     # position limit: positions 13.. must stay < max_positions=16 -> 3 tokens
     short = DSparkProposer(draft, max_positions=16)
     short.extend_context(feats[0, :12], ids[0, :12].tolist())
-    assert short.propose(int(ids[0, 12]), 12, temperature=0.0, generator=None).num_proposed == 3
+    assert short.propose(int(ids[0, 12]), 12, sampling=SamplingParams(), generator=None).num_proposed == 3
     # confidence cut: threshold above every confidence -> empty proposal; 0 -> full
     cut = DSparkProposer(draft, confidence_threshold=1.0)
     cut.extend_context(feats[0, :12], ids[0, :12].tolist())
-    assert cut.propose(int(ids[0, 12]), 12, temperature=0.0, generator=None).num_proposed == 0
+    assert cut.propose(int(ids[0, 12]), 12, sampling=SamplingParams(), generator=None).num_proposed == 0
     prop.reset()
     assert prop.cache.length == 0
 
@@ -302,7 +303,8 @@ def test_proposer_sampling_probs_and_determinism():
     for _ in range(2):
         prop = DSparkProposer(draft)
         prop.extend_context(feats[0, :10], ids[0, :10].tolist())
-        p = prop.propose(int(ids[0, 10]), 10, temperature=0.8, generator=torch.Generator().manual_seed(5))
+        p = prop.propose(int(ids[0, 10]), 10, sampling=SamplingParams(temperature=0.8),
+                         generator=torch.Generator().manual_seed(5))
         assert p.draft_probs_NV.dtype == torch.float32 and p.draft_probs_NV.shape == (7, V)
         torch.testing.assert_close(p.draft_probs_NV.sum(-1), torch.ones(7))
         assert (p.draft_probs_NV.gather(1, p.draft_ids_N[:, None]) > 0).all()

@@ -208,9 +208,12 @@ def test_engine_lossless_greedy(target, trained_draft, which):
 
 
 def test_engine_sampling_and_position_cap(target, trained_draft):
+    from deepspec.eval.verify import SamplingParams
+
     g = torch.Generator().manual_seed(0)
     res = _engine(target, Eagle3Proposer(trained_draft, k=3)).generate(PROMPTS[0], max_new_tokens=12,
-                                                                       temperature=0.8, generator=g)
+                                                                       sampling=SamplingParams(temperature=0.8),
+                                                                       generator=g)
     assert 1 <= len(res.output_ids) <= 12 and all(s.num_proposed <= 3 for s in res.steps)
     p = Eagle3Proposer(trained_draft, max_positions=12)
     ref = _engine(target, NullProposer()).generate(PROMPTS[0], max_new_tokens=30)

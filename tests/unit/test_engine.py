@@ -1,15 +1,16 @@
-"""SpeculativeEngine on a tiny random Llama target: lossless greedy output and cache bookkeeping."""
+"""SpeculativeEngine on a tiny random Llama target: lossless greedy output, KV cache rollback, the
+position limit, the feature-less baseline, step timing, and run_eval (one and two turns)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from deepspec.eval.engine import SpeculativeEngine, crop_kv_cache
-from deepspec.eval.proposers import NullProposer, Proposal
 from deepspec.target.capture import target_forward
-
+from deepspec.eval.proposers import NullProposer, Proposal
+from deepspec.eval.verify import SamplingParams
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -80,10 +81,11 @@ class CheckingProposer:
         self.tokens.extend(token_ids_T)
         self.num_context += target_hidden_TF.shape[0]
 
-    def propose(self, anchor_token, anchor_pos, *, temperature, generator):
+    def propose(self, anchor_token, anchor_pos, *, sampling, generator):
+        assert isinstance(sampling, SamplingParams)
         assert self.num_context == anchor_pos, (self.num_context, anchor_pos)
         self.num_calls += 1
-        return self._propose(anchor_token, anchor_pos, temperature, generator)
+        return self._propose(anchor_token, anchor_pos, sampling, generator)
 
 
 class OracleProposer(CheckingProposer):
@@ -93,7 +95,7 @@ class OracleProposer(CheckingProposer):
         super().__init__(feature_width)
         self.seq = full_sequence
 
-    def _propose(self, anchor_token, anchor_pos, temperature, generator):
+    def _propose(self, anchor_token, anchor_pos, sampling, generator):
         assert self.seq[anchor_pos] == anchor_token
         ids = self.seq[anchor_pos + 1 : anchor_pos + 1 + K]
         probs = torch.nn.functional.one_hot(torch.tensor(ids, dtype=torch.long), VOCAB).float()
@@ -105,7 +107,7 @@ class RandomProposer(CheckingProposer):
         super().__init__(feature_width)
         self.gen = torch.Generator().manual_seed(seed)
 
-    def _propose(self, anchor_token, anchor_pos, temperature, generator):
+    def _propose(self, anchor_token, anchor_pos, sampling, generator):
         n = int(torch.randint(0, K + 1, (1,), generator=self.gen))
         probs = torch.softmax(torch.randn(n, VOCAB, generator=self.gen) * 3, -1)
         ids = torch.multinomial(probs, 1, generator=self.gen)[:, 0] if n else torch.zeros(0, dtype=torch.long)
@@ -113,18 +115,28 @@ class RandomProposer(CheckingProposer):
 
 
 class CacheCheckingForward:
-    """Wraps target_forward; checks the KV cache holds exactly the committed positions before each call."""
+    """Wraps the engine's forward; before each call checks the KV cache holds exactly the committed
+    positions (the rollback invariant) and that no position id reaches max_position_embeddings."""
 
     def __init__(self):
         self.calls = 0
+        self.layer_ids: list[list[int]] = []  # the layer ids of each call ([] = no features asked)
+        self.max_pos_fed = -1
+        self.cache = None  # the cache of the latest generate() call
 
     def __call__(self, model, input_ids_BT, ids, *, position_ids_BT, past_key_values, **kw):
         start = int(position_ids_BT[0, 0])
         assert past_key_values.get_seq_length() == start, (past_key_values.get_seq_length(), start)
+        assert position_ids_BT.tolist() == [list(range(start, start + input_ids_BT.shape[1]))]
+        assert int(position_ids_BT.max()) < model.config.max_position_embeddings, position_ids_BT
+        self.max_pos_fed = max(self.max_pos_fed, int(position_ids_BT.max()))
         self.calls += 1
+        self.layer_ids.append(list(ids))
         out = target_forward(model, input_ids_BT, ids, position_ids_BT=position_ids_BT,
                              past_key_values=past_key_values, **kw)
         assert out.past_key_values.get_seq_length() == start + input_ids_BT.shape[1]
+        assert (out.target_hidden_BTF is None) == (not ids)
+        self.cache = out.past_key_values
         return out
 
 
@@ -144,7 +156,7 @@ def test_greedy_matches_hf_generate(target, kind):
         "random": lambda: RandomProposer(width),
     }[kind]()
     engine = _engine(target, proposer, eos)
-    res = engine.generate(PROMPT, max_new_tokens=max_new, temperature=0.0)
+    res = engine.generate(PROMPT, max_new_tokens=max_new)
     assert res.output_ids == ref[:max_new]
     assert res.stop_reason in ("max_new_tokens", "eos")
     # every step commits accepted + 1 (no EOS here) and the bookkeeping adds up
@@ -156,7 +168,10 @@ def test_greedy_matches_hf_generate(target, kind):
         assert tau == pytest.approx(K + 1)
     if kind == "null":
         assert len(res.steps) == max_new - 1 and all(s.num_proposed == 0 for s in res.steps)
-    else:  # the proposer received the token at every position whose features it received
+        assert engine.forward_fn.layer_ids == [[]] * engine.forward_fn.calls  # no feature capture
+    else:
+        assert engine.forward_fn.layer_ids == [LAYER_IDS] * engine.forward_fn.calls
+    if kind != "null":  # the proposer received the token at every position whose features it received
         assert proposer.tokens == (PROMPT + res.output_ids)[: len(proposer.tokens)]
         assert len(proposer.tokens) == proposer.num_context
     assert res.ttft_s > 0 and res.total_time_s >= res.ttft_s
@@ -174,7 +189,7 @@ def test_greedy_stops_at_eos_like_hf(target, kind):
         "oracle": lambda: OracleProposer(width, PROMPT + free + [0] * K),
         "random": lambda: RandomProposer(width, seed=3),
     }[kind]()
-    res = _engine(target, proposer, eos).generate(PROMPT, max_new_tokens=20, temperature=0.0)
+    res = _engine(target, proposer, eos).generate(PROMPT, max_new_tokens=20, sampling=SamplingParams())
     assert res.output_ids == ref and res.stop_reason == "eos"
 
 
@@ -182,19 +197,186 @@ def eos_token_id_unused():
     return VOCAB + 1  # never produced: HF generate runs to max_new_tokens
 
 
-def test_max_position_embeddings_truncates_and_stops(target):
-    max_pos = target.config.max_position_embeddings
-    prompt = PROMPT * 8  # 56 tokens, max positions 64
+class PlannedProposer(CheckingProposer):
+    """Always proposes K tokens (it ignores the position limit): the first ``plan[i]`` of step ``i`` are
+    the target's greedy continuation, the rest are wrong, so a greedy step accepts exactly ``plan[i]``
+    of K (fewer only where the position limit truncates). ``confidence_N`` is one value per slot."""
+
+    def __init__(self, feature_width, full_sequence, plan):
+        super().__init__(feature_width)
+        self.seq, self.plan = full_sequence, plan
+
+    def _propose(self, anchor_token, anchor_pos, sampling, generator):
+        j = self.plan[(self.num_calls - 1) % len(self.plan)]
+        ids = [self.seq[p] if p < len(self.seq) else 0 for p in range(anchor_pos + 1, anchor_pos + 1 + K)]
+        ids = ids[:j] + [(t + 1) % VOCAB for t in ids[j:]]
+        probs = torch.softmax(torch.randn(K, VOCAB, generator=torch.Generator().manual_seed(anchor_pos)), -1)
+        return Proposal(draft_ids_N=torch.tensor(ids), draft_probs_NV=probs,
+                        confidence_N=torch.linspace(0.9, 0.1, K))
+
+
+class RollbackCheckingProposer:
+    """Wraps a proposer; at each propose(anchor_pos=p) asserts the target cache holds exactly the
+    committed positions 0..p-1 (p positions), i.e. the previous step's rollback was exact."""
+
+    def __init__(self, inner, forward):
+        self.inner, self.forward = inner, forward
+        self.max_proposal_len = inner.max_proposal_len
+        self.cache_lens: list[int] = []
+
+    def reset(self):
+        self.inner.reset()
+
+    def extend_context(self, target_hidden_TF, token_ids_T):
+        self.inner.extend_context(target_hidden_TF, token_ids_T)
+
+    def propose(self, anchor_token, anchor_pos, *, sampling, generator):
+        self.cache_lens.append(self.forward.cache.get_seq_length())
+        assert self.cache_lens[-1] == anchor_pos, (self.cache_lens[-1], anchor_pos)
+        return self.inner.propose(anchor_token, anchor_pos, sampling=sampling, generator=generator)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, top_k=20)])
+def test_kv_cache_holds_exactly_the_committed_length_after_every_step(target, sampling):
+    """A steps with a accepted of k proposed (a = 0..K planned at T=0, whatever verify gives at T>0):
+    after each, the target cache holds exactly the committed positions (prompt + sum(a + 1))."""
+    max_new = 30
+    ref = hf_greedy(target, PROMPT, max_new + K + 1, eos_token_id_unused())
     width = target.config.hidden_size * len(LAYER_IDS)
-    ref = hf_greedy(target, prompt, max_pos - len(prompt), eos_token_id_unused())
-    proposer = OracleProposer(width, prompt + ref + [0] * (K + 2))
-    res = _engine(target, proposer, eos_token_id_unused()).generate(prompt, max_new_tokens=100, temperature=0.0)
-    assert res.stop_reason == "max_positions"
-    # the last anchor sits at position max_pos (never fed); everything before was verified
-    assert len(prompt) + len(res.output_ids) == max_pos + 1
-    assert res.output_ids[:-1] == ref[: len(res.output_ids) - 1]
-    assert all(len(prompt) + sum(s.num_accepted + 1 for s in res.steps[:i]) + s.num_proposed < max_pos
-               for i, s in enumerate(res.steps))
+    plan = [0, 3, 1, K, 2, 0]
+    forward = CacheCheckingForward()
+    proposer = RollbackCheckingProposer(PlannedProposer(width, PROMPT + ref, plan), forward)
+    engine = SpeculativeEngine(target, LAYER_IDS, proposer, [eos_token_id_unused()], forward_fn=forward)
+    res = engine.generate(PROMPT, max_new_tokens=max_new, sampling=sampling, generator=torch.Generator().manual_seed(1))
+    committed = len(PROMPT) + sum(s.num_accepted + 1 for s in res.steps)
+    assert proposer.cache_lens == [committed - sum(s.num_accepted + 1 for s in res.steps[i:])
+                                   for i in range(len(res.steps))]
+    assert forward.cache.get_seq_length() == committed  # the last step's rollback too
+    assert all(s.num_proposed == K for s in res.steps)
+    if sampling.greedy:
+        assert res.output_ids == ref[:max_new]
+        assert [s.num_accepted for s in res.steps] == [plan[i % len(plan)] for i in range(len(res.steps))]
+    else:
+        assert {s.num_accepted for s in res.steps} - {K}  # some steps rolled back
+
+
+class _NoCropCache(DynamicCache):
+    """A DynamicCache that reports ``is_croppable`` False (like a sliding-window / linear-attention /
+    quantized cache, which cannot be rolled back)."""
+
+    @property
+    def is_croppable(self):
+        return False
+
+
+class _SilentNoCropCache(DynamicCache):
+    """Claims to crop but keeps every position: the engine must notice, not continue on a stale cache."""
+
+    def crop(self, tokens_to_remove):
+        pass
+
+
+def _swap_cache(cache_cls):
+    def forward(model, input_ids_BT, ids, *, position_ids_BT, past_key_values, **kw):
+        if int(position_ids_BT[0, 0]) == 0:  # prefill: the engine's fresh DynamicCache -> cache_cls
+            past_key_values = cache_cls()
+        return target_forward(model, input_ids_BT, ids, position_ids_BT=position_ids_BT,
+                              past_key_values=past_key_values, **kw)
+    return forward
+
+
+def test_rollback_fails_loudly_on_a_cache_that_cannot_crop(target):
+    width = target.config.hidden_size * len(LAYER_IDS)
+    eos = [eos_token_id_unused()]
+    spec = SpeculativeEngine(target, LAYER_IDS, RandomProposer(width), eos, forward_fn=_swap_cache(_NoCropCache))
+    with pytest.raises(RuntimeError, match="cannot be cropped"):
+        spec.generate(PROMPT, max_new_tokens=8)  # refused after the prefill, before any rejection
+    silent = SpeculativeEngine(target, LAYER_IDS, PlannedProposer(width, PROMPT, [0]), eos,
+                               forward_fn=_swap_cache(_SilentNoCropCache))
+    with pytest.raises(RuntimeError, match="after crop the KV cache holds"):
+        silent.generate(PROMPT, max_new_tokens=8)
+    # target-only decoding never rolls back: any cache will do
+    plain = SpeculativeEngine(target, LAYER_IDS, NullProposer(), eos, forward_fn=_swap_cache(_NoCropCache))
+    assert len(plain.generate(PROMPT, max_new_tokens=5).output_ids) == 5
+
+
+@pytest.mark.parametrize("room", [1, 2, 3, K, K + 1, K + 5])
+def test_long_prompt_never_indexes_past_max_positions_and_stays_lossless(target, room):
+    """A prompt ``room`` positions short of max_position_embeddings, a proposer that always proposes
+    K tokens: every position id fed is < max_position_embeddings (checked in the forward), proposals
+    shrink to what fits and then stop, and the output equals target-only greedy decoding."""
+    max_pos = target.config.max_position_embeddings
+    prompt = (PROMPT * 10)[: max_pos - room]
+    width = target.config.hidden_size * len(LAYER_IDS)
+    eos = [eos_token_id_unused()]
+    plain_fwd = CacheCheckingForward()
+    base = SpeculativeEngine(target, LAYER_IDS, NullProposer(), eos, forward_fn=plain_fwd).generate(
+        prompt, max_new_tokens=100)
+    ref = hf_greedy(target, prompt, room + 1, eos[0])
+    forward = CacheCheckingForward()
+    proposer = PlannedProposer(width, prompt + ref, [K, 2, 0, K])
+    res = SpeculativeEngine(target, LAYER_IDS, proposer, eos, forward_fn=forward).generate(prompt, max_new_tokens=100)
+    for r, fwd in ((base, plain_fwd), (res, forward)):
+        assert r.stop_reason == "max_positions"
+        # the last anchor would sit at position max_pos (never fed); every earlier one was verified
+        assert len(prompt) + len(r.output_ids) == max_pos + 1
+        assert fwd.max_pos_fed == max_pos - 1
+    assert res.output_ids == base.output_ids == ref[: len(res.output_ids)]
+    anchor = len(prompt)
+    for s in res.steps:  # speculation shortens to what fits, then stops (N = 0 at the last position)
+        assert s.num_proposed == min(K, max_pos - 1 - anchor)
+        assert s.confidence is not None and len(s.confidence) == s.num_proposed
+        anchor += s.num_accepted + 1
+    if room <= K:  # the first proposal is cut to the room left (none at all with room 1)
+        assert res.steps[0].num_proposed == room - 1
+    # T > 0 obeys the same limit
+    out = SpeculativeEngine(target, LAYER_IDS, PlannedProposer(width, prompt + ref, [1]), eos,
+                            forward_fn=CacheCheckingForward()).generate(
+        prompt, max_new_tokens=100, sampling=SamplingParams(temperature=1.0), generator=torch.Generator().manual_seed(0))
+    assert out.stop_reason == "max_positions" and len(prompt) + len(out.output_ids) == max_pos + 1
+
+
+def test_step_records_time_and_confidence(target):
+    import time as _time
+
+    width = target.config.hidden_size * len(LAYER_IDS)
+    ref = hf_greedy(target, PROMPT, 20, eos_token_id_unused())
+
+    class Slow(PlannedProposer):
+        def _propose(self, *args):
+            _time.sleep(0.003)
+            return super()._propose(*args)
+
+    res = _engine(target, Slow(width, PROMPT + ref, [1, K]), eos_token_id_unused()).generate(PROMPT, max_new_tokens=12)
+    assert res.steps
+    for s in res.steps:
+        assert s.propose_s >= 0.003 and s.verify_s > 0
+        assert s.propose_s + s.verify_s <= s.time_s
+        assert s.confidence == pytest.approx(tuple(torch.linspace(0.9, 0.1, K).tolist()))
+    base = _engine(target, NullProposer(), eos_token_id_unused()).generate(PROMPT, max_new_tokens=5)
+    assert all(s.confidence is None and s.verify_s > 0 and s.propose_s >= 0 for s in base.steps)
+
+
+def test_baseline_reads_no_features(target):
+    """A proposer that can never propose (K = 0) gets no features: no capture, no extend_context."""
+
+    class Blind:
+        max_proposal_len = 0
+
+        def reset(self):
+            pass
+
+        def extend_context(self, target_hidden_TF, token_ids_T):
+            raise AssertionError("extend_context called for a proposer that proposes nothing")
+
+        def propose(self, anchor_token, anchor_pos, *, sampling, generator):
+            return Proposal.empty()
+
+    forward = CacheCheckingForward()
+    res = SpeculativeEngine(target, LAYER_IDS, Blind(), [eos_token_id_unused()], forward_fn=forward).generate(
+        PROMPT, max_new_tokens=10)
+    assert forward.layer_ids == [[]] * 10
+    assert res.output_ids == hf_greedy(target, PROMPT, 10, eos_token_id_unused())
 
 
 def test_sampling_runs_and_is_reproducible(target):
@@ -202,11 +384,25 @@ def test_sampling_runs_and_is_reproducible(target):
     outs = []
     for _ in range(2):
         res = _engine(target, RandomProposer(width, seed=5), eos_token_id_unused()).generate(
-            PROMPT, max_new_tokens=12, temperature=0.8, generator=torch.Generator().manual_seed(11)
+            PROMPT, max_new_tokens=12, sampling=SamplingParams(temperature=0.8),
+            generator=torch.Generator().manual_seed(11)
         )
         assert len(res.output_ids) == 12 and all(0 <= t < VOCAB for t in res.output_ids)
         outs.append(res.output_ids)
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("kind", ["null", "random"])
+def test_top_k_one_sampling_is_greedy(target, kind):
+    """T > 0 with top_k = 1: the first token (from the prefill logits) and every verify step sample
+    from sampling_probs, a one-hot on the argmax, so the output equals greedy even at T = 5."""
+    width = target.config.hidden_size * len(LAYER_IDS)
+    proposer = NullProposer() if kind == "null" else RandomProposer(width, seed=4)
+    ref = hf_greedy(target, PROMPT, 14, eos_token_id_unused())
+    res = _engine(target, proposer, eos_token_id_unused()).generate(
+        PROMPT, max_new_tokens=14, sampling=SamplingParams(temperature=5.0, top_k=1),
+        generator=torch.Generator().manual_seed(0))
+    assert res.output_ids == ref
 
 
 def test_crop_kv_cache_refuses_uncroppable():
@@ -217,6 +413,8 @@ def test_crop_kv_cache_refuses_uncroppable():
     with pytest.raises(RuntimeError, match="cannot be cropped"):
         crop_kv_cache(NoCrop(), 3)
     crop_kv_cache(NoCrop(), 5)  # nothing to do
+    with pytest.raises(RuntimeError, match="cannot grow"):
+        crop_kv_cache(NoCrop(), 6)
 
 
 def test_bad_arguments(target):
@@ -227,18 +425,30 @@ def test_bad_arguments(target):
         engine.generate([], max_new_tokens=3)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         engine.generate([2] * 64, max_new_tokens=3)
+    with pytest.raises(ValueError, match="sampling"):
+        engine.generate(PROMPT, max_new_tokens=3, sampling=0.5)
+    with pytest.raises(ValueError, match="eos_token_ids"):
+        SpeculativeEngine(target, LAYER_IDS, NullProposer(), [])
 
 
 class _FakeChatTokenizer:
-    """Stand-in tokenizer: a 'chat template' mapping characters to ids (enough for render_prompt)."""
+    """Stand-in tokenizer: a 'chat template' mapping characters to ids (enough for render_prompt),
+    ``decode`` mapping ids back to letters; records every conversation it renders."""
 
     chat_template = "fake"
     eos_token_id = VOCAB + 1  # never produced: every generation runs to max_new_tokens
     pad_token_id = 1
 
-    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
+    def __init__(self):
+        self.rendered: list[list[dict[str, str]]] = []
+
+    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False, **kw):
+        self.rendered.append([dict(m) for m in messages])
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
         return [0] + [2 + (ord(c) % (VOCAB - 2)) for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(ord("a") + i % 26) for i in ids if not (skip_special_tokens and i in (0, 1)))
 
 
 def test_run_eval_end_to_end_writes_report(target, tmp_path):
@@ -246,22 +456,72 @@ def test_run_eval_end_to_end_writes_report(target, tmp_path):
     from deepspec.eval.run import run_eval
 
     width = target.config.hidden_size * len(LAYER_IDS)
-    benches = {
-        "tiny": [BenchmarkPrompt(id=f"p{i}", messages=[{"role": "user", "content": f"hello {i}"}]) for i in range(2)]
-    }
+    benches = {"tiny": [BenchmarkPrompt(id=f"p{i}", turns=(f"hello {i}",)) for i in range(2)]}
     logs = []
     res = run_eval(target, _FakeChatTokenizer(), LAYER_IDS, {"random": RandomProposer(width, seed=2)}, benches,
-                   max_new_tokens=6, temperature=0.0, seed=0, out_dir=tmp_path, progress=False, log=logs.append)
+                   max_new_tokens=6, sampling=SamplingParams(), seed=0, out_dir=tmp_path, progress=False,
+                   log=logs.append)
     figs = res["benchmarks"]["tiny"]
     assert set(figs) == {"target-only", "random", "hf-generate"}
     assert figs["target-only"]["tau"] == 1.0
     assert figs["random"]["frac_identical_to_baseline"] == 1.0  # lossless at T=0
     assert figs["hf-generate"]["frac_identical_to_baseline"] == 1.0
     assert figs["random"]["speedup"] > 0 and figs["random"]["num_output_tokens"] == 12
+    assert res["config"]["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+    assert [r["turn"] for r in res["samples"]["tiny"]["random"]] == [1, 1]
     assert any("tiny" in line and "tau" in line for line in logs)
     for name in ("eval_results.json", "eval_report.md", "acceptance.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "| tiny | random |" in (tmp_path / "eval_report.md").read_text()
+
+
+def test_run_eval_second_turn_builds_on_each_methods_own_answer(target):
+    """num_turns=2: a two-turn prompt runs turn 2 on [user1, own answer1, user2]; a one-turn prompt
+    runs once; both turns' steps are pooled; samples hold one record per (prompt, turn)."""
+    from deepspec.eval.benchmarks import BenchmarkPrompt
+    from deepspec.eval.run import answer_text, run_eval
+
+    tok = _FakeChatTokenizer()
+    width = target.config.hidden_size * len(LAYER_IDS)
+    benches = {"mt": [BenchmarkPrompt(id="two", turns=("q1", "q2")),
+                      BenchmarkPrompt(id="one", turns=("only question",))]}
+    max_new = 5
+    res = run_eval(target, tok, LAYER_IDS, {"random": RandomProposer(width, seed=2)}, benches,
+                   max_new_tokens=max_new, sampling=SamplingParams(), seed=0, out_dir=None, progress=False,
+                   warmup=False, log=lambda _: None, num_turns=2)
+    figs = res["benchmarks"]["mt"]
+    for name in ("target-only", "random", "hf-generate"):
+        assert [(r["id"], r["turn"]) for r in res["samples"]["mt"][name]] == [("two", 1), ("two", 2), ("one", 1)]
+        assert figs[name]["num_output_tokens"] == 3 * max_new
+    assert figs["random"]["frac_identical_to_baseline"] == 1.0
+    assert res["config"]["num_turns"] == 2
+    # every method rendered turn 2 on its own first answer (identical at T=0)
+    first = hf_greedy(target, tok.apply_chat_template([{"role": "user", "content": "q1"}],
+                                                      add_generation_prompt=True), max_new, VOCAB + 1)
+    second_turns = [m for m in tok.rendered if len(m) == 3]
+    assert len(second_turns) == 3  # target-only, random, hf-generate
+    for msgs in second_turns:
+        assert msgs == [{"role": "user", "content": "q1"},
+                        {"role": "assistant", "content": tok.decode(first, skip_special_tokens=True)},
+                        {"role": "user", "content": "q2"}]
+    assert answer_text(tok, [5, 6, 7, VOCAB + 1], {VOCAB + 1}) == tok.decode([5, 6, 7])
+    assert answer_text(tok, [0, 5], {VOCAB + 1}) == tok.decode([5])  # special tokens skipped
+    with pytest.raises(ValueError, match="num_turns"):
+        run_eval(target, tok, LAYER_IDS, {}, benches, max_new_tokens=3, sampling=SamplingParams(), seed=0,
+                 out_dir=None, num_turns=0)
+
+
+def test_run_eval_sampling_with_filters_runs_every_method(target):
+    """T > 0 with top-k / top-p: every method (HF generate with the same filters) runs."""
+    from deepspec.eval.benchmarks import BenchmarkPrompt
+    from deepspec.eval.run import run_eval
+
+    width = target.config.hidden_size * len(LAYER_IDS)
+    res = run_eval(target, _FakeChatTokenizer(), LAYER_IDS, {"random": RandomProposer(width, seed=2)},
+                   {"tiny": [BenchmarkPrompt(id="p", turns=("hi",))]}, max_new_tokens=5,
+                   sampling=SamplingParams(temperature=0.7, top_k=10, top_p=0.9), seed=0, out_dir=None,
+                   progress=False, warmup=False, log=lambda _: None)
+    assert all(m["num_output_tokens"] == 5 for m in res["benchmarks"]["tiny"].values())
 
 
 @pytest.mark.parametrize("kind", ["oracle", "random"])
@@ -273,7 +533,7 @@ def test_low_temperature_sampling_matches_greedy(target, kind):
     width = target.config.hidden_size * len(LAYER_IDS)
     proposer = OracleProposer(width, PROMPT + ref) if kind == "oracle" else RandomProposer(width, seed=9)
     res = _engine(target, proposer, eos_token_id_unused()).generate(
-        PROMPT, max_new_tokens=max_new, temperature=1e-4, generator=torch.Generator().manual_seed(0)
+        PROMPT, max_new_tokens=max_new, sampling=SamplingParams(temperature=1e-4), generator=torch.Generator().manual_seed(0)
     )
     assert res.output_ids == ref[:max_new]
     if kind == "oracle":
@@ -338,7 +598,7 @@ def test_sampling_is_lossless_statistically():
         def extend_context(self, h, token_ids):
             pass
 
-        def propose(self, anchor_token, anchor_pos, *, temperature, generator):
+        def propose(self, anchor_token, anchor_pos, *, sampling, generator):
             ids = torch.multinomial(q_V, 2, replacement=True, generator=generator)
             return Proposal(draft_ids_N=ids, draft_probs_NV=q_V.expand(2, v).clone())
 
@@ -346,7 +606,7 @@ def test_sampling_is_lossless_statistically():
     gen = torch.Generator().manual_seed(0)
     counts = torch.zeros(2, v)
     for _ in range(trials):
-        out = engine.generate([1, 4], max_new_tokens=3, temperature=1.0, generator=gen).output_ids
+        out = engine.generate([1, 4], max_new_tokens=3, sampling=SamplingParams(temperature=1.0), generator=gen).output_ids
         counts[0, out[1]] += 1
         counts[1, out[2]] += 1
     dist1 = trans_VV[4]
@@ -380,10 +640,10 @@ def test_dspark_proposer_through_engine_is_lossless(target, use_heads):
     max_new = 14
     ref = hf_greedy(target, PROMPT, max_new, eos_token_id_unused())
     engine = SpeculativeEngine(target, layer_ids, proposer, [eos_token_id_unused()], forward_fn=CacheCheckingForward())
-    res = engine.generate(PROMPT, max_new_tokens=max_new, temperature=0.0)
+    res = engine.generate(PROMPT, max_new_tokens=max_new)
     assert res.output_ids == ref
     assert all(s.num_proposed == K for s in res.steps)
-    res = engine.generate(PROMPT, max_new_tokens=max_new, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    res = engine.generate(PROMPT, max_new_tokens=max_new, sampling=SamplingParams(temperature=1.0), generator=torch.Generator().manual_seed(0))
     assert len(res.output_ids) == max_new
 
 
@@ -408,11 +668,11 @@ def test_real_target_greedy_is_lossless_with_multi_token_verify():
     class RealRandom(CheckingProposer):
         gen = torch.Generator().manual_seed(0)
 
-        def _propose(self, anchor_token, anchor_pos, temperature, generator):
+        def _propose(self, anchor_token, anchor_pos, sampling, generator):
             return Proposal(draft_ids_N=torch.randint(0, v, (K,), generator=self.gen))
 
     class RealOracle(CheckingProposer):
-        def _propose(self, anchor_token, anchor_pos, temperature, generator):
+        def _propose(self, anchor_token, anchor_pos, sampling, generator):
             return Proposal(draft_ids_N=torch.tensor(seq[anchor_pos + 1 : anchor_pos + 1 + K]))
 
     for proposer in (RealRandom(width), RealOracle(width)):

@@ -136,7 +136,7 @@ def test_qwen3_eval_path_and_training_path_agree(kwargs):
 
     tok = _tok("qwen3")
     answer = mg.A1 if kwargs == mg.OFF else mg.T1
-    eval_ids = render_benchmark_prompts(tok, {"b": [BenchmarkPrompt(id="p0", messages=[mg.U1])]},
+    eval_ids = render_benchmark_prompts(tok, {"b": [BenchmarkPrompt(id="p0", turns=(mg.U1["content"],))]},
                                         chat_template_kwargs=kwargs)["b"][0]
     (s,) = render_training_samples(tok, [mg.U1, answer], chat_template_kwargs=kwargs)
     first = s.loss_mask.index(1)

@@ -1,0 +1,213 @@
+"""Lossless speculative sampling at T > 0, shown with chi-square tests (issue 5 item 4; DESIGN s.6).
+
+Rejection sampling (Leviathan et al. 2023, Alg. 1 and Theorem 3.5; Chen et al. 2023, Alg. 2) makes
+every committed token follow the target's distribution whatever the draft proposes. Here:
+
+- verify level (pure, no model): the first committed token follows ``p_0`` and, when a step commits
+  two or more tokens, the second follows ``p_1`` (with and without top-k / top-p);
+- engine level: a tiny random fp32 Llama target (V = 12) through the real ``SpeculativeEngine``
+  with a random bigram proposer whose ``q`` differs from the target's ``p``; the joint distribution
+  of output tokens 1 and 2 (token 1 comes from the prefill, token 2 is the first token a verify
+  step commits) and the marginal of token 3 match the target's own, computed exactly from its
+  logits over every 1- and 2-token continuation, with and without top-k / top-p;
+- power: a deliberately broken acceptance rule (always accept, or no residual) fails the same test.
+
+The p-values come from the chi-square distribution (cells with expected count < 5 pooled); a
+token with target probability 0 (filtered out) must never appear. Everything is seeded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deepspec.eval.verify as verify_mod
+from deepspec.eval.proposers import Proposal, draw_token
+from deepspec.eval.verify import SamplingParams, sampling_probs, verify
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V = 12
+PROMPT = [0, 3, 7, 5]
+PASS_P = 1e-3   # a correct sampler passes (seeded: deterministic; by chance it fails 0.1 % of seeds)
+FAIL_P = 1e-6   # a broken rule must be rejected at least this strongly
+
+PLAIN = SamplingParams(temperature=1.0)
+FILTERED = SamplingParams(temperature=0.8, top_k=6, top_p=0.9)
+
+
+def chi_square_pvalue(counts_V: torch.Tensor, probs_V: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit of ``counts`` to ``probs`` (float64 p-value).
+
+    Cells with probability 0 must be empty (else 0.0 is returned: the sampler produced an
+    impossible token); cells with expected count < 5 are pooled into one cell.
+    """
+    counts = counts_V.double()
+    probs = probs_V.double() / probs_V.double().sum()
+    n = counts.sum()
+    if bool((counts[probs == 0] > 0).any()):
+        return 0.0
+    expected = probs * n
+    big = expected >= 5
+    obs_cells = torch.cat([counts[big], counts[~big & (probs > 0)].sum().view(1)])
+    exp_cells = torch.cat([expected[big], expected[~big & (probs > 0)].sum().view(1)])
+    if float(exp_cells[-1]) == 0:
+        obs_cells, exp_cells = obs_cells[:-1], exp_cells[:-1]
+    dof = obs_cells.numel() - 1
+    assert dof >= 1, "too few cells for a chi-square test"
+    chi2 = ((obs_cells - exp_cells) ** 2 / exp_cells).sum()
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), chi2 / 2))
+
+
+def test_chi_square_pvalue_sanity():
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    assert chi_square_pvalue(torch.tensor([500.0, 300, 200, 0]), p) > 0.99
+    assert chi_square_pvalue(torch.tensor([300.0, 300, 400, 0]), p) < 1e-10
+    assert chi_square_pvalue(torch.tensor([500.0, 300, 199, 1]), p) == 0.0
+    # chi2 = 1 on 1 dof: p-value = P(X > 1) = 0.3173; chi2 = 4: 0.0455
+    assert chi_square_pvalue(torch.tensor([55.0, 45]), torch.tensor([0.5, 0.5])) == pytest.approx(0.3173, abs=1e-4)
+    assert chi_square_pvalue(torch.tensor([60.0, 40]), torch.tensor([0.5, 0.5])) == pytest.approx(0.0455, abs=1e-4)
+
+
+# ----------------------------------------------------------------------------- verify level
+def _verify_level_counts(params: SamplingParams, trials: int, seed: int):
+    """Counts of the first committed token, and of the second when a step commits >= 2 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    target_logits_N1V = torch.randn(3, V, generator=g) * 1.5
+    draft_logits_NV = torch.randn(2, V, generator=g) * 1.5  # q unrelated to p
+    q_NV = sampling_probs(draft_logits_NV, params)
+    first, second = torch.zeros(V), torch.zeros(V)
+    for _ in range(trials):
+        ids_N = torch.cat([torch.multinomial(q, 1, generator=g) for q in q_NV])
+        res = verify(ids_N, q_NV, target_logits_N1V, sampling=params, generator=g, eos_token_ids=())
+        first[res.committed[0]] += 1
+        if len(res.committed) >= 2:
+            second[res.committed[1]] += 1
+    p_N1V = sampling_probs(target_logits_N1V, params)
+    return first, second, p_N1V, q_NV
+
+
+@pytest.mark.parametrize("params", [PLAIN, FILTERED], ids=["plain", "topk_topp"])
+def test_verify_level_committed_tokens_follow_target(params):
+    first, second, p_N1V, q_NV = _verify_level_counts(params, trials=4000, seed=1)
+    assert second.sum() > 500
+    assert chi_square_pvalue(first, p_N1V[0]) > PASS_P
+    assert chi_square_pvalue(second, p_N1V[1]) > PASS_P
+    assert chi_square_pvalue(first, q_NV[0]) < FAIL_P  # the test can tell p from q
+
+
+def _always_accept(p, q, u):
+    return torch.ones_like(p, dtype=torch.bool)
+
+
+def _residual_is_p(p_V, q_V):
+    return p_V.float() / p_V.float().sum()
+
+
+BROKEN_RULES = {"always_accept": ("accept_mask", _always_accept),
+                "no_residual": ("residual_distribution", _residual_is_p)}
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN_RULES))
+def test_verify_level_broken_rule_is_rejected(monkeypatch, broken):
+    monkeypatch.setattr(verify_mod, *BROKEN_RULES[broken])
+    first, _, p_N1V, _ = _verify_level_counts(PLAIN, trials=2000, seed=1)
+    assert chi_square_pvalue(first, p_N1V[0]) < FAIL_P
+
+
+# ----------------------------------------------------------------------------- engine level
+@pytest.fixture(scope="module")
+def target():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=32, bos_token_id=0, eos_token_id=None,
+                      pad_token_id=0)
+    model = LlamaForCausalLM(cfg).float().eval().requires_grad_(False)
+    with torch.no_grad():  # spread the random logits: distributions far from uniform, and from q
+        model.lm_head.weight.mul_(6.0)
+    return model
+
+
+class BigramProposer:
+    """An untrained stand-in drafter: slot logits are a fixed random table row of the previous token
+    (the anchor, then the token just drafted), so ``q`` has nothing to do with the target's ``p``.
+    Tokens come from ``draw_token`` (the proposers' own helper: ``q = sampling_probs(logits)``,
+    sampled from and returned)."""
+
+    max_proposal_len = 2
+
+    def __init__(self, seed: int):
+        self.table_VV = torch.randn(V, V, generator=torch.Generator().manual_seed(seed)) * 2.0
+
+    def reset(self):
+        pass
+
+    def extend_context(self, target_hidden_TF, token_ids_T):
+        pass
+
+    def propose(self, anchor_token, anchor_pos, *, sampling, generator):
+        prev, ids, probs = int(anchor_token), [], []
+        for _ in range(self.max_proposal_len):
+            tok, q_V = draw_token(self.table_VV[prev], sampling, generator)
+            ids.append(tok)
+            probs.append(q_V)
+            prev = int(tok)
+        return Proposal(draft_ids_N=torch.cat(ids), draft_probs_NV=None if sampling.greedy else torch.stack(probs))
+
+
+@torch.no_grad()
+def exact_target_distributions(model, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target-only sampling after PROMPT, from the target's own logits over all V first tokens and all
+    V*V first-two-token continuations (float64): the joint ``[V, V]`` of output tokens 1 and 2, and
+    the marginal ``[V]`` of output token 3."""
+    prompt = torch.tensor(PROMPT)
+    p0_V = sampling_probs(model(prompt[None]).logits[0, -1], params).double()
+    a = torch.arange(V)
+    seq1 = torch.cat([prompt.expand(V, -1), a[:, None]], 1)
+    p1_VV = sampling_probs(model(seq1).logits[:, -1], params).double()  # [a, b]
+    seq2 = torch.cat([prompt.expand(V * V, -1), a.repeat_interleave(V)[:, None], a.repeat(V)[:, None]], 1)
+    p2_VVV = sampling_probs(model(seq2).logits[:, -1], params).double().view(V, V, V)  # [a, b, c]
+    return p0_V[:, None] * p1_VV, torch.einsum("a,ab,abc->c", p0_V, p1_VV, p2_VVV)
+
+
+def engine_samples(model, params: SamplingParams, trials: int, seed: int, max_new_tokens: int = 3):
+    """Over ``trials`` seeded generations: counts ``[V, V]`` of output tokens (1, 2), counts ``[V]``
+    of output token 3 (zeros when ``max_new_tokens < 3``), and the number of drafts accepted by the
+    first verify step."""
+    from deepspec.eval.engine import SpeculativeEngine
+
+    engine = SpeculativeEngine(model, [0], BigramProposer(seed=5), [V + 1])
+    g = torch.Generator().manual_seed(seed)
+    joint_VV, third_V = torch.zeros(V, V), torch.zeros(V)
+    accepted = 0
+    for _ in range(trials):
+        res = engine.generate(PROMPT, max_new_tokens=max_new_tokens, sampling=params, generator=g)
+        out = res.output_ids
+        joint_VV[out[0], out[1]] += 1
+        if max_new_tokens >= 3:
+            third_V[out[2]] += 1
+        accepted += res.steps[0].num_accepted
+    return joint_VV, third_V, accepted
+
+
+@pytest.mark.parametrize("params", [PLAIN, FILTERED], ids=["plain", "topk_topp"])
+def test_engine_sampling_follows_target_distribution(target, params):
+    joint_VV, third_V = exact_target_distributions(target, params)
+    trials = 1200
+    counts_VV, counts_V, accepted = engine_samples(target, params, trials, seed=0)
+    assert 0.05 * trials < accepted < 1.9 * trials  # drafts are accepted and rejected
+    p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
+    p_third = chi_square_pvalue(counts_V, third_V)
+    assert p_joint > PASS_P and p_third > PASS_P, (p_joint, p_third)
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN_RULES))
+def test_engine_broken_acceptance_rule_is_rejected(target, monkeypatch, broken):
+    monkeypatch.setattr(verify_mod, *BROKEN_RULES[broken])
+    joint_VV, _ = exact_target_distributions(target, PLAIN)
+    counts_VV, _, _ = engine_samples(target, PLAIN, trials=1200, seed=0, max_new_tokens=2)
+    p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
+    assert p_joint < FAIL_P, p_joint
+

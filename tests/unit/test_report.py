@@ -1,0 +1,109 @@
+"""The evaluation report: Markdown tables, JSON and PNG files from a hand-built results dict."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deepspec.eval.engine import GenerationResult, StepRecord
+from deepspec.eval.metrics import METRIC_DEFINITIONS, benchmark_metrics
+from deepspec.eval.report import (
+    BASELINE,
+    FILE_NAMES,
+    HF_GENERATE,
+    has_calibration,
+    markdown_report,
+    plot_reliability,
+    write_report,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def step(n, a, conf=None, committed=None):
+    return StepRecord(num_proposed=n, num_accepted=a, num_committed=a + 1 if committed is None else committed,
+                      time_s=0.010, propose_s=0.003, verify_s=0.006, confidence=conf)
+
+
+def result(steps, n_tokens, total):
+    return GenerationResult(prompt_len=4, output_ids=list(range(n_tokens)), steps=steps, ttft_s=0.01,
+                            total_time_s=total, stop_reason="eos")
+
+
+def results_dict(*, with_confidence: bool) -> dict:
+    conf = (lambda *c: c) if with_confidence else (lambda *c: None)
+    base = [result([step(0, 0)] * 5, 6, 0.06)]
+    dspark = [result([step(3, 1, conf(0.9, 0.6, 0.3)), step(3, 3, conf(0.8, 0.7, 0.5)), step(2, 0, conf(0.4, 0.2))],
+                     8, 0.04)]
+    dflash = [result([step(3, 2), step(3, 0)], 5, 0.03)]
+    hf = benchmark_metrics([result([], 6, 0.05)], baseline=base)
+    bench = {
+        BASELINE: benchmark_metrics(base, max_k=0),
+        "dspark": benchmark_metrics(dspark, baseline=base, max_k=3),
+        "dflash": benchmark_metrics(dflash, baseline=base, max_k=3),
+        HF_GENERATE: {k: hf[k] for k in ("num_prompts", "num_output_tokens", "total_time_s", "tok_per_s",
+                                         "time_per_output_token_ms", "speedup", "frac_identical_to_baseline")},
+    }
+    return {
+        "config": {"max_new_tokens": 8, "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 0.9}, "seed": 0,
+                   "target": "tiny"},
+        "environment": {"torch": "x"},
+        "definitions": METRIC_DEFINITIONS,
+        "benchmarks": {"gsm8k": bench, "mt-bench": dict(bench)},
+    }
+
+
+def test_markdown_tables_and_definitions():
+    md = markdown_report(results_dict(with_confidence=True))
+    assert "sampling temperature 1.0, top_k 0, top_p 0.9" in md
+    assert "| gsm8k | dspark | 1 | 2.33 | 0.67 0.33 0.50 | " in md  # tau (2 + 4 + 1) / 3
+    # tau histogram: lengths 2, 4, 1 -> counts 1 1 0 1
+    assert "| gsm8k | dspark | 3 | 2.33 | 1 1 0 1 |" in md
+    assert "| gsm8k | target-only | 5 |" in md  # timing table keeps the baseline
+    assert "| gsm8k | dspark | 3 | 10.00 | 3.00 | 6.00 | 1.00 | 2.67 | 0.33 |" in md
+    assert "## Confidence-head calibration" in md
+    # pooled pairs: (.9,1) (.6,0) (.8,1) (.7,1) (.5,1) (.4,0): AUROC 7/8, accept rate 4/6
+    assert "| dspark | gsm8k | all | 6 | 0.650 | 0.667 |" in md and "| 0.875 |" in md
+    assert "| dspark | mt-bench | 3 | 1 | 0.500 | 1.000 | 0.500 | - | 0.250 |" in md
+    assert "| dflash | gsm8k |" not in md  # no confidences, no calibration rows
+    for key in METRIC_DEFINITIONS:
+        assert f"- `{key}`: " in md
+
+
+def test_markdown_without_calibration_or_definitions_key():
+    res = results_dict(with_confidence=False)
+    del res["definitions"]
+    md = markdown_report(res)
+    assert not has_calibration(res)
+    assert "calibration" not in md.split("## Definitions")[0]
+    assert "- `tau_histogram`: " in md  # falls back to METRIC_DEFINITIONS
+
+
+def _listing(path):
+    return sorted(p.name for p in path.iterdir())
+
+
+def test_write_report_files(tmp_path):
+    res = results_dict(with_confidence=True)
+    paths = write_report(res, tmp_path / "out")
+    assert set(paths) == {"json", "markdown", "png", "tau_histogram", "reliability"}
+    assert _listing(tmp_path / "out") == sorted(FILE_NAMES.values())  # no temporary files left behind
+    for key in ("png", "tau_histogram", "reliability"):
+        assert paths[key].read_bytes()[:8] == PNG_MAGIC
+    loaded = json.loads(paths["json"].read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    assert loaded["benchmarks"]["gsm8k"]["dspark"]["tau_histogram"] == [1, 1, 0, 1]
+    md = paths["markdown"].read_text()
+    assert "![confidence reliability](reliability.png)" in md and "(tau_histogram.png)" in md
+
+    # Same folder, no confidences now: no reliability plot, and the stale one is gone.
+    paths = write_report(results_dict(with_confidence=False), tmp_path / "out")
+    assert "reliability" not in paths and not (tmp_path / "out" / "reliability.png").exists()
+    assert "reliability.png" not in paths["markdown"].read_text()
+    assert paths["tau_histogram"].read_bytes()[:8] == PNG_MAGIC
+
+
+def test_plot_reliability_needs_data(tmp_path):
+    with pytest.raises(ValueError, match="calibration"):
+        plot_reliability(results_dict(with_confidence=False), tmp_path / "r.png")
+    assert not (tmp_path / "r.png").exists()
