@@ -57,7 +57,9 @@ class EvalConfig:
     benchmarks_dir: str | None = None  # folder of benchmark files; none: $DEEPSPEC_BENCHMARKS_DIR, else ../shared/benchmarks
     benchmark_files: list[str] = field(default_factory=list)  # NAME=PATH: read that benchmark from this file
     num_prompts: int | None = 8  # prompts per benchmark (seeded sample when a benchmark has more); none = all
-    # NAME=N caps for single benchmarks (override num_prompts), or "original": the original DeepSpec caps
+    # NAME=N caps for single benchmarks (override num_prompts), and/or "original": the original DeepSpec caps
+    # (gsm8k 500, math500 500, aime25 30, humaneval 164, mbpp 256, livecodebench 500, mt-bench 80, alpaca 500,
+    # arena-hard-v2 500; spec-bench, not in the original, keeps num_prompts)
     num_prompts_per_benchmark: list[str] = field(default_factory=list)
     num_turns: int = 1  # 2: also the second user turn (mt-bench, spec-bench) on each method's own first answer
     max_new_tokens: int = 128  # per turn
@@ -90,6 +92,10 @@ class EvalConfig:
         for name in [*self.file_overrides(), *self.caps()]:
             if name not in BENCHMARKS:
                 raise ValueError(f"eval: {name!r} is not a benchmark; expected one of {known}")
+        for name in self.file_overrides():
+            if name not in self.benchmark_names():
+                raise ValueError(f"eval.benchmark_files: {name!r} is not among --benchmarks "
+                                 f"({' '.join(self.benchmarks)}); add it there or drop its file")
         for name, cap in self.caps().items():
             if cap < 1:
                 raise ValueError(f"eval.num_prompts_per_benchmark: {name}={cap}; expected a cap >= 1")
@@ -111,11 +117,10 @@ class EvalConfig:
         """``num_prompts_per_benchmark`` as name -> cap ("original" expands to the original's caps)."""
         from deepspec.eval.benchmarks import DEEPSPEC_NUM_SAMPLES
 
-        caps: dict[str, int] = {}
-        for entry in self.num_prompts_per_benchmark:
-            caps.update(DEEPSPEC_NUM_SAMPLES if entry == "original"
-                        else _name_values("num_prompts_per_benchmark", [entry], int))
-        return caps
+        explicit = _name_values("num_prompts_per_benchmark",
+                                [e for e in self.num_prompts_per_benchmark if e != "original"], int)
+        original = DEEPSPEC_NUM_SAMPLES if "original" in self.num_prompts_per_benchmark else {}
+        return {**original, **explicit}  # a NAME=N entry wins over "original", in any order
 
     def benchmark_names(self) -> list[str]:
         """The names asked for, with "all" expanded to every benchmark (in registry order), no repeats."""
@@ -154,6 +159,7 @@ def load_eval_benchmarks(cfg: EvalConfig, log=print) -> tuple[dict, dict[str, st
         if name not in explicit and (cfg.benchmark_source == "wheel" and bench.wheel is None
                                      or cfg.benchmark_source == "hf" and bench.hf is None):
             skipped[name] = f"no {cfg.benchmark_source} source"
+            log(f"[eval] skipping {name}: it has no {cfg.benchmark_source} source")
             continue
         try:
             prompts[name] = load_benchmark(
@@ -305,6 +311,19 @@ def draft_folder(path: str | Path) -> Path:
     )
 
 
+def _writable_folder(path: str) -> Path:
+    """Create ``path`` (and parents) if missing and check a file can be written there; ValueError if not."""
+    import tempfile
+
+    folder = Path(path).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as exc:
+        raise ValueError(f"output_dir {path!r}: cannot write there ({exc.strerror or exc}); pass a writable folder") from None
+    return folder
+
+
 def _unique_name(name: str, taken: dict) -> str:
     """``name``, or ``name#2``, ``name#3``, ... if already taken (two drafts never share a report row)."""
     candidate, k = name, 1
@@ -322,13 +341,15 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
     from deepspec.models.registry import algorithm_for_model, load_draft
     from deepspec.target.load import load_target
 
-    benchmarks, skipped = load_eval_benchmarks(cfg)  # before the target: missing data fails fast
+    # Everything the user controls is checked before the target loads (minutes for a large model).
+    out_dir = _writable_folder(cfg.output_dir)
+    folders = [draft_folder(path) for path in cfg.draft] if drafts is None else []
+    benchmarks, skipped = load_eval_benchmarks(cfg)
     if target_model is None:
         target_model, tokenizer = load_target(cfg.target)
     if drafts is None:
         drafts = {}
-        for path in cfg.draft:
-            folder = draft_folder(path)
+        for folder in folders:
             algorithm, model = load_draft(folder, target_model=target_model)
             checkpoint = folder.parent if folder.name == "draft" else folder
             name = _unique_name(f"{algorithm}:{checkpoint.parent.name}/{checkpoint.name}", drafts)
@@ -344,10 +365,19 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
                 f"{layer_ids}; evaluate drafts trained on different layer sets in separate runs"
             )
     max_positions = target_model.config.max_position_embeddings
+    thresholded = [n for n, m in drafts.items() if getattr(m, "confidence_head", None) is not None]
+    if cfg.confidence_threshold > 0:
+        if not thresholded:
+            raise ValueError(f"eval.confidence_threshold: {cfg.confidence_threshold} needs a draft with a confidence "
+                             f"head (DSpark); none of {', '.join(drafts)} has one. Drop the threshold.")
+        for name in drafts:
+            if name not in thresholded:
+                print(f"[eval] {name}: no confidence head, --confidence-threshold not applied (full proposals)")
     proposers = {
         name: algorithm_for_model(model).proposer(
             model,
-            confidence_threshold=cfg.confidence_threshold if cfg.confidence_threshold > 0 else None,
+            confidence_threshold=cfg.confidence_threshold if cfg.confidence_threshold > 0 and name in thresholded
+            else None,
             max_positions=max_positions,
         )
         for name, model in drafts.items()
@@ -362,10 +392,15 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
         sampling=cfg.sampling_params(),
         num_turns=cfg.num_turns,
         seed=cfg.seed,
-        out_dir=Path(cfg.output_dir),
+        out_dir=out_dir,
         compare_hf_generate=cfg.compare_hf_generate,
         chat_template_kwargs=None if cfg.enable_thinking is None else {"enable_thinking": cfg.enable_thinking},
-        config_extra={"eval": asdict(cfg), "benchmarks_skipped": skipped},
+        config_extra={
+            "eval": asdict(cfg),
+            "benchmarks_skipped": skipped,
+            "benchmark_origins": {name: prompts[0].origin for name, prompts in benchmarks.items()},
+            "confidence_threshold": {n: cfg.confidence_threshold for n in thresholded if cfg.confidence_threshold > 0},
+        },
     )
 
 

@@ -71,7 +71,7 @@ import random
 import re
 import textwrap
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -104,13 +104,15 @@ DEEPSPEC_NUM_SAMPLES: dict[str, int] = {
 
 @dataclass(frozen=True, kw_only=True)
 class BenchmarkPrompt:
-    """One evaluation prompt: a stable id and its user turns in order (at least one).
+    """One evaluation prompt: a stable id, its user turns in order (at least one) and ``origin``, the
+    file or wheel member it was read from (recorded in the report).
 
     Raises ValueError when ``turns`` is empty or holds a non-string (a list is stored as a tuple).
     """
 
     id: str
     turns: tuple[str, ...]
+    origin: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.turns, list):
@@ -135,6 +137,8 @@ ToPrompt = Callable[[dict[str, Any], str], "tuple[str | None, list[str]] | None"
 def _turns(rec: dict[str, Any], name: str) -> tuple[str | None, list[str]]:
     """DeepSpec prompt file ``{"turns": [...]}``; FastChat MT-Bench / Spec-Bench ``question.jsonl``."""
     qid = rec.get("question_id")
+    if isinstance(rec["turns"], str):
+        raise ValueError("turns: expected a list of user turns, received a single string")
     return (None if qid is None else f"{name}-{qid}"), list(rec["turns"])
 
 
@@ -460,14 +464,15 @@ def _missing_message(bench: Benchmark, folder: Path | None, reasons: list[str]) 
                   f"does not exist), so none of {', '.join(bench.local)}")
     else:
         looked = ", ".join(str(folder / f) for f in bench.local)
-    hf = f", or source='auto'/'hf' where the Hub is reachable ({bench.hf.describe()})" if bench.hf else \
+    hf = f", or use source auto/hf (`--benchmark-source`) where the Hub is reachable ({bench.hf.describe()})" if bench.hf else \
         " (there is no Hugging Face dataset for it)"
     return (
         f"benchmark {bench.name!r}: no data found. Looked for {looked}"
         + "".join(f"; {r}" for r in reasons)
         + f". Fix: set {BENCHMARKS_DIR_ENV} to a folder holding {' or '.join(bench.local)} (upstream format or "
-        f"the DeepSpec prompt file; see shared/benchmarks/SOURCES.md), pass path=<file> (or local_dir=)"
-        f"{hf}; or drop {bench.name!r} from the benchmark list."
+        f"the DeepSpec prompt file; see shared/benchmarks/SOURCES.md) or pass that folder "
+        f"(`deepspec eval --benchmarks-dir`, local_dir=), read one file (`--benchmark-files {bench.name}=PATH`, "
+        f"path=){hf}; or drop {bench.name!r} from the benchmark list."
     )
 
 
@@ -535,7 +540,7 @@ def to_prompts(bench: Benchmark, rows: Rows, origin: str) -> list[BenchmarkPromp
                 continue
             pid, turns = got
             pid = pid if pid is not None else bench.index_id.format(name=bench.name, i=len(prompts))
-            prompts.append(BenchmarkPrompt(id=str(pid), turns=tuple(turns)))
+            prompts.append(BenchmarkPrompt(id=str(pid), turns=tuple(turns), origin=origin))
         except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
             detail = f"missing field {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
             raise ValueError(f"benchmark {bench.name!r}, {where}: malformed record ({detail:.300}); records of "
@@ -604,7 +609,10 @@ def load_benchmark(
             raise FileNotFoundError(f"benchmark {name!r}: path {str(file)!r} is not a file.")
         rows, origin = _read_file(file), str(file)
     else:
-        folder = Path(local_dir) if local_dir is not None else benchmarks_dir()
+        folder = Path(local_dir).expanduser() if local_dir is not None else benchmarks_dir()
+        if local_dir is not None and not folder.is_dir():
+            raise ValueError(f"local_dir (--benchmarks-dir) {str(local_dir)!r}: expected a folder of benchmark "
+                             "files, found none; fix the path or drop it.")
         origin, rows = _read_records(bench, folder, source)
     return sample_records(to_prompts(bench, rows, origin), max_samples, seed)
 

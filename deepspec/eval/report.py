@@ -180,6 +180,21 @@ def _calibration_table(results: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _setup_lines(cfg: Mapping[str, Any]) -> list[str]:
+    """Confidence thresholds, where each benchmark's prompts came from, and the benchmarks skipped."""
+    lines = []
+    if cfg.get("confidence_threshold"):
+        lines += ["", "Confidence threshold (proposals cut at the first slot below it; calibration then sees only "
+                  "the slots kept): " + ", ".join(f"{m} {t}" for m, t in cfg["confidence_threshold"].items()) + "."]
+    if cfg.get("benchmark_origins"):
+        lines += ["", "Prompts read from: " + "; ".join(f"{b}: `{o}`" for b, o in cfg["benchmark_origins"].items())
+                  + "."]
+    if cfg.get("benchmarks_skipped"):
+        lines += ["", "Skipped (no data): " + "; ".join(f"{b} ({why})" for b, why in cfg["benchmarks_skipped"].items())
+                  + "."]
+    return lines
+
+
 def markdown_report(results: dict[str, Any], figures: Mapping[str, str] | None = None) -> str:
     """Render the results as Markdown: the main table (benchmark x method), the tau histogram, the
     per-step timing breakdown, the calibration table (when any method has confidences), links to
@@ -193,7 +208,8 @@ def markdown_report(results: dict[str, Any], figures: Mapping[str, str] | None =
         (f"{_sampling_line(cfg)}, max_new_tokens {cfg.get('max_new_tokens')}, seed {cfg.get('seed')}, "
          f"target {cfg.get('target', '?')}; torch {env.get('torch')}, transformers {env.get('transformers')}, "
          f"deepspec {env.get('deepspec')}; {env.get('cuda_device') or env.get('processor')} "
-         f"({env.get('cpu_count')} CPUs), {env.get('platform')}."),
+         f"({env.get('cpu_count')} CPUs, {env.get('torch_num_threads')} torch threads), {env.get('platform')}."),
+        *_setup_lines(cfg),
         "",
         *_main_table(results),
     ]
@@ -233,25 +249,56 @@ def _save(fig: Any, path: str | os.PathLike[str]) -> None:
     plt.close(fig)
 
 
+MAX_PANEL_COLUMNS = 5  # benchmarks per row of a figure (ten benchmarks make two rows)
+
+
+def _panel_grid(plt: Any, num_panels: int, *, width: float, height: float,
+                height_ratios: tuple[float, ...] = (1.0,)) -> tuple[Any, list[list[Any]]]:
+    """A figure with one panel per benchmark, at most :data:`MAX_PANEL_COLUMNS` per row; a panel is
+    ``len(height_ratios)`` stacked axes. Returns the figure and each panel's axes (unused cells hidden)."""
+    n = max(num_panels, 1)
+    ncol = min(n, MAX_PANEL_COLUMNS)
+    nrow = -(-n // ncol)
+    stack = len(height_ratios)
+    fig, axes = plt.subplots(stack * nrow, ncol, figsize=(width * ncol, height * nrow), squeeze=False,
+                             gridspec_kw={"height_ratios": list(height_ratios) * nrow})
+    panels = [[axes[r * stack + j][c] for j in range(stack)] for r in range(nrow) for c in range(ncol)]
+    for panel in panels[n:]:
+        for ax in panel:
+            ax.axis("off")
+    return fig, panels[:n]
+
+
+def _method_colors(results: Mapping[str, Any]) -> dict[str, Any]:
+    """One colour per proposer, the same in every figure (first-seen order, matplotlib's tab10)."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10"]
+    names = list(dict.fromkeys(method for _, method, _ in _methods(results) if method not in (BASELINE, HF_GENERATE)))
+    return {name: cmap(i % 10) for i, name in enumerate(names)}
+
+
 def plot_acceptance(results: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """PNG: prefix-survival acceptance per draft position, one panel per benchmark, one line per proposer."""
     plt = _pyplot()
     benches = list(results.get("benchmarks", {}))
-    fig, axes = plt.subplots(1, max(len(benches), 1), figsize=(4 * max(len(benches), 1), 3.2), squeeze=False)
-    for ax, bench in zip(axes[0], benches):
+    colors = _method_colors(results)
+    fig, panels = _panel_grid(plt, len(benches), width=4.0, height=3.2)
+    for (ax,), bench in zip(panels, benches):
         for method, m in results["benchmarks"][bench].items():
             rates = m.get("accept_rate_prefix") or []
             if method in (BASELINE, HF_GENERATE) or not rates:
                 continue
             ks = [k + 1 for k, r in enumerate(rates) if r is not None]
-            ax.plot(ks, [r for r in rates if r is not None], marker="o", label=f"{method} (tau {m['tau']:.2f})")
+            ax.plot(ks, [r for r in rates if r is not None], marker="o", color=colors[method],
+                    label=f"{method} (tau {m['tau']:.2f})")
         ax.set_title(bench)
         ax.set_xlabel("draft position k")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("accepted >= k / proposed >= k")
+        ax.set_ylabel("accepted >= k / proposed >= k")
     fig.tight_layout()
     _save(fig, path)
 
@@ -264,9 +311,9 @@ def plot_tau_histogram(results: dict[str, Any], path: str | os.PathLike[str]) ->
     """
     plt = _pyplot()
     benches = list(results.get("benchmarks", {}))
-    ncol = max(len(benches), 1)
-    fig, axes = plt.subplots(1, ncol, figsize=(4.5 * ncol, 3.2), squeeze=False)
-    for ax, bench in zip(axes[0], benches):
+    colors = _method_colors(results)
+    fig, panels = _panel_grid(plt, len(benches), width=4.5, height=3.2)
+    for (ax,), bench in zip(panels, benches):
         shown = [(method, m) for method, m in results["benchmarks"][bench].items()
                  if _is_proposer(method, m) and m.get("tau_histogram")]
         width = 0.8 / max(len(shown), 1)
@@ -274,7 +321,8 @@ def plot_tau_histogram(results: dict[str, Any], path: str | os.PathLike[str]) ->
             counts = m["tau_histogram"]
             total = sum(counts)
             xs = [t + 1 + (i - (len(shown) - 1) / 2) * width for t in range(len(counts))]
-            ax.bar(xs, [c / total for c in counts], width=width, label=f"{method} (tau {m['tau']:.2f})")
+            ax.bar(xs, [c / total for c in counts], width=width, color=colors[method],
+                   label=f"{method} (tau {m['tau']:.2f})")
         if shown:
             ax.set_xticks(range(1, max(len(m["tau_histogram"]) for _, m in shown) + 1))
         else:
@@ -284,7 +332,7 @@ def plot_tau_histogram(results: dict[str, Any], path: str | os.PathLike[str]) ->
         ax.grid(alpha=0.3, axis="y")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("fraction of verify steps")
+        ax.set_ylabel("fraction of verify steps")
     fig.tight_layout()
     _save(fig, path)
 
@@ -298,10 +346,9 @@ def plot_reliability(results: dict[str, Any], path: str | os.PathLike[str]) -> N
     if not benches:
         raise ValueError("results: no method carries confidence-calibration figures; nothing to plot.")
     plt = _pyplot()
-    fig, axes = plt.subplots(2, len(benches), figsize=(4.5 * len(benches), 6.0), squeeze=False,
-                             gridspec_kw={"height_ratios": [3, 1.4]})
-    for col, bench in enumerate(benches):
-        top, bottom = axes[0][col], axes[1][col]
+    colors = _method_colors(results)
+    fig, panels = _panel_grid(plt, len(benches), width=4.5, height=6.0, height_ratios=(3, 1.4))
+    for (top, bottom), bench in zip(panels, benches):
         top.plot([0, 1], [0, 1], linestyle="--", color="gray", linewidth=1, label="perfect calibration")
         shown = [(method, m["calibration"]) for method, m in results["benchmarks"][bench].items()
                  if m.get("calibration")]
@@ -309,18 +356,18 @@ def plot_reliability(results: dict[str, Any], path: str | os.PathLike[str]) -> N
         for i, (method, cal) in enumerate(shown):
             bins = [b for b in cal["pooled"]["bins"] if b["num_pairs"]]
             ece = cal["pooled"]["ece"]
-            line = top.plot([b["mean_confidence"] for b in bins], [b["accept_rate"] for b in bins], marker="o",
-                            label=f"{method} (ECE {_fmt(ece, 3)}, n {cal['pooled']['num_pairs']})")
+            top.plot([b["mean_confidence"] for b in bins], [b["accept_rate"] for b in bins], marker="o",
+                     color=colors[method], label=f"{method} (ECE {_fmt(ece, 3)}, n {cal['pooled']['num_pairs']})")
             all_bins = cal["pooled"]["bins"]
             bin_w = all_bins[0]["hi"] - all_bins[0]["lo"]
             xs = [(b["lo"] + b["hi"]) / 2 + (i - (len(shown) - 1) / 2) * width * bin_w for b in all_bins]
-            bottom.bar(xs, [b["num_pairs"] for b in all_bins], width=width * bin_w, color=line[0].get_color())
+            bottom.bar(xs, [b["num_pairs"] for b in all_bins], width=width * bin_w, color=colors[method])
         top.set_title(bench)
         top.set_xlim(0, 1)
         top.set_ylim(0, 1.02)
         top.set_ylabel("empirical accept rate")
         top.grid(alpha=0.3)
-        top.legend(fontsize=7)
+        top.legend(fontsize=7, loc="upper left")
         bottom.set_xlim(0, 1)
         bottom.set_xlabel("confidence (bin)")
         bottom.set_ylabel("pairs per bin")

@@ -226,8 +226,9 @@ def run_eval(
         samples[bench] = {
             name: [
                 {"id": pid, "turn": turn, "prompt_len": r.prompt_len, "num_new_tokens": r.num_new_tokens,
-                 "stop_reason": r.stop_reason, "num_steps": len(r.steps), "total_time_s": r.total_time_s}
-                for (pid, turn), r in zip(turn_of, res)
+                 "stop_reason": r.stop_reason, "num_steps": len(r.steps), "total_time_s": r.total_time_s,
+                 "identical_to_baseline": r.output_ids == b.output_ids}
+                for (pid, turn), r, b in zip(turn_of, res, base)
             ]
             for name, res in runs.items()
         }
@@ -235,7 +236,7 @@ def run_eval(
             f"{name}: tau {figures[bench][name]['tau']:.2f} speedup {figures[bench][name]['speedup'] or 0:.2f}x"
             for name in proposers
         )
-        log(f"[eval] {bench}: baseline {figures[bench][BASELINE]['tok_per_s']:.1f} tok/s; {summary or 'no proposers'}")
+        (bar.write if log is print and progress else log)(f"[eval] {bench}: baseline {figures[bench][BASELINE]['tok_per_s']:.1f} tok/s; {summary or 'no proposers'}")
     bar.close()
 
     results: dict[str, Any] = {
@@ -262,5 +263,5 @@ def run_eval(
     }
     if out_dir is not None:
         paths = write_report(results, out_dir)
-        log(f"[eval] report: {paths['markdown']} ({paths['json'].name}, {paths['png'].name})")
+        log(f"[eval] report: {paths['markdown']} ({', '.join(p.name for k, p in paths.items() if k != 'markdown')})")
     return results

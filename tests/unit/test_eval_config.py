@@ -68,3 +68,35 @@ def test_file_override_and_per_benchmark_cap(tmp_path):
         _cfg(benchmarks=["gsm8k"], benchmark_files=[f"gsm8k={path}"], num_prompts_per_benchmark=["gsm8k=4"]))
     assert skipped == {} and len(prompts["gsm8k"]) == 4
     assert all(p.turns[0].startswith("q") and p.turns[0].endswith("\\boxed{}.") for p in prompts["gsm8k"])
+
+
+def test_named_caps_win_over_original_in_any_order():
+    for entries in (["original", "gsm8k=3"], ["gsm8k=3", "original"]):
+        caps = _cfg(num_prompts_per_benchmark=entries).caps()
+        assert caps["gsm8k"] == 3 and caps["mbpp"] == DEEPSPEC_NUM_SAMPLES["mbpp"]
+
+
+def test_a_file_for_an_unselected_benchmark_is_refused():
+    with pytest.raises(ValueError, match="not among --benchmarks"):
+        _cfg(benchmarks=["gsm8k"], benchmark_files=["mt-bench=/d/q.jsonl"])
+
+
+def test_missing_benchmarks_dir_is_an_error_not_a_silent_fallback(tmp_path):
+    with pytest.raises(ValueError, match="--benchmarks-dir"):
+        load_eval_benchmarks(_cfg(benchmarks=["gsm8k"], benchmarks_dir=str(tmp_path / "nope")))
+
+
+def test_turns_given_as_a_string_are_refused(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"turns": "Say hi."}) + "\n")
+    with pytest.raises(ValueError, match="single string"):
+        load_eval_benchmarks(_cfg(benchmarks=["mt-bench"], benchmark_files=[f"mt-bench={path}"]))
+
+
+def test_unwritable_output_dir_fails_before_anything_loads(tmp_path):
+    from deepspec.stages import run_eval_stage
+
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="output_dir"):
+        run_eval_stage(EvalConfig(draft=[str(tmp_path / "no-draft")], output_dir=str(blocker)))
