@@ -104,8 +104,11 @@ def bench_setting(engines: dict[str, SpeculativeEngine], model, prompts: list[li
         engine.generate(prompts[0], max_new_tokens=min(8, max_new_tokens), sampling=sampling, generator=gen(seed))
     hf_generate(model, prompts[0], max_new_tokens=min(8, max_new_tokens), sampling=sampling, eos=eos, pad=pad)
 
+    from tqdm.auto import tqdm
+
     runs: dict[str, list[GenerationResult]] = {m: [] for m in METHODS}
     per_repeat: list[dict[str, float]] = []
+    bar = tqdm(total=repeats * len(prompts), desc=f"decode T={sampling.temperature:g}", unit="prompt")
     for _ in range(repeats):
         start = {m: len(runs[m]) for m in METHODS}
         for i, ids in enumerate(prompts):
@@ -115,8 +118,10 @@ def bench_setting(engines: dict[str, SpeculativeEngine], model, prompts: list[li
             torch.manual_seed(seed + i)
             runs["hf-generate"].append(hf_generate(model, ids, max_new_tokens=max_new_tokens, sampling=sampling,
                                                     eos=eos, pad=pad))
+            bar.update(1)
         per_repeat.append({m: summarise({**{k: runs[k][start[k]:] for k in METHODS}})[m]["tok_per_s"]
                            for m in METHODS})
+    bar.close()
     figures = summarise(runs)
     n = len(runs["target-only"])
 
