@@ -36,3 +36,16 @@ def mask_spans(mask) -> list[tuple[int, int]]:
             spans.append((start, t))
             start = None
     return spans
+
+
+def tiny_llama_target(tokenizer, *, seed: int = 0):
+    """A frozen 3-layer Llama target (hidden 32) for ``tokenizer``'s vocabulary, seeded: the tiny
+    target of the trainer tests (eval mode, no gradients, tied embeddings)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).eval().requires_grad_(False)

@@ -212,7 +212,7 @@ def open_source(spec: str, *, hf_split: str = "train", hf_config: str | None = N
         return _open_demo()
     if spec.startswith(HF_PREFIX):
         dataset_id, split = _parse_hf_spec(spec[len(HF_PREFIX):], hf_split, strict=True)
-        return _open_hf(dataset_id, split=split, config=hf_config, streaming=hf_streaming)
+        return open_hf_dataset(dataset_id, split=split, config=hf_config, streaming=hf_streaming)
     path = Path(spec).expanduser()
     if path.exists():
         return _open_path(path, hf_split=hf_split, skip_unreadable=skip_unreadable,
@@ -221,7 +221,7 @@ def open_source(spec: str, *, hf_split: str = "train", hf_config: str | None = N
         raise FileNotFoundError(f"input {spec!r} does not exist (resolved to {path.resolve()}).")
     parsed = _parse_hf_spec(spec, hf_split, strict=False)
     if parsed is not None:
-        return _open_hf(parsed[0], split=parsed[1], config=hf_config, streaming=hf_streaming)
+        return open_hf_dataset(parsed[0], split=parsed[1], config=hf_config, streaming=hf_streaming)
     raise ValueError(f"input={spec!r} is neither an existing path nor a Hugging Face dataset id. Expected "
                      f"'{SHAREGPT_DEMO}', a .jsonl/.json/.parquet file or a folder of them, or 'org/name[:split]' "
                      f"(prefix 'hf:' to force a dataset id).")
@@ -387,15 +387,20 @@ def _open_saved_dataset(path: Path, *, split: str) -> SourceRows:
                       description=f"saved dataset {name} ({len(loaded)} rows; columns {loaded.column_names[:8]})")
 
 
-def _hf_unavailable(dataset_id: str, split: str, exc: BaseException | str,
-                    index: int | None = None) -> SourceUnavailableError:
+def _hf_unavailable(dataset_id: str, split: str, exc: BaseException | str, index: int | None = None,
+                    data_files: list[str] | None = None) -> SourceUnavailableError:
     at = "" if index is None else f" at row {index}"
     cause = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    if data_files:
+        urls = " ".join(f"https://huggingface.co/datasets/{dataset_id}/resolve/main/{f}" for f in data_files)
+        return SourceUnavailableError(
+            f"cannot load Hugging Face dataset {dataset_id!r} (files {', '.join(data_files)}){at}: {cause}. "
+            f"Without network access, download {urls} where a network exists and pass the local file instead.")
     return SourceUnavailableError(
         f"cannot load Hugging Face dataset {dataset_id!r} (split {split!r}){at}: {cause}. "
         f"Check the id and split; without network access, export the dataset where a network exists "
         f"(datasets.load_dataset({dataset_id!r}, split={split!r}).to_json('data.jsonl') or .to_parquet"
-        f"('data.parquet')) and pass the local file as input (or set HF_HUB_OFFLINE=1 to use a copy "
+        f"('data.parquet')) and pass the local file instead (or set HF_HUB_OFFLINE=1 to use a copy "
         f"already in the `datasets` cache).")
 
 
@@ -428,18 +433,35 @@ def _hub_unreachable() -> str | None:
     return None
 
 
-def _open_hf(dataset_id: str, *, split: str, config: str | None, streaming: bool) -> SourceRows:
+def open_hf_dataset(dataset_id: str, *, split: str = "train", config: str | None = None, streaming: bool = True,
+                    data_files: list[str] | None = None) -> SourceRows:
+    """Rows of a Hugging Face dataset through ``datasets.load_dataset`` (lazily, in order).
+
+    ``data_files``: read these files of the dataset repo (paths inside it) with the ``json`` builder
+    instead, for repos whose loading script ``datasets`` no longer runs (``split`` is then "train",
+    the builder's only split). Raises SourceUnavailableError at once when the Hub host does not
+    resolve (offline), on any load error, and while iterating when streaming fails; the message names
+    the dataset and how to use a local copy.
+    """
     datasets = _import_datasets()
+
+    def unavailable(exc: BaseException | str, index: int | None = None) -> SourceUnavailableError:
+        return _hf_unavailable(dataset_id, split, exc, index, data_files)
+
     unreachable = _hub_unreachable()
     if unreachable is not None:
-        raise _hf_unavailable(dataset_id, split, unreachable)
+        raise unavailable(unreachable)
     try:
-        loaded = datasets.load_dataset(dataset_id, name=config, split=split, streaming=streaming)
+        if data_files:
+            loaded = datasets.load_dataset("json", data_files=[f"hf://datasets/{dataset_id}/{f}" for f in data_files],
+                                           split="train", streaming=streaming)
+        else:
+            loaded = datasets.load_dataset(dataset_id, name=config, split=split, streaming=streaming)
     except Exception as exc:  # network, hub and split errors come as many types; all end here
-        raise _hf_unavailable(dataset_id, split, exc) from exc
+        raise unavailable(exc) from exc
     name = f"{dataset_id}:{split}"
     num_records = None if streaming else len(loaded)
-    located = dataset_rows(loaded, name=name, on_error=lambda exc, i: _hf_unavailable(dataset_id, split, exc, i))
+    located = dataset_rows(loaded, name=name, on_error=unavailable)
     return SourceRows(located=located, num_lost=0, num_records=num_records,
                       description=f"Hugging Face dataset {dataset_id}" + (f" ({config})" if config else "") +
                                   f", split {split}" + (" (streaming)" if streaming else f" ({num_records} rows)"))

@@ -267,9 +267,6 @@ class HFData:
         config = f"config {self.config!r}, " if self.config else ""
         return f"Hugging Face dataset {self.dataset} ({config}split {self.split!r})"
 
-    def file_urls(self) -> list[str]:
-        return [f"https://huggingface.co/datasets/{self.dataset}/resolve/main/{f}" for f in self.files]
-
 
 @dataclass(frozen=True, kw_only=True)
 class Benchmark:
@@ -431,31 +428,12 @@ def _read_wheel(wheel: WheelData) -> Rows:
 
 
 def _read_hf(hf: HFData) -> Rows:
-    """All rows of a Hugging Face dataset, through :mod:`deepspec.data.sources` (its offline check,
-    its SourceUnavailableError). Streams: rows arrive as they download, no full copy on disk."""
-    from deepspec.data import sources
+    """All rows of a Hugging Face dataset, through :func:`deepspec.data.sources.open_hf_dataset` (its
+    offline check, its SourceUnavailableError). Streams: rows arrive as they download, no full copy on disk."""
+    from deepspec.data.sources import open_hf_dataset
 
-    if not hf.files:
-        opened = sources.open_source(f"hf:{hf.dataset}:{hf.split}", hf_config=hf.config)
-        return [(r.where, r.row) for r in opened.located]
-
-    def unavailable(cause: BaseException | str, index: int | None = None) -> Exception:
-        at = "" if index is None else f" at row {index}"
-        cause = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
-        return sources.SourceUnavailableError(
-            f"cannot load {hf.describe()}{at}: {cause}. Without network access, download "
-            f"{' '.join(hf.file_urls())} where a network exists and pass the file as path=.")
-
-    datasets = sources._import_datasets()
-    unreachable = sources._hub_unreachable()
-    if unreachable is not None:
-        raise unavailable(unreachable)
-    urls = [f"hf://datasets/{hf.dataset}/{f}" for f in hf.files]
-    try:
-        loaded = datasets.load_dataset("json", data_files=urls, split="train", streaming=True)
-    except Exception as exc:  # network, hub and file errors come as many types
-        raise unavailable(exc) from exc
-    return [(r.where, r.row) for r in sources.dataset_rows(loaded, name=hf.dataset, on_error=unavailable)]
+    opened = open_hf_dataset(hf.dataset, split=hf.split, config=hf.config, data_files=list(hf.files) or None)
+    return [(r.where, r.row) for r in opened.located]
 
 
 def _missing_message(bench: Benchmark, folder: Path | None, reasons: list[str]) -> str:

@@ -51,10 +51,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
 
-from deepspec.eval.proposers import Proposer
-from deepspec.eval.verify import SamplingParams, sampling_probs, verify
+from deepspec.eval.proposers import Proposer, draw_token
+from deepspec.eval.verify import SamplingParams, verify
 from deepspec.target.capture import target_forward
 
 GREEDY = SamplingParams()
@@ -189,15 +188,6 @@ class SpeculativeEngine:
             compute_logits=compute_logits,
         )
 
-    @staticmethod
-    def _sample_first(logits_V: Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
-        """The first output token: argmax when greedy, else one draw from ``sampling_probs(logits_V)``."""
-        if sampling.greedy:
-            return int(logits_V.argmax())
-        probs_V = sampling_probs(logits_V, sampling)
-        device = generator.device if generator is not None else probs_V.device
-        return int(torch.multinomial(probs_V.to(device), 1, generator=generator).item())
-
     @torch.inference_mode()
     def generate(
         self,
@@ -252,7 +242,7 @@ class SpeculativeEngine:
         if uses_features:
             _check_croppable(cache)  # fail before the first rejection, not at it
         logits_V = self._lm_head(out.target_last_hidden_BTH[0, -1])
-        anchor = self._sample_first(logits_V, sampling, generator)
+        anchor = int(draw_token(logits_V, sampling, generator)[0])  # the first output token
         anchor_pos = len(prompt_ids)
         if uses_features:
             proposer.extend_context(out.target_hidden_BTF[0], list(prompt_ids))

@@ -15,6 +15,29 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+WEIGHTS_NAME = "model.safetensors"  # a draft folder's weights (every algorithm, and the original's layout)
+CONFIG_NAME = "config.json"  # a draft folder's config
+
+
+def save_draft_folder(out_dir: Any, state: dict[str, Any], config: dict[str, Any]) -> Any:
+    """Write a draft folder, ``WEIGHTS_NAME`` (safetensors; each tensor made contiguous on the CPU) and
+    ``CONFIG_NAME`` (``config`` as JSON), atomically: the folder appears only when complete.
+    Returns ``out_dir`` as a ``Path``."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from deepspec.utils import atomic_path
+
+    out_dir = Path(out_dir)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir(parents=True)
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return out_dir
+
 # family -> (transformers model module, config class name, rms norm class, mlp class, rotary class)
 _FAMILIES: dict[str, tuple[str, str, str]] = {
     "llama": ("transformers.models.llama.modeling_llama", "LlamaConfig", "Llama"),

@@ -31,12 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from deepspec.models.config import DraftConfig
+from deepspec.models.config import CONFIG_NAME, WEIGHTS_NAME, DraftConfig, save_draft_folder
 from deepspec.models.mask import dense_block_mask, flex_block_mask
-from deepspec.utils import atomic_path
 
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
 
 
 @dataclass
@@ -479,20 +476,13 @@ class DSparkDraftModel(nn.Module):
         """Write ``model.safetensors`` (all weights incl. frozen embed/lm_head: self-contained, as the
         original) and ``config.json`` (DraftConfig + ``architectures`` + ``deepspec_algorithm``),
         atomically as a folder."""
-        from safetensors.torch import save_file
 
-        out_dir = Path(out_dir)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         # deepspec_algorithm: the registry's name (deepspec.models.registry.algorithm_of_draft); DFlash is
         # this model with both heads off.
         heads = self.config.use_markov_head or self.config.use_confidence_head
         cfg = {"architectures": [self.config.architecture], "model_type": "dspark",
                "deepspec_algorithm": "dspark" if heads else "dflash", "draft_config": self.config.to_dict()}
-        with atomic_path(out_dir) as tmp:
-            tmp.mkdir(parents=True)
-            save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-            (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-        return out_dir
+        return save_draft_folder(out_dir, self.state_dict(), cfg)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",

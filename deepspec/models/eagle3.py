@@ -44,12 +44,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from deepspec.models.config import TargetShapeConfig, target_shape_fields
+from deepspec.models.config import CONFIG_NAME, WEIGHTS_NAME, TargetShapeConfig, save_draft_folder, target_shape_fields
 from deepspec.models.dspark import copy_target_embeddings, qk_norms, split_heads
-from deepspec.utils import atomic_path
 
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
 ALGORITHM_NAME = "eagle3"
 
 
@@ -284,17 +281,10 @@ class Eagle3DraftModel(nn.Module):
     def save_pretrained(self, out_dir: str | Path) -> Path:
         """``model.safetensors`` (all weights, self-contained) + ``config.json`` with
         ``deepspec_algorithm: eagle3``, written atomically as a folder."""
-        from safetensors.torch import save_file
 
-        out_dir = Path(out_dir)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         cfg = {"architectures": ["Eagle3DraftModel"], "model_type": "eagle3", "deepspec_algorithm": ALGORITHM_NAME,
                "eagle3_config": self.config.to_dict()}
-        with atomic_path(out_dir) as tmp:
-            tmp.mkdir(parents=True)
-            save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-            (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-        return out_dir
+        return save_draft_folder(out_dir, self.state_dict(), cfg)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu") -> Eagle3DraftModel:

@@ -41,12 +41,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepspec.models.config import ARCHITECTURES, MARKOV_HEAD_TYPES, DraftConfig, dflash_knobs, target_shape_fields
+from deepspec.models.config import (
+    ARCHITECTURES,
+    CONFIG_NAME,
+    MARKOV_HEAD_TYPES,
+    WEIGHTS_NAME,
+    DraftConfig,
+    dflash_knobs,
+    save_draft_folder,
+    target_shape_fields,
+)
 from deepspec.models.dspark import DSparkDraftModel
-from deepspec.utils import atomic_path
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 ORIGINAL_ARCHITECTURE = "Qwen3DSparkModel"
 _FAMILY_OF_ARCHITECTURE = {arch: family for family, arch in ARCHITECTURES.items()}
@@ -379,17 +385,11 @@ def save_original_dspark(model: DSparkDraftModel, folder: str | Path, *, include
     ``include_embeddings=False`` leaves out ``embed_tokens`` / ``lm_head`` (loading then needs the
     target). Tensors keep the model's dtype.
     """
-    from safetensors.torch import save_file
 
     if not isinstance(model, DSparkDraftModel):
         raise ValueError(f"save_original_dspark.model: expected a DSparkDraftModel, received {type(model).__name__}.")
-    folder = Path(folder)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
+    state = {k: v for k, v in model.state_dict().items()
              if k not in _DERIVED_BUFFERS and (include_embeddings or k not in _EMBEDDINGS)}
     cfg = original_config_dict(model.config, num_anchors=num_anchors)
     cfg["dtype"] = str(model.fc.weight.dtype).removeprefix("torch.")
-    with atomic_path(folder) as tmp:
-        tmp.mkdir(parents=True)
-        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-    return folder
+    return save_draft_folder(folder, state, cfg)

@@ -24,10 +24,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from deepspec.models.config import CONFIG_NAME
 from deepspec.models.eagle3 import Eagle3Algorithm
 from deepspec.train.data import TrainBatch
 
-DRAFT_CONFIG_NAME = "config.json"
 
 
 class LossLike(Protocol):
@@ -183,15 +183,15 @@ def algorithm_of_draft(path: str | Path) -> str:
     """
     import json
 
-    config_path = Path(path) / DRAFT_CONFIG_NAME
+    config_path = Path(path) / CONFIG_NAME
     if not config_path.is_file():
-        raise FileNotFoundError(f"{path}: no {DRAFT_CONFIG_NAME}; pass a draft folder written by `deepspec train`")
+        raise FileNotFoundError(f"{path}: no {CONFIG_NAME}; pass a draft folder written by `deepspec train`")
     try:
         cfg = json.loads(config_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{config_path}: not valid JSON ({exc.msg}); pass a draft folder written by `deepspec train`")
     if not isinstance(cfg, dict) or not ("deepspec_algorithm" in cfg or "draft_config" in cfg):
-        raise ValueError(f"{path}: {DRAFT_CONFIG_NAME} is not a DeepSpec draft's (no 'deepspec_algorithm'); pass a "
+        raise ValueError(f"{path}: {CONFIG_NAME} is not a DeepSpec draft's (no 'deepspec_algorithm'); pass a "
                          f"checkpoint folder written by `deepspec train` (checkpoint-N/ or its draft/)")
     if "deepspec_algorithm" in cfg:
         name = str(cfg["deepspec_algorithm"])

@@ -228,14 +228,11 @@ def test_trainer_lowers_the_loss(tmp_path):
     from deepspec.data.cache import write_target_cache_from_samples
     from deepspec.target.load import target_fingerprint, tokenizer_fingerprint
     from deepspec.train.loop import TrainConfig, train
+    from tests.helpers import tiny_llama_target
     from tests.unit.test_chat import tiny_chatml_tokenizer
 
     tok = tiny_chatml_tokenizer()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    model = tiny_llama_target(tok)
     gen = torch.Generator().manual_seed(1)
     samples = []
     for i in range(4):
