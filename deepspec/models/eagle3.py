@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance
 from deepspec.models.config import CONFIG_NAME, WEIGHTS_NAME, TargetShapeConfig, save_draft_folder, target_shape_fields
 from deepspec.models.dspark import copy_target_embeddings, qk_norms, split_heads
 
@@ -333,36 +334,43 @@ class _Eagle3MicroBatch:
 @dataclass
 class Eagle3LossOutput:
     """``loss`` carries the graph. ``acc_K``: fraction of this micro-batch's supervised rows at step
-    k where argmax(draft) == argmax(target) (teacher-forced greedy acceptance of slot k given an
-    accepted prefix). ``tau_estimate = 1 + sum_k prod_{j<=k} acc_j``. ``share`` = local weight /
-    global weight: ``scalars()`` reports ``acc_k`` times ``share`` so that the trainer's sum over
-    micro-batches is a weight-averaged accuracy."""
+    k where argmax(draft) == argmax(target) (teacher-forced greedy acceptance of slot k).
+    ``acceptance``: the chains' additive acceptance counts (:mod:`deepspec.models.acceptance`, one
+    chain per start row); the trainer sums them over the global batch and ranks before taking the
+    tau estimates."""
 
     loss: Tensor
     weight_sum: Tensor
     local_weight_sum: Tensor
     num_supervised_K: list[int]
     acc_K: list[float]
-    tau_estimate: float
+    acceptance: AcceptanceCounts
+
+    @property
+    def tau_estimate(self) -> float:
+        return self.acceptance.tau()
+
+    @property
+    def greedy_tau_estimate(self) -> float:
+        return self.acceptance.greedy_tau()
 
     def scalars(self) -> dict[str, float]:
-        share = float(self.local_weight_sum) / max(float(self.weight_sum), 1e-12)
-        out = {"loss": float(self.loss.detach()), "num_supervised": float(sum(self.num_supervised_K)),
-               "tau_estimate": self.tau_estimate}
-        out.update({f"acc_{k}": a * share for k, a in enumerate(self.acc_K)})
-        return out
+        return {"loss": float(self.loss.detach()), "num_supervised": float(sum(self.num_supervised_K))}
 
 
 def _soft_ce_chunk(hidden_NH: Tensor, target_hidden_NH: Tensor, w_N: Tensor, final_norm: nn.Module,
                    lm_w: Tensor) -> tuple[Tensor, Tensor]:
-    """Weighted soft-CE sum of a chunk and (detached) argmax matches; recomputed in backward."""
+    """Weighted soft-CE sum of a chunk, and (detached) argmax matches and T = 1 acceptance
+    probabilities ``1 - TV``; recomputed in backward."""
     logits = F.linear(final_norm(hidden_NH), lm_w).float()
+    logp = F.log_softmax(logits, dim=-1)
     with torch.no_grad():
         tlogits = F.linear(target_hidden_NH.to(lm_w.dtype), lm_w).float()
         tprob = torch.softmax(tlogits, dim=-1)
         match = (logits.argmax(-1) == tlogits.argmax(-1)).float()
-    ce = -(tprob * F.log_softmax(logits, dim=-1)).sum(-1)
-    return (w_N * ce).sum(), match
+        accept = (1.0 - 0.5 * (logp.exp() - tprob).abs().sum(-1)).clamp(0.0, 1.0)
+    ce = -(tprob * logp).sum(-1)
+    return (w_N * ce).sum(), match, accept
 
 
 def eagle3_loss(model: Eagle3DraftModel, input_ids_BS: Tensor, loss_mask_BS: Tensor, target_hidden_BSF: Tensor,
@@ -385,6 +393,8 @@ def eagle3_loss(model: Eagle3DraftModel, input_ids_BS: Tensor, loss_mask_BS: Ten
     loss = sum(o.sum() for o in outs) * 0.0  # keeps the graph when nothing is supervised
     tl = target_last_hidden_BSH.to(dev)
     counts, accs = [], []
+    match_KBS = torch.zeros(valid_KBS.shape, dtype=torch.bool, device=dev)
+    accept_KBS = torch.zeros(valid_KBS.shape, device=dev)
     for k in range(K):
         b_N, t_N = valid_KBS[k].nonzero(as_tuple=True)
         N = int(b_N.numel())
@@ -395,22 +405,21 @@ def eagle3_loss(model: Eagle3DraftModel, input_ids_BS: Tensor, loss_mask_BS: Ten
         h_NH = outs[k][b_N, t_N]
         th_NH = tl[b_N, t_N + k + 1]
         w_N = w_KBS[k][b_N, t_N]
-        matches = []
+        matches, accepts = [], []
         for s in range(0, N, chunk_rows):
             e = min(N, s + chunk_rows)
-            part, match = checkpoint(_soft_ce_chunk, h_NH[s:e], th_NH[s:e], w_N[s:e], model.norm,
-                                     model.lm_head.weight, use_reentrant=False)
+            part, match, accept = checkpoint(_soft_ce_chunk, h_NH[s:e], th_NH[s:e], w_N[s:e], model.norm,
+                                             model.lm_head.weight, use_reentrant=False)
             loss = loss + part / norm
             matches.append(match)
+            accepts.append(accept)
+        match_KBS[k][b_N, t_N] = torch.cat(matches).bool()
+        accept_KBS[k][b_N, t_N] = torch.cat(accepts)
         accs.append(float(torch.cat(matches).mean()))
-    tau, surv = 1.0, 1.0
-    for n, a in zip(counts, accs):
-        if n == 0:
-            break
-        surv *= a
-        tau += surv
+    # one chain per start row (b, t): its step k is slot k
+    acceptance = chain_acceptance(valid_KBS.flatten(1).T, match_KBS.flatten(1).T, accept_KBS.flatten(1).T)
     return Eagle3LossOutput(loss=loss, weight_sum=norm.detach(), local_weight_sum=local_ws.detach(),
-                            num_supervised_K=counts, acc_K=accs, tau_estimate=tau)
+                            num_supervised_K=counts, acc_K=accs, acceptance=acceptance)
 
 
 # ----------------------------------------------------------------------------------------------- algorithm

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance
 from deepspec.models.config import DraftConfig
 
 
@@ -71,9 +72,9 @@ class LossOutput:
     accept_rate_K: mean over valid slots at k of ``1 - L1/2`` (= 1 - TV: the probability that
       rejection sampling at T=1 accepts a draft token given an accepted prefix; teacher-forced).
     top1_match_K: fraction of valid slots at k where argmax(draft) == argmax(target) (greedy accept).
-    tau_estimate: ``1 + sum_k prod_{j<=k} accept_rate_j`` — expected acceptance length at T=1 if
-      slot acceptances were independent with these per-slot rates (a training-time proxy of tau;
-      NaN-free: a k with no valid slot contributes 0 and stops the product).
+    acceptance: the blocks' additive acceptance counts (:mod:`deepspec.models.acceptance`); the
+      trainer sums them over the global batch and ranks before taking the tau estimates. None
+      when the loss has no target distribution.
     """
 
     loss: Tensor
@@ -85,25 +86,23 @@ class LossOutput:
     num_valid_slots: int
     accept_rate_K: Tensor
     top1_match_K: Tensor
-    tau_estimate: float
-    greedy_tau_estimate: float
+    acceptance: AcceptanceCounts | None
+
+    @property
+    def tau_estimate(self) -> float:
+        """This micro-batch's T = 1 estimate (NaN without a target distribution)."""
+        return float("nan") if self.acceptance is None else self.acceptance.tau()
+
+    @property
+    def greedy_tau_estimate(self) -> float:
+        """This micro-batch's greedy estimate (NaN without a target distribution)."""
+        return float("nan") if self.acceptance is None else self.acceptance.greedy_tau()
 
     def scalars(self) -> dict[str, float]:
-        """Loggable floats. loss/ce/l1/confidence/num_valid_slots add up over the micro-batches of a
-        global batch (global ``weight_sum``); ``tau*`` are per-micro-batch estimates (average them)."""
+        """Loggable floats; each adds up over the micro-batches of a global batch (global
+        ``weight_sum``). The tau estimates come from the pooled ``acceptance`` counts instead."""
         return {"loss": float(self.loss.detach()), "ce": float(self.ce), "l1": float(self.l1),
-                "confidence": float(self.confidence), "num_valid_slots": float(self.num_valid_slots),
-                "tau_estimate": self.tau_estimate, "greedy_tau_estimate": self.greedy_tau_estimate}
-
-
-def _tau(rate_K: Tensor, count_K: Tensor) -> float:
-    surv, tau = 1.0, 1.0
-    for r, n in zip(rate_K.tolist(), count_K.tolist()):
-        if n == 0:
-            break
-        surv *= r
-        tau += surv
-    return tau
+                "confidence": float(self.confidence), "num_valid_slots": float(self.num_valid_slots)}
 
 
 def dspark_loss(
@@ -156,8 +155,8 @@ def dspark_loss(
         z = zero.detach()
         zk = torch.zeros(K)
         return LossOutput(loss=zero, ce=z, l1=z, confidence=z, weight_sum=norm.detach(), local_weight_sum=local_ws,
-                          num_valid_slots=0, accept_rate_K=zk, top1_match_K=zk, tau_estimate=1.0,
-                          greedy_tau_estimate=1.0)
+                          num_valid_slots=0, accept_rate_K=zk, top1_match_K=zk,
+                          acceptance=AcceptanceCounts.zeros(K))
     b_N, a_N, k_N = idx_N3.unbind(-1)
     w_N = w_BAK[b_N, a_N, k_N]
     slot_pos_N = anchor_pos_BA.to(dev).long()[b_N, a_N] + k_N  # position a+k (< S-1 for valid slots)
@@ -188,6 +187,7 @@ def dspark_loss(
     l1 = conf = torch.zeros((), device=dev)
     accept_K = torch.zeros(K)
     top1_K = torch.zeros(K)
+    acceptance = None
     count_K = torch.bincount(k_N, minlength=K).cpu()
     if l1_parts:
         l1_N = torch.cat(l1_parts)
@@ -206,8 +206,11 @@ def dspark_loss(
             cnt = count_K.clamp_min(1).float()
             accept_K = torch.zeros(K, device=dev).index_add_(0, k_N, acc_N).cpu() / cnt
             top1_K = torch.zeros(K, device=dev).index_add_(0, k_N, match_N).cpu() / cnt
-    tau = _tau(accept_K, count_K) if l1_parts else float("nan")
-    gtau = _tau(top1_K, count_K) if l1_parts else float("nan")
+            match_BAK = torch.zeros_like(valid_BAK)
+            match_BAK[b_N, a_N, k_N] = match_N.bool()
+            prob_BAK = torch.zeros(valid_BAK.shape, device=dev)
+            prob_BAK[b_N, a_N, k_N] = acc_N.float()
+            acceptance = chain_acceptance(valid_BAK.flatten(0, 1), match_BAK.flatten(0, 1), prob_BAK.flatten(0, 1))
     return LossOutput(loss=loss, ce=ce.detach(), l1=l1.detach(), confidence=conf.detach(), weight_sum=norm.detach(),
                       local_weight_sum=local_ws, num_valid_slots=int(N), accept_rate_K=accept_K, top1_match_K=top1_K,
-                      tau_estimate=tau, greedy_tau_estimate=gtau)
+                      acceptance=acceptance)

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from deepspec.models.acceptance import AcceptanceCounts
 from deepspec.models.config import CONFIG_NAME
 from deepspec.models.eagle3 import Eagle3Algorithm
 from deepspec.train.data import TrainBatch
@@ -32,6 +33,9 @@ from deepspec.train.data import TrainBatch
 
 class LossLike(Protocol):
     loss: torch.Tensor  # scalar, differentiable: this micro-batch's share of the global-batch mean
+    # additive acceptance counts (summed over the global batch and ranks, then turned into the tau
+    # estimates); None when the loss has no target distribution to compare with
+    acceptance: AcceptanceCounts | None
 
     def scalars(self) -> dict[str, float]: ...  # what the trainer logs (summed over micro-batches)
 

@@ -89,6 +89,12 @@ class TrainConfig:
     keep_last: int = 0  # keep the newest N checkpoint-*/ folders (never the one `latest` names); 0 = keep all
     seed: int = 0  # seeds the draft init and the data order
     resume: str | None = None  # None | "auto" | a checkpoint folder
+    # Learning curve: greedy tau on a fixed held-out prompt set (deepspec.train.heldout), at step 0, every
+    # heldout_every steps and at the end; logged to train_log.jsonl, TensorBoard and train_loss.png
+    heldout_every: int = 0  # held-out greedy tau every N steps (and at steps 0 and max_steps); 0 = off
+    heldout_benchmarks: list[str] = dataclasses.field(default_factory=lambda: ["gsm8k", "mt-bench"])  # prompt sets
+    heldout_num_prompts: int = 4  # prompts per held-out benchmark (seeded sample, first turn)
+    heldout_max_new_tokens: int = 64  # output tokens per held-out prompt
 
     def __post_init__(self) -> None:
         if (self.cache_dir is None) == (self.online_data is None):
@@ -118,6 +124,13 @@ class TrainConfig:
             )
         if self.lr <= 0 or self.grad_clip <= 0:
             raise ValueError(f"train.lr and train.grad_clip must be > 0, got {self.lr} and {self.grad_clip}")
+        if self.heldout_every < 0:
+            raise ValueError(f"train.heldout_every: expected an integer >= 0 (0 = off), got {self.heldout_every}")
+        if self.heldout_num_prompts < 1 or self.heldout_max_new_tokens < 1:
+            raise ValueError(f"train.heldout_num_prompts and train.heldout_max_new_tokens: expected integers >= 1, "
+                             f"got {self.heldout_num_prompts} and {self.heldout_max_new_tokens}")
+        if self.heldout_every and not self.heldout_benchmarks:
+            raise ValueError("train.heldout_benchmarks: expected at least one benchmark name when heldout_every > 0")
 
 
 def build_draft(target_model, tokenizer, cfg: TrainConfig, target_layer_ids: list[int]) -> torch.nn.Module:
@@ -485,7 +498,8 @@ def open_training_data(cfg: TrainConfig, target_model, tokenizer) -> TargetCache
     return cache
 
 
-def train(cfg: TrainConfig, *, target_model=None, tokenizer=None) -> Path:
+def train(cfg: TrainConfig, *, target_model=None, tokenizer=None,
+          heldout_prompts: list[tuple[str, str, list[int]]] | None = None) -> Path:
     """Train a draft on a target cache, or online (``cfg.online_data``); return the final checkpoint folder.
 
     One process (``deepspec train``) or one process per device under ``torchrun`` (the rank and world
@@ -506,6 +520,12 @@ def train(cfg: TrainConfig, *, target_model=None, tokenizer=None) -> Path:
 
     Resuming a checkpoint already at ``cfg.max_steps`` does nothing and returns that checkpoint.
 
+    With ``cfg.heldout_every`` the draft's greedy tau on a fixed held-out prompt set
+    (:mod:`deepspec.train.heldout`; ``heldout_prompts`` = ``(benchmark, id, prompt ids)`` triples,
+    default: ``cfg.heldout_num_prompts`` first-turn prompts of each of ``cfg.heldout_benchmarks``) is
+    logged at step 0, every ``heldout_every`` steps and at the end: the learning curve. Its time is
+    not counted in ``step_time_s`` / ``elapsed_s``.
+
     Raises:
         ValueError: the cache was built for another target/tokenizer/layer set, the mask token occurs
             in the data, a setting is invalid, the checkpoint to resume is past ``cfg.max_steps`` or was
@@ -514,13 +534,13 @@ def train(cfg: TrainConfig, *, target_model=None, tokenizer=None) -> Path:
     """
     ctx = _setup_distributed()
     try:
-        return _train(cfg, ctx, target_model=target_model, tokenizer=tokenizer)
+        return _train(cfg, ctx, target_model=target_model, tokenizer=tokenizer, heldout_prompts=heldout_prompts)
     finally:
         if ctx.created_group:
             dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None) -> Path:
+def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, heldout_prompts=None) -> Path:
     resume_from = _resolve_resume(cfg, log=ctx.is_main)
     state = None
     if resume_from is not None:
@@ -592,6 +612,33 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None) -
         log_rows = _read_log(log_path, upto_step=start_step)
         # purge_step drops events an earlier run logged after the resume point (they are replayed)
         writer = SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+    heldout = (_HeldoutCurve(cfg, ctx, algorithm, target_model, tokenizer, target_layer_ids, heldout_prompts)
+               if cfg.heldout_every else None)
+    elapsed_s = next((r["elapsed_s"] for r in reversed(log_rows) if "elapsed_s" in r), 0.0)
+
+    def log_row(row: dict) -> None:
+        log_rows.append(row)
+        with log_path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        for key, value in row.items():
+            if key != "step":
+                writer.add_scalar(f"{'heldout' if key.startswith('heldout') else 'train'}/{key}", value, row["step"])
+
+    def evaluate_heldout(step_done: int, row: dict | None) -> None:
+        """Add the held-out tau to ``row`` (the step's log row), or log a row of its own (step 0)."""
+        result = heldout.evaluate(model, template)  # every rank takes part (sharded weights are gathered)
+        if not ctx.is_main:
+            return
+        if row is None:
+            log_row({"step": step_done, "elapsed_s": elapsed_s, **result})
+        else:
+            row.update(result)
+        print(f"train: step {step_done}: held-out greedy tau {result['heldout_tau']:.2f} ("
+              + ", ".join(f"{k[len('heldout_tau_'):]} {v:.2f}" for k, v in result.items() if k != "heldout_tau")
+              + ")", flush=True)
+
+    if heldout is not None and start_step == 0:
+        evaluate_heldout(0, None)
     model.train()
     autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
     # FSDP averages gradients over ranks; each rank's loss is already its share of the global mean
@@ -618,11 +665,14 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None) -
             if ctx.sharded:
                 dist.all_reduce(weight_sum)
             totals: dict[str, float] = {}
+            acceptance = None
             for prepared in micro:
                 loss_out = algorithm.loss(model, prepared, weight_sum=weight_sum, autocast=autocast)
                 (loss_out.loss * grad_scale if ctx.sharded else loss_out.loss).backward()
                 for key, value in loss_out.scalars().items():
                     totals[key] = totals.get(key, 0.0) + value
+                if loss_out.acceptance is not None:
+                    acceptance = loss_out.acceptance if acceptance is None else acceptance + loss_out.acceptance
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
                 grad_norm = grad_norm.full_tensor()
@@ -633,23 +683,24 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None) -
             optimizer.zero_grad(set_to_none=True)
             totals["num_tokens"] = float(num_tokens)
             totals = _reduce_scalars(totals, ctx)
+            totals.update(_pooled_tau(acceptance, ctx))
             step_time = time.perf_counter() - t0
+            elapsed_s += step_time
             row = {
                 "step": step + 1,
                 "lr": step_lr,
                 "grad_norm": float(grad_norm),
                 "step_time_s": step_time,
+                "elapsed_s": elapsed_s,
                 "tokens_per_s": totals["num_tokens"] / step_time,
-                # loss terms add up over micro-batches and ranks; tau estimates are averaged
-                **{k: v / (cfg.grad_accum_steps * ctx.world_size) if "tau" in k else v for k, v in totals.items()},
+                # loss terms add up over micro-batches and ranks; tau estimates come from pooled counts
+                **totals,
             }
+            if heldout is not None and ((step + 1) % cfg.heldout_every == 0 or step + 1 == cfg.max_steps):
+                evaluate_heldout(step + 1, row)
+                model.train()
             if ctx.is_main:
-                log_rows.append(row)
-                with log_path.open("a", encoding="utf-8") as f:
-                    f.write(json.dumps(row) + "\n")
-                for key, value in row.items():
-                    if key != "step":
-                        writer.add_scalar(f"train/{key}", value, step + 1)
+                log_row(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", tau_est=f"{row.get('tau_estimate', float('nan')):.2f}")
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.max_steps:
                 last_ckpt = save_checkpoint(model, optimizer, scheduler, step=step + 1, cfg=cfg, ctx=ctx,
@@ -665,6 +716,62 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None) -
     return last_ckpt
 
 
+class _HeldoutCurve:
+    """The learning curve's held-out set: the reference (target greedy outputs + features, made once
+    on rank 0 and kept in ``<output_dir>/heldout_reference.pt``) and its evaluation."""
+
+    def __init__(self, cfg: TrainConfig, ctx: _Dist, algorithm, target_model, tokenizer, target_layer_ids,
+                 prompts: list[tuple[str, str, list[int]]] | None) -> None:
+        from deepspec.eval.run import eos_token_ids_of
+        from deepspec.train.heldout import REFERENCE_NAME, load_or_make_reference, make_reference, reference_key
+
+        self.cfg, self.ctx, self.algorithm = cfg, ctx, algorithm
+        self.max_positions = int(target_model.config.max_position_embeddings)
+        self.eos = eos_token_ids_of(target_model, tokenizer)
+        self.refs = []
+        if not ctx.is_main:
+            return
+        if prompts is None:
+            prompts = heldout_prompt_ids(cfg.heldout_benchmarks, cfg.heldout_num_prompts, tokenizer)
+        key = reference_key(prompts, target_fingerprint=target_fingerprint(target_model),
+                            target_layer_ids=target_layer_ids, max_new_tokens=cfg.heldout_max_new_tokens,
+                            block_size=cfg.block_size, eos_token_ids=self.eos)
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        self.refs = load_or_make_reference(
+            Path(cfg.output_dir) / REFERENCE_NAME, key,
+            lambda: make_reference(target_model, prompts, target_layer_ids, self.eos,
+                                   max_new_tokens=cfg.heldout_max_new_tokens, block_size=cfg.block_size))
+
+    def evaluate(self, model: torch.nn.Module, template: torch.nn.Module | None) -> dict[str, float]:
+        """Greedy held-out tau of the current weights (rank 0; other ranks only help gather: ``{}``)."""
+        from deepspec.train.heldout import heldout_tau
+
+        draft = model
+        if self.ctx.sharded:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            state = get_model_state_dict(model, options=_state_dict_options(cpu_offload=True))
+            if not self.ctx.is_main:
+                return {}
+            template.load_state_dict(state)
+            draft = template
+        proposer = self.algorithm.proposer(draft, max_positions=self.max_positions)
+        device = next(draft.parameters()).device
+        return heldout_tau(proposer, self.refs, max_new_tokens=self.cfg.heldout_max_new_tokens,
+                           eos_token_ids=self.eos, device=device)
+
+
+def heldout_prompt_ids(benchmarks: list[str], num_prompts: int, tokenizer) -> list[tuple[str, str, list[int]]]:
+    """``(benchmark, prompt id, prompt ids)`` of the first turn of ``num_prompts`` prompts per
+    benchmark: the same seeded sample ``deepspec eval`` takes (its default seed), rendered with the
+    one prompt rule (:func:`deepspec.data.chat.render_prompt`)."""
+    from deepspec.data.chat import render_prompt
+    from deepspec.eval.benchmarks import load_benchmark
+
+    return [(name, p.id, render_prompt(tokenizer, p.messages))
+            for name in benchmarks for p in load_benchmark(name, max_samples=num_prompts)]
+
+
 def _reduce_scalars(values: dict[str, float], ctx: _Dist) -> dict[str, float]:
     """Sum each logged scalar over the ranks (one all-reduce; every rank logs the same keys)."""
     if not ctx.sharded:
@@ -673,6 +780,23 @@ def _reduce_scalars(values: dict[str, float], ctx: _Dist) -> dict[str, float]:
     packed = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(packed)
     return dict(zip(keys, packed.tolist()))
+
+
+def _pooled_tau(acceptance, ctx: _Dist) -> dict[str, float]:
+    """The step's tau estimates from acceptance counts summed over its micro-batches and all ranks
+    (:mod:`deepspec.models.acceptance`): ``tau_estimate`` (T = 1), ``greedy_tau_estimate`` and the
+    greedy prefix survival ``accept_rate_prefix_k`` per slot. Empty when the loss gives no counts
+    (every rank must then give none)."""
+    if acceptance is None:
+        return {}
+    packed = acceptance.pack().to(ctx.device)
+    if ctx.sharded:
+        dist.all_reduce(packed)
+    pooled = type(acceptance).unpack(packed)
+    out = {"tau_estimate": pooled.tau(), "greedy_tau_estimate": pooled.greedy_tau()}
+    for k, (s, n) in enumerate(zip(pooled.greedy_survive_K.tolist(), pooled.count_K.tolist())):
+        out[f"accept_rate_prefix_{k + 1}"] = s / n if n > 0 else 0.0
+    return out
 
 
 def _read_log(path: Path, *, upto_step: int) -> list[dict]:
@@ -685,7 +809,20 @@ def _read_log(path: Path, *, upto_step: int) -> list[dict]:
     return rows
 
 
+def _ema(values: list[float], alpha: float = 0.9) -> list[float]:
+    """Exponential moving average (bias-corrected, so the first points are not pulled to 0)."""
+    out, acc, weight = [], 0.0, 0.0
+    for v in values:
+        acc = alpha * acc + (1 - alpha) * v
+        weight = alpha * weight + (1 - alpha)
+        out.append(acc / weight)
+    return out
+
+
 def _plot_log(rows: list[dict], path: Path) -> None:
+    """``train_loss.png``: loss terms (log scale), the training tau estimates and, when logged, the
+    held-out greedy tau (the learning curve). Noisy per-step series are drawn faint with their
+    exponential moving average on top."""
     if not rows:
         return
     import matplotlib
@@ -693,18 +830,44 @@ def _plot_log(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in rows]
-    fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(10, 4))
-    for key in ("loss", "ce", "l1", "confidence"):
-        if key in rows[0]:
-            ax_loss.plot(steps, [r[key] for r in rows], label=key)
+    heldout = [r for r in rows if "heldout_tau" in r]
+    fig, axes = plt.subplots(1, 3 if heldout else 2, figsize=(15 if heldout else 10, 4))
+    ax_loss, ax_tau = axes[0], axes[1]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+    def series(ax, key: str, color: str, label: str) -> None:
+        pts = [(r["step"], r[key]) for r in rows if key in r and r[key] == r[key] and r[key] > 0]
+        if not pts:
+            return
+        steps, values = zip(*pts)
+        ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
+        ax.plot(steps, _ema(list(values)), color=color, label=f"{label} (EMA 0.9)")
+
+    for i, key in enumerate(("loss", "ce", "l1", "confidence")):
+        series(ax_loss, key, colors[i], key)
+    ax_loss.set_yscale("log")
     ax_loss.set_xlabel("step")
-    ax_loss.set_title("training loss (global-batch normalised)")
-    ax_loss.legend()
-    if "tau_estimate" in rows[0]:
-        ax_tau.plot(steps, [r["tau_estimate"] for r in rows])
+    ax_loss.set_ylabel("loss (global-batch weighted mean, log scale)")
+    ax_loss.set_title("training loss")
+    ax_loss.legend(fontsize=8)
+    for i, (key, label) in enumerate((("greedy_tau_estimate", "greedy (T=0)"), ("tau_estimate", "T=1"))):
+        series(ax_tau, key, colors[i], label)
     ax_tau.set_xlabel("step")
-    ax_tau.set_title("training-time tau estimate")
+    ax_tau.set_ylabel("tau estimate (accepted + 1, teacher-forced)")
+    ax_tau.set_title("training-time tau estimates")
+    ax_tau.legend(fontsize=8)
+    if heldout:
+        ax = axes[2]
+        steps = [r["step"] for r in heldout]
+        ax.plot(steps, [r["heldout_tau"] for r in heldout], "o-", color="black", label="all prompts")
+        for i, key in enumerate(sorted({k for r in heldout for k in r if k.startswith("heldout_tau_")})):
+            ax.plot(steps, [r.get(key, float("nan")) for r in heldout], ".--", color=colors[i % len(colors)],
+                    label=key[len("heldout_tau_"):])
+        minutes = heldout[-1].get("elapsed_s", 0.0) / 60
+        ax.set_xlabel(f"step ({minutes:.1f} training minutes at step {steps[-1]})")
+        ax.set_ylabel("held-out greedy tau (accepted + 1 per step)")
+        ax.set_title("learning curve (held-out prompts)")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=100)

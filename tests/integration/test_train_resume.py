@@ -317,3 +317,29 @@ def test_same_settings_resume_passes_the_shape_check(setup, tmp_path, algorithm)
     with pytest.raises(ValueError, match="block_size|ttt_steps"):
         train(_cfg(cache, tmp_path / "c", resume=str(tmp_path / "a" / "checkpoint-000001"), **{**kw, "block_size": 4}),
               target_model=model, tokenizer=tok)
+
+
+def test_learning_curve_logs_heldout_tau_and_survives_resume(setup, tmp_path, capsys):
+    """heldout_every: held-out greedy tau at step 0, every N steps and at the end (log, TensorBoard,
+    plot); the reference is made once and reused by a resume; the resumed log is the same curve."""
+    model, tok, _ = setup
+    cache = setup[2]
+    prompts = [("bench", "q0", [0, 5, 9, 17, 4, 8]), ("bench", "q1", [0, 6, 11, 12])]
+    out = tmp_path / "curve"
+    train(_cfg(cache, out, max_steps=6, heldout_every=4, heldout_max_new_tokens=6), target_model=model,
+          tokenizer=tok, heldout_prompts=prompts)
+    rows = _log(out)
+    curve = [(r["step"], r["heldout_tau"]) for r in rows if "heldout_tau" in r]
+    assert [s for s, _ in curve] == [0, 4, 6]
+    assert all(1.0 <= t <= 8.0 for _, t in curve)
+    assert all("heldout_tau_bench" in r for r in rows if "heldout_tau" in r)
+    assert [r["elapsed_s"] for r in rows] == sorted(r["elapsed_s"] for r in rows)
+    assert (out / "heldout_reference.pt").is_file() and (out / "train_loss.png").stat().st_size > 0
+    assert [s for s, _ in _tb_scalars(out)["heldout/heldout_tau"]] == [0, 4, 6]
+    assert "held-out greedy tau" in capsys.readouterr().out
+    # a resume (to 8 steps) reuses the stored reference and continues the curve
+    stamp = (out / "heldout_reference.pt").stat().st_mtime_ns
+    train(_cfg(cache, out, max_steps=8, heldout_every=4, heldout_max_new_tokens=6, resume="auto"),
+          target_model=model, tokenizer=tok, heldout_prompts=prompts)
+    assert (out / "heldout_reference.pt").stat().st_mtime_ns == stamp
+    assert [r["step"] for r in _log(out) if "heldout_tau" in r] == [0, 4, 6, 8]

@@ -1,0 +1,179 @@
+"""Held-out greedy tau during training: the learning curve, without a target forward per step.
+
+Legend: P prompt length, N reference output length, T positions, F target feature width.
+
+At temperature 0 speculative decoding is lossless: its output is the target's own greedy output,
+whatever the draft proposes. So the acceptance of a draft on a prompt can be computed by *replaying*
+the engine's loop (:class:`deepspec.eval.engine.SpeculativeEngine`) against a reference made once:
+the target's greedy continuation of the prompt and the target features of every position. Each
+replayed step proposes from exactly the context the engine would hold (the features of positions
+``< anchor``), accepts the longest prefix of drafts equal to the reference, commits accepted + 1
+tokens and appends the features of the verified positions, as the engine does; an accepted EOS
+ends the generation, and so does ``max_new_tokens``. The only difference from the engine is where
+the features come from (one forward over the whole reference instead of the verify forwards), which
+is equal up to floating-point rounding (exact in the tests, in float32).
+
+So the draft can be evaluated every few hundred training steps on a fixed prompt set at the cost of
+the draft's own forwards alone (a few seconds on a CPU), and the reference (the target's greedy
+outputs and features) is made once per run and kept in the run folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from deepspec.eval.engine import GREEDY, SpeculativeEngine
+from deepspec.eval.proposers import NullProposer, Proposer
+from deepspec.target.capture import target_forward
+from deepspec.utils import atomic_path
+
+REFERENCE_NAME = "heldout_reference.pt"
+
+
+@dataclass
+class HeldoutReference:
+    """One prompt's reference: ``prompt_ids`` (P), the target's greedy ``output_ids`` (N, ending
+    with an EOS or cut at the reference length) and ``target_hidden_TF`` float32 ``[P + N, F]``
+    (features of every position, captured with :func:`deepspec.target.capture.target_forward`).
+    ``benchmark`` names the prompt set it came from."""
+
+    benchmark: str
+    prompt_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    target_hidden_TF: Tensor
+
+
+@dataclass
+class ReplayResult:
+    """Greedy acceptance of one prompt: ``accepted`` drafts per verify step, output tokens produced."""
+
+    accepted: list[int]
+    num_output_tokens: int
+
+    @property
+    def tau(self) -> float:
+        return 1.0 + sum(self.accepted) / len(self.accepted) if self.accepted else float("nan")
+
+
+@torch.no_grad()
+def make_reference(target_model: Any, prompts: Sequence[tuple[str, str, list[int]]], target_layer_ids: list[int],
+                   eos_token_ids: Collection[int], *, max_new_tokens: int, block_size: int) -> list[HeldoutReference]:
+    """The target's greedy continuation of each prompt and its features (module docstring).
+
+    Args:
+        target_model: the target (eval mode).
+        prompts: ``(benchmark, prompt id, prompt ids)`` per prompt.
+        target_layer_ids: the draft's feature layers.
+        eos_token_ids: tokens that end generation (as the engine's).
+        max_new_tokens: the output tokens a replay produces; the reference holds ``block_size`` more,
+            so the last step's proposals can be checked against what the target would say.
+        block_size: the most tokens a proposal holds.
+
+    Returns one :class:`HeldoutReference` per prompt (features float32 on the CPU).
+    """
+    engine = SpeculativeEngine(target_model, target_layer_ids, NullProposer(), eos_token_ids)
+    device = next(target_model.parameters()).device
+    refs = []
+    for bench, pid, ids in prompts:
+        out = engine.generate(ids, max_new_tokens=max_new_tokens + block_size).output_ids
+        full_1T = torch.tensor([list(ids) + out], dtype=torch.long, device=device)
+        hidden = target_forward(target_model, full_1T, list(target_layer_ids)).target_hidden_BTF[0]
+        refs.append(HeldoutReference(bench, pid, list(ids), list(out), hidden.float().cpu()))
+    return refs
+
+
+@torch.no_grad()
+def replay_greedy(proposer: Proposer, ref: HeldoutReference, *, max_new_tokens: int,
+                  eos_token_ids: Collection[int], device: torch.device | str | None = None) -> ReplayResult:
+    """Replay the engine's greedy loop with ``proposer`` against ``ref`` (module docstring); the
+    features go to ``device`` (the draft's; None: where they are).
+
+    Raises ValueError when ``max_new_tokens`` exceeds what the reference can check (its output is
+    shorter than ``max_new_tokens + K`` without ending in an EOS).
+    """
+    eos = frozenset(int(t) for t in eos_token_ids)
+    out, P = ref.output_ids, len(ref.prompt_ids)
+    if not out:
+        return ReplayResult([], 0)
+    K = int(proposer.max_proposal_len)
+    if out[-1] not in eos and len(out) < max_new_tokens + K:
+        raise ValueError(f"replay_greedy: the reference of {ref.prompt_id!r} holds {len(out)} output tokens; "
+                         f"max_new_tokens={max_new_tokens} with proposals of {K} needs {max_new_tokens + K}.")
+    full = list(ref.prompt_ids) + list(out)
+    feats_TF = ref.target_hidden_TF if device is None else ref.target_hidden_TF.to(device)
+    proposer.reset()
+    proposer.extend_context(feats_TF[:P], list(ref.prompt_ids))
+    anchor_pos, produced, accepted_steps = P, 1, []
+    done = out[0] in eos
+    while not done and produced < max_new_tokens:
+        proposal = proposer.propose(full[anchor_pos], anchor_pos, sampling=GREEDY, generator=None)
+        drafts = proposal.draft_ids_N.tolist()
+        accepted, hit_eos = 0, False
+        for d in drafts:
+            nxt = anchor_pos + 1 + accepted
+            if nxt >= len(full) or d != full[nxt]:
+                break
+            accepted += 1
+            if d in eos:
+                hit_eos = True  # an accepted EOS ends the step there (no bonus token) and the generation
+                break
+        num_verified = accepted + 1
+        # committed: the accepted drafts, then the target's own token (unless an EOS was accepted)
+        committed = full[anchor_pos + 1: anchor_pos + accepted + 1 + (0 if hit_eos else 1)]
+        if not hit_eos and anchor_pos + num_verified >= len(full):
+            raise AssertionError("replay_greedy: the reference ended before the step's bonus token")
+        accepted_steps.append(accepted)
+        proposer.extend_context(feats_TF[anchor_pos: anchor_pos + num_verified],
+                                full[anchor_pos: anchor_pos + num_verified])
+        anchor_pos += num_verified
+        produced += len(committed)
+        done = any(t in eos for t in committed)
+    return ReplayResult(accepted_steps, min(produced, max_new_tokens))
+
+
+def heldout_tau(proposer: Proposer, refs: Sequence[HeldoutReference], *, max_new_tokens: int,
+                eos_token_ids: Collection[int], device: torch.device | str | None = None) -> dict[str, float]:
+    """Greedy tau (mean accepted + 1 over verify steps, pooled) over all references and per benchmark:
+    ``{"heldout_tau": .., "heldout_tau_<benchmark>": ..}`` (NaN where no step was taken)."""
+    per_bench: dict[str, list[int]] = {}
+    for ref in refs:
+        res = replay_greedy(proposer, ref, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, device=device)
+        per_bench.setdefault(ref.benchmark, []).extend(res.accepted)
+
+    def tau(steps: list[int]) -> float:
+        return 1.0 + sum(steps) / len(steps) if steps else float("nan")
+
+    result = {"heldout_tau": tau([a for steps in per_bench.values() for a in steps])}
+    result.update({f"heldout_tau_{b}": tau(steps) for b, steps in per_bench.items()})
+    return result
+
+
+def reference_key(prompts: Sequence[tuple[str, str, list[int]]], *, target_fingerprint: str,
+                  target_layer_ids: Sequence[int], max_new_tokens: int, block_size: int,
+                  eos_token_ids: Collection[int]) -> str:
+    """A hash of everything a reference depends on (a stored reference is reused only if it matches)."""
+    blob = json.dumps({"prompts": [list(p[:2]) + [list(p[2])] for p in prompts], "target": target_fingerprint,
+                       "layers": list(target_layer_ids), "max_new_tokens": max_new_tokens, "block_size": block_size,
+                       "eos": sorted(int(t) for t in eos_token_ids)}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def load_or_make_reference(path: Path, key: str, make) -> list[HeldoutReference]:
+    """The references stored at ``path`` when their key matches, else ``make()`` (stored atomically)."""
+    if path.is_file():
+        stored = torch.load(path, weights_only=False)
+        if isinstance(stored, Mapping) and stored.get("key") == key:
+            return [HeldoutReference(**r) for r in stored["references"]]
+    refs = make()
+    with atomic_path(path) as tmp:
+        torch.save({"key": key, "references": [r.__dict__ for r in refs]}, tmp)
+    return refs

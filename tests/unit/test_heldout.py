@@ -1,0 +1,85 @@
+"""Held-out greedy tau by replay (deepspec.train.heldout) equals the engine's, step for step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepspec.eval.engine import SpeculativeEngine
+from deepspec.eval.proposers import DSparkProposer, Eagle3Proposer, NullProposer, Proposal
+from deepspec.train.heldout import heldout_tau, make_reference, replay_greedy
+from tests.unit.test_dspark import LAYER_IDS, make_draft
+from tests.unit.test_eagle3 import make_draft as make_eagle3
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+EOS = 1
+
+
+class PlannedProposer:
+    """Knows the target's greedy output; proposes ``anchor_pos % (K + 1)`` right tokens, then a wrong one."""
+
+    def __init__(self, full: list[int], k: int = 4):
+        self.full, self.max_proposal_len = full, k
+
+    def reset(self):
+        pass
+
+    def extend_context(self, target_hidden_TF, token_ids_T):
+        pass
+
+    def propose(self, anchor_token, anchor_pos, *, sampling, generator):
+        right = anchor_pos % (self.max_proposal_len + 1)
+        ids = self.full[anchor_pos + 1: anchor_pos + 1 + right]
+        if len(ids) < self.max_proposal_len:
+            ids = ids + [(self.full[anchor_pos + 1 + len(ids)] + 1) % 50 + 2 if anchor_pos + 1 + len(ids) < len(self.full)
+                         else 3]
+        return Proposal(draft_ids_N=torch.tensor(ids, dtype=torch.long))
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(3)
+    return [("bench-a", "p0", [0] + torch.randint(2, 60, (9,), generator=g).tolist()),
+            ("bench-b", "p1", [0] + torch.randint(2, 60, (14,), generator=g).tolist())]
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3", "planned"])
+def test_replay_equals_engine(kind):
+    target, draft = make_draft()
+    with torch.no_grad():  # sharpen the random target: no near-ties between the two feature paths
+        target.lm_head.weight.mul_(8.0)
+    target.requires_grad_(False)
+    max_new = 20
+    refs = make_reference(target, _prompts(), LAYER_IDS, [EOS], max_new_tokens=max_new, block_size=8)
+    for ref in refs:
+        full = ref.prompt_ids + ref.output_ids
+        if kind == "dspark":
+            proposer = DSparkProposer(draft)
+        elif kind == "eagle3":
+            proposer = Eagle3Proposer(make_eagle3(target), k=4)
+        else:
+            proposer = PlannedProposer(full)
+        engine = SpeculativeEngine(target, LAYER_IDS, proposer, [EOS])
+        got = engine.generate(ref.prompt_ids, max_new_tokens=max_new)
+        base = SpeculativeEngine(target, LAYER_IDS, NullProposer(), [EOS]).generate(ref.prompt_ids,
+                                                                                    max_new_tokens=max_new)
+        assert got.output_ids == base.output_ids == ref.output_ids[:len(got.output_ids)]
+        replay = replay_greedy(proposer, ref, max_new_tokens=max_new, eos_token_ids=[EOS])
+        assert replay.accepted == [s.num_accepted for s in got.steps]
+        assert replay.num_output_tokens == len(got.output_ids)
+        if kind == "planned":
+            assert sum(replay.accepted) > 0  # the comparison covers accepted drafts, not only rejections
+
+
+def test_heldout_tau_pools_steps_per_benchmark():
+    target, _ = make_draft()
+    refs = make_reference(target, _prompts(), LAYER_IDS, [EOS], max_new_tokens=12, block_size=4)
+    result = heldout_tau(PlannedProposer(refs[0].prompt_ids + refs[0].output_ids), refs[:1], max_new_tokens=12,
+                         eos_token_ids=[EOS])
+    steps = replay_greedy(PlannedProposer(refs[0].prompt_ids + refs[0].output_ids), refs[0], max_new_tokens=12,
+                          eos_token_ids=[EOS]).accepted
+    assert result["heldout_tau"] == pytest.approx(1 + sum(steps) / len(steps))
+    assert result["heldout_tau_bench-a"] == result["heldout_tau"]
+    with pytest.raises(ValueError, match="needs"):
+        replay_greedy(NullProposer(), refs[0], max_new_tokens=100, eos_token_ids=[EOS]) if refs[0].output_ids[-1] != EOS \
+            else pytest.fail("reference ended with EOS; pick another prompt")
