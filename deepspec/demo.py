@@ -47,6 +47,7 @@ class DemoConfig:
     num_anchors: int = 16  # anchors (draft blocks) per sample per step
     markov_rank: int = 64  # rank of the DSpark Markov head
     lr: float = 3e-2  # peak learning rate
+    heldout_every: int = 60  # learning curve: held-out greedy tau every N training steps (0 = off)
     eval_num_prompts: int = 3  # prompts per benchmark
     eval_max_new_tokens: int = 48  # per prompt
     temperature: float = 0.0  # eval decoding; 0 = greedy
@@ -65,6 +66,8 @@ class DemoConfig:
         for name in ("num_conversations", "train_steps", "eval_num_prompts", "eval_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"demo.{name}: expected an integer >= 1, got {getattr(self, name)}")
+        if self.heldout_every < 0:
+            raise ValueError(f"demo.heldout_every: expected an integer >= 0 (0 = off), got {self.heldout_every}")
 
 
 def _done_training(train_dir: Path, steps: int) -> bool:
@@ -133,6 +136,7 @@ def run_demo(cfg: DemoConfig) -> dict:
             lr=cfg.lr,
             seed=cfg.seed,
             resume="auto",
+            heldout_every=cfg.heldout_every,
         )
         t0 = time.perf_counter()
         if _done_training(train_dir, cfg.train_steps):
