@@ -260,6 +260,16 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
             f"(no loss token {summary.num_refused_empty_mask}, non-finite features {summary.num_refused_nonfinite}"
             + (f": {summary.refused_nonfinite_ids[:10]}" if summary.refused_nonfinite_ids else "") + ")"
         )
+        turns = summary.turns
+        if turns:
+            details += (
+                f"; assistant turns supervised on the target's generated ids {turns.get('num_turns_ids', 0)} "
+                f"({turns.get('num_turns_ids_not_verbatim', 0)} whose text renders to other tokens), text only "
+                f"{turns.get('num_turns_text', 0)} ({turns.get('num_turns_text_retokenized', 0)} not the "
+                f"tokenisation of their text"
+                + (f": rows {summary.text_retokenized[:10]}, all in manifest.json text_retokenized"
+                   if summary.text_retokenized else "") + ")"
+            )
         if summary.already_complete:
             # a rerun checks each shard's size and header only (not its checksum), so say so
             print(

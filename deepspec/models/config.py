@@ -15,6 +15,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from deepspec.utils import token_id_list
+
 WEIGHTS_NAME = "model.safetensors"  # a draft folder's weights (every algorithm, and the original's layout)
 CONFIG_NAME = "config.json"  # a draft folder's config
 
@@ -272,14 +274,6 @@ def dflash_knobs() -> dict[str, Any]:
                 ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0)
 
 
-def _eos_list(eos: Any) -> list[int]:
-    if eos is None:
-        return []
-    if isinstance(eos, (list, tuple)):
-        return [int(e) for e in eos]
-    return [int(eos)]
-
-
 def target_shape_fields(
     target_config: Any,
     *,
@@ -322,9 +316,9 @@ def target_shape_fields(
         qkv_bias = o_bias = attn_bias
     if pad_token_id is None:
         pad_token_id = getattr(target_config, "pad_token_id", None)
-    eos_all = _eos_list(eos_token_ids) + _eos_list(eos_token_id)
+    eos_all = token_id_list(eos_token_ids) + token_id_list(eos_token_id)
     if not eos_all:
-        eos_all = _eos_list(getattr(target_config, "eos_token_id", None))
+        eos_all = token_id_list(getattr(target_config, "eos_token_id", None))
     return dict(
         family=family,
         hidden_size=H,
