@@ -70,6 +70,9 @@ class EvalConfig:
     seed: int = 980406  # prompt selection and sampling
     compare_hf_generate: bool = True  # also time HF generate() on the same prompts (baseline sanity)
     enable_thinking: bool | None = None  # chat template variable (Qwen3); use the value the data was prepared with
+    # a draft trained against another target of the same shape (other fingerprint): evaluate it anyway, loudly
+    # (recorded in the report); false: refuse it. Another target shape is always refused.
+    allow_target_mismatch: bool = False
 
     def __post_init__(self) -> None:
         from deepspec.eval.benchmarks import BENCHMARKS, SOURCES
@@ -260,6 +263,16 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
             f"(no loss token {summary.num_refused_empty_mask}, non-finite features {summary.num_refused_nonfinite}"
             + (f": {summary.refused_nonfinite_ids[:10]}" if summary.refused_nonfinite_ids else "") + ")"
         )
+        turns = summary.turns
+        if turns:
+            details += (
+                f"; assistant turns supervised on the target's generated ids {turns.get('num_turns_ids', 0)} "
+                f"({turns.get('num_turns_ids_not_verbatim', 0)} whose text renders to other tokens), text only "
+                f"{turns.get('num_turns_text', 0)} ({turns.get('num_turns_text_retokenized', 0)} not the "
+                f"tokenisation of their text"
+                + (f": rows {summary.text_retokenized[:10]}, all in manifest.json text_retokenized"
+                   if summary.text_retokenized else "") + ")"
+            )
         if summary.already_complete:
             # a rerun checks each shard's size and header only (not its checksum), so say so
             print(
@@ -336,10 +349,17 @@ def _unique_name(name: str, taken: dict) -> str:
 def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts: dict | None = None) -> dict:
     """Evaluate each draft (name -> draft model of any registered algorithm; default: loaded from
     ``cfg.draft``) against the target-only baseline on ``cfg``'s benchmarks; returns the results dict
-    of :func:`deepspec.eval.run.run_eval` (the report is written to ``cfg.output_dir``)."""
+    of :func:`deepspec.eval.run.run_eval` (the report is written to ``cfg.output_dir``).
+
+    Every draft is checked against the target first (:func:`deepspec.models.registry.check_draft_target`):
+    another target shape is a ValueError; another target fingerprint is a ValueError unless
+    ``cfg.allow_target_mismatch``, when a warning is printed and the report's ``config.target_check``
+    records it (as it records every draft's check)."""
+    import sys
+
     from deepspec.eval.run import run_eval
-    from deepspec.models.registry import algorithm_for_model, load_draft
-    from deepspec.target.load import load_target
+    from deepspec.models.registry import algorithm_for_model, check_draft_target, load_draft
+    from deepspec.target.load import load_target, target_fingerprint
 
     # Everything the user controls is checked before the target loads (minutes for a large model).
     out_dir = _writable_folder(cfg.output_dir)
@@ -347,13 +367,21 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
     benchmarks, skipped = load_eval_benchmarks(cfg)
     if target_model is None:
         target_model, tokenizer = load_target(cfg.target)
+    fingerprint = target_fingerprint(target_model)
     if drafts is None:
         drafts = {}
         for folder in folders:
-            algorithm, model = load_draft(folder, target_model=target_model)
+            algorithm, model = load_draft(folder, target_model=target_model, target_fingerprint=fingerprint,
+                                          allow_target_mismatch=cfg.allow_target_mismatch)
             checkpoint = folder.parent if folder.name == "draft" else folder
             name = _unique_name(f"{algorithm}:{checkpoint.parent.name}/{checkpoint.name}", drafts)
             drafts[name] = model
+    target_check = {}
+    for name, model in drafts.items():
+        target_check[name] = check_draft_target(name, model.config, target_model, target_fingerprint=fingerprint,
+                                                allow_mismatch=cfg.allow_target_mismatch)
+        if target_check[name]["message"]:
+            print(f"[eval] {target_check[name]['message']}", file=sys.stderr, flush=True)
     layer_ids = None
     for name, model in drafts.items():
         model.eval()
@@ -400,6 +428,8 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
             "benchmarks_skipped": skipped,
             "benchmark_origins": {name: prompts[0].origin for name, prompts in benchmarks.items()},
             "confidence_threshold": {n: cfg.confidence_threshold for n in thresholded if cfg.confidence_threshold > 0},
+            "target_fingerprint": fingerprint,
+            "target_check": target_check,
         },
     )
 

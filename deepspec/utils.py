@@ -1,4 +1,4 @@
-"""Small shared helpers: the DeepSpec home folder and atomic file writes.
+"""Small shared helpers: the DeepSpec home folder, atomic file writes, token-id lists.
 
 Every file DeepSpec produces is written under a temporary name in the same folder and renamed
 into place when complete, so an interrupted stage never leaves a half-written file under its
@@ -15,6 +15,15 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+
+def token_id_list(value: Any) -> list[int]:
+    """A config's token id field (``eos_token_id``: None, an int, or a list of ints) as a list of ints."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
 
 
 def deepspec_home() -> Path:

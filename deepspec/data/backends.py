@@ -11,9 +11,16 @@ callback, in *completion* order; the caller restores input order. Two backends:
   ``openai`` package: several base URLs, a concurrency cap per server, bounded retries with
   exponential backoff on connection errors, timeouts, 429 and 5xx.
 
-Both return the answer *text* as the target wrote it (not stripped), the number of generated tokens
-(including the end-of-turn token when one was produced) and ``cut``: True when the answer hit
+Both return the answer *text* as the target wrote it (not stripped), the generated token ids when
+known (the local backend always; servers that return them: vLLM's ``token_ids`` with
+``return_token_ids``, or logprobs tokens in vLLM's ``token_id:N`` form), the number of generated
+tokens (including the stop token when one was produced) and ``cut``: True when the answer hit
 ``max_new_tokens`` (OpenAI ``finish_reason == "length"``) so its end-of-turn token was never generated.
+
+Decoding is pinned (:mod:`deepspec.target.decoding`): every setting is explicit, locally and in
+every server request, so the checkpoint's ``generation_config.json`` never changes the answers; both
+stop on the one stop rule (:func:`deepspec.data.chat.stop_token_ids`), sent to servers as
+``stop_token_ids``.
 """
 
 from __future__ import annotations
@@ -27,15 +34,18 @@ from typing import Any, Protocol
 
 import torch
 
-from deepspec.data.chat import end_of_turn_ids, render_prompt
+from deepspec.data.chat import render_prompt, target_stop_token_ids
+from deepspec.target.decoding import openai_request_fields, pinned_generate
 
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """Per-request sampling: ``temperature == 0`` is greedy (``top_p`` and ``seed`` are then unused)."""
+    """Per-request sampling: ``temperature == 0`` is greedy (``top_k``, ``top_p`` and ``seed`` are then
+    unused); ``top_k`` 0 and ``top_p`` 1.0 are off. Nothing else changes the logits (pinned decoding)."""
 
     max_new_tokens: int
     temperature: float = 0.0
+    top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
 
@@ -56,15 +66,18 @@ class TurnRequest:
 
 @dataclass(frozen=True, kw_only=True)
 class TurnResult:
-    """The answer text (unstripped), generated token count, and whether ``max_new_tokens`` cut it.
+    """The answer text (unstripped), the generated ids, their count, and whether ``max_new_tokens`` cut it.
 
-    ``refused`` is non-empty (the server's reason) when a server rejected this request as invalid
-    (HTTP 400/422, e.g. a prompt longer than its context): a problem of the row, not of the server.
+    ``token_ids``: the ids the target generated, ending with the stop token it produced unless
+    ``cut``; None when the server returned none (the text is then all there is). ``refused`` is
+    non-empty (the server's reason) when a server rejected this request as invalid (HTTP 400/422,
+    e.g. a prompt longer than its context): a problem of the row, not of the server.
     """
 
     text: str
     num_tokens: int
     cut: bool
+    token_ids: list[int] | None = None
     refused: str = ""
 
 
@@ -104,32 +117,26 @@ def _left_pad(batch_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 
 
 def generate_batch(model: Any, prompts: list[list[int]], *, pad_id: int, eos_ids: list[int], max_new_tokens: int,
-                   temperature: float, top_p: float = 1.0) -> list[tuple[list[int], bool]]:
-    """Generate one answer per prompt (left padded, one ``model.generate`` call).
+                   temperature: float, top_k: int = 0, top_p: float = 1.0) -> list[tuple[list[int], bool]]:
+    """Generate one answer per prompt (left padded, one pinned ``model.generate`` call).
 
-    Returns per prompt ``(answer_ids without the end-of-turn token, cut)``, where ``cut`` means no
-    end-of-turn token appeared within ``max_new_tokens``. Sampling (``temperature > 0``) uses the
-    global torch RNG (seed it before the call).
+    Decoding is :func:`deepspec.target.decoding.pinned_generate`: greedy, or temperature + top-k +
+    top-p, nothing read from the checkpoint's generation config. Returns per prompt ``(generated
+    ids, cut)``: the ids up to and including the first stop token (``eos_ids``, the stop rule), or
+    all ``max_new_tokens`` of them with ``cut`` True when none appeared. Sampling
+    (``temperature > 0``) uses the global torch RNG (seed it before the call).
     """
-    from transformers import GenerationConfig
-
     input_ids_BT, attention_mask_BT = _left_pad(prompts, pad_id)
     device = next(model.parameters()).device
-    sampling = temperature > 0
-    gen_cfg = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=sampling, temperature=temperature if sampling else None,
-        top_k=0 if sampling else None, top_p=top_p if sampling else None,
-        pad_token_id=pad_id, eos_token_id=eos_ids,
-    )
-    with torch.inference_mode():
-        out_BT = model.generate(input_ids=input_ids_BT.to(device), attention_mask=attention_mask_BT.to(device),
-                                generation_config=gen_cfg)
+    out_BT = pinned_generate(model, input_ids_BT.to(device), attention_mask_BT.to(device),
+                             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                             stop_token_ids=eos_ids, pad_token_id=pad_id)
     new_BN = out_BT[:, input_ids_BT.shape[1]:].cpu().tolist()
     eos = set(eos_ids)
     results = []
     for row in new_BN:
         stop = next((k for k, t in enumerate(row) if t in eos), None)
-        results.append((row, True) if stop is None else (row[:stop], False))
+        results.append((row[:max_new_tokens], True) if stop is None else (row[:stop + 1], False))
     return results
 
 
@@ -138,35 +145,42 @@ class LocalBackend:
     windows of ``sort_window`` requests (None: all) and generated ``batch_size`` at a time.
 
     Prompts are rendered with :func:`deepspec.data.chat.render_prompt` (the one prompt rule shared
-    with training and evaluation), passing each request's ``chat_template_kwargs``. Sampling seeds:
-    each batch seeds the global torch RNG with its first request's seed, so sampled answers depend on
-    the batch composition (greedy answers do not).
+    with training and evaluation), passing each request's ``chat_template_kwargs``. Generation stops
+    on ``stop_token_ids`` (default: :func:`deepspec.data.chat.target_stop_token_ids`, the one stop
+    rule). Sampling seeds: each batch seeds the global torch RNG with its first request's seed, so
+    sampled answers depend on the batch composition (greedy answers do not).
     """
 
     name = "local"
 
-    def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 32, sort_window: int | None = None) -> None:
+    def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 32, sort_window: int | None = None,
+                 stop_token_ids: list[int] | None = None) -> None:
         if batch_size <= 0:
             raise ValueError(f"LocalBackend.batch_size={batch_size}: expected a positive integer.")
         self.model, self.tokenizer = model, tokenizer
         self.batch_size, self.sort_window = batch_size, sort_window
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.eos_ids = sorted(end_of_turn_ids(tokenizer))
+        self.eos_ids = sorted(stop_token_ids) if stop_token_ids else target_stop_token_ids(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
     def answer_one(self, messages: Sequence[Mapping[str, str]], sampling: SamplingParams,
-                   chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[TurnResult, list[int]]:
-        """Answer a single conversation; returns ``(result, prompt_ids)`` (used by ``deepspec serve``)."""
+                   chat_template_kwargs: Mapping[str, Any] | None = None,
+                   extra_stop_token_ids: Sequence[int] = ()) -> tuple[TurnResult, list[int]]:
+        """Answer a single conversation; returns ``(result, prompt_ids)`` (used by ``deepspec serve``).
+        ``extra_stop_token_ids`` stop generation too (a request's ``stop_token_ids``, as in vLLM)."""
         prompt = render_prompt(self.tokenizer, messages, chat_template_kwargs=chat_template_kwargs)
-        return self._generate([prompt], sampling)[0], prompt
+        stop = sorted(set(self.eos_ids) | {int(t) for t in extra_stop_token_ids})
+        return self._generate([prompt], sampling, stop)[0], prompt
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[TurnResult]:
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                  stop_ids: list[int] | None = None) -> list[TurnResult]:
         if sampling.temperature > 0 and sampling.seed is not None:
             torch.manual_seed(sampling.seed)
-        answers = generate_batch(self.model, prompts, pad_id=self.pad_id, eos_ids=self.eos_ids,
+        stop_ids = stop_ids or self.eos_ids
+        answers = generate_batch(self.model, prompts, pad_id=self.pad_id, eos_ids=stop_ids,
                                  max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                                 top_p=sampling.top_p)
-        return [TurnResult(text=self.tokenizer.decode(ids, skip_special_tokens=True),
-                           num_tokens=len(ids) + (0 if cut else 1), cut=cut) for ids, cut in answers]
+                                 top_k=sampling.top_k, top_p=sampling.top_p)
+        return [TurnResult(text=self.tokenizer.decode(ids if cut else ids[:-1], skip_special_tokens=True),
+                           num_tokens=len(ids), cut=cut, token_ids=list(ids)) for ids, cut in answers]
 
     def generate(self, requests: Sequence[TurnRequest], on_result: OnResult) -> None:
         """See :class:`RegenerationBackend`. Template errors (``ValueError``/jinja ``TemplateError``)
@@ -175,7 +189,7 @@ class LocalBackend:
         for i, req in enumerate(requests):
             prompt = render_prompt(self.tokenizer, req.messages, chat_template_kwargs=req.chat_template_kwargs)
             s = req.sampling
-            group_key = (s.max_new_tokens, s.temperature, s.top_p,
+            group_key = (s.max_new_tokens, s.temperature, s.top_k, s.top_p,
                          tuple(sorted((req.chat_template_kwargs or {}).items())))
             groups.setdefault(group_key, []).append((i, prompt))
         for jobs in groups.values():
@@ -224,20 +238,33 @@ class OpenAIBackend:
             :class:`BackendError` naming the row and the server. Other HTTP errors (400, 401, 404,
             ...) are not retried.
         request_timeout_s: per-request timeout.
+        stop_token_ids: the stop rule's ids (:func:`deepspec.data.chat.stop_token_ids`), sent as
+            ``stop_token_ids`` so the server stops where the local backend and evaluation do.
+        eos_token_id: the tokenizer's eos id: the stop token of an answer a server ended on EOS
+            without listing it among the returned ids (vLLM: ``finish_reason`` "stop",
+            ``stop_reason`` null).
 
-    Each request sends ``messages``, ``max_tokens``, ``temperature``, ``top_p``, ``seed`` and, when
-    set, ``chat_template_kwargs`` (through ``extra_body``, the vLLM/SGLang field that reaches the
-    chat template, e.g. ``{"enable_thinking": False}`` for Qwen3). The answer text is
+    Each request pins decoding (:func:`deepspec.target.decoding.openai_request_fields`):
+    ``messages``, ``max_tokens``, ``temperature``, ``top_p``, ``presence_penalty`` 0,
+    ``frequency_penalty`` 0, ``seed`` (sampling only) and, in ``extra_body`` (the vLLM/SGLang
+    extensions), ``top_k`` (-1 = off), ``min_p`` 0, ``repetition_penalty`` 1, ``stop_token_ids``,
+    ``return_token_ids`` (vLLM: the generated ids come back in ``choices[0].token_ids``) and, when
+    set, ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}`` for Qwen3). The answer text is
     ``choices[0].message.content``; a response carrying the reasoning separately
     (``reasoning_content``: a server started with a reasoning parser) is refused, since the think
-    block would be lost from the training data.
+    block would be lost from the training data. Generated ids are read from ``choices[0].token_ids``,
+    else from ``logprobs`` tokens written ``token_id:N`` (vLLM's ``--return-tokens-as-token-ids``);
+    the stop token is appended when a server leaves it out (``stop_reason`` when it is a token id,
+    else ``eos_token_id``); ids that cannot be completed that way (a stop string) are dropped and the
+    turn is text only.
     """
 
     name = "openai"
 
     def __init__(self, base_urls: Sequence[str], *, model: str | None = None, api_key: str = "EMPTY",
                  max_concurrency: int = 8, max_retries: int = 5, request_timeout_s: float = 600.0,
-                 retry_backoff_s: float = 1.0, log: Callable[[str], None] = print) -> None:
+                 retry_backoff_s: float = 1.0, log: Callable[[str], None] = print,
+                 stop_token_ids: Sequence[int] = (), eos_token_id: int | None = None) -> None:
         if not base_urls:
             raise ValueError("OpenAIBackend.base_urls: expected at least one server URL (e.g. http://host:8000/v1).")
         if max_concurrency <= 0 or max_retries < 0 or request_timeout_s <= 0 or retry_backoff_s < 0:
@@ -252,6 +279,8 @@ class OpenAIBackend:
         self.request_timeout_s = request_timeout_s
         self.retry_backoff_s = retry_backoff_s
         self.log = log
+        self.stop_token_ids = sorted(int(t) for t in stop_token_ids)
+        self.eos_token_id = eos_token_id
         self.num_retries = 0  # over the backend's lifetime, for the summary
 
     # The async client is bound to an event loop, so each generate() call builds its own clients.
@@ -334,16 +363,45 @@ class OpenAIBackend:
                 await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
-    async def _answer(self, server: _Server, req: TurnRequest) -> TurnResult:
+    def request_kwargs(self, req: TurnRequest) -> dict[str, Any]:
+        """The ``chat.completions.create`` arguments of one request (decoding pinned, see the class doc)."""
         s = req.sampling
-        kwargs: dict[str, Any] = dict(model=self.model, messages=[dict(m) for m in req.messages],
-                                      max_tokens=s.max_new_tokens, temperature=s.temperature, n=1)
-        if s.temperature > 0:
-            kwargs["top_p"] = s.top_p
-            if s.seed is not None:
-                kwargs["seed"] = s.seed
+        fields, extra = openai_request_fields(max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                                              top_k=s.top_k, top_p=s.top_p,
+                                              seed=s.seed if s.temperature > 0 else None,
+                                              stop_token_ids=self.stop_token_ids)
+        extra["return_token_ids"] = True
+        if not self.stop_token_ids:
+            extra.pop("stop_token_ids")
         if req.chat_template_kwargs:
-            kwargs["extra_body"] = {"chat_template_kwargs": dict(req.chat_template_kwargs)}
+            extra["chat_template_kwargs"] = dict(req.chat_template_kwargs)
+        return dict(model=self.model, messages=[dict(m) for m in req.messages], n=1, **fields, extra_body=extra)
+
+    def _token_ids(self, choice: Any, cut: bool) -> list[int] | None:
+        """The generated ids of a choice (stop token last unless cut), or None when the server gave none."""
+        extra = getattr(choice, "model_extra", None) or {}
+        ids = extra.get("token_ids")
+        if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+            content = getattr(getattr(choice, "logprobs", None), "content", None) or []
+            tokens = [getattr(c, "token", "") for c in content]
+            if not tokens or not all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+                return None
+            try:
+                ids = [int(t.removeprefix("token_id:")) for t in tokens]
+            except ValueError:
+                return None
+        ids = [int(t) for t in ids]
+        if cut or (ids and ids[-1] in self.stop_token_ids):
+            return ids
+        reason = extra.get("stop_reason")
+        if isinstance(reason, int) and not isinstance(reason, bool):
+            return ids + [reason]
+        if reason is None and self.eos_token_id is not None:
+            return ids + [int(self.eos_token_id)]
+        return None  # stopped by a stop string: no stop token to supervise, the text is all there is
+
+    async def _answer(self, server: _Server, req: TurnRequest) -> TurnResult:
+        kwargs = self.request_kwargs(req)
         try:
             response = await self._with_retries(lambda: server.client.chat.completions.create(**kwargs), server,
                                                 req.key)
@@ -368,8 +426,9 @@ class OpenAIBackend:
             raise BackendError(f"{req.key}: server {server.base_url} finished with {choice.finish_reason!r}; "
                                f"expected 'stop' or 'length'.")
         usage = getattr(response, "usage", None)
+        cut = choice.finish_reason == "length"
         return TurnResult(text=message.content or "", num_tokens=int(getattr(usage, "completion_tokens", 0) or 0),
-                          cut=choice.finish_reason == "length")
+                          cut=cut, token_ids=self._token_ids(choice, cut))
 
     async def _run(self, requests: Sequence[TurnRequest], on_result: OnResult) -> None:
         servers = self._clients()

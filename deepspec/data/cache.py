@@ -58,6 +58,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepspec.data.chat import COUNT_KEYS as TURN_COUNT_KEYS
+from deepspec.data.chat import (
+    render_record,
+    render_record_differences,
+    render_training_samples,
+    target_stop_token_ids,
+)
 from deepspec.target.capture import _base_model, capture_sample_features, validate_target_layer_ids
 from deepspec.utils import atomic_path, atomic_write_json
 
@@ -221,6 +228,10 @@ class CacheSummary:
     total_bytes: int  # shard files on disk
     bytes_per_token: float
     storage_dtype: str
+    # per-turn counts (deepspec.data.chat.COUNT_KEYS) and the rows with a text-only turn that does not
+    # re-tokenise to its supervised span
+    turns: dict[str, int] = field(default_factory=dict)
+    text_retokenized: list[str] = field(default_factory=list)
     # the manifest was present and every shard passed the reuse check (size + header), so this run
     # wrote nothing; the shards' checksums were not recomputed (that is `deepspec cache --verify`)
     already_complete: bool = False
@@ -248,6 +259,8 @@ def _summary_from_manifest(out: Path, m: dict[str, Any], *, num_shards_reused: i
         total_bytes=total,
         bytes_per_token=total / m["num_tokens"] if m["num_tokens"] else 0.0,
         storage_dtype=m["storage_dtype"],
+        turns=dict(m.get("turns") or {}),
+        text_retokenized=list(m.get("text_retokenized") or []),
         already_complete=already_complete,
     )
 
@@ -366,7 +379,8 @@ def _write_shard_file(
 
 def _shard_metadata(
     *, run_key: str, index: int, first_input: int, num_inputs: int, samples: Sequence[_Sample],
-    num_heldout: int, num_truncated: int, refused: list[dict[str, str]],
+    num_heldout: int, num_truncated: int, refused: list[dict[str, str]], turns: Mapping[str, int],
+    text_retokenized: list[str],
 ) -> dict[str, Any]:
     return {
         "format": FORMAT_VERSION,
@@ -380,12 +394,14 @@ def _shard_metadata(
         "num_heldout": num_heldout,
         "num_truncated": num_truncated,
         "refused": refused,
+        "turns": dict(turns),
+        "text_retokenized": list(text_retokenized),
         "sample_ids": [sid for sid, _, _ in samples],
     }
 
 
 _ENTRY_KEYS = ("index", "first_input", "num_inputs", "num_samples", "num_tokens", "num_loss_tokens",
-               "num_heldout", "num_truncated", "refused")
+               "num_heldout", "num_truncated", "refused", "turns", "text_retokenized")
 
 
 def _entry(final: Path, meta: dict[str, Any]) -> dict[str, Any]:
@@ -436,7 +452,8 @@ def _write_shard(
             meta.update(_shard_metadata(
                 run_key=meta["run_key"], index=meta["index"], first_input=meta["first_input"],
                 num_inputs=meta["num_inputs"], samples=[samples[j] for j in kept], num_heldout=meta["num_heldout"],
-                num_truncated=meta["num_truncated"], refused=refused))
+                num_truncated=meta["num_truncated"], refused=refused, turns=meta["turns"],
+                text_retokenized=meta["text_retokenized"]))
             fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".rewrite.tmp", dir=final.parent)
             os.close(fd)
             rewrite = Path(name)
@@ -555,7 +572,17 @@ def _collect_done(out: Path, run_key: str) -> dict[int, dict[str, Any]]:
     return done
 
 
-_Unit = Callable[[], "list[_Sample] | None"]  # renders one input item: its samples, or None if held out
+@dataclass
+class _Item:
+    """One rendered input item: its samples (None: a held-out row), the per-turn counts of
+    :func:`deepspec.data.chat.render_training_samples` and, for a prepared row, its id."""
+
+    samples: list[_Sample] | None
+    turns: dict[str, int] = field(default_factory=dict)
+    row_id: str = ""
+
+
+_Unit = Callable[[], _Item]  # renders one input item
 
 
 def keep_sample(
@@ -622,6 +649,7 @@ def _write_cache_in(
     progress: bool,
     rank: int,
     world_size: int,
+    render: Mapping[str, Any] | None = None,
 ) -> CacheSummary:
     out = Path(out_dir)
     num_hidden_layers = len(_base_model(model).layers)
@@ -649,6 +677,8 @@ def _write_cache_in(
         "max_seq_len": max_seq_len,
         "shard_size": shard_size,
         "source_fingerprint": source_fingerprint,
+        # what the chat template reads (stop ids included); not the render date: the probe says if it matters
+        "render": None if render is None else {k: v for k, v in render.items() if k != "render_date"},
     }
     run_key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -686,16 +716,22 @@ def _write_cache_in(
                    unit="row", disable=None)
     num_reused = 0
 
-    def flush(k: int, items: list[list[_Sample] | None], first: int) -> None:
+    def flush(k: int, items: list[_Item], first: int) -> None:
         nonlocal num_reused
         samples: list[_Sample] = []
         refused: list[dict[str, str]] = []
         num_heldout = num_truncated = 0
-        for rendered in items:
-            if rendered is None:
+        turns = dict.fromkeys(TURN_COUNT_KEYS, 0)
+        text_retokenized: list[str] = []
+        for item in items:
+            for key, value in item.turns.items():
+                turns[key] += value
+            if item.turns.get("num_turns_text_retokenized"):
+                text_retokenized.append(item.row_id)
+            if item.samples is None:
                 num_heldout += 1
                 continue
-            for s in rendered:
+            for s in item.samples:
                 kept, truncated = keep_sample(s, max_seq_len)
                 num_truncated += int(truncated)
                 if kept is None:
@@ -704,7 +740,8 @@ def _write_cache_in(
                 else:
                     samples.append(kept)
         meta = _shard_metadata(run_key=run_key, index=k, first_input=first, num_inputs=len(items),
-                               samples=samples, num_heldout=num_heldout, num_truncated=num_truncated, refused=refused)
+                               samples=samples, num_heldout=num_heldout, num_truncated=num_truncated, refused=refused,
+                               turns=turns, text_retokenized=text_retokenized)
         captured = 0
 
         def on_sample(count: int) -> None:  # progress inside a shard; the bar counts rows once it is written
@@ -722,7 +759,7 @@ def _write_cache_in(
 
     num_inputs = 0
     try:
-        items: list[list[_Sample] | None] = []
+        items: list[_Item] = []
         k_cur = 0
         for u, unit in enumerate(units):
             k = u // shard_size
@@ -788,6 +825,10 @@ def _write_cache_in(
             "num_refused_empty_mask": sum(r["reason"] == "empty_mask" for r in refused_all),
             "num_refused_nonfinite": sum(r["reason"] == "nonfinite" for r in refused_all),
             "refused": refused_all,
+            "stop_token_ids": None if render is None else render["stop_token_ids"],
+            "render": None if render is None else dict(render),
+            "turns": {key: sum(s["turns"].get(key, 0) for s in shards) for key in TURN_COUNT_KEYS},
+            "text_retokenized": [r for s in shards for r in s["text_retokenized"]],
             "bytes_per_token_estimate": cache_bytes_per_token(hidden_size, n, storage_dtype),
             "shards": shards,
         }
@@ -833,7 +874,7 @@ def write_target_cache_from_samples(
 
     Raises ValueError for bad settings or samples, naming the field and how to fix it.
     """
-    units = ((lambda s=s: [s]) for s in samples)
+    units = ((lambda s=s: _Item([s])) for s in samples)
     return _write_cache(
         units, out_dir, model, target_layer_ids=target_layer_ids, target_fingerprint=target_fingerprint,
         tokenizer_fingerprint=tokenizer_fingerprint, max_seq_len=max_seq_len, shard_size=shard_size,
@@ -842,18 +883,20 @@ def write_target_cache_from_samples(
     )
 
 
-def render_prepared_row(tokenizer: Any, row: dict[str, Any]) -> list[_Sample] | None:
+def render_prepared_row(tokenizer: Any, row: dict[str, Any], *, stop_ids: Sequence[int] | None = None,
+                        counts: dict[str, int] | None = None) -> list[_Sample] | None:
     """The training samples ``(sample_id, input_ids, loss_mask)`` of one prepared row, or None for
     a held-out row (``"split": "heldout"``).
 
     Rendered only through :func:`deepspec.data.chat.render_training_samples` with the row's
-    ``truncated_turns`` and ``chat_template_kwargs``; sample id = ``row["id"] + suffix``. Not truncated
-    here (the writer truncates to ``max_seq_len`` and counts it).
+    ``truncated_turns``, ``chat_template_kwargs`` and ``generated_ids`` (each regenerated turn is
+    supervised on exactly the ids the target generated; rows without the field are text only) and
+    ``stop_ids`` (the target's stop rule); sample id = ``row["id"] + suffix``. Not truncated here
+    (the writer truncates to ``max_seq_len`` and counts it). ``counts`` gains the per-turn counts
+    (:data:`deepspec.data.chat.COUNT_KEYS`) of rendered rows.
 
     Raises ValueError for a row without ``id``/``messages`` or one that does not render.
     """
-    from deepspec.data.chat import render_training_samples
-
     if "id" not in row or "messages" not in row:
         raise ValueError(f"prepared row: expected the keys 'id' and 'messages', got {sorted(row)}; "
                          f"pass a file written by `deepspec prepare`")
@@ -862,7 +905,8 @@ def render_prepared_row(tokenizer: Any, row: dict[str, Any]) -> list[_Sample] | 
     try:
         rendered = render_training_samples(
             tokenizer, row["messages"], cut_turns=row.get("truncated_turns", []),
-            chat_template_kwargs=row.get("chat_template_kwargs"),
+            chat_template_kwargs=row.get("chat_template_kwargs"), generated_ids=row.get("generated_ids"),
+            stop_ids=stop_ids, counts=counts,
         )
     except ValueError as exc:
         raise ValueError(f"prepared row {row['id']!r}: {exc}") from exc
@@ -870,27 +914,35 @@ def render_prepared_row(tokenizer: Any, row: dict[str, Any]) -> list[_Sample] | 
 
 
 def iter_prepared_samples(
-    rows: Iterable[Mapping[str, Any]], tokenizer: Any, *, max_seq_len: int | None, counts: dict[str, int] | None = None
+    rows: Iterable[Mapping[str, Any]], tokenizer: Any, *, max_seq_len: int | None, counts: dict[str, int] | None = None,
+    stop_ids: Sequence[int] | None = None,
 ) -> Iterator[tuple[str, list[int], list[int]]]:
     """Kept training samples ``(sample_id, input_ids, loss_mask)`` of prepared rows, in row order.
 
     The cache writer's rule (also used by online mode and ``deepspec estimate``): each row is rendered by
-    :func:`render_prepared_row` (held-out rows skipped; the row's
-    ``truncated_turns`` and ``chat_template_kwargs`` passed to ``render_training_samples``; sample id
-    = ``row["id"] + suffix``), then each sample is truncated to ``max_seq_len`` keeping the prefix and
-    refused if no loss token is left (:func:`keep_sample`). ``counts`` (optional,
-    updated in place) gains ``num_rows``, ``num_heldout``, ``num_truncated``, ``num_refused_empty_mask``.
+    :func:`render_prepared_row` (held-out rows skipped; the row's ``truncated_turns``,
+    ``chat_template_kwargs`` and ``generated_ids`` and ``stop_ids`` passed to
+    ``render_training_samples``; sample id = ``row["id"] + suffix``), then each sample is truncated
+    to ``max_seq_len`` keeping the prefix and refused if no loss token is left (:func:`keep_sample`).
+    ``counts`` (optional, updated in place) gains ``num_rows``, ``num_heldout``, ``num_truncated``,
+    ``num_refused_empty_mask``, the per-turn counts of :data:`deepspec.data.chat.COUNT_KEYS` and
+    ``text_retokenized`` (the ids of rows with a text-only turn that does not re-tokenise to its
+    supervised span).
 
     Raises:
         ValueError: a row without ``id``/``messages``, a rendering error (template drift, ...), or a
             sample whose ids and mask differ in length.
     """
     counts = {} if counts is None else counts
-    for key in ("num_rows", "num_heldout", "num_truncated", "num_refused_empty_mask"):
+    for key in ("num_rows", "num_heldout", "num_truncated", "num_refused_empty_mask", *TURN_COUNT_KEYS):
         counts.setdefault(key, 0)
+    counts.setdefault("text_retokenized", [])
     for row in rows:
         counts["num_rows"] += 1
-        samples = render_prepared_row(tokenizer, dict(row))
+        before = counts["num_turns_text_retokenized"]
+        samples = render_prepared_row(tokenizer, dict(row), stop_ids=stop_ids, counts=counts)
+        if counts["num_turns_text_retokenized"] > before:
+            counts["text_retokenized"].append(str(row["id"]))
         if samples is None:
             counts["num_heldout"] += 1
             continue
@@ -953,18 +1005,58 @@ def write_target_cache(
 
         target_fingerprint = target_fingerprint or load.target_fingerprint(model)
         tokenizer_fingerprint = tokenizer_fingerprint or load.tokenizer_fingerprint(tokenizer)
+    stop_ids = target_stop_token_ids(model, tokenizer)
+    render = check_prepared_render(path, tokenizer, stop_ids)
+
+    def render_row(row: dict[str, Any]) -> _Item:
+        counts: dict[str, int] = {}
+        return _Item(render_prepared_row(tokenizer, row, stop_ids=stop_ids, counts=counts), counts, str(row.get("id")))
 
     def units() -> Iterator[_Unit]:
         for row in read_jsonl(path):
-            yield lambda row=row: render_prepared_row(tokenizer, row)
+            yield lambda row=row: render_row(row)
 
     return _write_cache(
         units(), out_dir, model, target_layer_ids=target_layer_ids, target_fingerprint=target_fingerprint,
         tokenizer_fingerprint=tokenizer_fingerprint, max_seq_len=max_seq_len, shard_size=shard_size,
         storage_dtype=storage_dtype, chat_template=chat_template_id(tokenizer),
         source_fingerprint="sha256:" + sha256_file(path), num_inputs_hint=_count_lines(path),
-        progress=progress, rank=rank, world_size=world_size,
+        progress=progress, rank=rank, world_size=world_size, render=render,
     )
+
+
+def check_prepared_render(prepared_jsonl: str | os.PathLike[str], tokenizer: Any,
+                          stop_ids: Sequence[int]) -> dict[str, Any]:
+    """The render record of prepared data as this tokenizer renders it now; refuse a difference
+    with what ``deepspec prepare`` recorded (``<input>.summary.json``, ``render``).
+
+    The record (:func:`deepspec.data.chat.render_record`) holds the chat template's hash, the
+    ``chat_template_kwargs``, the stop token ids and the ids of a probe conversation: if any differs,
+    the prompts rendered now are not the ones the target answered (another tokenizer or template,
+    other kwargs, a template that reads today's date, another stop rule), so the supervised
+    sequences would not be what the target saw. Prepared data without a summary (imported data) is
+    not checked: the returned record then says ``"checked_against": null``.
+
+    Raises:
+        ValueError: naming every field that differs, both values, and the fix.
+    """
+    from deepspec.data.prepare import summary_path_for
+
+    summary_path = summary_path_for(Path(prepared_jsonl))
+    recorded = None
+    if summary_path.is_file():
+        recorded = json.loads(summary_path.read_text(encoding="utf-8")).get("render")
+    kwargs = recorded.get("chat_template_kwargs") if isinstance(recorded, dict) else None
+    now = render_record(tokenizer, chat_template_kwargs=kwargs, stop_ids=stop_ids)
+    if isinstance(recorded, dict):
+        differences = render_record_differences(recorded, now)
+        if differences:
+            raise ValueError(
+                f"{prepared_jsonl}: the chat template renders differently now than when `deepspec prepare` wrote "
+                f"it ({summary_path}): " + "; ".join(differences) + ". The cached prompts would not be the ones "
+                f"the target answered. Use the target (tokenizer, template, generation_config) and --enable-thinking "
+                f"the data was prepared with, or prepare the data again with this target.")
+    return {**now, "checked_against": str(summary_path.name) if isinstance(recorded, dict) else None}
 
 
 # ----------------------------------------------------------------------------------------------

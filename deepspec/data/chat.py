@@ -46,6 +46,26 @@ training sample: nothing after them is supervised, so they are dropped before re
 Tokens are always produced by ``apply_chat_template(tokenize=True)``: special tokens written by the
 template are never added a second time (exactly one BOS, checked). The same function,
 :func:`render_prompt`, builds prompts for regeneration (prepare), training and evaluation.
+
+Stop tokens (one rule, :func:`stop_token_ids`, used by prepare, the cache's loss mask, online mode,
+evaluation and ``deepspec serve``): the target's ``generation_config.eos_token_id`` (int or list),
+the tokenizer's ``eos_token_id``, and the special token(s) the chat template writes right after an
+assistant message's content (:func:`template_end_of_turn_ids`: a one-turn conversation is rendered
+with a sentinel answer and the special tokens that follow it are taken). No list of token names:
+a name such as ``</s>`` is an ordinary token in some vocabularies (Qwen3: id 128247).
+
+Supervising the generated ids (``generated_ids``): when the ids the target generated for an
+assistant turn are known (prepare keeps them), that turn is supervised on exactly those ids after
+exactly the prompt the target was given (``render_prompt(messages[:i])``, the history as text, as
+prepare fed it). If the template's render of the stored text gives the same ids (the usual case:
+the answer survives the text round trip), nothing changes. If it does not (trailing whitespace the
+template trims, ``"\\n\\n"`` re-split, a stop token other than the template's end-of-turn, an answer
+cut inside a multi-byte character, a whitespace-only answer that drifts into the header), the turn
+gets its own sample ``prompt_i + generated_ids_i`` (all of the ids supervised) and is masked 0 where
+its text appears in later turns' prompts (there it is history, exactly as the target saw it). Such a
+last turn makes the full sample itself ``prompt + generated_ids``. Turns with only text keep the
+render rule above; their supervised span is compared with the text's own tokenisation and a
+difference is counted (``counts``), never silently repaired.
 """
 
 from __future__ import annotations
@@ -54,9 +74,11 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# End-of-turn tokens of the chat templates DeepSpec knows (ChatML, Llama 3, Gemma). The tokenizer's
-# eos token is always included as well.
-_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "</s>")
+from deepspec.utils import token_id_list
+
+# The assistant content rendered to find the template's end-of-turn token(s): no whitespace, so no
+# template trims or re-splits it.
+_SENTINEL = "DeepSpecAnswerSentinel"
 
 
 def _template_ids(tokenizer: Any, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool,
@@ -87,19 +109,81 @@ def _template_ids(tokenizer: Any, messages: Sequence[Mapping[str, str]], *, add_
     return ids
 
 
-def end_of_turn_ids(tokenizer: Any) -> set[int]:
-    """Token ids that end an assistant turn: the tokenizer's eos id(s) plus known end-of-turn tokens."""
-    ids: set[int] = set()
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif isinstance(eos, (list, tuple)):
-        ids.update(int(e) for e in eos)
-    vocab = tokenizer.get_vocab()
-    for tok in _END_OF_TURN_TOKENS:
-        if tok in vocab:
-            ids.add(int(vocab[tok]))
+def _special_ids(tokenizer: Any) -> set[int]:
+    ids = {int(i) for i in getattr(tokenizer, "all_special_ids", []) or []}
+    for i, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(tok, "special", False):
+            ids.add(int(i))
     return ids
+
+
+def template_end_of_turn_ids(tokenizer: Any) -> list[int]:
+    """The special token(s) the chat template writes right after an assistant message's content.
+
+    Renders ``[user "Hi", assistant <sentinel>]`` (text, template defaults) and returns the leading
+    run of special tokens that follows the sentinel: ChatML (SmolLM2, Qwen3) ``[<|im_end|>]`` (the
+    ``\\n`` after it is ordinary text, not taken), Llama 3 ``[<|eot_id|>]``. Empty when the
+    tokenizer has no chat template, the template refuses the probe, drops the sentinel, or writes
+    no special token after it.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _SENTINEL}]
+    try:
+        text = tokenizer.apply_chat_template(probe, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template may refuse any probe (jinja raise_exception); then no template ids
+        return []
+    pos = text.rfind(_SENTINEL) if isinstance(text, str) else -1
+    if pos < 0:
+        return []
+    special = _special_ids(tokenizer)
+    out: list[int] = []
+    for t in tokenizer.encode(text[pos + len(_SENTINEL):], add_special_tokens=False):
+        if int(t) not in special:
+            break
+        out.append(int(t))
+    return out
+
+
+def stop_token_ids(tokenizer: Any, *, generation_eos: int | Sequence[int] | None = None) -> list[int]:
+    """The one stop rule: the token ids that end an assistant turn, sorted.
+
+    Union of ``generation_eos`` (the target's ``generation_config.eos_token_id``: an int, a list,
+    or None), the tokenizer's ``eos_token_id`` and :func:`template_end_of_turn_ids`. Used to stop
+    generation (prepare, evaluation, ``deepspec serve``) and to find the end-of-turn token in the
+    loss mask (cache, online mode). SmolLM2 -> ``[2]``; Qwen3 with its ``generation_config.json``
+    (``[151645, 151643]``) -> ``[151643, 151645]``; Llama 3 with ``[128001, 128008, 128009]`` ->
+    those three.
+
+    Raises:
+        ValueError: none of the three sources names a token.
+    """
+    ids = set(token_id_list(generation_eos)) | set(token_id_list(getattr(tokenizer, "eos_token_id", None)))
+    ids |= set(template_end_of_turn_ids(tokenizer))
+    if not ids:
+        raise ValueError("stop_token_ids: neither the target's generation_config.eos_token_id, the tokenizer's "
+                         "eos_token_id nor the chat template's end-of-turn token names a stop token; set "
+                         "eos_token_id in the target's generation_config.json.")
+    return sorted(ids)
+
+
+def generation_eos_of(source: Any) -> int | list[int] | None:
+    """The ``eos_token_id`` of a target's generation config: ``source`` is a loaded model (its
+    ``generation_config``, falling back to its ``config``), a ``GenerationConfig``, a dict (a
+    ``generation_config.json``) or None."""
+    if source is None:
+        return None
+    if isinstance(source, Mapping):
+        return source.get("eos_token_id")
+    if hasattr(source, "generation_config") or hasattr(source, "config"):
+        eos = getattr(getattr(source, "generation_config", None), "eos_token_id", None)
+        return eos if eos is not None else getattr(getattr(source, "config", None), "eos_token_id", None)
+    return getattr(source, "eos_token_id", None)
+
+
+def target_stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """:func:`stop_token_ids` of a loaded target (its generation config's eos ids included)."""
+    return stop_token_ids(tokenizer, generation_eos=generation_eos_of(model))
 
 
 def _check_messages(messages: Sequence[Mapping[str, str]]) -> None:
@@ -155,21 +239,67 @@ class RenderedSample:
 @dataclass(frozen=True)
 class _Turn:
     index: int  # message index of the assistant turn
-    upto: list[int]  # render of messages[:index+1] without the generation prompt
-    start: int  # first supervised position in ``upto`` (= len(prompt))
-    stop: int  # one past the last supervised position in ``upto``
+    prompt: list[int]  # render_prompt(messages[:index]): what the target was given
+    upto: list[int] | None  # render of messages[:index+1] without the generation prompt (None: it drifts)
+    stop: int  # one past the last supervised position in ``upto`` (0 when ``upto`` is None)
+    generated: list[int] | None  # the ids the target generated (None: text only)
+    verbatim: bool  # the render's supervised span equals ``generated`` (always True for text-only turns)
+
+    @property
+    def start(self) -> int:
+        """First supervised position (``len(prompt)``)."""
+        return len(self.prompt)
+
+    def own_sample(self) -> tuple[list[int], list[int]]:
+        """This turn alone, as the target generated it: ``prompt + answer`` and its mask."""
+        if self.verbatim:
+            ids = list(self.upto)
+            mask = [0] * len(ids)
+            mask[self.start:self.stop] = [1] * (self.stop - self.start)
+            return ids, mask
+        return self.prompt + list(self.generated), [0] * len(self.prompt) + [1] * len(self.generated)
+
+
+# Per-turn counts of render_training_samples: turns supervised on their generated ids, those whose render
+# differs from the ids (supervised on the ids in a sample built from them), text-only turns, and text-only
+# turns whose supervised content is not the tokenisation of their text.
+COUNT_KEYS = ("num_turns_ids", "num_turns_ids_not_verbatim", "num_turns_text", "num_turns_text_retokenized")
 
 
 def _diff_at(a: Sequence[int], b: Sequence[int]) -> int:
     return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def _check_generated(generated_ids: Sequence[Any] | None, messages: Sequence[Mapping[str, str]]) -> list[Any]:
+    if generated_ids is None:
+        return [None] * len(messages)
+    if not isinstance(generated_ids, Sequence) or isinstance(generated_ids, str) or \
+            len(generated_ids) != len(messages):
+        raise ValueError(f"generated_ids: expected a list with one entry per message ({len(messages)}: a list of "
+                         f"token ids for a regenerated assistant turn, else null), received "
+                         f"{generated_ids!r:.80}. Re-run `deepspec prepare`, or drop the field (text-only rows).")
+    out = []
+    for i, (ids, m) in enumerate(zip(generated_ids, messages)):
+        if ids is None:
+            out.append(None)
+            continue
+        if m["role"] != "assistant" or not isinstance(ids, Sequence) or \
+                not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError(f"generated_ids[{i}]: expected null or (for an assistant turn) a list of token ids >= 0, "
+                             f"received {ids!r:.80} for a {m['role']} turn.")
+        out.append([int(t) for t in ids])
+    return out
+
+
 def _assistant_turns(tokenizer: Any, messages: Sequence[Mapping[str, str]], *, max_seq_len: int | None,
-                     cut_turns: Collection[int], kwargs: Mapping[str, Any] | None) -> tuple[list[int], list[_Turn]]:
+                     cut_turns: Collection[int], kwargs: Mapping[str, Any] | None, stop_ids: Collection[int] | None,
+                     generated_ids: Sequence[Any] | None,
+                     counts: dict[str, int] | None) -> tuple[list[int], list[_Turn]]:
     """Validate ``messages``; return (full render up to the last assistant turn, the assistant turns).
 
     Turns whose generation prompt is already ``>= max_seq_len`` tokens are left out (nothing of them
-    survives truncation).
+    survives truncation). A turn with generated ids whose render drifts or differs is not an error:
+    it is marked not verbatim (supervised on its ids in a sample of its own).
     """
     _check_messages(messages)
     if max_seq_len is not None and max_seq_len <= 0:
@@ -179,16 +309,21 @@ def _assistant_turns(tokenizer: Any, messages: Sequence[Mapping[str, str]], *, m
         raise ValueError("conversation has no assistant turn: nothing to supervise.")
     if assistant_idx[0] == 0:
         raise ValueError("messages[0] is an assistant turn: an answer needs a prompt before it.")
+    generated = _check_generated(generated_ids, messages)
     messages = messages[: assistant_idx[-1] + 1]  # a trailing user turn is part of no training sample
 
-    eot = end_of_turn_ids(tokenizer)
+    eot = set(stop_token_ids(tokenizer)) if stop_ids is None else {int(t) for t in stop_ids}
     full = _template_ids(tokenizer, messages, add_generation_prompt=False, chat_template_kwargs=kwargs)
     turns: list[_Turn] = []
     for i in assistant_idx:
         prompt = _template_ids(tokenizer, messages[:i], add_generation_prompt=True, chat_template_kwargs=kwargs)
         if max_seq_len is not None and len(prompt) >= max_seq_len:
             continue  # this answer lies beyond the kept prefix of any sample that holds it
+        gen = generated[i]
         upto = _template_ids(tokenizer, messages[: i + 1], add_generation_prompt=False, chat_template_kwargs=kwargs)
+        if gen is not None and (upto[: len(prompt)] != prompt or not any(t in eot for t in upto[len(prompt):])):
+            turns.append(_Turn(i, prompt, None, 0, gen, verbatim=False))
+            continue
         if len(upto) <= len(prompt) and prompt[: len(upto)] == upto[: len(prompt)]:
             raise ValueError(
                 f"assistant turn {i}: the chat template wrote no tokens for it (render of messages[:{i + 1}] has "
@@ -202,19 +337,29 @@ def _assistant_turns(tokenizer: Any, messages: Sequence[Mapping[str, str]], *, m
                 f"is not a token prefix of the render of messages[:{i + 1}] (first difference at token {pos}: "
                 f"{tokenizer.decode(prompt[pos:pos + 5])!r} vs {tokenizer.decode(upto[pos:pos + 5])!r}). Training "
                 f"would see another prompt than the target generated from; often caused by leading whitespace in "
-                f"the assistant content (strip it), a think block in an answer rendered with enable_thinking=False, "
-                f"or chat_template_kwargs differing from those used at generation."
+                f"the assistant content of a text-only row (rows with generated_ids are supervised on their ids), "
+                f"a think block in an answer rendered with enable_thinking=False, or chat_template_kwargs "
+                f"differing from those used at generation."
             )
         answer = upto[len(prompt):]
         ends = [k for k, t in enumerate(answer) if t in eot]
         if not ends:
             raise ValueError(
-                f"assistant turn {i}: no end-of-turn token (ids {sorted(eot)}) among the rendered answer tokens; "
-                f"the chat template is not supported (the loss mask must include the end-of-turn token)."
+                f"assistant turn {i}: no end-of-turn token (stop ids {sorted(eot)}) among the rendered answer "
+                f"tokens; the chat template is not supported (the loss mask must include the end-of-turn token)."
             )
         # Tokens after the end-of-turn token are template glue; a cut answer never generated its end-of-turn.
-        stop = len(prompt) + ends[-1] + (0 if i in cut_turns else 1)
-        turns.append(_Turn(i, upto, len(prompt), stop))
+        cut = i in cut_turns
+        stop = len(prompt) + ends[-1] + (0 if cut else 1)
+        span = upto[len(prompt):stop]
+        if gen is None and counts is not None:
+            content = span if cut else span[:-1]
+            text_ids = tokenizer.encode(messages[i]["content"], add_special_tokens=False)
+            counts["num_turns_text_retokenized"] += int(list(content) != [int(t) for t in text_ids])
+        turns.append(_Turn(i, prompt, upto, stop, gen, verbatim=gen is None or span == gen))
+    if counts is not None:
+        counts["num_turns_ids"] += sum(t.generated is not None for t in turns)
+        counts["num_turns_text"] += sum(t.generated is None for t in turns)
     return full, turns
 
 
@@ -239,15 +384,20 @@ def render_training_samples(
     max_seq_len: int | None = None,
     cut_turns: Collection[int] = (),
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    generated_ids: Sequence[Any] | None = None,
+    stop_ids: Collection[int] | None = None,
+    counts: dict[str, int] | None = None,
 ) -> list[RenderedSample]:
     """The training samples of one conversation (the rule shared by the cache writer and online mode).
 
     Every assistant turn is supervised exactly once, in a token sequence identical to the one the
     target generated it in (``render_prompt(messages[:i])`` followed by its answer). The first sample
     is the full conversation (suffix ``""``); a turn the template rewrites once later turns follow
-    (Qwen3 drops earlier think blocks) gets its own sample ``"/turn<i>"`` rendered from
-    ``messages[:i+1]``, and is masked 0 in the full sample. Templates without rewriting give one sample.
-    Rule source: DESIGN.md s.3 and this module's docstring (think rule, empty turns, trailing user turn).
+    (Qwen3 drops earlier think blocks), or whose generated ids differ from the render of its text,
+    gets its own sample ``"/turn<i>"`` ending at that turn, and is masked 0 in the full sample.
+    Templates without rewriting, on answers that survive the text round trip, give one sample.
+    Rule source: DESIGN.md s.3 and this module's docstring (think rule, empty turns, trailing user
+    turn, generated ids).
 
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template.
@@ -259,28 +409,48 @@ def render_training_samples(
             ``truncated_turns``): their content is supervised, their end-of-turn token is not (the
             target never produced it).
         chat_template_kwargs: template variables used at generation (e.g. ``{"enable_thinking": False}``).
+        generated_ids: one entry per message: for a regenerated assistant turn the token ids the
+            target generated (its stop token last unless cut), else None (a prepared row's
+            ``generated_ids``). None: every turn is text only.
+        stop_ids: the stop rule's ids (:func:`stop_token_ids`; pass the target's, generation config
+            included). None: the tokenizer's eos and the template's end-of-turn.
+        counts: updated in place (keys :data:`COUNT_KEYS`): turns supervised on generated ids, those
+            whose render differs from the ids (supervised on the ids in a sample built from them),
+            text-only turns, and text-only turns whose supervised content differs from
+            ``tokenizer.encode(content)``.
 
     Returns:
         ``list[RenderedSample]``, the full-conversation sample first, then ``/turn<i>`` samples in turn
         order; each has ``0 < sum(loss_mask) < len(loss_mask)``.
 
     Raises:
-        ValueError: malformed messages, no assistant turn, template drift (a generation-prompt render is
-            not an exact token prefix of the render with the answer), a template that writes no
-            assistant span or no end-of-turn token, a doubled BOS, or no sample with a supervised token
-            left (e.g. ``max_seq_len`` cuts before the first answer).
+        ValueError: malformed messages or ``generated_ids``, no assistant turn, template drift in a
+            text-only turn (a generation-prompt render is not an exact token prefix of the render with
+            the answer), a template that writes no assistant span or no end-of-turn token, a doubled
+            BOS, or no sample with a supervised token left (e.g. ``max_seq_len`` cuts before the first
+            answer).
     """
+    if counts is not None:
+        for key in COUNT_KEYS:
+            counts.setdefault(key, 0)
     full, turns = _assistant_turns(tokenizer, messages, max_seq_len=max_seq_len, cut_turns=cut_turns,
-                                   kwargs=chat_template_kwargs)
+                                   kwargs=chat_template_kwargs, stop_ids=stop_ids, generated_ids=generated_ids,
+                                   counts=counts)
+    last_index = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     full_mask = [0] * len(full)
+    if turns and turns[-1].index == last_index and not turns[-1].verbatim:
+        # The last answer differs from its render: the full sample is what the target saw and generated.
+        full, full_mask = turns[-1].own_sample()
     own: list[RenderedSample] = []
     for turn in turns:
-        if full[: len(turn.upto)] == turn.upto:
+        if turn.index == last_index and not turn.verbatim:
+            continue  # supervised in the full sample built from it
+        if turn.verbatim and full[: len(turn.upto)] == turn.upto:
             full_mask[turn.start:turn.stop] = [1] * (turn.stop - turn.start)
-        else:  # rewritten once later turns follow: supervised in its own sample, 0 where rewritten
-            mask = [0] * len(turn.upto)
-            mask[turn.start:turn.stop] = [1] * (turn.stop - turn.start)
-            own.append(RenderedSample(*_finish(turn.upto, mask, max_seq_len), suffix=f"/turn{turn.index}"))
+        else:  # rewritten once later turns follow, or not what its render gives: its own sample
+            own.append(RenderedSample(*_finish(*turn.own_sample(), max_seq_len), suffix=f"/turn{turn.index}"))
+    if counts is not None:
+        counts["num_turns_ids_not_verbatim"] += sum(not t.verbatim for t in turns)
     samples = [RenderedSample(*_finish(full, full_mask, max_seq_len), suffix="")] + own
     kept = []
     for s in samples:
@@ -303,11 +473,11 @@ def render_with_loss_mask(
     cut_turns: Collection[int] = (),
     chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """Render a conversation as ONE sequence and build its loss mask.
+    """Render a text-only conversation as ONE sequence and build its loss mask.
 
     The single-sequence API: it requires every assistant turn to appear in the full render exactly as
     the target generated it. Use :func:`render_training_samples` for templates that rewrite history
-    (Qwen3 multi-turn).
+    (Qwen3 multi-turn) and for rows with generated ids.
 
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template.
@@ -331,7 +501,7 @@ def render_with_loss_mask(
             supervised tokens (e.g. ``max_seq_len`` cuts before the first answer).
     """
     full, turns = _assistant_turns(tokenizer, messages, max_seq_len=max_seq_len, cut_turns=cut_turns,
-                                   kwargs=chat_template_kwargs)
+                                   kwargs=chat_template_kwargs, stop_ids=None, generated_ids=None, counts=None)
     mask = [0] * len(full)
     for turn in turns:
         if full[: len(turn.upto)] != turn.upto:
@@ -349,3 +519,78 @@ def render_with_loss_mask(
     if not 0 < num_supervised < len(mask):
         raise _mask_error(num_supervised, len(mask), max_seq_len)
     return full, mask
+
+
+# ---------------------------------------------------------------------------------- render record
+
+# A conversation rendered at prepare time and again when the cache is built: equal ids mean the
+# template renders the prepared rows now as it did when the target answered them.
+_PROBE = ({"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Hello! How can I help?"},
+          {"role": "user", "content": "Tell me a fact."})
+
+
+def template_variables(tokenizer: Any) -> list[str]:
+    """The names a chat template reads besides its own locals (``messages``, ``add_generation_prompt``,
+    ``bos_token``, ``tools``, ``enable_thinking``, ``strftime_now``, ``date_string``, ...), sorted;
+    [] without a template or when jinja2 cannot parse it."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return []
+    try:
+        import jinja2
+        from jinja2 import meta
+
+        return sorted(meta.find_undeclared_variables(jinja2.Environment().parse(template)))
+    except Exception:  # noqa: BLE001 - transformers' own extensions ({% generation %}) may not parse here
+        return []
+
+
+def render_record(tokenizer: Any, *, chat_template_kwargs: Mapping[str, Any] | None,
+                  stop_ids: Sequence[int]) -> dict[str, Any]:
+    """What the chat template reads at render time, recorded with prepared data and in the cache
+    manifest, and compared by :func:`render_record_differences` when prepared rows are rendered again.
+
+    Keys: ``chat_template_sha256``, ``chat_template_kwargs``, ``template_variables``
+    (:func:`template_variables`: e.g. ``strftime_now`` means the render depends on today's date),
+    ``stop_token_ids``, ``probe_sha256`` (the ids of a fixed three-message conversation rendered
+    with and without the generation prompt, with these kwargs: catches anything else that changes
+    the tokens, e.g. a default system prompt, the date, the tokenizer) and ``render_date`` (only when
+    the template reads ``strftime_now``).
+    """
+    import datetime
+    import hashlib
+    import json
+
+    template = getattr(tokenizer, "chat_template", None) or ""
+    text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+    try:
+        probe = [_template_ids(tokenizer, _PROBE, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs),
+                 _template_ids(tokenizer, _PROBE[:2], add_generation_prompt=False,
+                               chat_template_kwargs=chat_template_kwargs)]
+        probe_sha = hashlib.sha256(json.dumps(probe).encode()).hexdigest()
+    except Exception as exc:  # noqa: BLE001 - a template may refuse the probe; record why
+        probe_sha = f"error: {type(exc).__name__}"
+    variables = template_variables(tokenizer)
+    record: dict[str, Any] = {
+        "chat_template_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        "chat_template_kwargs": dict(chat_template_kwargs or {}),
+        "template_variables": variables,
+        "stop_token_ids": sorted(int(t) for t in stop_ids),
+        "probe_sha256": probe_sha,
+    }
+    if "strftime_now" in variables:
+        record["render_date"] = datetime.date.today().isoformat()
+    return record
+
+
+def render_record_differences(recorded: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """The fields of two :func:`render_record` dicts that differ, as readable lines (empty: same
+    render). ``render_date`` alone is not a difference (the probe says whether the date matters)."""
+    lines = []
+    for key in ("chat_template_sha256", "chat_template_kwargs", "stop_token_ids", "probe_sha256"):
+        if key in recorded and recorded.get(key) != now.get(key):
+            lines.append(f"{key}: prepared {recorded.get(key)!r}, now {now.get(key)!r}")
+    if lines and "strftime_now" in (now.get("template_variables") or []):
+        lines.append(f"the chat template reads strftime_now (today's date): prepared on "
+                     f"{recorded.get('render_date', '?')}, rendering on {now.get('render_date', '?')}")
+    return lines

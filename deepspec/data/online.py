@@ -44,7 +44,9 @@ class OnlineTargetFeatures:
     "target_last_hidden": [T, H]}``, all on the CPU, in the dtypes the cache reader returns for
     ``storage_dtype=feature_dtype`` (float32/bfloat16/float16 as named; fp8: ``target_hidden``
     quantised and dequantised to float32, ``target_last_hidden`` bfloat16). The rows are rendered
-    once, at construction (token ids and masks only, :func:`iter_prepared_samples`); features are
+    once, at construction (token ids and masks only, :func:`iter_prepared_samples`, with the target's
+    stop rule and the cache writer's render check :func:`deepspec.data.cache.check_prepared_render`;
+    the per-turn counts go into ``manifest``); features are
     computed at each read of a feature field by
     :func:`deepspec.target.capture.capture_sample_features` (the sample alone, under
     ``torch.no_grad``) and converted by the cache writer's own storage conversion: bitwise equal to
@@ -83,7 +85,8 @@ class OnlineTargetFeatures:
         target_fingerprint: str | None = None,
         tokenizer_fingerprint: str | None = None,
     ):
-        from deepspec.data.cache import iter_prepared_samples
+        from deepspec.data.cache import check_prepared_render, iter_prepared_samples
+        from deepspec.data.chat import target_stop_token_ids
         from deepspec.data.conversations import read_jsonl
 
         self.path = Path(prepared_jsonl)
@@ -97,9 +100,11 @@ class OnlineTargetFeatures:
         self._layer_ids = validate_target_layer_ids(list(target_layer_ids), num_hidden_layers)
         self.model = model
         self.feature_dtype = feature_dtype
-        counts: dict[str, int] = {}
+        stop_ids = target_stop_token_ids(model, tokenizer)
+        render = check_prepared_render(self.path, tokenizer, stop_ids)  # the cache writer's check
+        counts: dict[str, Any] = {}
         self._samples = list(iter_prepared_samples(read_jsonl(self.path), tokenizer, max_seq_len=max_seq_len,
-                                                   counts=counts))
+                                                   counts=counts, stop_ids=stop_ids))
         if not self._samples:
             raise ValueError(
                 f"{self.path}: no training sample left (rows {counts['num_rows']}, held out "
@@ -126,6 +131,8 @@ class OnlineTargetFeatures:
             "num_samples": len(self._samples),
             "num_tokens": sum(len(ids) for _, ids, _ in self._samples),
             "num_loss_tokens": sum(sum(mask) for _, _, mask in self._samples),
+            "stop_token_ids": stop_ids,
+            "render": render,
             **counts,
         }
 

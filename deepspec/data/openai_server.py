@@ -6,17 +6,25 @@ SGLang. Endpoints:
 
 - ``GET /v1/models``: one model, named by ``model_name``.
 - ``POST /v1/chat/completions``: ``messages``, ``max_tokens`` (or ``max_completion_tokens``),
-  ``temperature``, ``top_p``, ``seed``, ``chat_template_kwargs`` (as vLLM/SGLang: passed to the chat
-  template). Answers with ``finish_reason`` ``"length"`` when ``max_tokens`` cut the answer, else
-  ``"stop"``, and ``usage.completion_tokens``. ``n > 1`` and streaming are refused (400). A
-  ``model`` other than ``model_name`` is refused with 404 ``"The model `X` does not exist."``, as
-  vLLM does (a missing ``model`` is refused with 400).
+  ``temperature``, ``top_p``, ``top_k`` (0 or -1 = off), ``seed``, ``stop_token_ids`` (added to the
+  stop rule, as in vLLM), ``chat_template_kwargs`` (as vLLM/SGLang: passed to the chat template) and
+  ``return_token_ids`` (as vLLM: the generated ids, stop token included, in
+  ``choices[0].token_ids``). Decoding is pinned as everywhere in DeepSpec
+  (:mod:`deepspec.target.decoding`): the target's generation config is never read; ``min_p``,
+  ``repetition_penalty``, ``presence_penalty`` and ``frequency_penalty`` are accepted at their
+  neutral values (0, 1, 0, 0) and refused (400) otherwise, never ignored. Generation stops on the
+  one stop rule (:func:`deepspec.data.chat.target_stop_token_ids`). Answers with ``finish_reason``
+  ``"length"`` when ``max_tokens`` cut the answer, else ``"stop"`` (``stop_reason``: the stop
+  token id, null for the tokenizer's eos, as vLLM), and ``usage.completion_tokens``. ``n > 1`` and
+  streaming are refused (400). A ``model`` other than ``model_name`` is refused with 404 ``"The
+  model `X` does not exist."``, as vLLM does (a missing ``model`` is refused with 400).
 
 Requests are served one at a time through the model (a lock; ``ThreadingHTTPServer`` accepts
 connections concurrently). Test-only fault injection is set through the constructor, never through
 the environment: ``fail_first`` answers the first k chat requests with HTTP 500, ``delay_s`` adds a
 random delay (seeded), ``hold`` (a ``threading.Event``) blocks chat requests after ``hold_after``
-of them until the event is set.
+of them until the event is set, and ``token_ids=False`` never returns generated ids (a server that
+returns only text).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from deepspec.data.backends import LocalBackend, SamplingParams
+from deepspec.target.decoding import NEUTRAL_SETTINGS
 
 
 class _QuietHTTPServer(ThreadingHTTPServer):
@@ -54,8 +63,9 @@ class OpenAICompatServer:
     def __init__(self, model: Any, tokenizer: Any, *, host: str = "127.0.0.1", port: int = 0,
                  model_name: str = "deepspec-target", fail_first: int = 0,
                  delay_s: tuple[float, float] = (0.0, 0.0), delay_seed: int = 0,
-                 hold: threading.Event | None = None, hold_after: int = 0) -> None:
+                 hold: threading.Event | None = None, hold_after: int = 0, token_ids: bool = True) -> None:
         self.backend = LocalBackend(model, tokenizer, batch_size=1)
+        self.token_ids = token_ids
         self.model_name = model_name
         self.fail_first, self.delay_s, self.hold, self.hold_after = fail_first, delay_s, hold, hold_after
         self._rng = random.Random(delay_seed)
@@ -119,20 +129,27 @@ class OpenAICompatServer:
             return 400, {"error": {"message": "messages: expected a non-empty list", "type": "invalid_request_error"}}
         if body.get("stream") or int(body.get("n", 1) or 1) != 1:
             return 400, {"error": {"message": "stream and n > 1 are not supported", "type": "invalid_request_error"}}
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 256
-        sampling = SamplingParams(max_new_tokens=int(max_tokens), temperature=float(body.get("temperature") or 0.0),
-                                  top_p=float(body.get("top_p") or 1.0), seed=body.get("seed"))
+        try:
+            sampling, stop_ids = _request_sampling(body)
+        except ValueError as exc:
+            return 400, {"error": {"message": str(exc), "type": "invalid_request_error"}}
         try:
             with self._lock:
-                result, prompt = self.backend.answer_one(messages, sampling, body.get("chat_template_kwargs"))
+                result, prompt = self.backend.answer_one(messages, sampling, body.get("chat_template_kwargs"),
+                                                         extra_stop_token_ids=stop_ids)
                 self.prompts.append(prompt)
         except Exception as exc:  # template errors etc. are the client's problem: 400 with the reason
             return 400, {"error": {"message": f"{type(exc).__name__}: {exc}", "type": "invalid_request_error"}}
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                                  "finish_reason": "length" if result.cut else "stop", "logprobs": None,
+                                  "stop_reason": None}
+        if not result.cut and result.token_ids and result.token_ids[-1] != self.backend.tokenizer.eos_token_id:
+            choice["stop_reason"] = result.token_ids[-1]
+        if body.get("return_token_ids") and self.token_ids:
+            choice["token_ids"] = result.token_ids
         return 200, {
             "id": f"chatcmpl-{number}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                         "finish_reason": "length" if result.cut else "stop", "logprobs": None}],
+            "model": self.model_name, "choices": [choice],
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": result.num_tokens,
                       "total_tokens": len(prompt) + result.num_tokens},
         }
@@ -177,6 +194,24 @@ class OpenAICompatServer:
                 self._send(*server._chat(body))
 
         return Handler
+
+
+def _request_sampling(body: dict[str, Any]) -> tuple[SamplingParams, list[int]]:
+    """The pinned sampling of a request and its extra stop ids. Raises ValueError (a 400) for a
+    penalty or filter this server does not implement set away from its neutral value."""
+    for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        value = body.get(name)
+        if value is not None and float(value) != float(NEUTRAL_SETTINGS[name]):
+            raise ValueError(f"{name}={value!r}: deepspec serve decodes with {name}={NEUTRAL_SETTINGS[name]} only "
+                             f"(pinned decoding); drop the field or send {NEUTRAL_SETTINGS[name]}")
+    top_k = int(body.get("top_k") or 0)
+    max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 256
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise ValueError(f"stop_token_ids={stop_ids!r}: expected a list of token ids")
+    sampling = SamplingParams(max_new_tokens=int(max_tokens), temperature=float(body.get("temperature") or 0.0),
+                              top_k=max(top_k, 0), top_p=float(body.get("top_p") or 1.0), seed=body.get("seed"))
+    return sampling, stop_ids
 
 
 @dataclass(kw_only=True)

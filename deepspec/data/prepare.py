@@ -26,11 +26,25 @@ side files under their final names:
   cache stage reads the train file only. Each row::
 
     {"id": str, "source_index": int, "messages": [{"role", "content"}, ...],
+     "generated_ids": [null | [int, ...] per message] (only when some turn has ids),
      "truncated": bool, "truncated_turns": [message indices of answers cut by max_new_tokens],
      "chat_template_kwargs": {...} (only when set, e.g. {"enable_thinking": false}),
      "split": "train" | "heldout"}
 
-- ``<output>.summary.json``: the config (no API key: only ``api_key_env``) and the counts.
+  ``generated_ids[i]`` holds, for a regenerated assistant turn ``i``, the token ids the target
+  generated, exactly: its stop token last unless the turn was cut (the local backend always; an
+  OpenAI-compatible server when it returns them, see :class:`~deepspec.data.backends.OpenAIBackend`),
+  and null for other messages and for turns a server answered with text only. The cache and online
+  mode supervise exactly these ids (:func:`deepspec.data.chat.render_training_samples`). The
+  message ``content`` is the decoded answer (stop token removed, not stripped): it is the history
+  the next turn's prompt is rendered from, as the target was given it. Rows without
+  ``generated_ids`` (written before the field existed, or imported) are text only.
+
+- ``<output>.summary.json``: the config (no API key: only ``api_key_env``), the counts (turns with
+  and without generated ids included), ``decoding`` (every decoding setting, the stop token ids,
+  and the target's own generation-config settings that were ignored:
+  :func:`deepspec.target.decoding.decoding_record`) and ``render`` (what the chat template read:
+  :func:`deepspec.data.chat.render_record`, compared when the cache is built).
 
 Resume (``<output>.partial.jsonl``, the journal): its first line records the settings that shape
 the answers and their hash; every finished conversation (kept or failed) is appended as one line,
@@ -56,8 +70,11 @@ Choices (documented for users):
   ``truncated_turns``. The training render (:func:`deepspec.data.chat.render_training_samples` with
   ``cut_turns=truncated_turns``) then leaves its end-of-turn token out of the loss mask: the
   template writes one there, but the target never produced it.
-- Regenerated answers are stripped of surrounding whitespace: leading whitespace would make the
-  chat-template render drift from the generation prompt (see :mod:`deepspec.data.chat`).
+- Regenerated answers are stored as generated: never stripped (the ids are kept as well, so the
+  supervised tokens are the target's own even where the text does not re-tokenise to them).
+- Decoding is pinned (:mod:`deepspec.target.decoding`): greedy or temperature + ``top_k`` +
+  ``top_p``, nothing else, whatever the target's ``generation_config.json`` says; generation stops
+  on the one stop rule (:func:`deepspec.data.chat.stop_token_ids`), for both backends.
 - A server that refuses one row as invalid (HTTP 400/422, e.g. longer than its context) makes that
   row ``failed`` (reason recorded) when ``skip_bad_rows``; connection errors, timeouts, 429 and 5xx
   are retried ``max_retries`` times with exponential backoff, then stop the run (the journal keeps
@@ -98,8 +115,9 @@ from deepspec.data.backends import (
     TurnRequest,
     TurnResult,
 )
-from deepspec.data.chat import render_prompt
+from deepspec.data.chat import generation_eos_of, render_prompt, render_record, stop_token_ids
 from deepspec.data.conversations import SkipRow
+from deepspec.target.decoding import decoding_record
 from deepspec.utils import atomic_path, atomic_write_text
 
 SHAREGPT_DEMO = "sharegpt-demo"
@@ -139,6 +157,7 @@ class PrepareConfig:
     max_prompt_tokens: int = 512  # a turn whose prompt is longer ends the conversation (first turn: row skipped)
     max_turns: int | None = None  # assistant turns regenerated per conversation; None (`--max-turns none`) = all
     temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # top-k sampling (used only when temperature > 0); 0 = off
     top_p: float = 1.0  # nucleus sampling (used only when temperature > 0)
     skip_bad_rows: bool = True  # false: the first unusable row stops the run with an error naming it
     seed: int = 0  # sampling seed (per request: derived from seed, row and turn)
@@ -198,6 +217,8 @@ class PrepareConfig:
                              f"file or folder, or a Hugging Face dataset id 'org/name[:split]'.")
         if not (self.temperature >= 0.0):
             raise ValueError(f"PrepareConfig.temperature={self.temperature!r}: expected >= 0 (0 = greedy).")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"PrepareConfig.top_k={self.top_k!r}: expected an integer >= 0 (0 = off).")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"PrepareConfig.top_p={self.top_p!r}: expected a number in (0, 1] (1 = no nucleus cut).")
         if not (0.0 <= self.heldout_fraction < 1.0):
@@ -256,6 +277,8 @@ class PrepareSummary:
     num_resumed: int = 0
     num_retries: int = 0  # openai backend: retried requests
     num_regenerated_turns: int = 0
+    num_turns_with_ids: int = 0  # regenerated turns whose generated token ids are stored
+    num_turns_text_only: int = 0  # regenerated turns a server answered with text only (no ids)
     num_generated_tokens: int = 0
     generate_s: float = 0.0
     backend: str = "local"
@@ -284,6 +307,12 @@ def heldout_path_for(output: Path) -> Path:
     return output.with_name(_stem(output) + ".heldout.jsonl")
 
 
+def summary_path_for(output: Path) -> Path:
+    """``out.jsonl`` -> ``out.jsonl.summary.json`` (config, counts, decoding and render records)."""
+    output = Path(output)
+    return output.with_name(output.name + ".summary.json")
+
+
 def journal_path_for(output: Path) -> Path:
     """``out.jsonl`` -> ``out.jsonl.partial.jsonl`` (the resume journal; deleted when the run completes)."""
     output = Path(output)
@@ -303,6 +332,7 @@ class _Conversation:
     next_turn: int = 0  # index into assistant_positions
     done: bool = False
     truncated_turns: list[int] = field(default_factory=list)
+    generated: dict[int, list[int]] = field(default_factory=dict)  # message index -> generated ids
     failure: str | None = None  # reason, when regeneration failed for this row
 
     @property
@@ -379,12 +409,13 @@ def _request_seed(seed: int, source_index: int, turn: int) -> int:
 # ------------------------------------------------------------------------------------------- journal
 
 
-def _journal_settings(cfg: PrepareConfig, model_name: str) -> dict[str, Any]:
+def _journal_settings(cfg: PrepareConfig, model_name: str, stop_ids: list[int]) -> dict[str, Any]:
     """The settings that shape which rows are read and what the answers are (resume must match them)."""
     keys = ("input", "hf_split", "num_conversations", "max_new_tokens", "max_prompt_tokens", "max_turns",
-            "temperature", "top_p", "seed", "enable_thinking", "target", "backend")
+            "temperature", "top_k", "top_p", "seed", "enable_thinking", "target", "backend")
     settings = {k: getattr(cfg, k) for k in keys}
     settings["model"] = model_name
+    settings["stop_token_ids"] = list(stop_ids)
     return settings
 
 
@@ -466,6 +497,8 @@ class _Journal:
 def _out_row(conv: _Conversation, cfg: PrepareConfig) -> dict[str, Any]:
     row: dict[str, Any] = {"id": conv.row_id, "source_index": conv.source_index, "messages": conv.history,
                            "truncated": bool(conv.truncated_turns), "truncated_turns": conv.truncated_turns}
+    if conv.generated:
+        row["generated_ids"] = [conv.generated.get(i) for i in range(len(conv.history))]
     if cfg.chat_template_kwargs is not None:
         row["chat_template_kwargs"] = cfg.chat_template_kwargs
     return row
@@ -489,6 +522,7 @@ def _restore(convs: list[_Conversation], entries: list[dict[str, Any]], journal_
         else:
             row = entry["row"]
             conv.history, conv.truncated_turns = row["messages"], row["truncated_turns"]
+            conv.generated = {i: ids for i, ids in enumerate(row.get("generated_ids") or []) if ids is not None}
         restored += 1
     return restored
 
@@ -496,12 +530,25 @@ def _restore(convs: list[_Conversation], entries: list[dict[str, Any]], journal_
 # ----------------------------------------------------------------------------------------------- run
 
 
-def _make_backend(cfg: PrepareConfig, model: Any, tokenizer: Any, log: Callable[[str], None]) -> RegenerationBackend:
+def _make_backend(cfg: PrepareConfig, model: Any, tokenizer: Any, log: Callable[[str], None],
+                  stop_ids: list[int]) -> RegenerationBackend:
     if cfg.backend == "local":
-        return LocalBackend(model, tokenizer, batch_size=cfg.batch_size, sort_window=cfg.sort_window)
+        return LocalBackend(model, tokenizer, batch_size=cfg.batch_size, sort_window=cfg.sort_window,
+                            stop_token_ids=stop_ids)
     return OpenAIBackend(cfg.base_urls, model=cfg.server_model, api_key=os.environ.get(cfg.api_key_env) or "EMPTY",
                          max_concurrency=cfg.max_concurrency, max_retries=cfg.max_retries,
-                         request_timeout_s=cfg.request_timeout_s, retry_backoff_s=cfg.retry_backoff_s, log=log)
+                         request_timeout_s=cfg.request_timeout_s, retry_backoff_s=cfg.retry_backoff_s, log=log,
+                         stop_token_ids=stop_ids, eos_token_id=tokenizer.eos_token_id)
+
+
+def _target_generation_config(cfg: PrepareConfig, model: Any) -> Any:
+    """The target's generation config: the loaded model's, else the one in the ``cfg.target`` folder
+    (backend "openai" loads only the tokenizer); read for its eos ids and recorded as ignored."""
+    if model is not None:
+        return getattr(model, "generation_config", None)
+    from deepspec.target.load import load_generation_config
+
+    return load_generation_config(cfg.target)
 
 
 def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
@@ -531,24 +578,30 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
 
     from deepspec.data.sources import assign_split
 
+    if backend is None and cfg.backend == "local" and (model is None or tokenizer is None):
+        from deepspec.target.load import load_target
+
+        model, tokenizer = load_target(cfg.target)
+    elif tokenizer is None:
+        from deepspec.target.load import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.target)
+    generation_config = _target_generation_config(cfg, model)
+    stop_ids = stop_token_ids(tokenizer, generation_eos=generation_eos_of(generation_config))
     if backend is None:
-        if cfg.backend == "local" and (model is None or tokenizer is None):
-            from deepspec.target.load import load_target
-
-            model, tokenizer = load_target(cfg.target)
-        elif tokenizer is None:
-            from deepspec.target.load import load_tokenizer
-
-            tokenizer = load_tokenizer(cfg.target)
-        backend = _make_backend(cfg, model, tokenizer, log)
-    assert tokenizer is not None, "run_prepare needs the target's tokenizer (prompt lengths)"
+        backend = _make_backend(cfg, model, tokenizer, log, stop_ids)
+    elif isinstance(backend, OpenAIBackend) and not backend.stop_token_ids:
+        backend.stop_token_ids, backend.eos_token_id = stop_ids, tokenizer.eos_token_id
     torch.manual_seed(cfg.seed)
     ctk = cfg.chat_template_kwargs
+    decoding = decoding_record(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                               top_p=cfg.top_p, stop_token_ids=stop_ids, checkpoint_generation_config=generation_config)
+    render = render_record(tokenizer, chat_template_kwargs=ctk, stop_ids=stop_ids)
 
     skipped: list[dict[str, Any]] = []
     convs, read, lost_in_source = _select(cfg, tokenizer, skipped)
     model_name = backend.resolve_model() if isinstance(backend, OpenAIBackend) else cfg.target
-    journal = _Journal(journal_path_for(cfg.output), _journal_settings(cfg, model_name))
+    journal = _Journal(journal_path_for(cfg.output), _journal_settings(cfg, model_name, stop_ids))
     num_resumed = _restore(convs, journal.entries, journal.path)
     if num_resumed:
         log(f"prepare: resuming from {journal.path}: {num_resumed} of {len(convs)} conversations already finished")
@@ -563,7 +616,7 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
         journal.append(entry)
 
     pending = [c for c in convs if not c.done]
-    num_tokens = num_turns = 0
+    num_tokens = num_turns = num_with_ids = 0
     generate_s = 0.0
     bar = tqdm(total=sum(len(c.assistant_positions) for c in pending), desc="regenerate turns", unit="turn",
                disable=not cfg.show_progress)
@@ -597,12 +650,12 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
                 requests = [TurnRequest(
                     key=f"{conv.where} assistant turn {conv.next_turn}", messages=context, chat_template_kwargs=ctk,
                     sampling=SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                            top_p=cfg.top_p,
+                                            top_k=cfg.top_k, top_p=cfg.top_p,
                                             seed=_request_seed(cfg.seed, conv.source_index, conv.next_turn)),
                 ) for conv, context in jobs]
 
                 def on_result(i: int, result: TurnResult) -> None:
-                    nonlocal num_tokens, num_turns
+                    nonlocal num_tokens, num_turns, num_with_ids
                     conv, context = jobs[i]
                     remaining = len(conv.assistant_positions) - conv.next_turn
                     if result.refused:
@@ -618,7 +671,10 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
                         return
                     num_tokens += result.num_tokens
                     num_turns += 1
-                    conv.history = context + [{"role": "assistant", "content": result.text.strip()}]
+                    conv.history = context + [{"role": "assistant", "content": result.text}]
+                    if result.token_ids is not None:
+                        conv.generated[len(conv.history) - 1] = list(result.token_ids)
+                        num_with_ids += 1
                     conv.next_turn += 1
                     if result.cut:
                         conv.truncated_turns.append(len(conv.history) - 1)
@@ -656,6 +712,7 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
         num_train=len(train_rows), num_heldout=len(heldout_rows), num_resumed=num_resumed,
         num_retries=getattr(backend, "num_retries", 0),
         num_regenerated_turns=num_turns, num_generated_tokens=num_tokens, generate_s=round(generate_s, 3),
+        num_turns_with_ids=num_with_ids, num_turns_text_only=num_turns - num_with_ids,
         backend=cfg.backend, output=str(cfg.output), heldout_path=str(heldout_path_for(cfg.output)),
         skipped_path=str(skipped_path_for(cfg.output)),
     )
@@ -665,12 +722,13 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
         return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
     cfg_dict = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
-    summary_text = json.dumps({"config": cfg_dict, "summary": asdict(summary),
-                               "tok_per_s": round(summary.tok_per_s, 1)}, indent=2, ensure_ascii=False) + "\n"
+    summary_text = json.dumps({"config": cfg_dict, "summary": asdict(summary), "decoding": decoding,
+                               "render": render, "tok_per_s": round(summary.tok_per_s, 1)},
+                              indent=2, ensure_ascii=False) + "\n"
     # Every output is written under a temporary name first, then renamed: the train file first, the
     # side files after it (ExitStack exits in reverse order). If any write or the train file's
     # rename fails, no side file appears under its final name and the journal is kept.
-    outputs = [(cfg.output.with_name(cfg.output.name + ".summary.json"), summary_text),
+    outputs = [(summary_path_for(cfg.output), summary_text),
                (skipped_path_for(cfg.output), rows_text(skipped)),
                (heldout_path_for(cfg.output), rows_text(heldout_rows)),
                (cfg.output, rows_text(train_rows))]

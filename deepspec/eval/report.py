@@ -186,6 +186,23 @@ def _setup_lines(cfg: Mapping[str, Any]) -> list[str]:
     if cfg.get("confidence_threshold"):
         lines += ["", "Confidence threshold (proposals cut at the first slot below it; calibration then sees only "
                   "the slots kept): " + ", ".join(f"{m} {t}" for m, t in cfg["confidence_threshold"].items()) + "."]
+    decoding = cfg.get("decoding")
+    if isinstance(decoding, Mapping):
+        ignored = decoding.get("checkpoint_settings_ignored") or {}
+        lines += ["", "Decoding (pinned, every method): " + ", ".join(
+            f"{k} {v}" for k, v in decoding.items() if k != "checkpoint_settings_ignored")
+            + (f"; ignored from the target's generation_config: "
+               + ", ".join(f"{k} {v}" for k, v in ignored.items()) if ignored else "") + "."]
+    checks = cfg.get("target_check") or {}
+    if checks:
+        said = {"match": "trained against this target (fingerprint matches)",
+                "not_recorded": "no target fingerprint recorded (shape checked only)",
+                "mismatch_allowed": "TRAINED AGAINST ANOTHER TARGET (fingerprint differs; --allow-target-mismatch)"}
+        lines += ["", "Target check: " + "; ".join(
+            f"{m} {said.get(c.get('status'), c.get('status'))}"
+            + (f" (draft {str(c.get('draft_target_fingerprint'))[:16]}..., target "
+               f"{str(c.get('target_fingerprint'))[:16]}...)" if c.get("status") == "mismatch_allowed" else "")
+            for m, c in checks.items()) + "."]
     if cfg.get("benchmark_origins"):
         lines += ["", "Prompts read from: " + "; ".join(f"{b}: `{o}`" for b, o in cfg["benchmark_origins"].items())
                   + "."]

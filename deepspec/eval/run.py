@@ -32,37 +32,35 @@ from deepspec.eval.metrics import METRIC_DEFINITIONS, benchmark_metrics
 from deepspec.eval.proposers import NullProposer, Proposer
 from deepspec.eval.verify import SamplingParams
 from deepspec.eval.report import BASELINE, HF_GENERATE, environment_info, write_report
+from deepspec.target.decoding import decoding_record
 
 
 def eos_token_ids_of(target_model: Any, tokenizer: Any) -> list[int]:
-    """EOS ids: the tokenizer's ``eos_token_id`` plus the model's ``generation_config.eos_token_id``."""
-    ids: set[int] = set()
-    for value in (getattr(tokenizer, "eos_token_id", None),
-                  getattr(getattr(target_model, "generation_config", None), "eos_token_id", None)):
-        if value is None:
-            continue
-        ids.update([value] if isinstance(value, int) else list(value))
-    if not ids:
-        raise ValueError("eos_token_ids: neither the tokenizer nor the target's generation_config names an EOS token; "
-                         "set tokenizer.eos_token_id.")
-    return sorted(ids)
+    """The ids that end generation: the one stop rule (:func:`deepspec.data.chat.target_stop_token_ids`:
+    the target's ``generation_config.eos_token_id``, the tokenizer's eos and the chat template's
+    end-of-turn token), the same set prepare stops on and the cache's loss mask ends on."""
+    from deepspec.data.chat import target_stop_token_ids
+
+    return target_stop_token_ids(target_model, tokenizer)
 
 
 def hf_generate(model: Any, prompt_ids: list[int], *, max_new_tokens: int, sampling: SamplingParams,
                 eos: list[int], pad: int) -> GenerationResult:
-    """Time HF ``generate()`` on one prompt with the same sampling: greedy, or temperature + the same
-    top-k / top-p (``top_k=0`` and ``top_p=1.0`` are off in HF as here). Seeding is the caller's
+    """Time HF ``generate()`` on one prompt with the same sampling, pinned
+    (:func:`deepspec.target.decoding.pinned_generate`: greedy, or temperature + the same top-k /
+    top-p, and nothing from the target's ``generation_config``). Seeding is the caller's
     (``torch.manual_seed``). Returns a GenerationResult with ``output_ids`` (cut after the first EOS)
     and ``total_time_s``; no steps, no TTFT."""
+    from deepspec.target.decoding import pinned_generate
+
     device = next(model.parameters()).device
     ids_BT = torch.tensor([prompt_ids], device=device)
-    kwargs: dict[str, Any] = {"do_sample": False} if sampling.greedy else {
-        "do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    out = model.generate(ids_BT, attention_mask=torch.ones_like(ids_BT), max_new_tokens=max_new_tokens,
-                         eos_token_id=eos, pad_token_id=pad, **kwargs)
+    out = pinned_generate(model, ids_BT, torch.ones_like(ids_BT), max_new_tokens=max_new_tokens,
+                          temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                          stop_token_ids=eos, pad_token_id=pad)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     total = time.perf_counter() - t0
@@ -248,6 +246,10 @@ def run_eval(
             "seed": seed,
             "target_layer_ids": list(target_layer_ids),
             "eos_token_ids": eos,
+            "decoding": decoding_record(max_new_tokens=max_new_tokens, temperature=sampling.temperature,
+                                        top_k=sampling.top_k, top_p=sampling.top_p, stop_token_ids=eos,
+                                        checkpoint_generation_config=getattr(target_model, "generation_config",
+                                                                             None)),
             "proposers": {n: {"type": type(p).__name__, "max_proposal_len": p.max_proposal_len}
                           for n, p in proposers.items()},
             "num_prompts": {b: len(v) for b, v in benchmarks.items()},

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
+
+from deepspec.utils import token_id_list
 
 WEIGHTS_NAME = "model.safetensors"  # a draft folder's weights (every algorithm, and the original's layout)
 CONFIG_NAME = "config.json"  # a draft folder's config
@@ -67,6 +69,37 @@ def _err(field_name: str, expected: str, received: Any, fix: str, cls: str = "Dr
     return ValueError(f"{cls}.{field_name}: expected {expected}, received {received!r}. {fix}")
 
 
+def config_from_dict(cls: Any, d: dict[str, Any]) -> Any:
+    """Build a draft config dataclass from a saved ``config.json`` dict, with no field dropped or guessed.
+
+    Unknown keys are refused (a typo, or a field of a newer DeepSpec, would otherwise be dropped), and
+    so are missing keys, except those in ``cls.OPTIONAL_ON_LOAD`` (fields that do not change the
+    forward pass, e.g. loss weights and the target fingerprint, or whose default is the behaviour of
+    drafts saved before the field existed). A draft whose config misses ``target_layer_ids`` or
+    ``rms_norm_eps`` would otherwise fail with a raw ``TypeError`` or, worse, load with a default and
+    propose with another forward pass.
+
+    Raises:
+        ValueError: naming the unknown or missing keys and the fix.
+    """
+    name = cls.__name__
+    if not isinstance(d, dict):
+        raise ValueError(f"{name}.from_dict: expected a dict (the draft config of config.json), received "
+                         f"{type(d).__name__}.")
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    known = {f.name for f in fields}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"{name}.from_dict: unknown keys {unknown}; expected a subset of {sorted(known)}. "
+                         "Remove them or upgrade DeepSpec.")
+    missing = sorted(f.name for f in fields if f.name not in d and f.name not in cls.OPTIONAL_ON_LOAD)
+    if missing:
+        raise ValueError(f"{name}.from_dict: missing keys {missing}; they change the draft's forward pass, so "
+                         "DeepSpec does not guess them. Add them to the draft's config.json (the values the draft "
+                         "was trained with) or re-save the draft with this DeepSpec.")
+    return cls(**d)
+
+
 @dataclass(kw_only=True)
 class TargetShapeConfig:
     """The fields every draft copies from its target (family, backbone shape, RoPE, target layers, special
@@ -75,7 +108,16 @@ class TargetShapeConfig:
     ``hidden_size`` must equal the target hidden size because ``embed_tokens`` / ``lm_head`` are copied
     from the target. Validated in ``__post_init__``; errors are ``ValueError`` naming
     ``<ConfigClass>.<field>``, expected, received, and the fix. Derive one with :func:`target_shape_fields`.
+
+    The target a draft is made for is recorded by ``family``, ``target_num_hidden_layers``,
+    ``target_hidden_size``, ``vocab_size`` and ``target_fingerprint``
+    (:func:`deepspec.target.load.target_fingerprint` of the target whose embedding and lm_head the
+    draft copied; set by ``from_target``; None in drafts saved before it was recorded). Evaluation
+    checks them against the target (:func:`deepspec.models.registry.check_draft_target`).
     """
+
+    # Keys a saved config may lack (config_from_dict): they do not change the forward pass.
+    OPTIONAL_ON_LOAD: ClassVar[tuple[str, ...]] = ("pad_token_id", "eos_token_ids", "target_fingerprint")
 
     # --- family and backbone shape (copied from the target) ---
     family: str
@@ -99,6 +141,7 @@ class TargetShapeConfig:
     target_layer_ids: list[int]
     pad_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    target_fingerprint: str | None = None  # content hash of the target the draft was made for (metadata)
 
     def __post_init__(self) -> None:
         cls = type(self).__name__
@@ -190,6 +233,10 @@ class DraftConfig(TargetShapeConfig):
     Validated in ``__post_init__``; errors are ``ValueError`` naming field, expected, received, fix.
     """
 
+    # Loss knobs (training only) and markov_head_type (drafts saved before it existed are "vanilla").
+    OPTIONAL_ON_LOAD: ClassVar[tuple[str, ...]] = TargetShapeConfig.OPTIONAL_ON_LOAD + (
+        "markov_head_type", "loss_decay_gamma", "ce_weight", "l1_weight", "confidence_weight")
+
     # --- draft knobs ---
     num_draft_layers: int
     block_size: int = 7
@@ -253,13 +300,9 @@ class DraftConfig(TargetShapeConfig):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DraftConfig:
-        """Inverse of :meth:`to_dict`; unknown keys raise ValueError (typos never pass silently)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"DraftConfig.from_dict: unknown keys {unknown}; expected a subset of {sorted(known)}. "
-                             "Remove them or upgrade DeepSpec.")
-        return cls(**d)
+        """Inverse of :meth:`to_dict` (:func:`config_from_dict`: unknown keys and missing forward-pass
+        keys raise ValueError naming them)."""
+        return config_from_dict(cls, d)
 
     @property
     def num_decoder_layers(self) -> int:
@@ -270,14 +313,6 @@ def dflash_knobs() -> dict[str, Any]:
     """Knobs turning a DSpark config into DFlash: no heads, CE loss only (DESIGN s.5)."""
     return dict(use_markov_head=False, use_confidence_head=False,
                 ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0)
-
-
-def _eos_list(eos: Any) -> list[int]:
-    if eos is None:
-        return []
-    if isinstance(eos, (list, tuple)):
-        return [int(e) for e in eos]
-    return [int(eos)]
 
 
 def target_shape_fields(
@@ -322,9 +357,9 @@ def target_shape_fields(
         qkv_bias = o_bias = attn_bias
     if pad_token_id is None:
         pad_token_id = getattr(target_config, "pad_token_id", None)
-    eos_all = _eos_list(eos_token_ids) + _eos_list(eos_token_id)
+    eos_all = token_id_list(eos_token_ids) + token_id_list(eos_token_id)
     if not eos_all:
-        eos_all = _eos_list(getattr(target_config, "eos_token_id", None))
+        eos_all = token_id_list(getattr(target_config, "eos_token_id", None))
     return dict(
         family=family,
         hidden_size=H,

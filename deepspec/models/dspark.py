@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from deepspec.models.config import CONFIG_NAME, WEIGHTS_NAME, DraftConfig, save_draft_folder
 from deepspec.models.mask import dense_block_mask, flex_block_mask
+from deepspec.target.load import target_fingerprint
 
 
 
@@ -180,7 +181,8 @@ def _rope_single(x: Tensor, cos: Tensor, sin: Tensor, rotate_half) -> Tensor:
 
 def copy_target_embeddings(model: nn.Module, target_model: nn.Module, config_builder: str) -> nn.Module:
     """Copy (not share) the target's input embedding and lm_head into the draft's frozen
-    ``embed_tokens`` / ``lm_head`` (in the draft's dtype) and move the draft to the target's device.
+    ``embed_tokens`` / ``lm_head`` (in the draft's dtype), record the target's fingerprint in
+    ``model.config.target_fingerprint`` and move the draft to the target's device.
 
     Raises:
         ValueError: the shapes differ (the draft config was not derived from this target; the message
@@ -196,6 +198,7 @@ def copy_target_embeddings(model: nn.Module, target_model: nn.Module, config_bui
     with torch.no_grad():
         model.embed_tokens.weight.copy_(emb.detach().to(model.embed_tokens.weight.dtype))
         model.lm_head.weight.copy_(head.detach().to(model.lm_head.weight.dtype))
+    model.config.target_fingerprint = target_fingerprint(target_model)  # saved with the draft, checked at eval
     return model.to(emb.device)
 
 

@@ -37,7 +37,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,14 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance
-from deepspec.models.config import CONFIG_NAME, WEIGHTS_NAME, TargetShapeConfig, save_draft_folder, target_shape_fields
+from deepspec.models.config import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    TargetShapeConfig,
+    config_from_dict,
+    save_draft_folder,
+    target_shape_fields,
+)
 from deepspec.models.dspark import copy_target_embeddings, qk_norms, split_heads
 
 ALGORITHM_NAME = "eagle3"
@@ -61,6 +68,9 @@ class Eagle3Config(TargetShapeConfig):
 
     ttt_steps: int = 7  # unrolled training steps = tokens drafted per proposal
     step_decay: float = 0.8  # weight of TTT step k is step_decay ** k
+
+    # step_decay is a loss weight (training only); see config_from_dict.
+    OPTIONAL_ON_LOAD: ClassVar[tuple[str, ...]] = TargetShapeConfig.OPTIONAL_ON_LOAD + ("step_decay",)
 
     # Eagle3 has no mask token. The trainer checks ``config.mask_token_id`` against the data; -1 never
     # occurs there, so the check is a no-op for Eagle3.
@@ -82,11 +92,9 @@ class Eagle3Config(TargetShapeConfig):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Eagle3Config:
-        known = {f.name for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"Eagle3Config.from_dict: unknown keys {unknown}; expected a subset of {sorted(known)}.")
-        return cls(**d)
+        """Inverse of :meth:`to_dict` (:func:`~deepspec.models.config.config_from_dict`: unknown keys
+        and missing forward-pass keys raise ValueError naming them)."""
+        return config_from_dict(cls, d)
 
 
 def eagle3_config_from_target(target_config: Any, *, target_layer_ids: list[int], ttt_steps: int = 7,

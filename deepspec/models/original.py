@@ -134,7 +134,8 @@ def draft_config_from_original(cfg: dict[str, Any], *, target_config: Any = None
     :func:`~deepspec.models.config.target_shape_fields` on the config with ``num_hidden_layers`` set to
     ``num_target_layers``; ``num_draft_layers`` <- ``num_hidden_layers``; ``block_size``,
     ``target_layer_ids``, ``mask_token_id`` as is; ``use_markov_head`` <- ``markov_rank > 0``;
-    ``markov_rank``, ``markov_head_type``; ``use_confidence_head`` <- ``enable_confidence_head``. Loss
+    ``markov_rank``, ``markov_head_type``; ``use_confidence_head`` <- ``enable_confidence_head``;
+    ``target_fingerprint`` <- DeepSpec's own key of that name when present (the original has none). Loss
     weights are not in the file (training config): DSpark defaults, ``confidence_weight = 0`` without a
     confidence head, :func:`~deepspec.models.config.dflash_knobs` without both heads.
 
@@ -165,6 +166,10 @@ def draft_config_from_original(cfg: dict[str, Any], *, target_config: Any = None
     for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size", "max_position_embeddings",
                 "block_size", "mask_token_id"):
         _int(cfg, key, source, minimum=1 if key != "mask_token_id" else 0)
+    for key in ("hidden_act", "rms_norm_eps"):  # the forward pass depends on them: never defaulted
+        if cfg.get(key) is None:
+            raise _cfg_error(source, key, "a value (missing)", None,
+                             "The original copies it from the target's config; copy it from there.")
     if not isinstance(cfg.get("target_layer_ids"), list) or not cfg["target_layer_ids"]:
         raise _cfg_error(source, "target_layer_ids", "a non-empty list of target layer ids",
                          cfg.get("target_layer_ids"), "The original writes it (e.g. [1, 9, 17, 25, 33]).")
@@ -225,7 +230,8 @@ def draft_config_from_original(cfg: dict[str, Any], *, target_config: Any = None
     try:
         return DraftConfig(**shape, num_draft_layers=num_draft_layers, block_size=int(cfg["block_size"]),
                            mask_token_id=int(cfg["mask_token_id"]), markov_rank=markov_rank if use_markov else 256,
-                           markov_head_type=markov_head_type, **knobs)
+                           markov_head_type=markov_head_type, target_fingerprint=cfg.get("target_fingerprint"),
+                           **knobs)
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from exc
 
@@ -272,6 +278,8 @@ def original_config_dict(config: DraftConfig, *, num_anchors: int = 512) -> dict
         cfg["confidence_head_with_markov"] = c.use_markov_head
     if c.use_markov_head:
         cfg["markov_head_type"] = c.markov_head_type
+    if c.target_fingerprint is not None:  # DeepSpec's own key (the original ignores it): the target it was made for
+        cfg["target_fingerprint"] = c.target_fingerprint
     return cfg
 
 

@@ -206,18 +206,89 @@ def algorithm_of_draft(path: str | Path) -> str:
     return "dspark" if draft.get("use_markov_head", True) or draft.get("use_confidence_head", True) else "dflash"
 
 
-def load_draft(path: str | Path, *, target_model: nn.Module | None = None) -> tuple[str, nn.Module]:
+def load_draft(path: str | Path, *, target_model: nn.Module | None = None, target_fingerprint: str | None = None,
+               allow_target_mismatch: bool = False) -> tuple[str, nn.Module]:
     """``(algorithm name, model)`` of a saved draft folder: DeepSpec's own, or the original DeepSpec
     layout (``Qwen3DSparkModel``, :mod:`deepspec.models.original`), loaded as a DSpark / DFlash draft.
-    ``target_model`` is needed only by an original checkpoint that omits ``embed_tokens`` / ``lm_head``
-    (and, when given, checks that such a checkpoint fits the target)."""
+
+    With ``target_model`` the draft is checked against it (:func:`check_draft_target`: another target
+    shape is refused; another fingerprint is refused unless ``allow_target_mismatch``);
+    ``target_fingerprint`` spares recomputing the target's. An original checkpoint that omits
+    ``embed_tokens`` / ``lm_head`` needs ``target_model``.
+
+    Raises:
+        ValueError: an unreadable draft, or one made for another target (see :func:`check_draft_target`).
+    """
     from deepspec.models.original import is_original_layout, load_original_dspark
 
     if is_original_layout(path):
         model = load_original_dspark(path, target_model=target_model)
-        return algorithm_for_model(model).name, model
-    name = algorithm_of_draft(path)
-    return name, get_algorithm(name).load(path)
+        name = algorithm_for_model(model).name
+    else:
+        name = algorithm_of_draft(path)
+        model = get_algorithm(name).load(path)
+    if target_model is not None:
+        check_draft_target(str(path), model.config, target_model, target_fingerprint=target_fingerprint,
+                           allow_mismatch=allow_target_mismatch)
+    return name, model
+
+
+def check_draft_target(name: str, config: Any, target_model: nn.Module, *, target_fingerprint: str | None = None,
+                       allow_mismatch: bool = False) -> dict[str, Any]:
+    """Check that a draft was made for ``target_model`` (DSpark/DFlash/Eagle3 configs alike).
+
+    Rule: the target's shape recorded in the draft's config (``family``, ``target_num_hidden_layers``,
+    ``target_hidden_size``, ``vocab_size``) must equal the target's (``model_type``,
+    ``num_hidden_layers``, ``hidden_size``, ``vocab_size``): a draft reads features of specific layers
+    of a specific width and shares the target's vocabulary, so another shape is always an error. A
+    recorded ``target_fingerprint`` that differs from the target's (same shape, other weights: a
+    fine-tuned target, another dtype) is refused too unless ``allow_mismatch`` (``deepspec eval
+    --allow-target-mismatch``), when it is accepted and reported. A draft that records no fingerprint
+    (saved before DeepSpec recorded it, or by the original DeepSpec) cannot be checked beyond its shape.
+
+    Args:
+        name: the draft's name in messages.
+        target_fingerprint: the target's :func:`deepspec.target.load.target_fingerprint` (computed when None).
+
+    Returns:
+        The record for the eval report: ``{"status": "match" | "mismatch_allowed" | "not_recorded",
+        "draft_target_fingerprint", "target_fingerprint", "message"}`` (``message`` is empty on a match,
+        else the warning to print).
+
+    Raises:
+        ValueError: a shape mismatch (naming every differing field, the draft's value and the
+            target's), or a fingerprint mismatch without ``allow_mismatch`` (naming both fingerprints
+            and the flag).
+    """
+    from deepspec.target.load import target_fingerprint as fingerprint_of
+
+    tc = target_model.config
+    pairs = (("family", "model_type", getattr(config, "family", None), getattr(tc, "model_type", None)),
+             ("target_num_hidden_layers", "num_hidden_layers", config.target_num_hidden_layers, tc.num_hidden_layers),
+             ("target_hidden_size", "hidden_size", config.target_hidden_size, tc.hidden_size),
+             ("vocab_size", "vocab_size", config.vocab_size, tc.vocab_size))
+    wrong = [f"{draft_key}={have!r} (target {target_key}={want!r})" for draft_key, target_key, have, want in pairs
+             if have != want]
+    if wrong:
+        raise ValueError(f"draft {name} was made for another target: {', '.join(wrong)}. Evaluate it against the "
+                         f"target it was trained for (--target), or train a draft for this target.")
+    fingerprint = target_fingerprint or fingerprint_of(target_model)
+    recorded = getattr(config, "target_fingerprint", None)
+    record = {"draft_target_fingerprint": recorded, "target_fingerprint": fingerprint}
+    if recorded is None:
+        return {"status": "not_recorded", **record, "message": (
+            f"warning: draft {name} records no target fingerprint (saved before DeepSpec recorded it, or by the "
+            f"original DeepSpec); only its shape was checked against this target")}
+    if recorded == fingerprint:
+        return {"status": "match", **record, "message": ""}
+    what = (f"draft {name} was trained against target fingerprint {recorded[:16]}..., this target is "
+            f"{fingerprint[:16]}... (same shape, other weights or dtype: a fine-tuned or converted target?)")
+    if not allow_mismatch:
+        raise ValueError(f"{what}. Its acceptance figures would describe another target. Pass "
+                         f"--allow-target-mismatch true (allow_target_mismatch) to evaluate it anyway; the report "
+                         f"then records the mismatch.")
+    return {"status": "mismatch_allowed", **record,
+            "message": f"WARNING: {what}; evaluating anyway (--allow-target-mismatch), recorded in the report"}
 
 
 def algorithm_for_model(model: nn.Module) -> DraftAlgorithm:

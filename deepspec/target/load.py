@@ -129,6 +129,17 @@ def load_tokenizer(target: str = EMBEDDED_DEFAULT) -> Any:
     return AutoTokenizer.from_pretrained(str(resolve_target_dir(target)))
 
 
+def load_generation_config(target: str = EMBEDDED_DEFAULT) -> dict[str, Any]:
+    """The target folder's ``generation_config.json`` as a dict (without loading weights); when the
+    folder has none, ``{"eos_token_id": ...}`` from its ``config.json`` (what transformers derives)."""
+    folder = resolve_target_dir(target)
+    path = folder / "generation_config.json"
+    if path.is_file():
+        return json.loads(path.read_text(encoding="utf-8"))
+    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    return {"eos_token_id": cfg.get("eos_token_id")} if cfg.get("eos_token_id") is not None else {}
+
+
 def load_target(target: str = EMBEDDED_DEFAULT, *, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` for a target.
 

@@ -201,6 +201,8 @@ def check_resume_shape(checkpoint: Path, model: torch.nn.Module, cfg: TrainConfi
     now = {"deepspec_algorithm": cfg.algorithm, **json.loads(json.dumps(model.config.to_dict()))}
     if "deepspec_algorithm" not in saved:  # written before the field existed: compare the config alone
         now.pop("deepspec_algorithm")
+    if "target_fingerprint" not in saved:  # saved before DeepSpec recorded it (the cache check covers the target)
+        now.pop("target_fingerprint", None)
     missing = object()
     diff = {k: (saved.get(k, missing), now.get(k, missing)) for k in sorted(saved.keys() | now.keys())
             if saved.get(k, missing) != now.get(k, missing)}

@@ -39,6 +39,8 @@ from deepspec.data.prepare import (
 from tests.helpers import byte_level_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
+SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.3,
+                     "min_p": 0.05}
 THINK_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
@@ -53,7 +55,7 @@ def _tokenizer():
 @pytest.fixture(scope="module")
 def target(tmp_path_factory, one_thread):
     """(model, tokenizer, folder): a tiny random Llama saved as a target folder for subprocesses."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tok = _tokenizer()
     torch.manual_seed(0)
@@ -64,6 +66,8 @@ def target(tmp_path_factory, one_thread):
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # end-of-turn competes with a frequent token: answers of varied length
         model.lm_head.weight[2] = model.lm_head.weight[tok.convert_tokens_to_ids("#")] * 1.05
+    # Sampling defaults in the checkpoint (as Qwen3 ships): every path must ignore them (pinned decoding).
+    model.generation_config = GenerationConfig(**SAMPLING_DEFAULTS, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     folder = tmp_path_factory.mktemp("tiny-target")
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -328,3 +332,63 @@ def test_sampling_parameters_are_sent_per_request_and_reproducible(tmp_path, sou
     assert len({b["seed"] for b in bodies}) == 4  # one seed per (row, turn)
     assert sorted(b["seed"] for b in a.received[4:]) == sorted(b["seed"] for b in bodies)
     assert outputs[0] == outputs[1]  # a server that honours `seed` reproduces sampled answers
+
+
+def test_every_request_pins_decoding_and_asks_for_token_ids(tmp_path, source, target, servers):
+    """Greedy and sampled requests carry every decoding setting (so a vLLM/SGLang server applies none of
+    the checkpoint's generation_config defaults), the stop rule's ids and return_token_ids; the
+    generated ids come back, are stored per turn, and are the local backend's."""
+    model, tok, folder = target
+    a = servers()
+    cfg = _cfg(source, tmp_path / "greedy.jsonl", backend="openai", base_urls=[a.base_url], max_turns=1,
+               num_conversations=3, target=str(folder))
+    summary = run_prepare(cfg, None, tok, log=lambda _: None)
+    pinned = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+              "presence_penalty": 0.0, "frequency_penalty": 0.0, "stop_token_ids": [2], "return_token_ids": True,
+              "max_tokens": 8}
+    for body in a.received:
+        assert {k: body.get(k) for k in pinned} == pinned and "seed" not in body
+    assert summary.num_turns_with_ids == summary.num_regenerated_turns > 0 and summary.num_turns_text_only == 0
+    local_cfg = _cfg(source, tmp_path / "local.jsonl", max_turns=1, num_conversations=3)
+    run_prepare(local_cfg, model, tok, log=lambda _: None)
+    assert cfg.output.read_bytes() == local_cfg.output.read_bytes()  # generated_ids included
+    for row in _read(cfg.output):
+        ids = row["generated_ids"][1]
+        assert ids[-1] == 2 or row["truncated"]
+        assert tok.decode(ids[:-1] if ids[-1] == 2 else ids, skip_special_tokens=True) == row["messages"][1]["content"]
+    recorded = json.loads((tmp_path / "greedy.jsonl.summary.json").read_text())["decoding"]
+    assert recorded["checkpoint_settings_ignored"]["repetition_penalty"] == 1.3  # read from the target folder
+
+    cfg = _cfg(source, tmp_path / "sampled.jsonl", backend="openai", base_urls=[a.base_url], max_turns=1,
+               num_conversations=2, temperature=0.7, top_k=5, top_p=0.9, seed=3, target=str(folder))
+    run_prepare(cfg, None, tok, log=lambda _: None)
+    for body in a.received[-2:]:
+        assert {k: body[k] for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")} == \
+            {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.0, "repetition_penalty": 1.0}
+        assert isinstance(body["seed"], int)
+
+
+def test_server_without_token_ids_gives_text_only_turns(tmp_path, source, target, servers):
+    _, tok, _ = target
+    a = servers(token_ids=False)
+    cfg = _cfg(source, tmp_path / "out.jsonl", backend="openai", base_urls=[a.base_url], max_turns=1,
+               num_conversations=3)
+    summary = run_prepare(cfg, None, tok, log=lambda _: None)
+    assert summary.num_turns_text_only == summary.num_regenerated_turns > 0 and summary.num_turns_with_ids == 0
+    assert all("generated_ids" not in row for row in _read(cfg.output))
+
+
+def test_serve_refuses_penalties_it_does_not_apply(target, servers):
+    import urllib.error
+    import urllib.request
+
+    a = servers()
+    for field, value in (("repetition_penalty", 1.3), ("min_p", 0.05), ("presence_penalty", 0.5)):
+        request = urllib.request.Request(f"{a.base_url}/chat/completions", method="POST",
+                                         headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"model": "tiny", field: value, "messages": [
+                                             {"role": "user", "content": "hi"}]}).encode())
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=10)
+        assert info.value.code == 400 and field in json.loads(info.value.read())["error"]["message"]
+    assert not a.prompts  # refused before generation, never silently ignored

@@ -180,10 +180,9 @@ def test_estimate_reproduces_qwen3_4b(capsys):
 
 def test_estimate_measures_prepared_jsonl(tmp_path, monkeypatch):
     """Token count measured through render_prepared_row (held-out rows skipped, truncation applied)."""
-    import deepspec.data.chat as chat
     from deepspec.data.estimate import EstimateConfig, run_estimate
 
-    monkeypatch.setattr(chat, "render_training_samples", _fake_render_training_samples)
+    monkeypatch.setattr(cache_mod, "render_training_samples", _fake_render_training_samples)
     rows = _rows(5)
     rows[1]["split"] = "heldout"
     src = _write_jsonl(tmp_path / "p.jsonl", rows)
@@ -500,7 +499,8 @@ def _rows(n: int) -> list[dict]:
             for k in range(n)]
 
 
-def _fake_render_training_samples(tokenizer, messages, *, max_seq_len=None, cut_turns=(), chat_template_kwargs=None):
+def _fake_render_training_samples(tokenizer, messages, *, max_seq_len=None, cut_turns=(), chat_template_kwargs=None,
+                                  generated_ids=None, stop_ids=None, counts=None):
     """Stand-in for chat.render_training_samples: one char = one token; a row whose user text is
     "hihihihi" gives two samples (suffixes "" and "/b")."""
     from deepspec.data.chat import RenderedSample
@@ -522,7 +522,6 @@ class _StandInTokenizer:
 
 def test_write_target_cache_from_jsonl_wiring(model, tmp_path, monkeypatch):
     """The JSONL entry point: read_jsonl -> render_training_samples -> the writer (render stood in)."""
-    import deepspec.data.chat as chat
 
     seen = []
 
@@ -530,7 +529,7 @@ def test_write_target_cache_from_jsonl_wiring(model, tmp_path, monkeypatch):
         seen.append(kw)
         return _fake_render_training_samples(tokenizer, messages, **kw)
 
-    monkeypatch.setattr(chat, "render_training_samples", spy)
+    monkeypatch.setattr(cache_mod, "render_training_samples", spy)
     rows = _rows(6)
     rows[1]["split"] = "heldout"
     rows[4]["chat_template_kwargs"] = {"enable_thinking": False}
@@ -540,8 +539,10 @@ def test_write_target_cache_from_jsonl_wiring(model, tmp_path, monkeypatch):
         src, tmp_path / "cache", model, _StandInTokenizer(), target_layer_ids=LAYER_IDS, max_seq_len=13,
         shard_size=2, storage_dtype="float32", progress=False,
         target_fingerprint="tgt-A", tokenizer_fingerprint="tok-A")
-    assert {"cut_turns": [1], "chat_template_kwargs": {"enable_thinking": False}} in seen
-    assert {"cut_turns": [], "chat_template_kwargs": None} in seen and len(seen) == 5  # heldout not rendered
+    seen = [{k: kw[k] for k in ("cut_turns", "chat_template_kwargs", "generated_ids")} for kw in seen]
+    assert {"cut_turns": [1], "chat_template_kwargs": {"enable_thinking": False}, "generated_ids": None} in seen
+    assert {"cut_turns": [], "chat_template_kwargs": None, "generated_ids": None} in seen
+    assert len(seen) == 5  # heldout not rendered
     # r1 held out; r2 empty answer -> refused; r3 gives 2 samples (r3, r3/b); r4 (14 tokens), r5 (15): cut to 13
     assert summary.num_inputs == 6 and summary.num_heldout == 1 and summary.num_refused_empty_mask == 1
     cache = TargetCache(tmp_path / "cache")
@@ -620,11 +621,10 @@ def test_rerun_on_complete_cache_checks_each_shard_by_size_and_header(model, tmp
 
 
 def test_cache_stage_says_already_complete_instead_of_wrote(model, tmp_path, monkeypatch, capsys):
-    import deepspec.data.chat as chat
     from deepspec.stages import CacheConfig, run_cache_stage
     from deepspec.target import load
 
-    monkeypatch.setattr(chat, "render_training_samples", _fake_render_training_samples)
+    monkeypatch.setattr(cache_mod, "render_training_samples", _fake_render_training_samples)
     monkeypatch.setattr(load, "tokenizer_fingerprint", lambda tok: "tok-A")
     src = _write_jsonl(tmp_path / "prepared.jsonl", _rows(5))
     cfg = CacheConfig(input=str(src), output_dir=str(tmp_path / "cache"), target_layer_ids=LAYER_IDS, shard_size=2)
@@ -639,9 +639,8 @@ def test_cache_stage_says_already_complete_instead_of_wrote(model, tmp_path, mon
 
 
 def test_failed_run_leaves_no_empty_output_folder(model, tmp_path, monkeypatch):
-    import deepspec.data.chat as chat
 
-    monkeypatch.setattr(chat, "render_training_samples", _fake_render_training_samples)
+    monkeypatch.setattr(cache_mod, "render_training_samples", _fake_render_training_samples)
     bad = _write_jsonl(tmp_path / "bad.jsonl", [{"id": "r0", "text": "no messages"}])
     kw = dict(target_layer_ids=LAYER_IDS, max_seq_len=16, shard_size=2, progress=False,
               target_fingerprint="tgt-A", tokenizer_fingerprint="tok-A")

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from deepspec.data.chat import (
-    end_of_turn_ids,
     render_prompt,
     render_training_samples,
     render_with_loss_mask,
+    stop_token_ids,
+    template_end_of_turn_ids,
 )
 from tests.helpers import byte_level_tokenizer, mask_spans
 
@@ -116,8 +117,10 @@ def test_template_drift_is_detected(tiny_tok):
         render_with_loss_mask(drifting, THREE_TURNS)
 
 
-def test_end_of_turn_ids(tiny_tok):
-    assert end_of_turn_ids(tiny_tok) == {2}
+def test_stop_token_ids_of_the_tiny_chatml_tokenizer(tiny_tok):
+    assert template_end_of_turn_ids(tiny_tok) == [2]  # <|im_end|>; the "\n" after it is not special
+    assert stop_token_ids(tiny_tok) == [2]
+    assert stop_token_ids(tiny_tok, generation_eos=[0, 2]) == [0, 2]
 
 
 def test_cut_answer_keeps_content_but_not_its_end_of_turn(tiny_tok):

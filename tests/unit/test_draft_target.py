@@ -1,0 +1,172 @@
+"""A draft is evaluated only against the target it was made for (issue 10, part 4).
+
+Target A (4 layers), B (A's shape, other weights: a fine-tuned target) and C (6 layers). Every saved
+draft (DSpark, DFlash, Eagle3, and the original-layout export) records A's fingerprint and shape;
+evaluating it against C is refused whatever the flags, against B refused unless
+``allow_target_mismatch`` (then recorded in the report). A saved config missing a field that changes
+the forward pass (``target_layer_ids``) is a ValueError naming it, not a raw TypeError.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from deepspec.models.registry import check_draft_target, load_draft
+from deepspec.target.load import target_fingerprint
+from tests.helpers import byte_level_tokenizer
+
+try:
+    from tests.unit.test_chat import CHATML
+except ImportError:  # pytest run from another folder
+    from test_chat import CHATML
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LAYER_IDS = [0, 1]
+
+
+def _tok():
+    return byte_level_tokenizer(CHATML, extra_specials=("<repo_name>",))
+
+
+def _target(tok, *, layers: int, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    return LlamaForCausalLM(cfg).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(tokenizer, targets A/B/C, {algorithm: saved draft folder made for A})."""
+    from deepspec.models.original import save_original_dspark
+    from deepspec.train.loop import TrainConfig, build_draft
+
+    tok = _tok()
+    targets = {"A": _target(tok, layers=4, seed=0), "B": _target(tok, layers=4, seed=1),
+               "C": _target(tok, layers=6, seed=0)}
+    root = tmp_path_factory.mktemp("drafts")
+    folders = {}
+    for algorithm in ("dspark", "dflash", "eagle3"):
+        cfg = TrainConfig(output_dir=str(root), cache_dir=str(root), algorithm=algorithm, markov_rank=8,
+                          mask_token="<repo_name>")
+        model = build_draft(targets["A"], tok, cfg, LAYER_IDS)
+        folders[algorithm] = model.save_pretrained(root / algorithm)
+        if algorithm == "dspark":
+            folders["original"] = save_original_dspark(model, root / "original")
+    return tok, targets, folders
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3", "original"])
+def test_every_saved_draft_records_its_target(setup, kind):
+    tok, targets, folders = setup
+    saved = json.loads((folders[kind] / "config.json").read_text())
+    fields = saved.get("draft_config") or saved.get("eagle3_config") or saved
+    want = target_fingerprint(targets["A"])
+    assert fields["target_fingerprint"] == want
+    if kind == "original":
+        assert (fields["num_target_layers"], fields["hidden_size"], fields["vocab_size"]) == (4, 32, len(tok))
+    else:
+        assert (fields["target_num_hidden_layers"], fields["target_hidden_size"], fields["vocab_size"]) == \
+            (4, 32, len(tok))
+    _, draft = load_draft(folders[kind], target_model=targets["A"])
+    assert draft.config.target_fingerprint == want
+    assert check_draft_target(kind, draft.config, targets["A"])["status"] == "match"
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3", "original"])
+def test_another_target_shape_is_refused_naming_both(setup, kind):
+    _, targets, folders = setup
+    message = (r"key 'num_target_layers': expected 6 \(the target's\), received 4" if kind == "original" else
+               r"made for another target: target_num_hidden_layers=4 \(target num_hidden_layers=6\)")
+    with pytest.raises(ValueError, match=message):
+        load_draft(folders[kind], target_model=targets["C"], allow_target_mismatch=True)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
+def test_same_shape_other_weights_is_refused_unless_allowed(setup, kind):
+    _, targets, folders = setup
+    fa, fb = target_fingerprint(targets["A"]), target_fingerprint(targets["B"])
+    with pytest.raises(ValueError, match=rf"trained against target fingerprint {fa[:16]}\.\.\., this target is "
+                                         rf"{fb[:16]}\.\.\..*--allow-target-mismatch"):
+        load_draft(folders[kind], target_model=targets["B"])
+    _, draft = load_draft(folders[kind], target_model=targets["B"], allow_target_mismatch=True)
+    record = check_draft_target(kind, draft.config, targets["B"], allow_mismatch=True)
+    assert record["status"] == "mismatch_allowed" and record["draft_target_fingerprint"] == fa
+    assert record["target_fingerprint"] == fb and "WARNING" in record["message"]
+
+
+def test_eval_stage_refuses_or_reports_a_target_mismatch(setup, tmp_path, capsys):
+    from deepspec.stages import EvalConfig, run_eval_stage
+
+    tok, targets, folders = setup
+    bench = tmp_path / "gsm8k.jsonl"
+    bench.write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
+    kw = dict(draft=[str(folders["dspark"]), str(folders["eagle3"])], benchmarks=["gsm8k"],
+              benchmark_files=[f"gsm8k={bench}"], num_prompts=1, max_new_tokens=4, compare_hf_generate=False)
+    with pytest.raises(ValueError, match="--allow-target-mismatch"):
+        run_eval_stage(EvalConfig(output_dir=str(tmp_path / "refused"), **kw), target_model=targets["B"],
+                       tokenizer=tok)
+    with pytest.raises(ValueError, match="made for another target"):
+        run_eval_stage(EvalConfig(output_dir=str(tmp_path / "c"), allow_target_mismatch=True, **kw),
+                       target_model=targets["C"], tokenizer=tok)
+    capsys.readouterr()
+    res = run_eval_stage(EvalConfig(output_dir=str(tmp_path / "allowed"), allow_target_mismatch=True, **kw),
+                         target_model=targets["B"], tokenizer=tok)
+    assert "WARNING: draft" in capsys.readouterr().err
+    checks = res["config"]["target_check"]
+    assert len(checks) == 2 and {c["status"] for c in checks.values()} == {"mismatch_allowed"}
+    assert res["config"]["target_fingerprint"] == target_fingerprint(targets["B"])
+    assert "TRAINED AGAINST ANOTHER TARGET" in (tmp_path / "allowed" / "eval_report.md").read_text()
+    res = run_eval_stage(EvalConfig(output_dir=str(tmp_path / "ok"), **kw), target_model=targets["A"], tokenizer=tok)
+    assert {c["status"] for c in res["config"]["target_check"].values()} == {"match"}
+
+
+@pytest.mark.parametrize("kind,section", [("dspark", "draft_config"), ("eagle3", "eagle3_config")])
+@pytest.mark.parametrize("key", ["target_layer_ids", "rms_norm_eps", "rope_parameters"])
+def test_a_missing_forward_field_is_an_error_naming_it(setup, tmp_path, kind, section, key):
+    import shutil
+
+    _, _, folders = setup
+    folder = tmp_path / kind
+    shutil.copytree(folders[kind], folder)
+    saved = json.loads((folder / "config.json").read_text())
+    del saved[section][key]
+    (folder / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=rf"from_dict: missing keys \['{key}'\]; they change the draft's forward"):
+        load_draft(folder)
+
+
+def test_metadata_and_training_knobs_may_be_absent(setup, tmp_path):
+    """Drafts saved before the target fingerprint (or markov_head_type) existed still load; the
+    fingerprint is then reported as not recorded."""
+    import shutil
+
+    _, targets, folders = setup
+    folder = tmp_path / "old"
+    shutil.copytree(folders["dspark"], folder)
+    saved = json.loads((folder / "config.json").read_text())
+    for key in ("target_fingerprint", "markov_head_type", "ce_weight"):
+        del saved["draft_config"][key]
+    (folder / "config.json").write_text(json.dumps(saved))
+    _, draft = load_draft(folder, target_model=targets["B"])  # shape checked, fingerprint unknown
+    assert draft.config.target_fingerprint is None and draft.config.markov_head_type == "vanilla"
+    assert check_draft_target("old", draft.config, targets["B"])["status"] == "not_recorded"
+
+
+def test_original_layout_missing_norm_eps_is_an_error(setup, tmp_path):
+    import shutil
+
+    _, _, folders = setup
+    folder = tmp_path / "orig"
+    shutil.copytree(folders["original"], folder)
+    saved = json.loads((folder / "config.json").read_text())
+    del saved["rms_norm_eps"]
+    (folder / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="key 'rms_norm_eps': expected a value"):
+        load_draft(folder)
