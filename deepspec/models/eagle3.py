@@ -423,7 +423,16 @@ class Eagle3Algorithm:
 
     name = ALGORITHM_NAME
 
-    def build(self, target_model, tokenizer, cfg, target_layer_ids):
+    def build(self, target_model, tokenizer, cfg, target_layer_ids, *, d2t=None):
+        if d2t is not None or getattr(cfg, "draft_vocab_size", None):
+            raise ValueError(f"train.draft_vocab_size: a reduced draft vocabulary is implemented for dspark and dflash "
+                             f"only, received {getattr(cfg, 'draft_vocab_size', None)} for algorithm=eagle3; omit "
+                             "--draft-vocab-size (or pass 0) for eagle3.")
+        if getattr(cfg, "init_from_target", False):
+            raise ValueError("train.init_from_target: Eagle3's decoder layer cannot start as a copy of a target layer: "
+                             "its q/k/v projections read [embedding ; hidden] (2H inputs, the target's read H), and a "
+                             "partial copy would be a different recipe; received init_from_target=True for "
+                             "algorithm=eagle3. Drop --init-from-target for eagle3.")
         if getattr(cfg, "num_draft_layers", 1) != 1:
             raise ValueError(f"train.num_draft_layers: Eagle3 has exactly one decoder layer, received "
                              f"{cfg.num_draft_layers}; set num_draft_layers=1 for algorithm=eagle3.")
