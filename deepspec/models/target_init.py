@@ -49,14 +49,19 @@ def init_layers_from_target(draft: nn.Module, target_model: nn.Module,
     if bad:
         raise ValueError(f"train.init_from_target_layers: expected ids in [0, {L}) (the target has {L} decoder "
                          f"layers), received {ids}. Use 0-based layer indices.")
+    pairs = [(draft.layers[j], target_layers[i], f"draft layers.{j} <- target layers.{i}") for j, i in enumerate(ids)]
+    pairs.append((draft.norm, decoder.norm, "draft norm <- target norm"))
+    for dst, src, what in pairs:  # check everything before changing anything
+        _check_tensors(dst, src, what)
     with torch.no_grad():
-        for j, i in enumerate(ids):
-            _copy_tensors(draft.layers[j], target_layers[i], f"draft layers.{j} <- target layers.{i}")
-        _copy_tensors(draft.norm, decoder.norm, "draft norm <- target norm")
+        for dst, src, _ in pairs:
+            src_state = src.state_dict()
+            for name, tensor in dst.state_dict().items():  # state_dict tensors share storage with the parameters
+                tensor.copy_(src_state[name].to(tensor.dtype))
     return ids
 
 
-def _copy_tensors(dst: nn.Module, src: nn.Module, what: str) -> None:
+def _check_tensors(dst: nn.Module, src: nn.Module, what: str) -> None:
     src_state = src.state_dict()
     for name, tensor in dst.state_dict().items():
         if name not in src_state:
@@ -66,4 +71,3 @@ def _copy_tensors(dst: nn.Module, src: nn.Module, what: str) -> None:
             raise ValueError(f"train.init_from_target: {what}: {name!r} has shape {tuple(src_state[name].shape)} in "
                              f"the target, expected {tuple(tensor.shape)} (the draft's). The draft was not derived "
                              "from this target's config; drop --init-from-target.")
-        tensor.copy_(src_state[name].to(tensor.dtype))  # state_dict tensors share storage with the parameters
