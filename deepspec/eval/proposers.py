@@ -265,7 +265,9 @@ class Eagle3Proposer:
 
     ``k`` defaults to the draft's ``ttt_steps``; ``max_positions`` caps drafted positions as in
     :class:`DSparkProposer`. At T = 0 tokens are argmaxes and ``draft_probs_NV`` is None; at T > 0
-    ``sampling_probs(logits, sampling)`` (fp32) is sampled from and returned.
+    ``sampling_probs(logits, sampling)`` (fp32) is sampled from and returned. A reduced draft
+    vocabulary is handled as in :class:`DSparkProposer` (draft ids mapped to target ids, ``q``
+    scattered into the full target vocabulary).
     """
 
 
@@ -334,9 +336,9 @@ class Eagle3Proposer:
         for j in range(n_max):
             if j > 0:
                 hidden = m.chain_step(self.cache, chain_k, chain_v, ids[-1], hidden, anchor_pos - 1 + j)
-            tok, q_V = draw_token(m.logits(hidden), sampling, generator)
-            if q_V is not None:
-                probs_rows.append(q_V)
-            ids.append(tok)
+            draft_tok, q_W = draw_token(m.logits(hidden), sampling, generator)
+            if q_W is not None:
+                probs_rows.append(q_W if m.d2t is None else scatter_to_target(q_W, m.d2t, m.config.vocab_size))
+            ids.append(m.target_ids(draft_tok))  # the next chain step embeds the target id
         return Proposal(draft_ids_N=torch.cat(ids).long(),
                         draft_probs_NV=torch.stack(probs_rows) if probs_rows else None)

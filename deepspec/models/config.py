@@ -99,6 +99,10 @@ class TargetShapeConfig:
     target_layer_ids: list[int]
     pad_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # --- output vocabulary ---
+    # None: the draft proposes from the full target vocabulary. N: from N target tokens only (the
+    # model's ``d2t`` buffer maps draft id -> target id; deepspec.models.vocab).
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         cls = type(self).__name__
@@ -135,6 +139,15 @@ class TargetShapeConfig:
                            self.target_layer_ids, "Pick layers strictly below the last decoder layer.", cls)
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
             raise _err("target_layer_ids", "distinct ids", self.target_layer_ids, "Remove duplicates.", cls)
+        n = self.draft_vocab_size
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.vocab_size):
+            raise _err("draft_vocab_size", f"None (full vocabulary) or an integer in [1, vocab_size={self.vocab_size}]",
+                       n, "Pick a smaller draft vocabulary (train --draft-vocab-size), or None.", cls)
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Width of the draft's logits: ``draft_vocab_size`` (N) when reduced, else ``vocab_size`` (V)."""
+        return self.vocab_size if self.draft_vocab_size is None else self.draft_vocab_size
 
     @property
     def feature_width(self) -> int:
@@ -198,9 +211,6 @@ class DraftConfig(TargetShapeConfig):
     markov_head_type: str = "vanilla"  # one of MARKOV_HEAD_TYPES
     use_markov_head: bool = True
     use_confidence_head: bool = True
-    # None: the draft proposes from the full target vocabulary. N: from N target tokens only (the
-    # ``d2t`` buffer of the model maps draft id -> target id; deepspec.models.vocab).
-    draft_vocab_size: int | None = None
     # --- loss (DESIGN s.5) ---
     loss_decay_gamma: float = 4.0
     ce_weight: float = 0.1
@@ -230,10 +240,6 @@ class DraftConfig(TargetShapeConfig):
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
             raise _err("markov_head_type", f"one of {MARKOV_HEAD_TYPES}", self.markov_head_type,
                        "Use 'vanilla' (the default), 'gated' or 'rnn' (train --markov-head).")
-        n = self.draft_vocab_size
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.vocab_size):
-            raise _err("draft_vocab_size", f"None (full vocabulary) or an integer in [1, vocab_size={self.vocab_size}]",
-                       n, "Pick a smaller draft vocabulary (train --draft-vocab-size), or None.")
         if self.loss_decay_gamma <= 0:
             raise _err("loss_decay_gamma", "> 0", self.loss_decay_gamma, "The original uses 4.0.")
         for name in ("ce_weight", "l1_weight", "confidence_weight"):
@@ -250,11 +256,6 @@ class DraftConfig(TargetShapeConfig):
     def markov_dim(self) -> int:
         """Width of W1[prev] fed to the confidence head (0 without a Markov head)."""
         return self.markov_rank if self.use_markov_head else 0
-
-    @property
-    def output_vocab_size(self) -> int:
-        """Width of the draft's logits: ``draft_vocab_size`` (N) when reduced, else ``vocab_size`` (V)."""
-        return self.vocab_size if self.draft_vocab_size is None else self.draft_vocab_size
 
     @property
     def architecture(self) -> str:

@@ -214,6 +214,86 @@ def copy_target_embeddings(model: nn.Module, target_model: nn.Module, config_bui
     return model.to(emb.device)
 
 
+class DraftVocabMixin:
+    """Reduced draft vocabulary plumbing shared by the DSpark/DFlash and Eagle3 drafts (an ``nn.Module``
+    with ``config.draft_vocab_size`` and an ``lm_head``): the ``d2t`` buffer (int64 ``[N]``, saved),
+    the full target ``lm_head`` for the training loss (``target_lm_weight``, not saved), and the id map."""
+
+    def _init_draft_vocab(self, config) -> None:
+        """Call in ``__init__``: registers ``d2t`` (identity placeholder; set by :func:`draft_from_target`
+        or loaded) when ``config.draft_vocab_size`` is set, else ``self.d2t = None``."""
+        if config.draft_vocab_size is not None:
+            self.register_buffer("d2t", torch.arange(config.draft_vocab_size, dtype=torch.long), persistent=True)
+        else:
+            self.d2t = None
+        self.register_buffer("target_lm_weight", None, persistent=False)
+
+    def target_ids(self, draft_ids: Tensor) -> Tensor:
+        """Draft ids (indices into the logits) -> target ids (int64, same shape); the identity without
+        a reduced vocabulary."""
+        return draft_ids.long() if self.d2t is None else self.d2t[draft_ids.long()]
+
+    @property
+    def target_lm_head_weight(self) -> Tensor:
+        """The target's full ``lm_head`` weight ``[V, D]`` (what the training loss scores the target
+        distribution with): ``lm_head.weight`` itself, or ``target_lm_weight`` with a reduced vocabulary.
+
+        Raises:
+            ValueError: a reduced-vocabulary draft loaded from disk (only ``from_target`` sets it).
+        """
+        if self.d2t is None:
+            return self.lm_head.weight
+        if self.target_lm_weight is None:
+            name = type(self).__name__
+            raise ValueError(f"{name}.target_lm_weight: a reduced-vocabulary draft needs the target's full lm_head to "
+                             "compute its training loss; received None (the draft was loaded from disk). Build it with "
+                             f"{name}.from_target(target, config, d2t=...) and load the weights into that.")
+        return self.target_lm_weight
+
+
+def draft_from_target(cls, target_model: nn.Module, config, d2t: Tensor | None, config_builder: str):
+    """``cls(config)`` with its reduced vocabulary set to ``d2t`` and the target's embedding / lm_head
+    copied (:func:`copy_target_embeddings`).
+
+    Raises:
+        ValueError: ``d2t`` missing while ``config.draft_vocab_size`` is set, given while it is not, or
+            invalid (:func:`deepspec.models.vocab.validate_d2t`); target shapes that do not fit.
+    """
+    where = f"{cls.__name__}.from_target.d2t"
+    if (d2t is None) != (config.draft_vocab_size is None):
+        raise ValueError(f"{where}: expected a draft -> target id map exactly when config.draft_vocab_size is set "
+                         f"(received draft_vocab_size={config.draft_vocab_size}, "
+                         f"d2t={'None' if d2t is None else tuple(d2t.shape)}). Pass "
+                         "d2t=select_draft_vocab(counts, N), or leave draft_vocab_size None.")
+    model = cls(config)
+    if d2t is not None:
+        model.d2t.copy_(validate_d2t(d2t, vocab_size=config.vocab_size, draft_vocab_size=config.draft_vocab_size,
+                                     source=where))
+    return copy_target_embeddings(model, target_model, config_builder)
+
+
+def check_saved_d2t(state: dict[str, Tensor], config, source: str) -> dict[str, Tensor]:
+    """Check the ``d2t`` entry of a loaded state dict against ``config.draft_vocab_size`` (before
+    ``load_state_dict``, whose size errors would not name the field); returns ``state``.
+
+    Raises:
+        ValueError: naming ``source`` and ``d2t``: present for a full-vocabulary config, missing for a
+            reduced one, or invalid (:func:`deepspec.models.vocab.validate_d2t`).
+    """
+    source = f"{source}: d2t"
+    if config.draft_vocab_size is None and "d2t" in state:
+        raise ValueError(f"{source}: expected no draft -> target id map (config.json has draft_vocab_size null), "
+                         f"received one of {tuple(state['d2t'].shape)}. The weights and config.json belong to "
+                         "different drafts.")
+    if config.draft_vocab_size is not None:
+        if "d2t" not in state:
+            raise ValueError(f"{source}: expected a draft -> target id map of {config.draft_vocab_size} entries "
+                             "(config.json draft_vocab_size), received none. Re-save the draft with DeepSpec.")
+        state["d2t"] = validate_d2t(state["d2t"], vocab_size=config.vocab_size,
+                                    draft_vocab_size=config.draft_vocab_size, source=source)
+    return state
+
+
 def qk_norms(c) -> tuple[nn.Module | None, nn.Module | None]:
     """The family's per-head q/k RMSNorms when the target has them (Qwen3), else ``(None, None)``."""
     if not c.qk_norm:
@@ -294,7 +374,7 @@ class DSparkDecoderLayer(nn.Module):
         return h_BQD + self.mlp(self.post_attention_layernorm(h_BQD))
 
 
-class DSparkDraftModel(nn.Module):
+class DSparkDraftModel(DraftVocabMixin, nn.Module):
     """DSpark draft (DFlash when both heads are off). See the module docstring for the layout."""
 
     def __init__(self, config: DraftConfig):
@@ -313,13 +393,7 @@ class DSparkDraftModel(nn.Module):
         self.markov_head = (MARKOV_HEADS[c.markov_head_type](c.vocab_size, c.markov_rank, c.hidden_size,
                                                              out_size=c.output_vocab_size)
                             if c.use_markov_head else None)
-        # reduced vocabulary: draft id -> target id (saved with the weights), and the full target lm_head
-        # for the training loss (set by from_target; not saved, None after from_pretrained)
-        if c.draft_vocab_size is not None:
-            self.register_buffer("d2t", torch.arange(c.draft_vocab_size, dtype=torch.long), persistent=True)
-        else:
-            self.d2t = None
-        self.register_buffer("target_lm_weight", None, persistent=False)
+        self._init_draft_vocab(c)
         self.confidence_head = ConfidenceHead(c.hidden_size + c.markov_dim) if c.use_confidence_head else None
         self._init_weights()
         self.freeze_embeddings()
@@ -352,44 +426,10 @@ class DSparkDraftModel(nn.Module):
         Tied targets (SmolLM2) copy the same matrix into both.
 
         ``d2t``: int ``[N]`` draft -> target ids (:func:`deepspec.models.vocab.select_draft_vocab`),
-        required exactly when ``config.draft_vocab_size`` is set; ``lm_head`` then holds those rows.
-
-        Raises:
-            ValueError: ``d2t`` missing, given for a full-vocabulary config, or invalid
-                (:func:`deepspec.models.vocab.validate_d2t`); target shapes that do not fit.
+        required exactly when ``config.draft_vocab_size`` is set; ``lm_head`` then holds those rows
+        (:func:`draft_from_target`, which lists the errors).
         """
-        if (d2t is None) != (config.draft_vocab_size is None):
-            raise ValueError(f"DSparkDraftModel.from_target.d2t: expected a draft -> target id map exactly when "
-                             f"config.draft_vocab_size is set (received draft_vocab_size={config.draft_vocab_size}, "
-                             f"d2t={'None' if d2t is None else tuple(d2t.shape)}). Pass "
-                             "d2t=select_draft_vocab(counts, N), or leave draft_vocab_size None.")
-        model = cls(config)
-        if d2t is not None:
-            model.d2t.copy_(validate_d2t(d2t, vocab_size=config.vocab_size, draft_vocab_size=config.draft_vocab_size,
-                                         source="DSparkDraftModel.from_target.d2t"))
-        return copy_target_embeddings(model, target_model, "draft_config_from_target")
-
-    def target_ids(self, draft_ids: Tensor) -> Tensor:
-        """Draft ids (indices into the logits) -> target ids (int64, same shape); the identity without
-        a reduced vocabulary."""
-        return draft_ids.long() if self.d2t is None else self.d2t[draft_ids.long()]
-
-    @property
-    def target_lm_head_weight(self) -> Tensor:
-        """The target's full ``lm_head`` weight ``[V, D]`` (what the training loss scores the target
-        distribution with): ``lm_head.weight`` itself, or ``target_lm_weight`` with a reduced vocabulary.
-
-        Raises:
-            ValueError: a reduced-vocabulary draft loaded from disk (only ``from_target`` sets it).
-        """
-        if self.d2t is None:
-            return self.lm_head.weight
-        if self.target_lm_weight is None:
-            raise ValueError("DSparkDraftModel.target_lm_weight: a reduced-vocabulary draft needs the target's full "
-                             "lm_head to compute its training loss; received None (the draft was loaded from disk). "
-                             "Build it with DSparkDraftModel.from_target(target, config, d2t=...) and load the "
-                             "weights into that.")
-        return self.target_lm_weight
+        return draft_from_target(cls, target_model, config, d2t, "draft_config_from_target")
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
@@ -560,18 +600,7 @@ class DSparkDraftModel(nn.Module):
         cfg = json.loads((path / CONFIG_NAME).read_text(encoding="utf-8"))
         config = DraftConfig.from_dict(cfg["draft_config"])
         model = cls(config)
-        state = load_file(str(path / WEIGHTS_NAME))
-        source = f"{path / WEIGHTS_NAME}: d2t"
-        if config.draft_vocab_size is None and "d2t" in state:
-            raise ValueError(f"{source}: expected no draft -> target id map (config.json has draft_vocab_size null), "
-                             f"received one of {tuple(state['d2t'].shape)}. The weights and config.json belong to "
-                             "different drafts.")
-        if config.draft_vocab_size is not None:
-            if "d2t" not in state:
-                raise ValueError(f"{source}: expected a draft -> target id map of {config.draft_vocab_size} entries "
-                                 "(config.json draft_vocab_size), received none. Re-save the draft with DeepSpec.")
-            state["d2t"] = validate_d2t(state["d2t"], vocab_size=config.vocab_size,
-                                        draft_vocab_size=config.draft_vocab_size, source=source)
+        state = check_saved_d2t(load_file(str(path / WEIGHTS_NAME)), config, str(path / WEIGHTS_NAME))
         model.load_state_dict(state, strict=True)
         model.freeze_embeddings()
         return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)

@@ -78,8 +78,8 @@ class TrainConfig:
     markov_rank: int = 256  # rank of the DSpark Markov head's low-rank bigram factorisation (dspark only)
     markov_head: str = "vanilla"  # DSpark Markov head variant: vanilla | gated | rnn (dspark only)
     mask_token: str | None = None  # token used as the block's mask input; None = a spare embedding row
-    # dspark/dflash: the draft proposes from the N target tokens most frequent among the training data's
-    # supervised tokens (saved with the draft as its d2t id map); 0 or none = the full target vocabulary
+    # the draft proposes from the N target tokens most frequent among the training data's supervised
+    # tokens (saved with the draft as its d2t id map; every algorithm); 0 or none = the full target vocabulary
     draft_vocab_size: int | None = None
     # dspark/dflash: start the draft's decoder layer(s) and final norm as copies of the target's last layer(s)
     init_from_target: bool = False

@@ -50,9 +50,16 @@ def test_draft_vocab_size_is_checked(setup, tmp_path):
                          data=TargetCache(cache))
     with pytest.raises(ValueError, match="needs the training data"):
         loop.build_draft(model, tok, _cfg(cache, tmp_path, draft_vocab_size=8), LAYER_IDS)
-    with pytest.raises(ValueError, match="train.draft_vocab_size: a reduced draft vocabulary is implemented for dspark"):
-        loop.build_draft(model, tok, _cfg(cache, tmp_path, draft_vocab_size=8, algorithm="eagle3"), LAYER_IDS,
-                         data=TargetCache(cache))
+
+
+def test_reduced_vocab_eagle3_trains_and_saves_the_map(setup, tmp_path):
+    model, tok, cache = setup
+    final = train(_cfg(cache, tmp_path / "e", algorithm="eagle3", draft_vocab_size=20, max_steps=2),
+                  target_model=model, tokenizer=tok)
+    name, draft = load_draft(final / "draft")
+    data = TargetCache(cache)
+    want = select_draft_vocab(count_supervised_tokens((data.read(i) for i in range(len(data))), len(tok)), 20)
+    assert name == "eagle3" and torch.equal(draft.d2t, want) and draft.lm_head.weight.shape == (20, 32)
 
 
 # ----------------------------------------------------------------------------- --init-from-target
