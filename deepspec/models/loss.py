@@ -24,8 +24,8 @@ distribution ``p_d`` lives on the W draft tokens and is 0 on every other target 
 id space:
   CE   = -log p_d[t2d(label)] when the label is in the draft vocabulary; 0 when it is not. Such a slot
          stays supervised (its weight stays in ``weight_sum`` and in the cumulative product): it is a
-         miss the draft cannot avoid, as in EAGLE-3 / SpecForge, whose loss is a mean over all
-         positions with the out-of-vocabulary ones zeroed in the numerator.
+         miss the draft cannot avoid. EAGLE-3 / SpecForge do the same with positions whose target
+         argmax is outside the draft vocabulary: zeroed in the numerator, kept in the mean.
   L1   = sum_{d < W} |p_d[d] - p_t[d2t[d]]| + sum_{v not in d2t} p_t[v]   (never a [N, V] draft tensor)
   accept / top1 diagnostics compare ``d2t[argmax p_d]`` with the target argmax over V.
 With ``d2t`` the identity (W = V) every term equals the full-vocabulary one.
@@ -142,7 +142,7 @@ def dspark_loss(
     """DSpark loss (DFlash: config with l1/confidence weights 0). See the module docstring.
 
     Args:
-        out: a ``DraftTrainOutput`` (``logits_BAKW``-shaped ``logits_BAKV``, ``confidence_logits_BAK``).
+        out: a ``DraftTrainOutput`` (``logits_BAKV``, ``[B, A, K, W]`` over draft ids; ``confidence_logits_BAK``).
         target_last_hidden_BSH: final-norm target hidden states; required when ``l1_weight`` or
             ``confidence_weight`` > 0, optional otherwise (then accept diagnostics use it if given).
         lm_head: the frozen *full* target lm_head (a module, or its weight ``[V, D]``): the draft's copy
