@@ -148,8 +148,10 @@ def run_demo(cfg: DemoConfig) -> dict:
         checkpoints.append(str(checkpoint))
         drafts[f"{algorithm}-trained"] = load_draft(checkpoint / "draft")[1]
         if untrained is None:  # the control: the first algorithm's draft at its initialisation
-            layer_ids = list(drafts[f"{algorithm}-trained"].config.target_layer_ids)
-            untrained = (f"{algorithm}-untrained", build_draft(target_model, tokenizer, train_cfg, layer_ids))
+            trained = drafts[f"{algorithm}-trained"]
+            layer_ids = list(trained.config.target_layer_ids)
+            untrained = (f"{algorithm}-untrained",  # the trained draft's vocabulary, if reduced
+                         build_draft(target_model, tokenizer, train_cfg, layer_ids, d2t=getattr(trained, "d2t", None)))
     drafts[untrained[0]] = untrained[1]
 
     t0 = time.perf_counter()

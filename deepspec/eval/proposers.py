@@ -1,7 +1,7 @@
 """Proposers: the drafting side of speculative decoding, behind one small protocol.
 
-Legend: N proposal length (number of draft tokens, 0 <= N <= K), V vocab, T positions, F feature
-width (``len(target_layer_ids) * hidden_size``).
+Legend: N proposal length (number of draft tokens, 0 <= N <= K), V target vocab, W draft vocab (= V
+unless reduced), T positions, F feature width (``len(target_layer_ids) * hidden_size``).
 
 The engine (``deepspec.eval.engine``) drives every proposer through the same three calls:
 
@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from deepspec.eval.verify import SamplingParams, sampling_probs
+from deepspec.models.vocab import scatter_to_target
 
 
 @dataclass(kw_only=True)
@@ -168,6 +169,12 @@ class DSparkProposer:
     and returned. At T=0 the token is the argmax and ``draft_probs_NV`` is ``None`` (greedy verify
     reads only the tokens).
 
+    A draft with a reduced vocabulary (``model.d2t``, W draft tokens) scores and samples over its W
+    draft ids; each drafted id is mapped to its target id (``model.target_ids``) before it is returned
+    or fed to the Markov head as the next ``prev``, and at T>0 ``q`` is scattered into the full target
+    vocabulary (zeros outside the draft vocabulary), so the verify step's ``p / q`` test and
+    ``max(0, p - q)`` residual are exactly those of a full-vocabulary draft that puts no mass there.
+
     The confidence head gives ``c_k = sigmoid(logit)`` per slot (returned as ``confidence_N``); with
     ``confidence_threshold`` set, the proposal is cut before the first slot with ``c_k`` below it.
     ``max_positions`` (the target's ``max_position_embeddings``): draft tokens never land at a
@@ -210,21 +217,22 @@ class DSparkProposer:
             return Proposal.empty(m.fc.weight.device)
         if self.cache.length > anchor_pos:  # defensive: never attend to positions >= anchor
             self.cache.crop(anchor_pos)
-        hidden_KD, base_KV = m.block_hidden(self.cache, anchor_token, anchor_pos)
+        hidden_KD, base_KV = m.block_hidden(self.cache, anchor_token, anchor_pos)  # base logits over draft ids
         dev = hidden_KD.device
         prev = torch.tensor([int(anchor_token)], device=dev)
         ids, probs_rows, conf = [], [], []
         markov_state = None  # the Markov head's state along the block (rnn variant; None otherwise)
         for k in range(n_max):
-            logits_V, conf_logit, markov_state = m.slot_step(hidden_KD[k], base_KV[k], prev, markov_state)
+            logits_W, conf_logit, markov_state = m.slot_step(hidden_KD[k], base_KV[k], prev, markov_state)
             if conf_logit is not None:
                 c = torch.sigmoid(conf_logit.float())
                 if self.confidence_threshold is not None and float(c) < self.confidence_threshold:
                     break
                 conf.append(c.reshape(()))
-            tok, q_V = draw_token(logits_V, sampling, generator)
-            if q_V is not None:
-                probs_rows.append(q_V)
+            draft_tok, q_W = draw_token(logits_W, sampling, generator)
+            tok = m.target_ids(draft_tok)
+            if q_W is not None:
+                probs_rows.append(q_W if m.d2t is None else scatter_to_target(q_W, m.d2t, m.config.vocab_size))
             ids.append(tok)
             prev = tok
         if not ids:
@@ -257,7 +265,9 @@ class Eagle3Proposer:
 
     ``k`` defaults to the draft's ``ttt_steps``; ``max_positions`` caps drafted positions as in
     :class:`DSparkProposer`. At T = 0 tokens are argmaxes and ``draft_probs_NV`` is None; at T > 0
-    ``sampling_probs(logits, sampling)`` (fp32) is sampled from and returned.
+    ``sampling_probs(logits, sampling)`` (fp32) is sampled from and returned. A reduced draft
+    vocabulary is handled as in :class:`DSparkProposer` (draft ids mapped to target ids, ``q``
+    scattered into the full target vocabulary).
     """
 
 
@@ -326,9 +336,9 @@ class Eagle3Proposer:
         for j in range(n_max):
             if j > 0:
                 hidden = m.chain_step(self.cache, chain_k, chain_v, ids[-1], hidden, anchor_pos - 1 + j)
-            tok, q_V = draw_token(m.logits(hidden), sampling, generator)
-            if q_V is not None:
-                probs_rows.append(q_V)
-            ids.append(tok)
+            draft_tok, q_W = draw_token(m.logits(hidden), sampling, generator)
+            if q_W is not None:
+                probs_rows.append(q_W if m.d2t is None else scatter_to_target(q_W, m.d2t, m.config.vocab_size))
+            ids.append(m.target_ids(draft_tok))  # the next chain step embeds the target id
         return Proposal(draft_ids_N=torch.cat(ids).long(),
                         draft_probs_NV=torch.stack(probs_rows) if probs_rows else None)

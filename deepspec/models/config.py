@@ -117,7 +117,8 @@ class TargetShapeConfig:
     """
 
     # Keys a saved config may lack (config_from_dict): they do not change the forward pass.
-    OPTIONAL_ON_LOAD: ClassVar[tuple[str, ...]] = ("pad_token_id", "eos_token_ids", "target_fingerprint")
+    OPTIONAL_ON_LOAD: ClassVar[tuple[str, ...]] = ("pad_token_id", "eos_token_ids", "target_fingerprint",
+                                                   "draft_vocab_size")
 
     # --- family and backbone shape (copied from the target) ---
     family: str
@@ -142,6 +143,10 @@ class TargetShapeConfig:
     pad_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     target_fingerprint: str | None = None  # content hash of the target the draft was made for (metadata)
+    # --- output vocabulary ---
+    # None: the draft proposes from the full target vocabulary. N: from N target tokens only (the
+    # model's ``d2t`` buffer maps draft id -> target id; deepspec.models.vocab).
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         cls = type(self).__name__
@@ -178,6 +183,15 @@ class TargetShapeConfig:
                            self.target_layer_ids, "Pick layers strictly below the last decoder layer.", cls)
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
             raise _err("target_layer_ids", "distinct ids", self.target_layer_ids, "Remove duplicates.", cls)
+        n = self.draft_vocab_size
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.vocab_size):
+            raise _err("draft_vocab_size", f"None (full vocabulary) or an integer in [1, vocab_size={self.vocab_size}]",
+                       n, "Pick a smaller draft vocabulary (train --draft-vocab-size), or None.", cls)
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Width of the draft's logits: ``draft_vocab_size`` (N) when reduced, else ``vocab_size`` (V)."""
+        return self.vocab_size if self.draft_vocab_size is None else self.draft_vocab_size
 
     @property
     def feature_width(self) -> int:

@@ -1,16 +1,18 @@
 """DSpark / DFlash block-parallel draft model (DESIGN s.5).
 
 Legend: B batch, S sequence length, A anchors (blocks), K block_size, Q = A*K block slots,
-D draft hidden (= target hidden H), F = n_layers * H target feature width, V vocab, r Markov rank,
+D draft hidden (= target hidden H), F = n_layers * H target feature width, V target vocab, N draft
+vocab (= V unless ``draft_vocab_size`` reduces it; logits are over N), r Markov rank,
 T a run of committed context positions, Hq query heads, Hk KV heads, d head_dim.
 
 Architecture (parameter names follow the original DeepSpec DSpark checkpoints):
   embed_tokens (frozen copy of the target's), fc (Linear F -> D, no bias), hidden_norm,
   layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj [, self_attn.{q,k}_norm for qwen3],
-  post_attention_layernorm, mlp.{gate,up,down}_proj}, norm, lm_head (frozen copy),
-  markov_head.{markov_w1 (Embedding V x r), markov_w2 (Linear r -> V, no bias)} (+ ``gate_proj``
-  for the ``gated`` variant, ``joint_proj`` for ``rnn``: see :class:`MarkovHead`),
-  confidence_head.proj (Linear D + r -> 1, with bias).
+  post_attention_layernorm, mlp.{gate,up,down}_proj}, norm, lm_head (frozen copy of the target's
+  rows ``d2t``: ``[N, D]``), markov_head.{markov_w1 (Embedding V x r: indexed by the previous *target*
+  id), markov_w2 (Linear r -> N, no bias)} (+ ``gate_proj`` for the ``gated`` variant, ``joint_proj``
+  for ``rnn``: see :class:`MarkovHead`), confidence_head.proj (Linear D + r -> 1, with bias), and with
+  a reduced vocabulary the buffer ``d2t`` (int64 ``[N]``, absolute target ids: :mod:`deepspec.models.vocab`).
 
 Each draft layer attends from the block's hidden states (queries) to
 ``cat(context K/V, block K/V)``: context K/V are that layer's own k/v projections of
@@ -34,6 +36,7 @@ from torch import Tensor, nn
 from deepspec.models.config import CONFIG_NAME, WEIGHTS_NAME, DraftConfig, save_draft_folder
 from deepspec.models.mask import dense_block_mask, flex_block_mask
 from deepspec.target.load import target_fingerprint
+from deepspec.models.vocab import validate_d2t
 
 
 
@@ -86,11 +89,13 @@ class MarkovHead(nn.Module):
 
     head_type = "vanilla"
 
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int | None = None):
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int | None = None, out_size: int | None = None):
+        # vocab_size: rows of markov_w1 (previous tokens are target ids); out_size: width of the bias
+        # (the draft vocabulary N; default vocab_size)
         super().__init__()
         self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, vocab_size if out_size is None else out_size, bias=False)
 
     def features(self, prev_ids: Tensor) -> Tensor:
         return self.markov_w1(prev_ids.long())
@@ -115,8 +120,8 @@ class GatedMarkovHead(MarkovHead):
 
     head_type = "gated"
 
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
-        super().__init__(vocab_size, rank)
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, out_size: int | None = None):
+        super().__init__(vocab_size, rank, out_size=out_size)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
     def step(self, prev_ids, hidden, state):
@@ -134,8 +139,8 @@ class RNNMarkovHead(MarkovHead):
 
     head_type = "rnn"
 
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
-        super().__init__(vocab_size, rank)
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, out_size: int | None = None):
+        super().__init__(vocab_size, rank, out_size=out_size)
         self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
 
     def step(self, prev_ids, hidden, state):
@@ -184,22 +189,112 @@ def copy_target_embeddings(model: nn.Module, target_model: nn.Module, config_bui
     ``embed_tokens`` / ``lm_head`` (in the draft's dtype), record the target's fingerprint in
     ``model.config.target_fingerprint`` and move the draft to the target's device.
 
+    A draft with a reduced vocabulary (a ``d2t`` buffer, already set) gets the target's ``lm_head`` rows
+    ``d2t`` (``[N, D]``) and keeps the full matrix as the non-persistent buffer ``target_lm_weight``
+    (never saved; the training loss computes the target distribution with it).
+
     Raises:
         ValueError: the shapes differ (the draft config was not derived from this target; the message
             names ``config_builder``, the function to build it with).
     """
     emb = target_model.get_input_embeddings().weight
     head = target_model.get_output_embeddings().weight
-    want_emb, want_head = tuple(model.embed_tokens.weight.shape), tuple(model.lm_head.weight.shape)
+    d2t_N = getattr(model, "d2t", None)
+    want_emb = tuple(model.embed_tokens.weight.shape)
+    want_head = want_emb if d2t_N is not None else tuple(model.lm_head.weight.shape)
     if tuple(emb.shape) != want_emb or tuple(head.shape) != want_head:
         raise ValueError(f"{type(model).__name__}.from_target: expected target embedding/lm_head of shape "
                          f"{want_emb}, received {tuple(emb.shape)} / {tuple(head.shape)}. Build the config with "
                          f"{config_builder}(target.config).")
     with torch.no_grad():
         model.embed_tokens.weight.copy_(emb.detach().to(model.embed_tokens.weight.dtype))
-        model.lm_head.weight.copy_(head.detach().to(model.lm_head.weight.dtype))
+        if d2t_N is None:
+            model.lm_head.weight.copy_(head.detach().to(model.lm_head.weight.dtype))
+        else:
+            model.lm_head.weight.copy_(head.detach()[d2t_N.to(head.device)].to(model.lm_head.weight.dtype))
+            model.target_lm_weight = head.detach().to(model.lm_head.weight.dtype).clone()
     model.config.target_fingerprint = target_fingerprint(target_model)  # saved with the draft, checked at eval
     return model.to(emb.device)
+
+
+class DraftVocabMixin:
+    """Reduced draft vocabulary plumbing shared by the DSpark/DFlash and Eagle3 drafts (an ``nn.Module``
+    with ``config.draft_vocab_size`` and an ``lm_head``): the ``d2t`` buffer (int64 ``[N]``, saved),
+    the full target ``lm_head`` for the training loss (``target_lm_weight``, not saved), and the id map."""
+
+    def _init_draft_vocab(self, config) -> None:
+        """Call in ``__init__``: registers ``d2t`` (identity placeholder; set by :func:`draft_from_target`
+        or loaded) when ``config.draft_vocab_size`` is set, else ``self.d2t = None``."""
+        if config.draft_vocab_size is not None:
+            self.register_buffer("d2t", torch.arange(config.draft_vocab_size, dtype=torch.long), persistent=True)
+        else:
+            self.d2t = None
+        self.register_buffer("target_lm_weight", None, persistent=False)
+
+    def target_ids(self, draft_ids: Tensor) -> Tensor:
+        """Draft ids (indices into the logits) -> target ids (int64, same shape); the identity without
+        a reduced vocabulary."""
+        return draft_ids.long() if self.d2t is None else self.d2t[draft_ids.long()]
+
+    @property
+    def target_lm_head_weight(self) -> Tensor:
+        """The target's full ``lm_head`` weight ``[V, D]`` (what the training loss scores the target
+        distribution with): ``lm_head.weight`` itself, or ``target_lm_weight`` with a reduced vocabulary.
+
+        Raises:
+            ValueError: a reduced-vocabulary draft loaded from disk (only ``from_target`` sets it).
+        """
+        if self.d2t is None:
+            return self.lm_head.weight
+        if self.target_lm_weight is None:
+            name = type(self).__name__
+            raise ValueError(f"{name}.target_lm_weight: a reduced-vocabulary draft needs the target's full lm_head to "
+                             "compute its training loss; received None (the draft was loaded from disk). Build it with "
+                             f"{name}.from_target(target, config, d2t=...) and load the weights into that.")
+        return self.target_lm_weight
+
+
+def draft_from_target(cls, target_model: nn.Module, config, d2t: Tensor | None, config_builder: str):
+    """``cls(config)`` with its reduced vocabulary set to ``d2t`` and the target's embedding / lm_head
+    copied (:func:`copy_target_embeddings`).
+
+    Raises:
+        ValueError: ``d2t`` missing while ``config.draft_vocab_size`` is set, given while it is not, or
+            invalid (:func:`deepspec.models.vocab.validate_d2t`); target shapes that do not fit.
+    """
+    where = f"{cls.__name__}.from_target.d2t"
+    if (d2t is None) != (config.draft_vocab_size is None):
+        raise ValueError(f"{where}: expected a draft -> target id map exactly when config.draft_vocab_size is set "
+                         f"(received draft_vocab_size={config.draft_vocab_size}, "
+                         f"d2t={'None' if d2t is None else tuple(d2t.shape)}). Pass "
+                         "d2t=select_draft_vocab(counts, N), or leave draft_vocab_size None.")
+    model = cls(config)
+    if d2t is not None:
+        model.d2t.copy_(validate_d2t(d2t, vocab_size=config.vocab_size, draft_vocab_size=config.draft_vocab_size,
+                                     source=where))
+    return copy_target_embeddings(model, target_model, config_builder)
+
+
+def check_saved_d2t(state: dict[str, Tensor], config, source: str) -> dict[str, Tensor]:
+    """Check the ``d2t`` entry of a loaded state dict against ``config.draft_vocab_size`` (before
+    ``load_state_dict``, whose size errors would not name the field); returns ``state``.
+
+    Raises:
+        ValueError: naming ``source`` and ``d2t``: present for a full-vocabulary config, missing for a
+            reduced one, or invalid (:func:`deepspec.models.vocab.validate_d2t`).
+    """
+    source = f"{source}: d2t"
+    if config.draft_vocab_size is None and "d2t" in state:
+        raise ValueError(f"{source}: expected no draft -> target id map (config.json has draft_vocab_size null), "
+                         f"received one of {tuple(state['d2t'].shape)}. The weights and config.json belong to "
+                         "different drafts.")
+    if config.draft_vocab_size is not None:
+        if "d2t" not in state:
+            raise ValueError(f"{source}: expected a draft -> target id map of {config.draft_vocab_size} entries "
+                             "(config.json draft_vocab_size), received none. Re-save the draft with DeepSpec.")
+        state["d2t"] = validate_d2t(state["d2t"], vocab_size=config.vocab_size,
+                                    draft_vocab_size=config.draft_vocab_size, source=source)
+    return state
 
 
 def qk_norms(c) -> tuple[nn.Module | None, nn.Module | None]:
@@ -282,7 +377,7 @@ class DSparkDecoderLayer(nn.Module):
         return h_BQD + self.mlp(self.post_attention_layernorm(h_BQD))
 
 
-class DSparkDraftModel(nn.Module):
+class DSparkDraftModel(DraftVocabMixin, nn.Module):
     """DSpark draft (DFlash when both heads are off). See the module docstring for the layout."""
 
     def __init__(self, config: DraftConfig):
@@ -297,9 +392,11 @@ class DSparkDraftModel(nn.Module):
         self.layers = nn.ModuleList([DSparkDecoderLayer(c, hf) for _ in range(c.num_draft_layers)])
         self.norm = Norm(c.hidden_size, eps=c.rms_norm_eps)
         self.rotary_emb = c.family_class("RotaryEmbedding")(hf)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        self.markov_head = (MARKOV_HEADS[c.markov_head_type](c.vocab_size, c.markov_rank, c.hidden_size)
+        self.lm_head = nn.Linear(c.hidden_size, c.output_vocab_size, bias=False)
+        self.markov_head = (MARKOV_HEADS[c.markov_head_type](c.vocab_size, c.markov_rank, c.hidden_size,
+                                                             out_size=c.output_vocab_size)
                             if c.use_markov_head else None)
+        self._init_draft_vocab(c)
         self.confidence_head = ConfidenceHead(c.hidden_size + c.markov_dim) if c.use_confidence_head else None
         self._init_weights()
         self.freeze_embeddings()
@@ -326,10 +423,16 @@ class DSparkDraftModel(nn.Module):
         self.lm_head.weight.requires_grad_(False)
 
     @classmethod
-    def from_target(cls, target_model: nn.Module, config: DraftConfig) -> DSparkDraftModel:
+    def from_target(cls, target_model: nn.Module, config: DraftConfig, *,
+                    d2t: Tensor | None = None) -> DSparkDraftModel:
         """New draft with ``embed_tokens`` / ``lm_head`` copied (not shared) from the target, frozen.
-        Tied targets (SmolLM2) copy the same matrix into both."""
-        return copy_target_embeddings(cls(config), target_model, "draft_config_from_target")
+        Tied targets (SmolLM2) copy the same matrix into both.
+
+        ``d2t``: int ``[N]`` draft -> target ids (:func:`deepspec.models.vocab.select_draft_vocab`),
+        required exactly when ``config.draft_vocab_size`` is set; ``lm_head`` then holds those rows
+        (:func:`draft_from_target`, which lists the errors).
+        """
+        return draft_from_target(cls, target_model, config, d2t, "draft_config_from_target")
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
@@ -343,8 +446,8 @@ class DSparkDraftModel(nn.Module):
         return self.rotary_emb(like, pos_BT)
 
     def heads(self, hidden_XKD: Tensor, prev_ids_XK: Tensor) -> tuple[Tensor, Tensor | None]:
-        """Final hidden of a block (or a batch of blocks) ``[..., K, D]`` and the tokens before each
-        slot ``[..., K]`` -> (logits incl. the Markov bias ``[..., K, V]``, confidence logits
+        """Final hidden of a block (or a batch of blocks) ``[..., K, D]`` and the (target) tokens before
+        each slot ``[..., K]`` -> (logits over draft ids incl. the Markov bias ``[..., K, N]``, confidence logits
         ``[..., K]`` | None), teacher-forced (every Markov variant via ``markov_head.block``)."""
         logits = self.lm_head(hidden_XKD)
         feats = None
@@ -361,8 +464,8 @@ class DSparkDraftModel(nn.Module):
 
     def slot_step(self, hidden_D: Tensor, base_logits_V: Tensor, prev_id: Tensor,
                   state: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """One serial drafting slot (inference): ``(logits_V fp32 incl. the Markov bias, confidence
-        logit | None, Markov state)``. ``prev_id``: the token before the slot, shape ``[1]``;
+        """One serial drafting slot (inference): ``(logits fp32 over the N draft ids incl. the Markov
+        bias, confidence logit | None, Markov state)``. ``prev_id``: the *target* id before the slot, ``[1]``;
         ``state``: ``None`` at slot 0, then the returned one. K calls with the drafted tokens equal
         :meth:`heads` on the block."""
         logits_V = base_logits_V.float()
@@ -452,7 +555,7 @@ class DSparkDraftModel(nn.Module):
         """Run ``[anchor, m, .., m]`` at positions ``anchor_pos .. anchor_pos+K-1`` attending to all
         cached context (which must hold exactly positions ``0..anchor_pos-1``) and to the whole block.
 
-        Returns (final hidden ``[K, D]``, base logits ``[K, V]`` without the Markov bias).
+        Returns (final hidden ``[K, D]``, base logits ``[K, N]`` over draft ids, without the Markov bias).
         """
         if cache.length != anchor_pos:
             raise ValueError(f"block_hidden: expected the context cache to hold positions 0..anchor_pos-1 "
@@ -498,7 +601,9 @@ class DSparkDraftModel(nn.Module):
             raise FileNotFoundError(f"from_pretrained: expected {path}/{CONFIG_NAME} and {path}/{WEIGHTS_NAME}; "
                                     "pass a folder written by DSparkDraftModel.save_pretrained().")
         cfg = json.loads((path / CONFIG_NAME).read_text(encoding="utf-8"))
-        model = cls(DraftConfig.from_dict(cfg["draft_config"]))
-        model.load_state_dict(load_file(str(path / WEIGHTS_NAME)), strict=True)
+        config = DraftConfig.from_dict(cfg["draft_config"])
+        model = cls(config)
+        state = check_saved_d2t(load_file(str(path / WEIGHTS_NAME)), config, str(path / WEIGHTS_NAME))
+        model.load_state_dict(state, strict=True)
         model.freeze_embeddings()
         return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)

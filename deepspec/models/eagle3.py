@@ -3,7 +3,7 @@
 Li et al., "EAGLE-3: Scaling up Inference Acceleration of LLMs via Training-Time Test" (2025).
 
 Legend: B batch, S sequence length, H hidden (= target hidden), F = n_layers * H target feature
-width, V vocab, K ttt_steps (unrolled steps = tokens drafted per proposal), T a run of rows,
+width, V target vocab, W draft vocab (= V unless ``draft_vocab_size`` reduces it), K ttt_steps (unrolled steps = tokens drafted per proposal), T a run of rows,
 Hq query heads, Hk KV heads, d head_dim, N supervised rows of one step.
 
 Architecture (parameter names follow the original Eagle3 checkpoints where they exist):
@@ -11,7 +11,9 @@ Architecture (parameter names follow the original Eagle3 checkpoints where they 
   features of all cached layers), midlayer = one decoder layer of the target's family whose
   attention projections read ``cat(input_layernorm(embed(token)), hidden_norm(hidden))`` (2H ->
   q/k/v), with the residual taken from ``hidden``; post_attention_layernorm + the family's MLP;
-  norm (final), lm_head (frozen copy of the target's, full vocabulary).
+  norm (final), lm_head (frozen copy of the target's: all V rows, or the rows ``d2t`` of a reduced
+  draft vocabulary, ``[W, H]``), and with a reduced vocabulary the buffer ``d2t`` (int64 ``[W]``,
+  absolute target ids; :mod:`deepspec.models.vocab`; EAGLE-3's own checkpoints store offsets).
 
 Rows. Row ``t`` of a sequence pairs the fused target feature ``f_t`` (position t) with the *next*
 token ``x_{t+1}`` and predicts ``x_{t+2}``. TTT step ``k`` (0 <= k < K) at row ``t`` reads the
@@ -28,6 +30,14 @@ Loss (soft cross-entropy against the target): row t at step k is supervised iff
 ``softmax(lm_head(target_last_hidden[t + k + 1]))``; weight ``decay^k`` (0.8). The micro-batch's
 loss is ``sum_k decay^k sum_rows CE / weight_sum`` with ``weight_sum`` the global batch's total
 supervision weight (the protocol's ``weight``), so padding and micro-batching do not change it.
+
+Reduced draft vocabulary: the draft's logits are over its W tokens; the soft CE is
+``-sum_{d < W} p_t[d2t[d]] log p_d[d]`` with ``p_t`` the target's full-vocabulary softmax (not
+renormalised): the target mass outside the draft vocabulary contributes nothing it could learn, and
+the row stays in the normaliser (as DSpark's CE with a label outside the vocabulary; EAGLE-3 instead
+renormalises ``p_t`` over the draft tokens and drops rows whose target argmax is outside them). The
+minimiser is the same, ``p_d`` proportional to ``p_t`` on the draft tokens. Accuracy compares
+``d2t[argmax p_d]`` with the target argmax over V.
 """
 
 from __future__ import annotations
@@ -53,7 +63,7 @@ from deepspec.models.config import (
     save_draft_folder,
     target_shape_fields,
 )
-from deepspec.models.dspark import copy_target_embeddings, qk_norms, split_heads
+from deepspec.models.dspark import DraftVocabMixin, check_saved_d2t, draft_from_target, qk_norms, split_heads
 
 ALGORITHM_NAME = "eagle3"
 
@@ -99,12 +109,13 @@ class Eagle3Config(TargetShapeConfig):
 
 def eagle3_config_from_target(target_config: Any, *, target_layer_ids: list[int], ttt_steps: int = 7,
                               step_decay: float = 0.8, pad_token_id: int | None = None,
-                              eos_token_id: list[int] | int | None = None) -> Eagle3Config:
+                              eos_token_id: list[int] | int | None = None,
+                              draft_vocab_size: int | None = None) -> Eagle3Config:
     """Derive an :class:`Eagle3Config` from a transformers target config (same family rules as DSpark's
     :func:`deepspec.models.config.draft_config_from_target`)."""
     return Eagle3Config(**target_shape_fields(target_config, target_layer_ids=target_layer_ids,
                                               pad_token_id=pad_token_id, eos_token_id=eos_token_id),
-                        ttt_steps=ttt_steps, step_decay=step_decay)
+                        ttt_steps=ttt_steps, step_decay=step_decay, draft_vocab_size=draft_vocab_size)
 
 
 # ----------------------------------------------------------------------------------------------- model
@@ -184,7 +195,7 @@ def ttt_masks(S: int, steps: int, device=None) -> list[Tensor]:
     return [torch.cat([causal] + [eye] * k, dim=1) for k in range(steps)]
 
 
-class Eagle3DraftModel(nn.Module):
+class Eagle3DraftModel(DraftVocabMixin, nn.Module):
     """Eagle3 drafter (see the module docstring)."""
 
     def __init__(self, config: Eagle3Config):
@@ -196,7 +207,8 @@ class Eagle3DraftModel(nn.Module):
         self.midlayer = Eagle3DecoderLayer(c, hf)
         self.norm = c.family_class("RMSNorm")(c.hidden_size, eps=c.rms_norm_eps)
         self.rotary_emb = c.family_class("RotaryEmbedding")(hf)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.lm_head = nn.Linear(c.hidden_size, c.output_vocab_size, bias=False)
+        self._init_draft_vocab(c)
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
@@ -210,8 +222,11 @@ class Eagle3DraftModel(nn.Module):
         self.lm_head.weight.requires_grad_(False)
 
     @classmethod
-    def from_target(cls, target_model: nn.Module, config: Eagle3Config) -> Eagle3DraftModel:
-        return copy_target_embeddings(cls(config), target_model, "eagle3_config_from_target")
+    def from_target(cls, target_model: nn.Module, config: Eagle3Config, *,
+                    d2t: Tensor | None = None) -> Eagle3DraftModel:
+        """New draft with the target's embedding / lm_head copied (frozen); ``d2t`` as for DSpark
+        (:func:`deepspec.models.dspark.draft_from_target`)."""
+        return draft_from_target(cls, target_model, config, d2t, "eagle3_config_from_target")
 
     # ------------------------------------------------------------------ training forward
     def forward_train(self, input_ids_BS: Tensor, target_hidden_BSF: Tensor,
@@ -284,6 +299,7 @@ class Eagle3DraftModel(nn.Module):
         return out[0, 0]
 
     def logits(self, hidden: Tensor) -> Tensor:
+        """Logits over the draft's W tokens (draft ids; ``target_ids`` maps them)."""
         return self.lm_head(self.norm(hidden))
 
     # ------------------------------------------------------------------ save / load
@@ -307,8 +323,10 @@ class Eagle3DraftModel(nn.Module):
         if cfg.get("deepspec_algorithm") != ALGORITHM_NAME:
             raise ValueError(f"Eagle3DraftModel.from_pretrained: {path} holds a "
                              f"{cfg.get('deepspec_algorithm', 'dspark/dflash')!r} draft, not an Eagle3 one.")
-        model = cls(Eagle3Config.from_dict(cfg["eagle3_config"]))
-        model.load_state_dict(load_file(str(path / WEIGHTS_NAME)), strict=True)
+        config = Eagle3Config.from_dict(cfg["eagle3_config"])
+        model = cls(config)
+        model.load_state_dict(check_saved_d2t(load_file(str(path / WEIGHTS_NAME)), config, str(path / WEIGHTS_NAME)),
+                              strict=True)
         model.freeze_embeddings()
         return model.to(device)
 
@@ -367,17 +385,25 @@ class Eagle3LossOutput:
 
 
 def _soft_ce_chunk(hidden_NH: Tensor, target_hidden_NH: Tensor, w_N: Tensor, final_norm: nn.Module,
-                   lm_w: Tensor) -> tuple[Tensor, Tensor]:
+                   lm_w: Tensor, target_lm_w: Tensor, d2t_W: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """Weighted soft-CE sum of a chunk, and (detached) argmax matches and T = 1 acceptance
-    probabilities ``1 - TV``; recomputed in backward."""
-    logits = F.linear(final_norm(hidden_NH), lm_w).float()
-    logp = F.log_softmax(logits, dim=-1)
+    probabilities ``1 - TV`` (in target id space); recomputed in backward. ``lm_w`` ``[W, H]``: the
+    draft's output rows; ``target_lm_w`` ``[V, H]``: the target's."""
+    logits_NW = F.linear(final_norm(hidden_NH), lm_w).float()
+    logp_NW = F.log_softmax(logits_NW, dim=-1)
     with torch.no_grad():
-        tlogits = F.linear(target_hidden_NH.to(lm_w.dtype), lm_w).float()
-        tprob = torch.softmax(tlogits, dim=-1)
-        match = (logits.argmax(-1) == tlogits.argmax(-1)).float()
-        accept = (1.0 - 0.5 * (logp.exp() - tprob).abs().sum(-1)).clamp(0.0, 1.0)
-    ce = -(tprob * logp).sum(-1)
+        tlogits_NV = F.linear(target_hidden_NH.to(target_lm_w.dtype), target_lm_w).float()
+        tprob_NV = torch.softmax(tlogits_NV, dim=-1)
+        drafted_N = logits_NW.argmax(-1)
+        if d2t_W is None:
+            tprob_NW = tprob_NV
+        else:
+            tprob_NW, drafted_N = tprob_NV[:, d2t_W], d2t_W[drafted_N]
+        match = (drafted_N == tlogits_NV.argmax(-1)).float()
+        # L1 over V: the draft tokens, plus the target's mass outside the draft vocabulary (0 when W = V)
+        l1_N = (logp_NW.exp() - tprob_NW).abs().sum(-1) + (1.0 - tprob_NW.sum(-1)).clamp_min(0.0)
+        accept = (1.0 - 0.5 * l1_N).clamp(0.0, 1.0)
+    ce = -(tprob_NW * logp_NW).sum(-1)
     return (w_N * ce).sum(), match, accept
 
 
@@ -417,7 +443,8 @@ def eagle3_loss(model: Eagle3DraftModel, input_ids_BS: Tensor, loss_mask_BS: Ten
         for s in range(0, N, chunk_rows):
             e = min(N, s + chunk_rows)
             part, match, accept = checkpoint(_soft_ce_chunk, h_NH[s:e], th_NH[s:e], w_N[s:e], model.norm,
-                                             model.lm_head.weight, use_reentrant=False)
+                                             model.lm_head.weight, model.target_lm_head_weight, model.d2t,
+                                             use_reentrant=False)
             loss = loss + part / norm
             matches.append(match)
             accepts.append(accept)
@@ -440,15 +467,21 @@ class Eagle3Algorithm:
 
     name = ALGORITHM_NAME
 
-    def build(self, target_model, tokenizer, cfg, target_layer_ids):
+    def build(self, target_model, tokenizer, cfg, target_layer_ids, *, d2t=None):
+        if getattr(cfg, "init_from_target", False):
+            raise ValueError("train.init_from_target: Eagle3's decoder layer cannot start as a copy of a target layer: "
+                             "its q/k/v projections read [embedding ; hidden] (2H inputs, the target's read H), and a "
+                             "partial copy would be a different recipe; received init_from_target=True for "
+                             "algorithm=eagle3. Drop --init-from-target for eagle3.")
         if getattr(cfg, "num_draft_layers", 1) != 1:
             raise ValueError(f"train.num_draft_layers: Eagle3 has exactly one decoder layer, received "
                              f"{cfg.num_draft_layers}; set num_draft_layers=1 for algorithm=eagle3.")
         steps = getattr(cfg, "ttt_steps", None) or cfg.block_size
         config = eagle3_config_from_target(target_model.config, target_layer_ids=list(target_layer_ids),
                                            ttt_steps=int(steps), pad_token_id=getattr(tokenizer, "pad_token_id", None),
-                                           eos_token_id=getattr(tokenizer, "eos_token_id", None))
-        return Eagle3DraftModel.from_target(target_model, config)
+                                           eos_token_id=getattr(tokenizer, "eos_token_id", None),
+                                           draft_vocab_size=None if d2t is None else int(d2t.shape[0]))
+        return Eagle3DraftModel.from_target(target_model, config, d2t=d2t)
 
     def load(self, path):
         return Eagle3DraftModel.from_pretrained(path)

@@ -1,7 +1,8 @@
 """DSpark / DFlash training loss (DESIGN s.5; DSpark paper, loss section).
 
-Legend: B batch, S sequence length, A anchors, K block_size, V vocab, H target hidden,
-N number of valid (supervised) slots in the batch.
+Legend: B batch, S sequence length, A anchors, K block_size, V target vocab, W draft vocab (the
+width of the draft logits: V, or N = ``draft_vocab_size`` with a reduced vocabulary), H target
+hidden, N number of valid (supervised) slots in the batch, C a chunk of slots.
 
 Slot ``k`` of the block anchored at ``a`` predicts token ``x_{a+k+1}``. It is *valid* iff the block
 is valid, ``a+k+1 < S`` and ``loss_mask[a+k+1]``, followed by a cumulative product along ``k``
@@ -15,12 +16,24 @@ Each term = sum(w * term) / weight_sum, ``weight_sum`` being the sum of ``w`` ov
 the whole *global* batch (the trainer computes it with :func:`supervision_weights` before the
 backward passes; ``None`` = this batch's own sum). Total = ce_w*CE + l1_w*L1 + conf_w*conf.
 
-Only the N valid slots are materialised as ``[N, V]``; the target logits are computed in chunks of
+Only the N valid slots are materialised as ``[N, W]``; the target logits are computed in chunks of
 slots from ``target_last_hidden`` gathered at the slot positions (never ``[B, S, V]``).
+
+Reduced draft vocabulary (``d2t_W``: draft id -> target id, :mod:`deepspec.models.vocab`). The draft
+distribution ``p_d`` lives on the W draft tokens and is 0 on every other target token, so in target
+id space:
+  CE   = -log p_d[t2d(label)] when the label is in the draft vocabulary; 0 when it is not. Such a slot
+         stays supervised (its weight stays in ``weight_sum`` and in the cumulative product): it is a
+         miss the draft cannot avoid. EAGLE-3 / SpecForge do the same with positions whose target
+         argmax is outside the draft vocabulary: zeroed in the numerator, kept in the mean.
+  L1   = sum_{d < W} |p_d[d] - p_t[d2t[d]]| + sum_{v not in d2t} p_t[v]   (never a [N, V] draft tensor)
+  accept / top1 diagnostics compare ``d2t[argmax p_d]`` with the target argmax over V.
+With ``d2t`` the identity (W = V) every term equals the full-vocabulary one.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +42,7 @@ from torch import Tensor, nn
 
 from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance
 from deepspec.models.config import DraftConfig
+from deepspec.models.vocab import t2d_table
 
 
 def supervision_mask(loss_mask_BS: Tensor, anchor_pos_BA: Tensor, block_valid_BA: Tensor, block_size: int) -> Tensor:
@@ -87,6 +101,7 @@ class LossOutput:
     accept_rate_K: Tensor
     top1_match_K: Tensor
     acceptance: AcceptanceCounts | None
+    num_labels_outside_vocab: int | None = None  # valid slots whose label is not in a reduced draft vocabulary
 
     @property
     def tau_estimate(self) -> float:
@@ -100,9 +115,13 @@ class LossOutput:
 
     def scalars(self) -> dict[str, float]:
         """Loggable floats; each adds up over the micro-batches of a global batch (global
-        ``weight_sum``). The tau estimates come from the pooled ``acceptance`` counts instead."""
-        return {"loss": float(self.loss.detach()), "ce": float(self.ce), "l1": float(self.l1),
-                "confidence": float(self.confidence), "num_valid_slots": float(self.num_valid_slots)}
+        ``weight_sum``). The tau estimates come from the pooled ``acceptance`` counts instead.
+        ``num_labels_outside_vocab`` only for a reduced draft vocabulary."""
+        out = {"loss": float(self.loss.detach()), "ce": float(self.ce), "l1": float(self.l1),
+               "confidence": float(self.confidence), "num_valid_slots": float(self.num_valid_slots)}
+        if self.num_labels_outside_vocab is not None:
+            out["num_labels_outside_vocab"] = float(self.num_labels_outside_vocab)
+        return out
 
 
 def dspark_loss(
@@ -112,28 +131,32 @@ def dspark_loss(
     anchor_pos_BA: Tensor,
     block_valid_BA: Tensor,
     target_last_hidden_BSH: Tensor | None,
-    lm_head: nn.Module,
+    lm_head: nn.Module | Tensor,
     config: DraftConfig,
     weight_sum: Tensor | float | None = None,
     *,
+    d2t_W: Tensor | None = None,
     chunk_slots: int = 1024,
 ) -> LossOutput:
     """DSpark loss (DFlash: config with l1/confidence weights 0). See the module docstring.
 
     Args:
-        out: a ``DraftTrainOutput`` (``logits_BAKV``, ``confidence_logits_BAK``).
+        out: a ``DraftTrainOutput`` (``logits_BAKV``, ``[B, A, K, W]`` over draft ids; ``confidence_logits_BAK``).
         target_last_hidden_BSH: final-norm target hidden states; required when ``l1_weight`` or
             ``confidence_weight`` > 0, optional otherwise (then accept diagnostics use it if given).
-        lm_head: the frozen target lm_head (the draft's copy is the same matrix).
+        lm_head: the frozen *full* target lm_head (a module, or its weight ``[V, D]``): the draft's copy
+            with a full vocabulary, ``DSparkDraftModel.target_lm_head_weight`` with a reduced one.
+        d2t_W: int64 ``[W]`` draft -> target ids of a reduced draft vocabulary (None: W = V, identity).
         weight_sum: global normaliser (sum of :func:`supervision_weights` over the global batch).
         chunk_slots: slots per chunk for the target softmax (memory bound ``chunk_slots x V`` fp32).
     Raises:
         ValueError: a needed ``target_last_hidden_BSH`` / confidence logits is missing.
     """
     K = config.block_size
-    logits_BAKV = out.logits_BAKV
+    logits_BAKV = out.logits_BAKV  # [B, A, K, W]
     B, S = input_ids_BS.shape
     dev = logits_BAKV.device
+    lm_w = lm_head.weight if isinstance(lm_head, nn.Module) else lm_head  # [V, D]
     need_target = config.l1_weight > 0 or config.confidence_weight > 0
     if need_target and target_last_hidden_BSH is None:
         raise ValueError("dspark_loss: target_last_hidden_BSH is required when l1_weight or confidence_weight > 0; "
@@ -156,31 +179,46 @@ def dspark_loss(
         zk = torch.zeros(K)
         return LossOutput(loss=zero, ce=z, l1=z, confidence=z, weight_sum=norm.detach(), local_weight_sum=local_ws,
                           num_valid_slots=0, accept_rate_K=zk, top1_match_K=zk,
-                          acceptance=AcceptanceCounts.zeros(K))
+                          acceptance=AcceptanceCounts.zeros(K),
+                          num_labels_outside_vocab=None if d2t_W is None else 0)
     b_N, a_N, k_N = idx_N3.unbind(-1)
     w_N = w_BAK[b_N, a_N, k_N]
     slot_pos_N = anchor_pos_BA.to(dev).long()[b_N, a_N] + k_N  # position a+k (< S-1 for valid slots)
-    labels_N = input_ids_BS.to(dev).long()[b_N, slot_pos_N + 1]
-    logits_NV = logits_BAKV[b_N, a_N, k_N]
+    labels_N = input_ids_BS.to(dev).long()[b_N, slot_pos_N + 1]  # target ids
+    logits_NW = logits_BAKV[b_N, a_N, k_N]
+    num_outside = None
+    if d2t_W is not None:
+        d2t_W = d2t_W.to(dev).long()
+        draft_labels_N = t2d_table(d2t_W, lm_w.shape[0])[labels_N]  # -1: not in the draft vocabulary
+        in_vocab_N = draft_labels_N >= 0
+        num_outside = int((~in_vocab_N).sum())
+        draft_labels_N = draft_labels_N.clamp_min(0)
+    else:
+        draft_labels_N, in_vocab_N = labels_N, None
 
     ce_parts, l1_parts, tgt_arg_parts, drf_arg_parts = [], [], [], []
     for s in range(0, N, chunk_slots):
         e = min(N, s + chunk_slots)
-        logp = F.log_softmax(logits_NV[s:e].float(), dim=-1)
-        ce_parts.append(-logp.gather(1, labels_N[s:e, None]).squeeze(1))
-        drf_arg_parts.append(logp.detach().argmax(-1))
+        logp_CW = F.log_softmax(logits_NW[s:e].float(), dim=-1)
+        ce_C = -logp_CW.gather(1, draft_labels_N[s:e, None]).squeeze(1)
+        ce_parts.append(ce_C if in_vocab_N is None else ce_C * in_vocab_N[s:e])
+        drf_arg_C = logp_CW.detach().argmax(-1)
+        drf_arg_parts.append(drf_arg_C if d2t_W is None else d2t_W[drf_arg_C])  # in target ids
         if target_last_hidden_BSH is not None:
             with torch.no_grad():
                 th = target_last_hidden_BSH[b_N[s:e].to(target_last_hidden_BSH.device),
                                             slot_pos_N[s:e].to(target_last_hidden_BSH.device)]
-                tlogits = lm_head(th.to(dev, lm_head.weight.dtype)).float()
-                tprob = torch.softmax(tlogits, dim=-1)
-                tgt_arg_parts.append(tlogits.argmax(-1))
-            if need_target:
-                l1_parts.append((logp.exp() - tprob).abs().sum(-1))
-            else:
-                with torch.no_grad():
-                    l1_parts.append((logp.exp() - tprob).abs().sum(-1))
+                tlogits_CV = F.linear(th.to(dev, lm_w.dtype), lm_w).float()
+                tprob_CV = torch.softmax(tlogits_CV, dim=-1)
+                tgt_arg_parts.append(tlogits_CV.argmax(-1))
+                if d2t_W is None:
+                    tprob_CW, outside_C = tprob_CV, None
+                else:  # the target's mass on the draft tokens, and outside them (a draft can never cover it)
+                    tprob_CW = tprob_CV[:, d2t_W]
+                    outside_C = (tprob_CV.sum(-1) - tprob_CW.sum(-1)).clamp_min(0.0)
+            with contextlib.nullcontext() if need_target else torch.no_grad():
+                l1_C = (logp_CW.exp() - tprob_CW).abs().sum(-1)
+                l1_parts.append(l1_C if outside_C is None else l1_C + outside_C)
     ce_N = torch.cat(ce_parts)
     ce = (w_N * ce_N).sum() / norm
     loss = config.ce_weight * ce
@@ -213,4 +251,4 @@ def dspark_loss(
             acceptance = chain_acceptance(valid_BAK.flatten(0, 1), match_BAK.flatten(0, 1), prob_BAK.flatten(0, 1))
     return LossOutput(loss=loss, ce=ce.detach(), l1=l1.detach(), confidence=conf.detach(), weight_sum=norm.detach(),
                       local_weight_sum=local_ws, num_valid_slots=int(N), accept_rate_K=accept_K, top1_match_K=top1_K,
-                      acceptance=acceptance)
+                      acceptance=acceptance, num_labels_outside_vocab=num_outside)

@@ -396,6 +396,10 @@ def save_original_dspark(model: DSparkDraftModel, folder: str | Path, *, include
 
     if not isinstance(model, DSparkDraftModel):
         raise ValueError(f"save_original_dspark.model: expected a DSparkDraftModel, received {type(model).__name__}.")
+    if model.config.draft_vocab_size is not None:
+        raise ValueError(f"save_original_dspark.model: expected a full-vocabulary draft (the original layout has no "
+                         f"draft -> target id map), received draft_vocab_size={model.config.draft_vocab_size}. Save it "
+                         "with model.save_pretrained (DeepSpec's layout keeps d2t), or train without --draft-vocab-size.")
     state = {k: v for k, v in model.state_dict().items()
              if k not in _DERIVED_BUFFERS and (include_embeddings or k not in _EMBEDDINGS)}
     cfg = original_config_dict(model.config, num_anchors=num_anchors)

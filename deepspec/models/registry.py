@@ -45,8 +45,13 @@ class DraftAlgorithm(Protocol):
 
     name: str
 
-    def build(self, target_model: nn.Module, tokenizer: Any, cfg: Any, target_layer_ids: list[int]) -> nn.Module:
-        """A freshly initialised draft for this target (``cfg``: the trainer's config; the caller seeds)."""
+    def build(self, target_model: nn.Module, tokenizer: Any, cfg: Any, target_layer_ids: list[int], *,
+              d2t: torch.Tensor | None = None) -> nn.Module:
+        """A freshly initialised draft for this target (``cfg``: the trainer's config; the caller seeds).
+        ``d2t``: the reduced draft vocabulary (draft -> target ids) when ``cfg.draft_vocab_size`` asks for
+        one (:func:`deepspec.models.vocab.select_draft_vocab`); an algorithm without that support refuses it.
+        ``cfg.init_from_target`` (when the config has it): start the draft's decoder layers as copies of
+        the target's (:mod:`deepspec.models.target_init`), or refuse with a ValueError."""
         ...
 
     def load(self, path: str | Path) -> nn.Module:
@@ -94,10 +99,11 @@ class DSparkAlgorithm:
         self.name = name
         self.heads = heads
 
-    def build(self, target_model, tokenizer, cfg, target_layer_ids):
+    def build(self, target_model, tokenizer, cfg, target_layer_ids, *, d2t=None):
         from deepspec.models.config import dflash_knobs, draft_config_from_target
         from deepspec.models.dspark import DSparkDraftModel
         from deepspec.models.mask_token import choose_mask_token_id
+        from deepspec.models.target_init import init_layers_from_target
 
         mask_token_id = choose_mask_token_id(
             tokenizer, target_model.get_input_embeddings().num_embeddings, cfg.mask_token
@@ -112,9 +118,13 @@ class DSparkAlgorithm:
             markov_head_type=cfg.markov_head,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
+            draft_vocab_size=None if d2t is None else int(d2t.shape[0]),
             **({} if self.heads else dflash_knobs()),
         )
-        return DSparkDraftModel.from_target(target_model, draft_config)
+        model = DSparkDraftModel.from_target(target_model, draft_config, d2t=d2t)
+        if getattr(cfg, "init_from_target", False):
+            init_layers_from_target(model, target_model, getattr(cfg, "init_from_target_layers", None))
+        return model
 
     def load(self, path):
         from deepspec.models.dspark import DSparkDraftModel
@@ -142,7 +152,8 @@ class DSparkAlgorithm:
             output = model.forward_train(b.input_ids_BS, b.target_hidden_BSF, prepared.anchor_pos_BA,
                                          prepared.block_valid_BA)
         return dspark_loss(output, b.input_ids_BS, b.loss_mask_BS, prepared.anchor_pos_BA, prepared.block_valid_BA,
-                           b.target_last_hidden_BSH, model.lm_head, model.config, weight_sum=weight_sum)
+                           b.target_last_hidden_BSH, model.target_lm_head_weight, model.config, weight_sum=weight_sum,
+                           d2t_W=model.d2t)
 
     def proposer(self, model, *, confidence_threshold=None, max_positions=None):
         from deepspec.eval.proposers import DSparkProposer

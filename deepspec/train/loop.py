@@ -43,6 +43,7 @@ from deepspec.data.cache import TargetCache, check_compatible
 from deepspec.data.online import OnlineTargetFeatures
 from deepspec.models.mask_token import check_mask_token_absent
 from deepspec.models.registry import ALGORITHMS, get_algorithm
+from deepspec.models.vocab import count_supervised_tokens, select_draft_vocab
 from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
 from deepspec.target.load import load_target, target_fingerprint, tokenizer_fingerprint
 from deepspec.train.data import collate, micro_batch_seed, rank_micro_batches
@@ -77,6 +78,13 @@ class TrainConfig:
     markov_rank: int = 256  # rank of the DSpark Markov head's low-rank bigram factorisation (dspark only)
     markov_head: str = "vanilla"  # DSpark Markov head variant: vanilla | gated | rnn (dspark only)
     mask_token: str | None = None  # token used as the block's mask input; None = a spare embedding row
+    # the draft proposes from the N target tokens most frequent among the training data's supervised
+    # tokens (saved with the draft as its d2t id map; every algorithm); 0 or none = the full target vocabulary
+    draft_vocab_size: int | None = None
+    # dspark/dflash: start the draft's decoder layer(s) and final norm as copies of the target's last layer(s)
+    init_from_target: bool = False
+    # with --init-from-target: the target layers (0-based, one per draft layer) to copy; none = the last ones
+    init_from_target_layers: list[int] | None = None
     batch_size: int = 4  # sequences per micro-batch
     grad_accum_steps: int = 1  # micro-batches per optimizer step
     max_steps: int = 200  # optimizer steps
@@ -131,16 +139,53 @@ class TrainConfig:
                              f"got {self.heldout_num_prompts} and {self.heldout_max_new_tokens}")
         if self.heldout_every and not self.heldout_benchmarks:
             raise ValueError("train.heldout_benchmarks: expected at least one benchmark name when heldout_every > 0")
+        if self.draft_vocab_size == 0:
+            self.draft_vocab_size = None  # 0 and None both mean the full vocabulary
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"train.draft_vocab_size: expected 0 / none (full vocabulary) or a positive number of "
+                             f"draft tokens, got {self.draft_vocab_size}")
+        if self.init_from_target_layers is not None and not self.init_from_target:
+            raise ValueError(f"train.init_from_target_layers: names the target layers to copy with --init-from-target, "
+                             f"got {self.init_from_target_layers} without it; add --init-from-target or drop the list")
 
 
-def build_draft(target_model, tokenizer, cfg: TrainConfig, target_layer_ids: list[int]) -> torch.nn.Module:
+def draft_vocab_from_data(data, draft_vocab_size: int, vocab_size: int) -> torch.Tensor:
+    """The reduced draft vocabulary of ``data`` (a :class:`TargetCache` or online data): ``d2t`` int64
+    ``[draft_vocab_size]``, the target ids most frequent among the supervised tokens (``loss_mask`` 1),
+    ties by id (:func:`deepspec.models.vocab.select_draft_vocab`). Reads only ``input_ids`` /
+    ``loss_mask`` (online data runs no target forward for it).
+
+    Raises:
+        ValueError: ``draft_vocab_size`` larger than the target vocabulary (names ``train.draft_vocab_size``).
+    """
+    if not 1 <= draft_vocab_size <= vocab_size:
+        raise ValueError(f"train.draft_vocab_size: expected at most the target vocabulary ({vocab_size}), got "
+                         f"{draft_vocab_size}; pass a smaller N, or 0 for the full vocabulary")
+    counts_V = count_supervised_tokens((data.read(i, ("input_ids", "loss_mask")) for i in range(len(data))),
+                                       vocab_size)
+    return select_draft_vocab(counts_V, draft_vocab_size)
+
+
+def build_draft(target_model, tokenizer, cfg: TrainConfig, target_layer_ids: list[int], *,
+                data=None, d2t: torch.Tensor | None = None) -> torch.nn.Module:
     """A freshly initialised draft of ``cfg.algorithm`` and the shape ``cfg`` asks for, seeded by ``cfg.seed``.
 
-    The same call with the same seed gives the same untrained draft (used as the eval control).
+    With ``cfg.draft_vocab_size`` the draft vocabulary is ``d2t`` if given, else chosen from ``data``
+    (:func:`draft_vocab_from_data`). With ``cfg.init_from_target`` the draft's layers start as copies
+    of the target's (:mod:`deepspec.models.target_init`). The same call with the same seed gives the
+    same untrained draft (used as the eval control).
+
+    Raises:
+        ValueError: ``cfg.draft_vocab_size`` without ``data`` or ``d2t``, or one the algorithm refuses.
     """
+    if cfg.draft_vocab_size and d2t is None:
+        if data is None:
+            raise ValueError("train.draft_vocab_size: choosing a reduced draft vocabulary needs the training data; "
+                             "pass data= (the target cache) or d2t= to build_draft")
+        d2t = draft_vocab_from_data(data, cfg.draft_vocab_size, int(target_model.config.vocab_size))
     with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG
         torch.manual_seed(cfg.seed)
-        return get_algorithm(cfg.algorithm).build(target_model, tokenizer, cfg, target_layer_ids)
+        return get_algorithm(cfg.algorithm).build(target_model, tokenizer, cfg, target_layer_ids, d2t=d2t)
 
 
 def _lr_schedule(optimizer, cfg: TrainConfig):
@@ -204,8 +249,9 @@ def check_resume_shape(checkpoint: Path, model: torch.nn.Module, cfg: TrainConfi
     if "target_fingerprint" not in saved:  # saved before DeepSpec recorded it (the cache check covers the target)
         now.pop("target_fingerprint", None)
     missing = object()
-    diff = {k: (saved.get(k, missing), now.get(k, missing)) for k in sorted(saved.keys() | now.keys())
-            if saved.get(k, missing) != now.get(k, missing)}
+    # a field added after the checkpoint was written, at its "off" value (None), is no difference
+    keys = sorted(saved.keys() | {k for k, v in now.items() if k in saved or v is not None})
+    diff = {k: (saved.get(k, missing), now.get(k, missing)) for k in keys if saved.get(k, missing) != now.get(k, missing)}
     if diff:
         shown = ", ".join(f"{k}: ({'absent' if a is missing else repr(a)}, {'absent' if b is missing else repr(b)})"
                           for k, (a, b) in diff.items())
@@ -563,7 +609,7 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
     cache = open_training_data(cfg, target_model, tokenizer)
     target_layer_ids = cache.target_layer_ids
     algorithm = get_algorithm(cfg.algorithm)
-    model = build_draft(target_model, tokenizer, cfg, target_layer_ids)
+    model = build_draft(target_model, tokenizer, cfg, target_layer_ids, data=cache)
     if resume_from is not None:
         check_resume_shape(resume_from, model, cfg)
     if ctx.is_main:

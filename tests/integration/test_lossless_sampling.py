@@ -172,13 +172,13 @@ def exact_target_distributions(model, params: SamplingParams) -> tuple[torch.Ten
     return p0_V[:, None] * p1_VV, torch.einsum("a,ab,abc->c", p0_V, p1_VV, p2_VVV)
 
 
-def engine_samples(model, params: SamplingParams, trials: int, seed: int, max_new_tokens: int = 3):
+def engine_samples(model, params: SamplingParams, trials: int, seed: int, max_new_tokens: int = 3, proposer=None):
     """Over ``trials`` seeded generations: counts ``[V, V]`` of output tokens (1, 2), counts ``[V]``
     of output token 3 (zeros when ``max_new_tokens < 3``), and the number of drafts accepted by the
-    first verify step."""
+    first verify step. ``proposer`` defaults to :class:`BigramProposer`."""
     from deepspec.eval.engine import SpeculativeEngine
 
-    engine = SpeculativeEngine(model, [0], BigramProposer(seed=5), [V + 1])
+    engine = SpeculativeEngine(model, [0], proposer or BigramProposer(seed=5), [V + 1])
     g = torch.Generator().manual_seed(seed)
     joint_VV, third_V = torch.zeros(V, V), torch.zeros(V)
     accepted = 0
@@ -211,3 +211,32 @@ def test_engine_broken_acceptance_rule_is_rejected(target, monkeypatch, broken):
     p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
     assert p_joint < FAIL_P, p_joint
 
+
+
+def reduced_vocab_dspark_proposer(model, seed: int = 3):
+    """An untrained DSpark drafter (target layer 0's features) proposing from 6 of the 12 target tokens."""
+    from deepspec.eval.proposers import DSparkProposer
+    from deepspec.models.config import draft_config_from_target
+    from deepspec.models.dspark import DSparkDraftModel
+
+    d2t = torch.tensor([1, 2, 4, 6, 8, 9])
+    cfg = draft_config_from_target(model.config, num_draft_layers=1, target_layer_ids=[0], mask_token_id=V - 1,
+                                   block_size=3, markov_rank=4, draft_vocab_size=int(d2t.numel()))
+    torch.manual_seed(seed)
+    draft = DSparkDraftModel.from_target(model, cfg, d2t=d2t)
+    torch.nn.init.normal_(draft.markov_head.markov_w2.weight, std=1.0)
+    return DSparkProposer(draft)
+
+
+@pytest.mark.parametrize("params", [PLAIN, FILTERED], ids=["plain", "topk_topp"])
+def test_reduced_vocab_dspark_sampling_follows_target_distribution(target, params):
+    """Half the target's tokens are out of the draft's reach (q = 0 there): the residual max(0, p - q)
+    must still give them their target probability."""
+    joint_VV, third_V = exact_target_distributions(target, params)
+    trials = 1200
+    counts_VV, counts_V, accepted = engine_samples(target, params, trials, seed=0,
+                                                   proposer=reduced_vocab_dspark_proposer(target))
+    assert 0.05 * trials < accepted
+    p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
+    p_third = chi_square_pvalue(counts_V, third_V)
+    assert p_joint > PASS_P and p_third > PASS_P, (p_joint, p_third)

@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from deepspec.eval.engine import SpeculativeEngine
 from deepspec.eval.proposers import Eagle3Proposer, NullProposer
+from deepspec.eval.verify import SamplingParams
 from deepspec.models.eagle3 import (Eagle3Algorithm, Eagle3Config, Eagle3DraftModel, eagle3_config_from_target,
                                     eagle3_loss, ttt_masks, ttt_supervision)
 from deepspec.models.registry import algorithm_for_model, get_algorithm, load_draft
@@ -281,3 +282,71 @@ def test_prepare_samples_chain_starts_within_the_supervision_budget():
     full = ttt_supervision(lm, 7, 0.8)[1]
     sub = ttt_supervision(lm, 7, 0.8, prepared.rows_BS)[1]
     assert 0 < sub.sum() < full.sum() and torch.all(sub <= full)
+
+
+# ----------------------------------------------------------------------------- reduced draft vocabulary
+def reduced_eagle3(target, d2t, seed=1):
+    cfg = eagle3_config_from_target(target.config, target_layer_ids=LAYER_IDS, ttt_steps=3,
+                                    draft_vocab_size=None if d2t is None else int(d2t.numel()))
+    torch.manual_seed(seed)
+    return Eagle3DraftModel.from_target(target, cfg, d2t=d2t)
+
+
+def test_reduced_vocab_shapes_save_load_and_bad_map(target, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d2t = torch.arange(0, V, 3)
+    draft = reduced_eagle3(target, d2t)
+    assert draft.lm_head.weight.shape == (d2t.numel(), 32) and torch.equal(draft.lm_head.weight,
+                                                                            target.lm_head.weight[d2t])
+    draft.save_pretrained(tmp_path / "d")
+    name, loaded = load_draft(tmp_path / "d")
+    assert name == "eagle3" and torch.equal(loaded.d2t, d2t) and loaded.config.draft_vocab_size == d2t.numel()
+    weights = tmp_path / "d" / "model.safetensors"
+    save_file({**load_file(str(weights)), "d2t": torch.cat([d2t[:-1], torch.tensor([V])])}, str(weights))
+    with pytest.raises(ValueError, match="d2t.*target ids in"):
+        Eagle3DraftModel.from_pretrained(tmp_path / "d")
+
+
+@torch.no_grad()
+def slow_reduced_soft_ce(draft, target, ids, lm, feats, last, d2t):
+    """Row by row: -sum over draft tokens of p_target[d2t[d]] log p_draft[d], weight decay^k."""
+    c = draft.config
+    outs = draft.forward_train(ids, feats)
+    valid, w = ttt_supervision(lm, c.ttt_steps, c.step_decay)
+    total = 0.0
+    for k in range(c.ttt_steps):
+        for b, t in valid[k].nonzero().tolist():
+            logp_W = torch.log_softmax(draft.logits(outs[k][b, t]).double(), -1)
+            pt_V = torch.softmax((last[b, t + k + 1] @ target.lm_head.weight.T).double(), -1)
+            total += float(w[k, b, t]) * -float((pt_V[d2t] * logp_W).sum())
+    return total / float(w.sum())
+
+
+def test_reduced_vocab_loss_matches_slow_version_and_identity_equals_full(target):
+    ids, lm, feats, last = sample(target, S=14)
+    d2t = torch.arange(1, V, 2)
+    draft = reduced_eagle3(target, d2t)
+    out = eagle3_loss(draft, ids, lm, feats, last, chunk_rows=3)
+    assert float(out.loss.detach()) == pytest.approx(slow_reduced_soft_ce(draft, target, ids, lm, feats, last, d2t),
+                                                     rel=1e-4)
+    full, ident = reduced_eagle3(target, None), reduced_eagle3(target, torch.arange(V))
+    a, b = eagle3_loss(full, ids, lm, feats, last), eagle3_loss(ident, ids, lm, feats, last)
+    assert float(a.loss.detach()) == pytest.approx(float(b.loss.detach()), rel=1e-6) and a.acc_K == b.acc_K
+
+
+def test_reduced_vocab_engine_lossless_greedy_and_target_ids(target):
+    d2t = torch.arange(0, V, 2)
+    draft = reduced_eagle3(target, d2t)
+    prompt = torch.randint(2, V, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+    base = SpeculativeEngine(target, LAYER_IDS, NullProposer(), [EOS]).generate(prompt, max_new_tokens=20)
+    proposer = Eagle3Proposer(draft)
+    spec = SpeculativeEngine(target, LAYER_IDS, proposer, [EOS]).generate(prompt, max_new_tokens=20)
+    assert spec.output_ids == base.output_ids and sum(s.num_proposed for s in spec.steps) > 0
+    proposer.reset()
+    feats, _ = features(target, torch.tensor([prompt]))
+    proposer.extend_context(feats[0, :-1], prompt[:-1])
+    sampled = proposer.propose(prompt[-1], len(prompt) - 1, sampling=SamplingParams(temperature=1.0),
+                               generator=torch.Generator().manual_seed(0))
+    assert set(sampled.draft_ids_N.tolist()) <= set(d2t.tolist())
+    assert sampled.draft_probs_NV.shape[1] == V and float(sampled.draft_probs_NV[:, 1::2].sum()) == 0.0

@@ -197,6 +197,15 @@ def test_saver_round_trip(target, tmp_path, kind):
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_saver_refuses_a_reduced_vocabulary_draft(target, tmp_path):
+    config = draft_config_from_target(target.config, num_draft_layers=1, target_layer_ids=LAYER_IDS,
+                                      mask_token_id=MASK, block_size=K, markov_rank=RANK, draft_vocab_size=16)
+    model = DSparkDraftModel.from_target(target, config, d2t=torch.arange(16) * 2)
+    with pytest.raises(ValueError, match="draft_vocab_size=16"):
+        save_original_dspark(model, tmp_path / "exported")
+    assert not (tmp_path / "exported").exists()
+
+
 def test_missing_embeddings_come_from_the_target(target, tmp_path):
     config = draft_config_from_target(target.config, num_draft_layers=DRAFT_LAYERS, target_layer_ids=LAYER_IDS,
                                       mask_token_id=MASK, block_size=K, markov_rank=RANK)
