@@ -172,13 +172,13 @@ def exact_target_distributions(model, params: SamplingParams) -> tuple[torch.Ten
     return p0_V[:, None] * p1_VV, torch.einsum("a,ab,abc->c", p0_V, p1_VV, p2_VVV)
 
 
-def engine_samples(model, params: SamplingParams, trials: int, seed: int, max_new_tokens: int = 3):
+def engine_samples(model, params: SamplingParams, trials: int, seed: int, max_new_tokens: int = 3, proposer=None):
     """Over ``trials`` seeded generations: counts ``[V, V]`` of output tokens (1, 2), counts ``[V]``
     of output token 3 (zeros when ``max_new_tokens < 3``), and the number of drafts accepted by the
-    first verify step."""
+    first verify step. ``proposer``: default the random bigram proposer."""
     from deepspec.eval.engine import SpeculativeEngine
 
-    engine = SpeculativeEngine(model, [0], BigramProposer(seed=5), [V + 1])
+    engine = SpeculativeEngine(model, [0], proposer or BigramProposer(seed=5), [V + 1])
     g = torch.Generator().manual_seed(seed)
     joint_VV, third_V = torch.zeros(V, V), torch.zeros(V)
     accepted = 0
@@ -211,3 +211,20 @@ def test_engine_broken_acceptance_rule_is_rejected(target, monkeypatch, broken):
     p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
     assert p_joint < FAIL_P, p_joint
 
+
+
+@pytest.mark.parametrize("params", [PLAIN, FILTERED], ids=["plain", "topk_topp"])
+def test_engine_ngram_baseline_follows_target_distribution(target, params):
+    """The n-gram baseline's proposals are deterministic (one-hot q): accepted with probability p(d),
+    replaced from p without d on rejection, so the output is still the target's distribution."""
+    from deepspec.eval.ngram import NGramProposer
+
+    joint_VV, third_V = exact_target_distributions(target, params)
+    trials = 1200
+    # the prompt's ids 0, 3, 7, 5: an anchor among them is a 1-gram match, and the lookup proposes
+    proposer = NGramProposer(vocab_size=V, num_tokens=2, ngram_max=2, ngram_min=1)
+    counts_VV, counts_V, accepted = engine_samples(target, params, trials, seed=1, proposer=proposer)
+    assert 0.02 * trials < accepted
+    p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
+    p_third = chi_square_pvalue(counts_V, third_V)
+    assert p_joint > PASS_P and p_third > PASS_P, (p_joint, p_third)
