@@ -216,6 +216,7 @@ class DSparkProposer:
         if self.cache.length > anchor_pos:  # defensive: never attend to positions >= anchor
             self.cache.crop(anchor_pos)
         hidden_KD, base_KV = m.block_hidden(self.cache, anchor_token, anchor_pos)
+        base_KV = base_KV[:n_max].float()  # the slots' fp32 logits in one conversion (a no-op in fp32)
         dev = hidden_KD.device
         prev = torch.tensor([int(anchor_token)], device=dev)
         ids, probs_rows, conf = [], [], []
