@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from deepspec.eval.benchmarks import BenchmarkPrompt
 from deepspec.device import dtype_name
+from deepspec.eval.benchmarks import BenchmarkPrompt
 from deepspec.eval.engine import GenerationResult, SpeculativeEngine
 from deepspec.eval.flips import argmax_flip_positions, chunked_argmax, divergence_record, first_divergence, flip_rate
 from deepspec.eval.metrics import METRIC_DEFINITIONS, benchmark_metrics
@@ -128,7 +128,7 @@ def _proposer_info(proposer: Proposer) -> dict[str, Any]:
 
 
 def argmax_flip_figures(target_model: Any, prompts: Sequence[Sequence[int]], baseline: Sequence[GenerationResult],
-                        runs: Mapping[str, Sequence[GenerationResult]], results: Sequence[Any],
+                        runs: Mapping[str, Sequence[GenerationResult]], results: Mapping[str, dict[str, Any]],
                         *, chunk_len: int, turn_of: Sequence[tuple[str, int]]) -> None:
     """Greedy only: measure argmax flips on the target-only outputs and explain each divergent output.
 
@@ -297,9 +297,14 @@ def run_eval(
             for name, res in runs.items()
         }
         summary = ", ".join(
-            f"{name}: tau {figures[bench][name]['tau']:.2f} speedup {figures[bench][name]['speedup'] or 0:.2f}x"
+            f"{name}: tau {figures[bench][name]['tau']:.2f} (break-even {figures[bench][name]['break_even_tau'] or 0:.2f}) "
+            f"speedup {figures[bench][name]['speedup'] or 0:.2f}x"
             for name in proposers
         )
+        if measure_flips:
+            base_fig = figures[bench][BASELINE]
+            summary += (f"; argmax flips {base_fig['num_argmax_flips']}/{base_fig['num_flip_positions']} tokens "
+                        f"({dtype_name(next(target_model.parameters()).dtype)})")
         (bar.write if log is print and progress else log)(f"[eval] {bench}: baseline {figures[bench][BASELINE]['tok_per_s']:.1f} tok/s; {summary or 'no proposers'}")
     bar.close()
 

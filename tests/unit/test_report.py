@@ -126,3 +126,17 @@ def test_markdown_break_even_flips_and_divergences():
     # break-even tau: the step time over the target-only step time (both 10 ms here)
     assert bench["dspark"]["break_even_tau"] == pytest.approx(1.0)
     assert "| mt-bench | dspark |" in md and "## Outputs" in md
+
+
+def test_demo_summary_table_shows_every_proposer_with_break_even_tau():
+    from deepspec.demo import summary_table
+
+    res = results_dict(with_confidence=False)
+    res["config"]["dtype"] = "float32"
+    text = summary_table(res)
+    header = text.splitlines()[1]
+    assert "dspark tau" in header and "dflash tau" in header and "break-even" in header
+    assert "target-only" not in header and HF_GENERATE not in header
+    assert text.splitlines()[0].startswith("dtype float32")
+    row = next(line for line in text.splitlines() if line.startswith("gsm8k"))
+    assert "2.33" in row and "1.00" in row  # dspark tau, break-even tau (10 ms / 10 ms)
