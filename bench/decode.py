@@ -1,21 +1,28 @@
 """Decoding benchmark: speculative vs target-only tokens/s on the embedded default target.
 
 Measured side by side in one process, on the same prompts (a few from gsm8k and mt-bench, first
-turn, via ``deepspec.eval.benchmarks.load_benchmark``), greedy and at temperature 1:
+turn, via ``deepspec.eval.benchmarks.load_benchmark``), greedy and at temperature 1, with the target
+and the draft in ``--dtype`` (``auto``: bfloat16 on CUDA or a CPU with AVX512-BF16 / AMX, else
+float32; the JSON records the resolved dtype):
 
 - ``target-only``: the engine with ``NullProposer`` (the speedup baseline; same generate() code);
 - ``speculative``: the engine with the trained draft (``--draft``: a ``deepspec train`` run folder,
-  a checkpoint, or its ``draft/`` folder; default ``runs/demo/train``, written by ``make demo``);
+  a checkpoint, or its ``draft/`` folder; default ``runs/demo/train``, written by ``make demo``;
+  ``--draft untrained``: a freshly initialised draft of the demo's DSpark shape, for the cost of a
+  step without a trained draft: its tau is ~1);
+- ``ngram`` (``--baselines ngram``, the default; ``none`` drops it): the training-free prompt-lookup
+  proposer (``deepspec.eval.ngram``) with the draft's K;
 - ``hf-generate``: Hugging Face ``generate()`` with the same sampling, the reference the baseline
   is held to.
 
-The methods run interleaved per prompt (target-only, speculative, hf-generate), ``--repeats``
+The methods run interleaved per prompt (target-only, speculative, ngram, hf-generate), ``--repeats``
 times over all prompts, after one untimed warm-up each. Each engine call gets a generator seeded
 with ``seed + prompt_index`` (HF: ``torch.manual_seed``). Figures are pooled over prompts and
 repeats: tok/s = output tokens / wall time of the generate calls (prefill included).
 
 Printed per setting: method, tok/s, speedup (target-only time per token / method's), tau (mean
-accepted + 1 per verify step), and the per-step breakdown of the speculative engine (mean
+accepted + 1 per verify step), break-even tau (the method's mean step time / the target-only mean
+step time: the tau above which speculation pays), and the per-step breakdown of each engine (mean
 propose ms, verify-forward ms, overhead ms per step = step time - propose - verify), next to the
 target-only forward ms per token (its verify forward, one token per step); then the baseline vs
 ``generate()`` tokens/s ratio. Goals (issue 5): speedup >= 2x at greedy, and the target-only
@@ -26,6 +33,7 @@ on a shared machine).
 Writes ``decode_bench.json`` and ``decode_bench.png`` under ``--output-dir`` (atomically).
 
     python bench/decode.py --draft runs/demo/train --num-prompts 2 --max-new-tokens 64 --repeats 2
+    python bench/decode.py --draft untrained --dtype bfloat16 --temperatures 0
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ from deepspec.utils import atomic_path, atomic_write_json  # noqa: E402
 
 SPEEDUP_GOAL = 2.0  # speculative / target-only tokens/s at greedy
 BASELINE_GOAL = 0.95  # target-only tokens/s / HF generate() tokens/s (within 5 %)
-METHODS = ("target-only", "speculative", "hf-generate")
+HF = "hf-generate"
 
 
 def _ms(total_s: float, n: int) -> float | None:
@@ -62,7 +70,8 @@ def summarise(runs: dict[str, list[GenerationResult]]) -> dict[str, dict[str, An
     Per method: ``tok_per_s`` (output tokens / generate wall time), ``speedup`` (vs target-only),
     ``tau`` (mean accepted + 1 over verify steps; None for hf-generate), ``num_steps``, and the means
     per verify step in ms: ``step_ms``, ``propose_ms``, ``verify_ms``, ``overhead_ms``
-    (= step - propose - verify), plus ``verify_ms_per_token`` (verify forward ms / committed token).
+    (= step - propose - verify), plus ``verify_ms_per_token`` (verify forward ms / committed token)
+    and ``break_even_tau`` (``step_ms`` / the target-only ``step_ms``; None for hf-generate).
     """
     out: dict[str, dict[str, Any]] = {}
     for name, res in runs.items():
@@ -79,7 +88,7 @@ def summarise(runs: dict[str, list[GenerationResult]]) -> dict[str, dict[str, An
             "total_time_s": total,
             "tok_per_s": tokens / total if total > 0 else 0.0,
             "ms_per_token": _ms(total, tokens),
-            "ttft_ms": _ms(sum(r.ttft_s for r in res), len(res)) if name != "hf-generate" else None,
+            "ttft_ms": _ms(sum(r.ttft_s for r in res), len(res)) if name != HF else None,
             "num_steps": n,
             "tau": (sum(s.num_accepted + 1 for s in steps) / n) if n else None,
             "step_ms": _ms(step_s, n),
@@ -88,9 +97,10 @@ def summarise(runs: dict[str, list[GenerationResult]]) -> dict[str, dict[str, An
             "overhead_ms": _ms(step_s - propose_s - verify_s, n),
             "verify_ms_per_token": _ms(verify_s, sum(s.num_committed for s in steps)),
         }
-    base = out["target-only"]["ms_per_token"]
+    base, base_step = out["target-only"]["ms_per_token"], out["target-only"]["step_ms"]
     for fig in out.values():
         fig["speedup"] = base / fig["ms_per_token"] if base and fig["ms_per_token"] else None
+        fig["break_even_tau"] = fig["step_ms"] / base_step if base_step and fig["step_ms"] is not None else None
     return out
 
 
@@ -106,21 +116,21 @@ def bench_setting(engines: dict[str, SpeculativeEngine], model, prompts: list[li
 
     from tqdm.auto import tqdm
 
-    runs: dict[str, list[GenerationResult]] = {m: [] for m in METHODS}
+    methods = (*engines, HF)
+    runs: dict[str, list[GenerationResult]] = {m: [] for m in methods}
     per_repeat: list[dict[str, float]] = []
     bar = tqdm(total=repeats * len(prompts), desc=f"decode T={sampling.temperature:g}", unit="prompt")
     for _ in range(repeats):
-        start = {m: len(runs[m]) for m in METHODS}
+        start = {m: len(runs[m]) for m in methods}
         for i, ids in enumerate(prompts):
             for name, engine in engines.items():
                 runs[name].append(engine.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling,
                                                   generator=gen(seed + i)))
             torch.manual_seed(seed + i)
-            runs["hf-generate"].append(hf_generate(model, ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                                                    eos=eos, pad=pad))
+            runs[HF].append(hf_generate(model, ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                                        eos=eos, pad=pad))
             bar.update(1)
-        per_repeat.append({m: summarise({**{k: runs[k][start[k]:] for k in METHODS}})[m]["tok_per_s"]
-                           for m in METHODS})
+        per_repeat.append({m: summarise({k: runs[k][start[k]:] for k in methods})[m]["tok_per_s"] for m in methods})
     bar.close()
     figures = summarise(runs)
     n = len(runs["target-only"])
@@ -130,19 +140,22 @@ def bench_setting(engines: dict[str, SpeculativeEngine], model, prompts: list[li
 
     # Per (prompt, repeat) ratios: their median shrugs off a transient load spike on a shared machine
     # that would move the pooled figure (which hits whichever method ran during it).
-    pairs = list(zip(runs["target-only"], runs["speculative"], runs["hf-generate"]))
-    median_speedup = statistics.median(per_token(b) / per_token(s) for b, s, _ in pairs)
-    median_vs_generate = statistics.median(per_token(h) / per_token(b) for b, _, h in pairs)
-    same = sum(a.output_ids == b.output_ids for a, b in zip(runs["speculative"], runs["target-only"]))
-    hf_same = sum(a.output_ids == b.output_ids for a, b in zip(runs["hf-generate"], runs["target-only"]))
+    base = runs["target-only"]
+    proposers = [m for m in engines if m != "target-only"]
+    median_speedups = {m: statistics.median(per_token(b) / per_token(r) for b, r in zip(base, runs[m]))
+                       for m in proposers}
+    median_vs_generate = statistics.median(per_token(h) / per_token(b) for b, h in zip(base, runs[HF]))
+    identical = {m: sum(a.output_ids == b.output_ids for a, b in zip(runs[m], base)) / n for m in (*proposers, HF)}
     return {
         "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p},
         "methods": figures,
-        "baseline_vs_generate": figures["target-only"]["tok_per_s"] / figures["hf-generate"]["tok_per_s"],
-        "median_speedup": median_speedup,
+        "baseline_vs_generate": figures["target-only"]["tok_per_s"] / figures[HF]["tok_per_s"],
+        "median_speedup": median_speedups["speculative"],
+        "median_speedups": median_speedups,
         "median_baseline_vs_generate": median_vs_generate,
-        "frac_spec_identical_to_baseline": same / n,
-        "frac_hf_identical_to_baseline": hf_same / n,
+        "frac_spec_identical_to_baseline": identical["speculative"],
+        "frac_hf_identical_to_baseline": identical[HF],
+        "frac_identical_to_baseline": identical,
         "tok_per_s_per_repeat": per_repeat,
     }
 
@@ -153,21 +166,26 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def print_setting(name: str, r: dict[str, Any]) -> None:
     print(f"\n== {name} (temperature {r['sampling']['temperature']}) ==")
-    print(f"{'method':<13}{'tok/s':>9}{'speedup':>9}{'tau':>7}{'propose ms':>12}{'verify ms':>11}"
+    print(f"{'method':<13}{'tok/s':>9}{'speedup':>9}{'tau':>7}{'break-even':>12}{'propose ms':>12}{'verify ms':>11}"
           f"{'overhead ms':>13}{'step ms':>9}")
     for m, f in r["methods"].items():
         print(f"{m:<13}{f['tok_per_s']:>9.1f}{_fmt(f['speedup'], '.2f'):>9}{_fmt(f['tau'], '.2f'):>7}"
-              f"{_fmt(f['propose_ms'], '.2f'):>12}{_fmt(f['verify_ms'], '.2f'):>11}{_fmt(f['overhead_ms'], '.2f'):>13}"
-              f"{_fmt(f['step_ms'], '.2f'):>9}")
-    base, spec = r["methods"]["target-only"], r["methods"]["speculative"]
-    print(f"target-only forward: {_fmt(base['verify_ms_per_token'], '.2f')} ms per token; speculative verify "
-          f"forward: {_fmt(spec['verify_ms'], '.2f')} ms per step over {_fmt(spec['tau'], '.2f')} committed tokens "
-          f"({_fmt(spec['verify_ms_per_token'], '.2f')} ms per token)")
-    print(f"median over (prompt, repeat) pairs: speedup {r['median_speedup']:.2f}x, target-only / generate() "
-          f"{r['median_baseline_vs_generate']:.3f}")
-    print(f"target-only / generate() tokens/s: {r['baseline_vs_generate']:.3f}; speculative output identical to "
-          f"target-only on {r['frac_spec_identical_to_baseline']:.0%} of prompts, generate() on "
-          f"{r['frac_hf_identical_to_baseline']:.0%}")
+              f"{_fmt(f['break_even_tau'], '.2f'):>12}{_fmt(f['propose_ms'], '.2f'):>12}{_fmt(f['verify_ms'], '.2f'):>11}"
+              f"{_fmt(f['overhead_ms'], '.2f'):>13}{_fmt(f['step_ms'], '.2f'):>9}")
+    base = r["methods"]["target-only"]
+    print(f"target-only step: {_fmt(base['step_ms'], '.2f')} ms ({_fmt(base['verify_ms_per_token'], '.2f')} ms forward "
+          "per token); speculation pays where tau > break-even")
+    for m, spec in r["methods"].items():
+        if m in ("target-only", HF):
+            continue
+        share = spec["propose_ms"] / base["step_ms"] if spec["propose_ms"] is not None and base["step_ms"] else None
+        print(f"{m}: verify forward {_fmt(spec['verify_ms'], '.2f')} ms per step over {_fmt(spec['tau'], '.2f')} "
+              f"committed tokens ({_fmt(spec['verify_ms_per_token'], '.2f')} ms per token); propose "
+              f"{_fmt(share, '.0%')} of a target-only step; median speedup {r['median_speedups'][m]:.2f}x; output "
+              f"identical to target-only on {r['frac_identical_to_baseline'][m]:.0%} of prompts")
+    print(f"target-only / generate() tokens/s: {r['baseline_vs_generate']:.3f} (median over (prompt, repeat) pairs "
+          f"{r['median_baseline_vs_generate']:.3f}); generate() output identical to target-only on "
+          f"{r['frac_hf_identical_to_baseline']:.0%} of prompts")
 
 
 def goals(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -196,11 +214,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     settings = list(results["settings"])
+    methods = list(next(iter(results["settings"].values()))["methods"])
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.8 / len(METHODS)
-    for j, m in enumerate(METHODS):
+    width = 0.8 / len(methods)
+    for j, m in enumerate(methods):
         vals = [results["settings"][s]["methods"][m]["tok_per_s"] for s in settings]
-        bars = ax_t.bar([i + (j - 1) * width for i in range(len(settings))], vals, width, label=m)
+        bars = ax_t.bar([i + (j - (len(methods) - 1) / 2) * width for i in range(len(settings))], vals, width, label=m)
         for b, s in zip(bars, settings):
             sp = results["settings"][s]["methods"][m]["speedup"]
             ax_t.annotate(f"{sp:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
@@ -234,9 +253,30 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def untrained_draft(model, tokenizer) -> torch.nn.Module:
+    """A freshly initialised DSpark draft of the demo's shape (layers, Markov rank, seed): a step costs
+    what a trained draft's does, its proposals are near random (tau ~1)."""
+    from deepspec.demo import DemoConfig
+    from deepspec.target.capture import default_target_layer_ids
+    from deepspec.train.loop import TrainConfig, build_draft
+
+    demo = DemoConfig()
+    cfg = TrainConfig(output_dir="unused", cache_dir="unused", num_draft_layers=demo.num_draft_layers,
+                      markov_rank=demo.markov_rank, seed=demo.seed)
+    return build_draft(model, tokenizer, cfg, default_target_layer_ids(model.config.num_hidden_layers))
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--draft", default="runs/demo/train", help="trained draft: run folder, checkpoint or draft/ folder")
+    p.add_argument("--draft", default="runs/demo/train",
+                   help="trained draft: run folder, checkpoint or draft/ folder; 'untrained': the demo's DSpark shape, "
+                        "freshly initialised (the cost of a step, tau ~1)")
+    p.add_argument("--dtype", default="auto",
+                   help="target and draft dtype: auto (bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else float32) "
+                        "| float32 | bfloat16")
+    p.add_argument("--baselines", default="ngram", help="comma-separated training-free proposers (ngram) or none")
+    p.add_argument("--ngram-max", type=int, default=3, help="ngram baseline: longest n-gram matched")
+    p.add_argument("--ngram-min", type=int, default=1, help="ngram baseline: shortest n-gram matched")
     p.add_argument("--target", default="default", help="target (default: the embedded SmolLM2-135M)")
     p.add_argument("--benchmarks", default="gsm8k,mt-bench", help="comma-separated benchmarks the prompts come from")
     p.add_argument("--num-prompts", type=int, default=3, help="prompts per benchmark (seeded sample)")
@@ -267,25 +307,41 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--temperatures: expected at least one temperature")
     if args.threads:
         torch.set_num_threads(args.threads)
+    from deepspec.device import check_dtype_name, decoding_device, dtype_name, resolve_dtype
+    from deepspec.eval.ngram import NGramProposer, check_baselines, check_ngram_range
+
+    try:
+        check_dtype_name(args.dtype, "--dtype")
+        baselines = check_baselines([b for b in args.baselines.split(",") if b], "--baselines")
+        check_ngram_range(ngram_max=args.ngram_max, ngram_min=args.ngram_min, field="bench")
+    except ValueError as exc:
+        p.error(str(exc))
 
     from deepspec.stages import draft_folder
 
-    try:
-        folder = draft_folder(args.draft)
-    except FileNotFoundError as exc:
-        hint = "run `make demo` first (it trains runs/demo/train), or pass --draft PATH to a `deepspec train` run"
-        sys.exit(f"bench/decode: {exc}\n{hint}")
+    folder = None
+    if args.draft != "untrained":
+        try:
+            folder = draft_folder(args.draft)
+        except FileNotFoundError as exc:
+            hint = ("run `make demo` first (it trains runs/demo/train), pass --draft PATH to a `deepspec train` run, "
+                    "or --draft untrained for the cost of a step")
+            sys.exit(f"bench/decode: {exc}\n{hint}")
 
     from deepspec.data.chat import render_prompt
     from deepspec.eval.benchmarks import load_benchmark
     from deepspec.models.registry import algorithm_for_model, load_draft
     from deepspec.target.load import load_target
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_target(args.target)
+    device = decoding_device()
+    dtype = resolve_dtype(args.dtype, device)
+    model, tokenizer = load_target(args.target, dtype=dtype)
     model.to(device).eval()
-    algorithm, draft = load_draft(folder, target_model=model)
-    draft = draft.to(device).eval()
+    if folder is None:
+        algorithm, draft = "dspark", untrained_draft(model, tokenizer)
+    else:
+        algorithm, draft = load_draft(folder, target_model=model)
+    draft = draft.to(device=device, dtype=dtype).eval()  # the frozen embed / lm_head too
     layer_ids = list(draft.config.target_layer_ids)
     max_pos = model.config.max_position_embeddings
     proposer = algorithm_for_model(draft).proposer(
@@ -295,6 +351,11 @@ def main(argv: list[str] | None = None) -> dict:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     engines = {"target-only": SpeculativeEngine(model, layer_ids, NullProposer(), eos),
                "speculative": SpeculativeEngine(model, layer_ids, proposer, eos)}
+    if "ngram" in baselines:
+        ngram = NGramProposer(vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+                              num_tokens=proposer.max_proposal_len, ngram_max=args.ngram_max,
+                              ngram_min=args.ngram_min, max_positions=max_pos, device=device)
+        engines["ngram"] = SpeculativeEngine(model, layer_ids, ngram, eos)
 
     bench_prompts = [(b, pr) for b in benchmarks
                      for pr in load_benchmark(b, max_samples=args.num_prompts, seed=args.seed,
@@ -309,7 +370,10 @@ def main(argv: list[str] | None = None) -> dict:
                                        eos=eos, pad=pad, device=device)
     results: dict[str, Any] = {
         "target": args.target, "device": str(device), "threads": torch.get_num_threads(),
-        "draft": str(folder), "algorithm": algorithm, "max_proposal_len": proposer.max_proposal_len,
+        "dtype": dtype_name(dtype), "dtype_requested": args.dtype,
+        "draft": str(folder) if folder is not None else "untrained", "algorithm": algorithm,
+        "max_proposal_len": proposer.max_proposal_len, "baselines": baselines,
+        "ngram": {"ngram_max": args.ngram_max, "ngram_min": args.ngram_min} if baselines else None,
         "target_layer_ids": layer_ids, "prompts": [f"{b}:{pr.id}" for b, pr in bench_prompts],
         "prompt_origins": sorted({pr.origin for _, pr in bench_prompts}),
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "seed": args.seed,
@@ -318,7 +382,8 @@ def main(argv: list[str] | None = None) -> dict:
     if "greedy" in settings:
         results["goals"] = goals(results)
 
-    print(f"{args.target} on {device} ({torch.get_num_threads()} threads); draft {algorithm} {folder} "
+    print(f"{args.target} on {device} in {dtype_name(dtype)} ({torch.get_num_threads()} threads); draft {algorithm} "
+          f"{folder or 'untrained'} "
           f"(K = {proposer.max_proposal_len}); {len(prompts)} prompts x {args.repeats} repeats, "
           f"max_new_tokens {args.max_new_tokens}")
     for name, r in settings.items():

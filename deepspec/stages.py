@@ -73,11 +73,27 @@ class EvalConfig:
     # a draft trained against another target of the same shape (other fingerprint): evaluate it anyway, loudly
     # (recorded in the report); false: refuse it. Another target shape is always refused.
     allow_target_mismatch: bool = False
+    # target and draft dtype for decoding: auto (bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else
+    # float32) | float32 | bfloat16 (aliases fp32, bf16); the report records the resolved one
+    dtype: str = "auto"
+    # training-free proposers evaluated beside the drafts: ngram (prompt lookup) | none
+    baselines: list[str] = field(default_factory=lambda: ["ngram"])
+    ngram_max: int = 3  # ngram baseline: longest n-gram matched (tried first)
+    ngram_min: int = 1  # ngram baseline: shortest n-gram matched
+    ngram_num_tokens: int | None = None  # ngram baseline: K, tokens proposed per step; none = the first draft's K (else 7)
 
     def __post_init__(self) -> None:
+        from deepspec.device import check_dtype_name
         from deepspec.eval.benchmarks import BENCHMARKS, SOURCES
+        from deepspec.eval.ngram import check_baselines, check_ngram_range
 
         self.sampling_params()  # validates temperature, top_k, top_p
+        self.dtype = check_dtype_name(self.dtype, "eval.dtype")
+        self.baselines = check_baselines(self.baselines, "eval.baselines")
+        check_ngram_range(ngram_max=self.ngram_max, ngram_min=self.ngram_min, field="eval")
+        if self.ngram_num_tokens is not None and self.ngram_num_tokens < 1:
+            raise ValueError(f"eval.ngram_num_tokens: expected an integer >= 1 or none (the draft's K), "
+                             f"got {self.ngram_num_tokens}")
         if self.max_new_tokens < 1:
             raise ValueError(f"eval.max_new_tokens: expected an integer >= 1, got {self.max_new_tokens}")
         if self.num_prompts is not None and self.num_prompts < 1:
@@ -188,10 +204,15 @@ def load_eval_benchmarks(cfg: EvalConfig, log=print) -> tuple[dict, dict[str, st
 
 def run_prepare_stage(cfg: PrepareConfig, *, target_model=None, tokenizer=None):
     from deepspec.data.prepare import run_prepare
+    from deepspec.device import cast_for_decoding, resolve_dtype
     from deepspec.target.load import load_target
 
-    if target_model is None and cfg.backend == "local":  # backend="openai" needs only the tokenizer
-        target_model, tokenizer = load_target(cfg.target)
+    if cfg.backend == "local":  # backend="openai" needs only the tokenizer
+        device = next(target_model.parameters()).device if target_model is not None else "cpu"
+        dtype = resolve_dtype(cfg.dtype, device)
+        if target_model is None:
+            target_model, tokenizer = load_target(cfg.target, dtype=dtype)
+        target_model = cast_for_decoding(target_model, dtype)  # a copy when the caller's target has another dtype
     summary = run_prepare(cfg, model=target_model, tokenizer=tokenizer)
     print(f"prepare: wrote {cfg.output}")
     return summary
@@ -346,6 +367,26 @@ def _unique_name(name: str, taken: dict) -> str:
     return candidate
 
 
+def baseline_proposers(cfg: EvalConfig, target_model, *, drafts: dict, taken: dict) -> dict:
+    """The training-free proposers of ``cfg.baselines`` (name -> proposer), for ``target_model``.
+
+    The n-gram baseline proposes ``cfg.ngram_num_tokens`` tokens per step, by default as many as the
+    first of ``drafts`` (name -> proposer) does, else 7; its report name is ``ngram`` (``ngram#2``
+    if ``taken`` already holds it).
+    """
+    from deepspec.eval.ngram import DEFAULT_NUM_TOKENS, NGramProposer
+
+    out = {}
+    if "ngram" in cfg.baselines:
+        k = cfg.ngram_num_tokens or next((p.max_proposal_len for p in drafts.values()), DEFAULT_NUM_TOKENS)
+        out[_unique_name("ngram", taken)] = NGramProposer(
+            vocab_size=int(target_model.get_output_embeddings().weight.shape[0]), num_tokens=k,
+            ngram_max=cfg.ngram_max, ngram_min=cfg.ngram_min,
+            max_positions=target_model.config.max_position_embeddings,
+            device=next(target_model.parameters()).device)
+    return out
+
+
 def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts: dict | None = None) -> dict:
     """Evaluate each draft (name -> draft model of any registered algorithm; default: loaded from
     ``cfg.draft``) against the target-only baseline on ``cfg``'s benchmarks; returns the results dict
@@ -354,9 +395,11 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
     Every draft is checked against the target first (:func:`deepspec.models.registry.check_draft_target`):
     another target shape is a ValueError; another target fingerprint is a ValueError unless
     ``cfg.allow_target_mismatch``, when a warning is printed and the report's ``config.target_check``
-    records it (as it records every draft's check)."""
+    records it (as it records every draft's check). The fingerprint is taken of the target as loaded
+    (float32, as training loads it), before target and drafts are cast to the decoding dtype."""
     import sys
 
+    from deepspec.device import cast_for_decoding, resolve_dtype
     from deepspec.eval.run import run_eval
     from deepspec.models.registry import algorithm_for_model, check_draft_target, load_draft
     from deepspec.target.load import load_target, target_fingerprint
@@ -365,9 +408,12 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
     out_dir = _writable_folder(cfg.output_dir)
     folders = [draft_folder(path) for path in cfg.draft] if drafts is None else []
     benchmarks, skipped = load_eval_benchmarks(cfg)
+    device = next(target_model.parameters()).device if target_model is not None else "cpu"
+    dtype = resolve_dtype(cfg.dtype, device)
     if target_model is None:
         target_model, tokenizer = load_target(cfg.target)
     fingerprint = target_fingerprint(target_model)
+    target_model = cast_for_decoding(target_model, dtype)  # a copy when the caller's target has another dtype
     if drafts is None:
         drafts = {}
         for folder in folders:
@@ -382,6 +428,7 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
                                                 allow_mismatch=cfg.allow_target_mismatch)
         if target_check[name]["message"]:
             print(f"[eval] {target_check[name]['message']}", file=sys.stderr, flush=True)
+    drafts = {name: cast_for_decoding(model, dtype) for name, model in drafts.items()}  # frozen embed/lm_head too
     layer_ids = None
     for name, model in drafts.items():
         model.eval()
@@ -410,10 +457,11 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
         )
         for name, model in drafts.items()
     }
+    proposers.update(baseline_proposers(cfg, target_model, drafts=proposers, taken=proposers))
     return run_eval(
         target_model,
         tokenizer,
-        layer_ids,
+        layer_ids or [],
         proposers,
         benchmarks,
         max_new_tokens=cfg.max_new_tokens,
@@ -425,6 +473,7 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
         chat_template_kwargs=None if cfg.enable_thinking is None else {"enable_thinking": cfg.enable_thinking},
         config_extra={
             "eval": asdict(cfg),
+            "dtype_requested": cfg.dtype,
             "benchmarks_skipped": skipped,
             "benchmark_origins": {name: prompts[0].origin for name, prompts in benchmarks.items()},
             "confidence_threshold": {n: cfg.confidence_threshold for n in thresholded if cfg.confidence_threshold > 0},

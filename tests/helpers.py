@@ -49,3 +49,19 @@ def tiny_llama_target(tokenizer, *, seed: int = 0):
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
     return LlamaForCausalLM(cfg).eval().requires_grad_(False)
+
+
+def sharp_tiny_llama(vocab_size: int = 64, *, max_position_embeddings: int = 128, seed: int = 0):
+    """A frozen 2-layer random float32 Llama (hidden 32, EOS 1) whose ``lm_head`` is scaled by 8, so
+    greedy decoding never sits on a near-tie: the tiny target of the decoding tests."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+                      bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    model = LlamaForCausalLM(cfg).float().eval().requires_grad_(False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model

@@ -118,6 +118,7 @@ from deepspec.data.backends import (
 from deepspec.data.chat import generation_eos_of, render_prompt, render_record, stop_token_ids
 from deepspec.data.conversations import SkipRow
 from deepspec.target.decoding import decoding_record
+from deepspec.device import check_dtype_name, dtype_name, resolve_dtype
 from deepspec.utils import atomic_path, atomic_write_text
 
 SHAREGPT_DEMO = "sharegpt-demo"
@@ -163,6 +164,9 @@ class PrepareConfig:
     seed: int = 0  # sampling seed (per request: derived from seed, row and turn)
     sort_window: int | None = None  # local backend: jobs sorted by prompt length per window; None = whole round
     target: str = "default"  # model (local) / tokenizer for prompt lengths (both backends)
+    # local backend: the target's dtype for generation: auto (bfloat16 on CUDA or a CPU with
+    # AVX512-BF16/AMX, else float32) | float32 | bfloat16 (aliases fp32, bf16)
+    dtype: str = "auto"
     hf_split: str = "train"  # split of a Hugging Face dataset input
     enable_thinking: bool | None = None  # passed to the chat template (Qwen3); None = template default
     heldout_fraction: float = 0.0  # rows held out (by assign_split) into <stem>.heldout.jsonl
@@ -232,6 +236,7 @@ class PrepareConfig:
             raise ValueError(f"PrepareConfig.retry_backoff_s={self.retry_backoff_s!r}: expected a number >= 0.")
         if self.backend not in BACKENDS:
             raise ValueError(f"PrepareConfig.backend={self.backend!r}: expected one of {BACKENDS}.")
+        self.dtype = check_dtype_name(self.dtype, "PrepareConfig.dtype")
         self.base_urls = list(self.base_urls)
         if self.backend == "openai":
             if not self.base_urls:
@@ -282,6 +287,7 @@ class PrepareSummary:
     num_generated_tokens: int = 0
     generate_s: float = 0.0
     backend: str = "local"
+    model_dtype: str | None = None  # local backend: the dtype the answers were generated in
     output: str = ""
     heldout_path: str = ""
     skipped_path: str = ""
@@ -409,13 +415,17 @@ def _request_seed(seed: int, source_index: int, turn: int) -> int:
 # ------------------------------------------------------------------------------------------- journal
 
 
-def _journal_settings(cfg: PrepareConfig, model_name: str, stop_ids: list[int]) -> dict[str, Any]:
-    """The settings that shape which rows are read and what the answers are (resume must match them)."""
+def _journal_settings(cfg: PrepareConfig, model_name: str, stop_ids: list[int],
+                      model_dtype: str | None = None) -> dict[str, Any]:
+    """The settings that shape which rows are read and what the answers are (resume must match them);
+    ``model_dtype``: the local target's resolved dtype (answers differ between float32 and bfloat16)."""
     keys = ("input", "hf_split", "num_conversations", "max_new_tokens", "max_prompt_tokens", "max_turns",
             "temperature", "top_k", "top_p", "seed", "enable_thinking", "target", "backend")
     settings = {k: getattr(cfg, k) for k in keys}
     settings["model"] = model_name
     settings["stop_token_ids"] = list(stop_ids)
+    if model_dtype is not None:
+        settings["model_dtype"] = model_dtype
     return settings
 
 
@@ -581,7 +591,7 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
     if backend is None and cfg.backend == "local" and (model is None or tokenizer is None):
         from deepspec.target.load import load_target
 
-        model, tokenizer = load_target(cfg.target)
+        model, tokenizer = load_target(cfg.target, dtype=resolve_dtype(cfg.dtype))
     elif tokenizer is None:
         from deepspec.target.load import load_tokenizer
 
@@ -601,7 +611,10 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
     skipped: list[dict[str, Any]] = []
     convs, read, lost_in_source = _select(cfg, tokenizer, skipped)
     model_name = backend.resolve_model() if isinstance(backend, OpenAIBackend) else cfg.target
-    journal = _Journal(journal_path_for(cfg.output), _journal_settings(cfg, model_name, stop_ids))
+    # the dtype the answers are generated in (local backend; a server's own is not known here)
+    model_dtype = dtype_name(model.dtype) if cfg.backend == "local" and isinstance(getattr(model, "dtype", None),
+                                                                              torch.dtype) else None
+    journal = _Journal(journal_path_for(cfg.output), _journal_settings(cfg, model_name, stop_ids, model_dtype))
     num_resumed = _restore(convs, journal.entries, journal.path)
     if num_resumed:
         log(f"prepare: resuming from {journal.path}: {num_resumed} of {len(convs)} conversations already finished")
@@ -713,7 +726,8 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
         num_retries=getattr(backend, "num_retries", 0),
         num_regenerated_turns=num_turns, num_generated_tokens=num_tokens, generate_s=round(generate_s, 3),
         num_turns_with_ids=num_with_ids, num_turns_text_only=num_turns - num_with_ids,
-        backend=cfg.backend, output=str(cfg.output), heldout_path=str(heldout_path_for(cfg.output)),
+        backend=cfg.backend, model_dtype=model_dtype, output=str(cfg.output),
+        heldout_path=str(heldout_path_for(cfg.output)),
         skipped_path=str(skipped_path_for(cfg.output)),
     )
     assert summary.read == summary.kept + summary.skipped + summary.failed, summary

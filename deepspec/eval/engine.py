@@ -34,7 +34,10 @@ Scope and choices:
 - A proposer with ``max_proposal_len == 0`` (``NullProposer``) never reads target features: the
   engine then runs the target without capture hooks (``target_layer_ids=[]`` to ``forward_fn``,
   see :func:`deepspec.target.capture.target_forward`) and never calls ``extend_context``, so the target-only baseline pays
-  for nothing it does not use and is comparable with Hugging Face ``generate()``.
+  for nothing it does not use and is comparable with Hugging Face ``generate()``. A proposer whose
+  ``needs_features`` attribute is False (the n-gram baseline, :mod:`deepspec.eval.ngram`) gets the
+  committed token ids through ``extend_context`` with ``target_hidden_TF=None``, and the target
+  again runs without capture hooks. Without the attribute a proposer needs features.
 - The prefill computes logits only for the last prompt position (``lm_head`` on the final-norm
   hidden state), not ``[P, V]``; a family with logit soft-capping would need it here as well.
 - Timing (``time.perf_counter``; on CUDA the device is synchronised at each boundary, where the
@@ -137,7 +140,8 @@ class SpeculativeEngine:
         target_model: a Hugging Face causal LM (eval mode); its ``lm_head`` maps the final-norm
             hidden state to logits.
         target_layer_ids: the decoder layers whose outputs are the proposer's context features
-            (not captured at all when the proposer's ``max_proposal_len`` is 0).
+            (not captured at all when the proposer's ``max_proposal_len`` is 0 or its
+            ``needs_features`` is False).
         proposer: the drafter; ``NullProposer`` gives the target-only baseline.
         eos_token_ids: tokens that end generation.
         forward_fn: the target forward, called as ``forward_fn(model, input_ids_BT, layer_ids, *,
@@ -166,8 +170,10 @@ class SpeculativeEngine:
         self.forward_fn = forward_fn or target_forward
         self.max_positions = int(getattr(target_model.config, "max_position_embeddings", 1 << 62))
         self.device = next(target_model.parameters()).device
-        # A proposer that can never propose reads no features: run the target without capture.
-        self.uses_features = int(proposer.max_proposal_len) > 0
+        # A proposer that can never propose reads nothing; one that reads only token ids (n-gram)
+        # gets them without features: either way the target runs without capture hooks.
+        self.can_propose = int(proposer.max_proposal_len) > 0
+        self.uses_features = self.can_propose and bool(getattr(proposer, "needs_features", True))
         self._feature_layer_ids = self.target_layer_ids if self.uses_features else []
         self._lm_head = target_model.get_output_embeddings()
 
@@ -226,7 +232,7 @@ class SpeculativeEngine:
                 f"prompt_ids: {len(prompt_ids)} tokens leave no room under the target's max_position_embeddings "
                 f"({self.max_positions}); shorten the prompt."
             )
-        proposer, uses_features, sync = self.proposer, self.uses_features, self._sync
+        proposer, can_propose, uses_features, sync = self.proposer, self.can_propose, self.uses_features, self._sync
         proposer.reset()
         result = GenerationResult(prompt_len=len(prompt_ids), output_ids=[])
         sync()
@@ -239,13 +245,13 @@ class SpeculativeEngine:
         cache = DynamicCache()
         out = self._forward(list(prompt_ids), 0, cache, compute_logits=False)
         cache = out.past_key_values
-        if uses_features:
+        if can_propose:
             _check_croppable(cache)  # fail before the first rejection, not at it
         logits_V = self._lm_head(out.target_last_hidden_BTH[0, -1])
         anchor = int(draw_token(logits_V, sampling, generator)[0])  # the first output token
         anchor_pos = len(prompt_ids)
-        if uses_features:
-            proposer.extend_context(out.target_hidden_BTF[0], list(prompt_ids))
+        if can_propose:
+            proposer.extend_context(out.target_hidden_BTF[0] if uses_features else None, list(prompt_ids))
         result.output_ids.append(anchor)
         sync()
         result.ttft_s = time.perf_counter() - t0
@@ -285,8 +291,9 @@ class SpeculativeEngine:
             # Commit accepted + 1; keep KV and features of the verified positions anchor..anchor+accepted.
             num_verified = res.num_accepted + 1
             crop_kv_cache(cache, anchor_pos + num_verified)
-            if uses_features:
-                proposer.extend_context(out.target_hidden_BTF[0, :num_verified], [anchor, *draft_list[: res.num_accepted]])
+            if can_propose:
+                proposer.extend_context(out.target_hidden_BTF[0, :num_verified] if uses_features else None,
+                                        [anchor, *draft_list[: res.num_accepted]])
             result.output_ids.extend(res.committed)
             anchor, anchor_pos = res.committed[-1], anchor_pos + num_verified
             conf = None if proposal.confidence_N is None else tuple(proposal.confidence_N[:n].tolist())

@@ -61,6 +61,22 @@ METRIC_DEFINITIONS: dict[str, str] = {
     "time_per_output_token_ms": "sum(wall time of generate()) / sum(output tokens)",
     "speedup": "target-only time_per_output_token / this proposer's time_per_output_token "
     "(same engine, same prompts, same process, interleaved per prompt)",
+    "break_even_tau": "the tau at which speculation pays: this method's mean verify-step time / the target-only "
+    "mean step time (time_ms_per_step of both, same run). A step commits tau tokens on average and a target-only "
+    "step one, so decoding is faster than target-only when tau > break_even_tau (speedup ~ tau / break_even_tau, "
+    "prefill aside)",
+    "argmax_flips_per_1k_tokens": "target-only row, temperature 0: per 1000 output tokens, how often the target's "
+    "argmax over a verify-sized forward (flip_chunk_len = K + 1 tokens at a time, KV cache, the engine's forward) "
+    "differs from the token the one-token decode chose at the same position (first output token excluded: it comes "
+    "from the prefill in both). Near-ties flip with the forward's shape, mostly in bfloat16; see docs/semantics.md",
+    "num_argmax_flips": "target-only row: positions counted by argmax_flips_per_1k_tokens",
+    "num_flip_positions": "target-only row: output positions compared (output tokens - 1 per prompt)",
+    "divergences": "per output of this method that differs from target-only (temperature 0): prompt id, turn, first "
+    "differing position, the target-only token and this method's token there, baseline_margin (the target's top-1 "
+    "minus top-2 logit at that position in the chunked re-run), at_argmax_flip (the chunked re-run flips there too) "
+    "and token_is_runner_up (this method's token is the target's second choice)",
+    "num_divergent_at_flip_or_runner_up": "divergent outputs whose first difference sits at an argmax flip or picks "
+    "the target's runner-up: a near-tie of the target, not an acceptance error",
     "frac_identical_to_baseline": "fraction of prompts whose output ids equal the target-only output "
     "(expected 1.0 at temperature 0: lossless. At temperature > 0 the outputs differ, only their distribution is the "
     "target's, which the test suite checks with a chi-square test; hf-generate draws from the same random stream as "
@@ -351,6 +367,13 @@ def speedup(baseline: TimingStats, spec: TimingStats) -> float | None:
     return baseline.time_per_output_token_ms / spec.time_per_output_token_ms
 
 
+def break_even_tau(steps: Sequence[StepRecord], baseline_steps: Sequence[StepRecord]) -> float | None:
+    """Mean step time of ``steps`` / mean step time of the target-only ``baseline_steps``: the tau above
+    which speculation beats target-only decoding (None when either has no steps or no time)."""
+    spec, base = step_timing_stats(steps).time_ms_per_step, step_timing_stats(baseline_steps).time_ms_per_step
+    return spec / base if spec is not None and base else None
+
+
 def benchmark_metrics(
     results: Sequence[GenerationResult],
     *,
@@ -360,8 +383,8 @@ def benchmark_metrics(
 ) -> dict[str, Any]:
     """All figures for one proposer on one benchmark, as a JSON-ready dict.
 
-    ``baseline``: the target-only results on the same prompts, in the same order (for speedup and
-    the identical-output fraction); None for the baseline itself. ``max_k``: the proposer's
+    ``baseline``: the target-only results on the same prompts, in the same order (for speedup,
+    break-even tau and the identical-output fraction); None for the baseline itself. ``max_k``: the proposer's
     ``max_proposal_len`` K (sizes the per-position lists and the tau histogram, and is the K of
     ``frac_steps_truncated``). ``num_bins``: confidence bins for ECE / reliability.
     """
@@ -376,6 +399,7 @@ def benchmark_metrics(
                 f"baseline: expected {len(results)} target-only results (same prompts), received {len(baseline)}."
             )
         out["speedup"] = speedup(timing_stats(baseline), tim)
+        out["break_even_tau"] = break_even_tau(steps, [s for r in baseline for s in r.steps])
         same = sum(r.output_ids == b.output_ids for r, b in zip(results, baseline))
         out["frac_identical_to_baseline"] = same / len(results) if results else None
     return out

@@ -17,7 +17,10 @@ sampled from the target). A proposer may return fewer than ``max_proposal_len`` 
 engine then does a plain target step). The engine itself truncates a proposal that would run past
 the target's ``max_position_embeddings`` (the proposer is not told; it simply sees fewer committed
 features next step). A proposer with ``max_proposal_len == 0`` (``NullProposer``) gets no
-``extend_context`` calls: the engine then runs the target without capturing features.
+``extend_context`` calls: the engine then runs the target without capturing features. A proposer
+that reads only token ids declares ``needs_features = False`` (the n-gram baseline,
+:mod:`deepspec.eval.ngram`): its ``extend_context`` gets ``target_hidden_TF=None`` and the target
+runs without capture hooks too. A proposer without the attribute needs features.
 """
 
 from __future__ import annotations
@@ -81,7 +84,8 @@ class Proposer(Protocol):
     """The interface every drafting algorithm implements (DSpark, DFlash, Eagle3, baselines).
 
     ``max_proposal_len`` is K, the most tokens one ``propose`` call returns (0 for the target-only
-    baseline).
+    baseline). An optional class attribute ``needs_features = False`` says the proposer reads only
+    the token ids (see the module docstring); absent, the engine captures target features for it.
     """
 
     max_proposal_len: int
@@ -90,9 +94,10 @@ class Proposer(Protocol):
         """Forget all context (called before every prompt)."""
         ...
 
-    def extend_context(self, target_hidden_TF: Tensor, token_ids_T: list[int]) -> None:
-        """Append the target features of the next committed positions, in order (``[T, F]``), with the
-        tokens at those positions (``T`` ids; Eagle3 pairs each feature with the next token)."""
+    def extend_context(self, target_hidden_TF: Tensor | None, token_ids_T: list[int]) -> None:
+        """Append the target features of the next committed positions, in order (``[T, F]``; None for
+        a proposer with ``needs_features = False``), with the tokens at those positions (``T`` ids;
+        Eagle3 pairs each feature with the next token)."""
         ...
 
     def propose(
@@ -218,6 +223,7 @@ class DSparkProposer:
         if self.cache.length > anchor_pos:  # defensive: never attend to positions >= anchor
             self.cache.crop(anchor_pos)
         hidden_KD, base_KV = m.block_hidden(self.cache, anchor_token, anchor_pos)  # base logits over draft ids
+        base_KV = base_KV[:n_max].float()  # the slots' fp32 logits in one conversion (a no-op in fp32)
         dev = hidden_KD.device
         prev = torch.tensor([int(anchor_token)], device=dev)
         ids, probs_rows, conf = [], [], []

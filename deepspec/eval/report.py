@@ -96,23 +96,54 @@ def _sampling_line(cfg: Mapping[str, Any]) -> str:
 
 def _main_table(results: Mapping[str, Any]) -> list[str]:
     lines = [
-        ("| benchmark | method | prompts | tau | accept_rate_prefix@1..K | verify_rate | tok/s | TTFT ms | TPOT ms | "
-         "speedup | identical |"),
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ("| benchmark | method | prompts | tau | break-even tau | accept_rate_prefix@1..K | verify_rate | tok/s | "
+         "TTFT ms | TPOT ms | speedup | identical | argmax flips /1k |"),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for bench, method, m in _methods(results):
         if method == HF_GENERATE:
             lines.append(
-                f"| {bench} | {method} | {m.get('num_prompts')} | - | - | - | {_fmt(m.get('tok_per_s'), 1)} | - | - | "
-                f"{_fmt(m.get('speedup'))} | {_fmt(m.get('frac_identical_to_baseline'))} |"
+                f"| {bench} | {method} | {m.get('num_prompts')} | - | - | - | - | {_fmt(m.get('tok_per_s'), 1)} | - | "
+                f"- | {_fmt(m.get('speedup'))} | {_fmt(m.get('frac_identical_to_baseline'))} | - |"
             )
             continue
         rates = " ".join(_fmt(r) for r in m.get("accept_rate_prefix", [])) or "-"
+        flips = (f"{_fmt(m['argmax_flips_per_1k_tokens'], 1)} ({m['num_argmax_flips']}/{m['num_flip_positions']})"
+                 if m.get("num_flip_positions") is not None else "-")
         lines.append(
-            f"| {bench} | {method} | {m.get('num_prompts')} | {_fmt(m.get('tau'))} | {rates} | "
-            f"{_fmt(m.get('verify_rate'))} | {_fmt(m.get('tok_per_s'), 1)} | {_fmt(m.get('ttft_ms'), 1)} | "
-            f"{_fmt(m.get('tpot_ms'), 1)} | {_fmt(m.get('speedup'))} | {_fmt(m.get('frac_identical_to_baseline'))} |"
+            f"| {bench} | {method} | {m.get('num_prompts')} | {_fmt(m.get('tau'))} | {_fmt(m.get('break_even_tau'))} | "
+            f"{rates} | {_fmt(m.get('verify_rate'))} | {_fmt(m.get('tok_per_s'), 1)} | {_fmt(m.get('ttft_ms'), 1)} | "
+            f"{_fmt(m.get('tpot_ms'), 1)} | {_fmt(m.get('speedup'))} | {_fmt(m.get('frac_identical_to_baseline'))} | "
+            f"{flips} |"
         )
+    return lines
+
+
+def has_divergences(results: Mapping[str, Any]) -> bool:
+    """True when some method's greedy output differs from target-only on some prompt."""
+    return any(m.get("divergences") for _, _, m in _methods(results))
+
+
+def _divergence_table(results: Mapping[str, Any]) -> list[str]:
+    lines = [
+        "## Outputs that differ from target-only (greedy)",
+        "",
+        ("Each row is one output whose tokens differ from the target-only output: where they first differ, the "
+         "target's top-1 minus top-2 logit margin there (in the chunked re-run that counts argmax flips), whether "
+         "that re-run flips there too, and whether this method's token is the target's runner-up. A small margin "
+         "and a runner-up token mean a near-tie of the target that the verify forward's shape decided otherwise "
+         "(docs/semantics.md); a large margin would be an error of the speculative step."),
+        "",
+        "| benchmark | method | prompt | turn | position | target-only token | token | margin | at flip | runner-up |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for bench, method, m in _methods(results):
+        for d in m.get("divergences") or []:
+            lines.append(
+                f"| {bench} | {method} | {d['id']} | {d['turn']} | {d['position']} | {_fmt(d['baseline_token'])} | "
+                f"{_fmt(d['token'])} | {_fmt(d['baseline_margin'], 3)} | {'yes' if d['at_argmax_flip'] else 'no'} | "
+                f"{'yes' if d['token_is_runner_up'] else 'no'} |"
+            )
     return lines
 
 
@@ -180,6 +211,16 @@ def _calibration_table(results: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _draft_dtypes(cfg: Mapping[str, Any]) -> str:
+    """``" (drafts in bfloat16)"`` when every proposer model shares one dtype, else each named."""
+    dtypes = {n: p.get("dtype") for n, p in (cfg.get("proposers") or {}).items() if p.get("dtype")}
+    if not dtypes:
+        return ""
+    if len(set(dtypes.values())) == 1:
+        return f" (drafts in {next(iter(dtypes.values()))})"
+    return " (drafts: " + ", ".join(f"{n} {d}" for n, d in dtypes.items()) + ")"
+
+
 def _setup_lines(cfg: Mapping[str, Any]) -> list[str]:
     """Confidence thresholds, where each benchmark's prompts came from, and the benchmarks skipped."""
     lines = []
@@ -223,7 +264,7 @@ def markdown_report(results: dict[str, Any], figures: Mapping[str, str] | None =
         "# DeepSpec evaluation",
         "",
         (f"{_sampling_line(cfg)}, max_new_tokens {cfg.get('max_new_tokens')}, seed {cfg.get('seed')}, "
-         f"target {cfg.get('target', '?')}; torch {env.get('torch')}, transformers {env.get('transformers')}, "
+         f"target {cfg.get('target', '?')} in {cfg.get('dtype', '?')}{_draft_dtypes(cfg)}; torch {env.get('torch')}, transformers {env.get('transformers')}, "
          f"deepspec {env.get('deepspec')}; {env.get('cuda_device') or env.get('processor')} "
          f"({env.get('cpu_count')} CPUs, {env.get('torch_num_threads')} torch threads), {env.get('platform')}."),
         *_setup_lines(cfg),
@@ -238,6 +279,8 @@ def markdown_report(results: dict[str, Any], figures: Mapping[str, str] | None =
              "faster than our target-only loop)."),
         ]
     lines += ["", *_tau_histogram_table(results), "", *_timing_table(results)]
+    if has_divergences(results):
+        lines += ["", *_divergence_table(results)]
     if has_calibration(results):
         lines += ["", *_calibration_table(results)]
     if figures:

@@ -26,9 +26,12 @@ from typing import Any
 
 import torch
 
+from deepspec.device import dtype_name
 from deepspec.eval.benchmarks import BenchmarkPrompt
 from deepspec.eval.engine import GenerationResult, SpeculativeEngine
+from deepspec.eval.flips import argmax_flip_positions, chunked_argmax, divergence_record, first_divergence, flip_rate
 from deepspec.eval.metrics import METRIC_DEFINITIONS, benchmark_metrics
+from deepspec.eval.ngram import DEFAULT_NUM_TOKENS
 from deepspec.eval.proposers import NullProposer, Proposer
 from deepspec.eval.verify import SamplingParams
 from deepspec.eval.report import BASELINE, HF_GENERATE, environment_info, write_report
@@ -110,6 +113,52 @@ def render_benchmark_prompts(tokenizer: Any, benchmarks: Mapping[str, Sequence[B
             for b, prompts in benchmarks.items()}
 
 
+def _proposer_info(proposer: Proposer) -> dict[str, Any]:
+    """A proposer's entry in the report config: type, K, dtype of its model (None without one) and,
+    for the n-gram baseline, its n-gram range."""
+    model = getattr(proposer, "model", None)
+    info: dict[str, Any] = {"type": type(proposer).__name__, "max_proposal_len": proposer.max_proposal_len,
+                            "dtype": dtype_name(next(model.parameters()).dtype) if model is not None else None}
+    for key in ("ngram_max", "ngram_min"):
+        if hasattr(proposer, key):
+            info[key] = getattr(proposer, key)
+    return info
+
+
+def argmax_flip_figures(target_model: Any, prompts: Sequence[Sequence[int]], baseline: Sequence[GenerationResult],
+                        runs: Mapping[str, Sequence[GenerationResult]], results: Mapping[str, dict[str, Any]],
+                        *, chunk_len: int, turn_of: Sequence[tuple[str, int]]) -> None:
+    """Greedy only: measure argmax flips on the target-only outputs and explain each divergent output.
+
+    ``prompts[i]`` and ``baseline[i]`` are the prompt ids and target-only result of pooled generation
+    ``i``; ``runs`` maps each proposer to its results in the same order; ``results`` maps
+    (``results[name]``) each method to its metrics dict, updated in place: the target-only dict gets
+    ``num_flip_positions``, ``num_argmax_flips``, ``argmax_flips_per_1k_tokens`` and
+    ``flip_chunk_len``; each proposer's gets ``divergences`` (one
+    :func:`~deepspec.eval.flips.divergence_record` per output that differs from target-only, with
+    its prompt ``id`` and ``turn``) and ``num_divergent_at_flip_or_runner_up``. See
+    :mod:`deepspec.eval.flips`.
+    """
+    chunks, flips = [], []
+    for ids, base in zip(prompts, baseline):
+        chunk = chunked_argmax(target_model, ids, base.output_ids, chunk_len=chunk_len)
+        chunks.append(chunk)
+        flips.append(argmax_flip_positions(chunk.argmax, base.output_ids))
+    num_positions = sum(max(len(b.output_ids) - 1, 0) for b in baseline)
+    num_flips = sum(len(f) for f in flips)
+    results[BASELINE].update(num_flip_positions=num_positions, num_argmax_flips=num_flips,
+                             argmax_flips_per_1k_tokens=flip_rate(num_flips, num_positions), flip_chunk_len=chunk_len)
+    for name, res in runs.items():
+        records = []
+        for (pid, turn), r, base, chunk, f in zip(turn_of, res, baseline, chunks, flips):
+            d = first_divergence(r.output_ids, base.output_ids)
+            if d is not None:
+                records.append({"id": pid, "turn": turn, **divergence_record(d, r.output_ids, base.output_ids, chunk, f)})
+        results[name]["divergences"] = records
+        results[name]["num_divergent_at_flip_or_runner_up"] = sum(
+            rec["at_argmax_flip"] or rec["token_is_runner_up"] for rec in records)
+
+
 def run_eval(
     target_model: Any,
     tokenizer: Any,
@@ -128,6 +177,7 @@ def run_eval(
     config_extra: Mapping[str, Any] | None = None,
     log: Callable[[str], None] = print,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    measure_argmax_flips: bool = True,
 ) -> dict[str, Any]:
     """Run the target-only baseline and each proposer on every benchmark prompt; write the report.
 
@@ -149,6 +199,11 @@ def run_eval(
         config_extra: extra entries for the report's ``config`` (e.g. target path, checkpoint).
         chat_template_kwargs: template variables for the prompts (e.g. ``{"enable_thinking": False}``),
             the same ones the training data was rendered with (see :func:`render_benchmark_prompts`).
+        measure_argmax_flips: at temperature 0, re-run the target over each target-only output in
+            verify-sized chunks (K + 1 tokens, K the largest proposal length) and report how often
+            that forward's argmax differs from the one-token decode, and where each divergent
+            output first differs (:func:`argmax_flip_figures`). Untimed; about one verify forward per
+            K + 1 output tokens.
 
     Returns the results dict (``config``, ``environment``, ``definitions``, ``benchmarks``:
     bench -> method -> metrics, ``samples``: bench -> method -> one record per (prompt, turn)).
@@ -171,6 +226,8 @@ def run_eval(
     engines = {BASELINE: SpeculativeEngine(target_model, target_layer_ids, NullProposer(), eos)}
     engines.update({n: SpeculativeEngine(target_model, target_layer_ids, p, eos) for n, p in proposers.items()})
     max_k = {n: e.proposer.max_proposal_len for n, e in engines.items()}
+    flip_chunk_len = (max(max_k.values()) or DEFAULT_NUM_TOKENS) + 1  # a verify forward: anchor + K drafts
+    measure_flips = measure_argmax_flips and sampling.greedy
     device = next(target_model.parameters()).device
 
     def new_generator(s: int) -> torch.Generator:
@@ -194,15 +251,19 @@ def run_eval(
     for bench, prompts in benchmarks.items():
         runs: dict[str, list[GenerationResult]] = {m: [] for m in methods}
         turn_of: list[tuple[str, int]] = []  # (prompt id, turn 1..) of each pooled result, in order
+        base_prompts: list[list[int]] = []  # the prompt ids of each pooled target-only result
         for i, (prompt, ids) in enumerate(zip(prompts, rendered[bench])):
             turn_of.extend((prompt.id, t + 1) for t in range(min(num_turns, len(prompt.turns))))
             for name, engine in engines.items():
                 bar.set_postfix_str(f"{bench} {name}")
                 gen = new_generator(seed + i)
-                runs[name].extend(_run_turns(
-                    lambda x, engine=engine, gen=gen: engine.generate(x, max_new_tokens=max_new_tokens,
-                                                                      sampling=sampling, generator=gen),
-                    tokenizer, prompt, first_ids=ids, **turns_kw))
+
+                def generate(x: list[int], engine=engine, gen=gen, name=name) -> GenerationResult:
+                    if name == BASELINE:
+                        base_prompts.append(list(x))
+                    return engine.generate(x, max_new_tokens=max_new_tokens, sampling=sampling, generator=gen)
+
+                runs[name].extend(_run_turns(generate, tokenizer, prompt, first_ids=ids, **turns_kw))
                 bar.update(1)
             if compare_hf_generate:
                 torch.manual_seed(seed + i)
@@ -216,6 +277,9 @@ def run_eval(
             name: benchmark_metrics(res, baseline=None if name == BASELINE else base, max_k=max_k.get(name, 0))
             for name, res in runs.items()
         }
+        if measure_flips:
+            argmax_flip_figures(target_model, base_prompts, base, {n: runs[n] for n in proposers}, figures[bench],
+                                chunk_len=flip_chunk_len, turn_of=turn_of)
         if compare_hf_generate:
             hf = figures[bench][HF_GENERATE]
             figures[bench][HF_GENERATE] = {k: hf[k] for k in (
@@ -231,9 +295,14 @@ def run_eval(
             for name, res in runs.items()
         }
         summary = ", ".join(
-            f"{name}: tau {figures[bench][name]['tau']:.2f} speedup {figures[bench][name]['speedup'] or 0:.2f}x"
+            f"{name}: tau {figures[bench][name]['tau']:.2f} (break-even {figures[bench][name]['break_even_tau'] or 0:.2f}) "
+            f"speedup {figures[bench][name]['speedup'] or 0:.2f}x"
             for name in proposers
         )
+        if measure_flips:
+            base_fig = figures[bench][BASELINE]
+            summary += (f"; argmax flips {base_fig['num_argmax_flips']}/{base_fig['num_flip_positions']} tokens "
+                        f"({dtype_name(next(target_model.parameters()).dtype)})")
         (bar.write if log is print and progress else log)(f"[eval] {bench}: baseline {figures[bench][BASELINE]['tok_per_s']:.1f} tok/s; {summary or 'no proposers'}")
     bar.close()
 
@@ -250,8 +319,9 @@ def run_eval(
                                         top_k=sampling.top_k, top_p=sampling.top_p, stop_token_ids=eos,
                                         checkpoint_generation_config=getattr(target_model, "generation_config",
                                                                              None)),
-            "proposers": {n: {"type": type(p).__name__, "max_proposal_len": p.max_proposal_len}
-                          for n, p in proposers.items()},
+            "proposers": {n: _proposer_info(p) for n, p in proposers.items()},
+            "dtype": dtype_name(next(target_model.parameters()).dtype),
+            "flip_chunk_len": flip_chunk_len if measure_flips else None,
             "num_prompts": {b: len(v) for b, v in benchmarks.items()},
             "compare_hf_generate": compare_hf_generate,
             "batch_size": 1,

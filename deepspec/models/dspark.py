@@ -468,11 +468,11 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
         bias, confidence logit | None, Markov state)``. ``prev_id``: the *target* id before the slot, ``[1]``;
         ``state``: ``None`` at slot 0, then the returned one. K calls with the drafted tokens equal
         :meth:`heads` on the block."""
-        logits_V = base_logits_V.float()
+        logits_V = base_logits_V.float()  # no copy when the caller passes fp32 (DSparkProposer does, once per block)
         feats = None
         if self.markov_head is not None:
             bias_1V, feats_1r, state = self.markov_head.step(prev_id.view(1), hidden_D.unsqueeze(0), state)
-            logits_V = logits_V + bias_1V[0].float()
+            logits_V = logits_V + bias_1V[0]  # fp32 + (bf16 | fp32) adds in fp32: the same sum, no fp32 copy of the bias
             feats = feats_1r[0]
         return logits_V, self._confidence(hidden_D, feats), state
 

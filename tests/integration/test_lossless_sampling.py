@@ -240,3 +240,20 @@ def test_reduced_vocab_dspark_sampling_follows_target_distribution(target, param
     p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
     p_third = chi_square_pvalue(counts_V, third_V)
     assert p_joint > PASS_P and p_third > PASS_P, (p_joint, p_third)
+
+
+@pytest.mark.parametrize("params", [PLAIN, FILTERED], ids=["plain", "topk_topp"])
+def test_engine_ngram_baseline_follows_target_distribution(target, params):
+    """The n-gram baseline's proposals are deterministic (one-hot q): accepted with probability p(d),
+    replaced from p without d on rejection, so the output is still the target's distribution."""
+    from deepspec.eval.ngram import NGramProposer
+
+    joint_VV, third_V = exact_target_distributions(target, params)
+    trials = 1200
+    # the prompt's ids 0, 3, 7, 5: an anchor among them is a 1-gram match, and the lookup proposes
+    proposer = NGramProposer(vocab_size=V, num_tokens=2, ngram_max=2, ngram_min=1)
+    counts_VV, counts_V, accepted = engine_samples(target, params, trials, seed=1, proposer=proposer)
+    assert 0.02 * trials < accepted
+    p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
+    p_third = chi_square_pvalue(counts_V, third_V)
+    assert p_joint > PASS_P and p_third > PASS_P, (p_joint, p_third)

@@ -57,7 +57,8 @@ def results_dict(*, with_confidence: bool) -> dict:
 def test_markdown_tables_and_definitions():
     md = markdown_report(results_dict(with_confidence=True))
     assert "sampling temperature 1.0, top_k 0, top_p 0.9" in md
-    assert "| gsm8k | dspark | 1 | 2.33 | 0.67 0.33 0.50 | " in md  # tau (2 + 4 + 1) / 3
+    # tau (2 + 4 + 1) / 3; break-even tau 10 ms per step / 10 ms per target-only step
+    assert "| gsm8k | dspark | 1 | 2.33 | 1.00 | 0.67 0.33 0.50 | " in md
     # tau histogram: lengths 2, 4, 1 -> counts 1 1 0 1
     assert "| gsm8k | dspark | 3 | 2.33 | 1 1 0 1 |" in md
     assert "| gsm8k | target-only | 5 |" in md  # timing table keeps the baseline
@@ -107,3 +108,35 @@ def test_plot_reliability_needs_data(tmp_path):
     with pytest.raises(ValueError, match="calibration"):
         plot_reliability(results_dict(with_confidence=False), tmp_path / "r.png")
     assert not (tmp_path / "r.png").exists()
+
+
+def test_markdown_break_even_flips_and_divergences():
+    res = results_dict(with_confidence=False)
+    res["config"]["dtype"] = "bfloat16"
+    bench = res["benchmarks"]["gsm8k"]
+    bench[BASELINE].update(num_flip_positions=2000, num_argmax_flips=3, argmax_flips_per_1k_tokens=1.5,
+                           flip_chunk_len=8)
+    bench["dspark"]["divergences"] = [{"id": "q7", "turn": 1, "position": 12, "baseline_token": 5, "token": 9,
+                                       "baseline_margin": 0.0625, "at_argmax_flip": True, "token_is_runner_up": True}]
+    md = markdown_report(res)
+    assert "target tiny in bfloat16" in md
+    assert "| 1.5 (3/2000) |" in md  # the target-only row's flip column
+    assert "## Outputs that differ from target-only (greedy)" in md
+    assert "| gsm8k | dspark | q7 | 1 | 12 | 5 | 9 | 0.062 | yes | yes |" in md
+    # break-even tau: the step time over the target-only step time (both 10 ms here)
+    assert bench["dspark"]["break_even_tau"] == pytest.approx(1.0)
+    assert "| mt-bench | dspark |" in md and "## Outputs" in md
+
+
+def test_demo_summary_table_shows_every_proposer_with_break_even_tau():
+    from deepspec.demo import summary_table
+
+    res = results_dict(with_confidence=False)
+    res["config"]["dtype"] = "float32"
+    text = summary_table(res)
+    header = text.splitlines()[1]
+    assert "dspark tau" in header and "dflash tau" in header and "break-even" in header
+    assert "target-only" not in header and HF_GENERATE not in header
+    assert text.splitlines()[0].startswith("dtype float32")
+    row = next(line for line in text.splitlines() if line.startswith("gsm8k"))
+    assert "2.33" in row and "1.00" in row  # dspark tau, break-even tau (10 ms / 10 ms)

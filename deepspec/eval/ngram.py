@@ -1,0 +1,138 @@
+"""Prompt lookup (n-gram) proposer: the training-free baseline every report compares a draft with.
+
+Legend: N proposal length (0 <= N <= K), V vocab, T positions.
+
+Rule (Saxena 2023, "Prompt Lookup Decoding", Hugging Face ``prompt_lookup_num_tokens``; vLLM's
+``ngram`` speculator): the context is the prompt + every committed token + the anchor. For n from
+``ngram_max`` down to ``ngram_min``, look for the most recent *earlier* occurrence of the context's
+last n tokens (an occurrence that ends before the context's last token); the first n with a match
+wins, and the proposal is the up-to-K tokens that followed that occurrence in the context (fewer
+when the context ends sooner). No match: an empty proposal (the engine does a plain target step).
+Hugging Face takes the earliest occurrence; the most recent one is taken here (as vLLM's proposer
+does), since recent text predicts the next tokens of a repetitive answer better.
+
+The proposal is deterministic, so its draft distribution is a point mass: at T > 0 each row of
+``draft_probs_NV`` is one-hot (fp32), and rejection sampling accepts ``d`` with probability
+``min(1, p(d) / 1) = p(d)`` and on rejection samples ``normalise(max(0, p - onehot(d)))``: exactly
+the target's distribution (Leviathan et al. 2023, Alg. 1 holds for any ``q``). At T = 0 the rows
+are not needed and ``draft_probs_NV`` is None.
+
+The proposer reads no target features (``needs_features = False``): the engine runs the target
+without capture hooks and passes ``None`` as ``target_hidden_TF`` to :meth:`NGramProposer.extend_context`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from deepspec.eval.proposers import Proposal
+from deepspec.eval.verify import SamplingParams
+
+DEFAULT_NGRAM_MAX = 3
+DEFAULT_NGRAM_MIN = 1
+DEFAULT_NUM_TOKENS = 7  # K when there is no draft to copy its block size from
+
+
+def ngram_proposal(context: Sequence[int], *, ngram_max: int, ngram_min: int, num_tokens: int) -> list[int]:
+    """The prompt-lookup proposal for ``context`` (see the module docstring): at most ``num_tokens`` ids.
+
+    Pure; ``context`` ends with the anchor. For each n = ``ngram_max`` .. ``ngram_min`` (skipping n
+    that do not fit: an earlier occurrence needs ``len(context) >= n + 1``), scan start positions
+    from the most recent earlier one backwards and return the tokens after the first match.
+    """
+    length = len(context)
+    for n in range(ngram_max, ngram_min - 1, -1):
+        if length < n + 1:
+            continue
+        suffix = list(context[length - n:])
+        for start in range(length - n - 1, -1, -1):
+            if context[start] == suffix[0] and list(context[start:start + n]) == suffix:
+                return list(context[start + n:start + n + num_tokens])
+    return []
+
+
+class NGramProposer:
+    """Prompt lookup behind the :class:`~deepspec.eval.proposers.Proposer` protocol.
+
+    Args:
+        vocab_size: V of the target (the width of the one-hot ``draft_probs_NV`` rows at T > 0).
+        num_tokens: K, the most tokens proposed per step (the draft's ``block_size`` in a report that
+            compares them, else :data:`DEFAULT_NUM_TOKENS`).
+        ngram_max, ngram_min: the n-gram lengths tried, longest first (``1 <= ngram_min <= ngram_max``).
+        max_positions: the target's ``max_position_embeddings``: no draft token at a position ``>=`` it.
+        device: where the returned tensors live (the target's device).
+
+    Raises ValueError (naming the argument) for K < 1, V < 1 or an invalid n-gram range.
+    """
+
+    needs_features = False
+
+    def __init__(self, *, vocab_size: int, num_tokens: int = DEFAULT_NUM_TOKENS, ngram_max: int = DEFAULT_NGRAM_MAX,
+                 ngram_min: int = DEFAULT_NGRAM_MIN, max_positions: int | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        check_ngram_range(ngram_max=ngram_max, ngram_min=ngram_min, field="NGramProposer")
+        if num_tokens < 1:
+            raise ValueError(f"NGramProposer.num_tokens: expected K >= 1, received {num_tokens}.")
+        if vocab_size < 1:
+            raise ValueError(f"NGramProposer.vocab_size: expected >= 1, received {vocab_size}.")
+        self.vocab_size = int(vocab_size)
+        self.max_proposal_len = int(num_tokens)
+        self.ngram_max, self.ngram_min = int(ngram_max), int(ngram_min)
+        self.max_positions = max_positions
+        self.device = torch.device(device)
+        self.tokens: list[int] = []
+
+    def reset(self) -> None:
+        self.tokens = []
+
+    def extend_context(self, target_hidden_TF: Tensor | None, token_ids_T: Sequence[int]) -> None:
+        self.tokens.extend(int(t) for t in token_ids_T)
+
+    def propose(self, anchor_token: int, anchor_pos: int, *, sampling: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        if len(self.tokens) != anchor_pos:
+            raise ValueError(f"NGramProposer.propose: expected the tokens of exactly positions 0..{anchor_pos - 1}, "
+                             f"received {len(self.tokens)}.")
+        n_max = self.max_proposal_len
+        if self.max_positions is not None:
+            n_max = min(n_max, self.max_positions - 1 - int(anchor_pos))
+        if n_max <= 0:
+            return Proposal.empty(self.device)
+        ids = ngram_proposal([*self.tokens, int(anchor_token)], ngram_max=self.ngram_max, ngram_min=self.ngram_min,
+                             num_tokens=n_max)
+        draft_ids_N = torch.tensor(ids, dtype=torch.long, device=self.device)
+        probs_NV = None
+        if not sampling.greedy:  # a point mass on each proposed token
+            probs_NV = torch.zeros(len(ids), self.vocab_size, dtype=torch.float32, device=self.device)
+            probs_NV[torch.arange(len(ids), device=self.device), draft_ids_N] = 1.0
+        return Proposal(draft_ids_N=draft_ids_N, draft_probs_NV=probs_NV)
+
+
+def check_ngram_range(*, ngram_max: int, ngram_min: int, field: str) -> None:
+    """ValueError (naming ``field``) unless ``1 <= ngram_min <= ngram_max``."""
+    for name, value in (("ngram_max", ngram_max), ("ngram_min", ngram_min)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{field}.{name}: expected an integer >= 1, received {value!r}.")
+    if ngram_min > ngram_max:
+        raise ValueError(f"{field}.ngram_min: expected <= ngram_max ({ngram_max}), received {ngram_min}; "
+                         "lower --ngram-min or raise --ngram-max.")
+
+
+BASELINES = ("ngram",)  # training-free proposers selectable with --baselines
+
+
+def check_baselines(names: Sequence[str], field: str) -> list[str]:
+    """The baselines asked for, without repeats; ``["none"]`` (or an empty list) means none.
+
+    Raises ValueError naming ``field`` for an unknown name or ``none`` mixed with a baseline.
+    """
+    names = list(dict.fromkeys(names))
+    if names in ([], ["none"]):
+        return []
+    bad = [n for n in names if n not in BASELINES]
+    if bad:
+        raise ValueError(f"{field}: expected some of {', '.join(BASELINES)} or none, received {', '.join(map(repr, bad))}.")
+    return names

@@ -1,0 +1,42 @@
+"""bench/decode.py's pooled figures on hand-made results: speedup and break-even tau per method."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from deepspec.eval.engine import GenerationResult, StepRecord
+
+
+def _decode_module():
+    path = Path(__file__).resolve().parents[2] / "bench" / "decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _result(step_s: float, accepted: int, num_steps: int, total_s: float) -> GenerationResult:
+    steps = [StepRecord(num_proposed=accepted, num_accepted=accepted, num_committed=accepted + 1, time_s=step_s,
+                        propose_s=step_s / 4, verify_s=step_s / 2)] * num_steps
+    return GenerationResult(prompt_len=3, output_ids=[7] * (1 + num_steps * (accepted + 1)), steps=steps,
+                            ttft_s=0.01, total_time_s=total_s)
+
+
+def test_summarise_break_even_tau_and_speedup():
+    decode = _decode_module()
+    figures = decode.summarise({
+        "target-only": [_result(0.040, 0, 10, 0.44)],   # 11 tokens, 40 ms steps
+        "speculative": [_result(0.060, 2, 10, 0.62)],   # 31 tokens, 60 ms steps, tau 3
+        "ngram": [_result(0.050, 1, 10, 0.51)],         # 21 tokens, 50 ms steps, tau 2
+        decode.HF: [GenerationResult(prompt_len=3, output_ids=[7] * 11, total_time_s=0.40)],
+    })
+    assert figures["target-only"]["break_even_tau"] == pytest.approx(1.0)
+    assert figures["speculative"]["break_even_tau"] == pytest.approx(1.5)
+    assert figures["ngram"]["break_even_tau"] == pytest.approx(1.25)
+    assert figures["speculative"]["tau"] == pytest.approx(3.0)
+    assert figures[decode.HF]["break_even_tau"] is None and figures[decode.HF]["tau"] is None
+    assert figures["speculative"]["speedup"] == pytest.approx((0.44 / 11) / (0.62 / 31))
+    assert figures["ngram"]["propose_ms"] == pytest.approx(12.5)

@@ -1,0 +1,187 @@
+"""The n-gram (prompt lookup) baseline: the pure lookup against a slow obvious version, proposals drawn
+only from the context, lossless greedy decoding through the engine without feature capture, one-hot
+draft rows at T > 0, and the eval config / stage wiring (``--baselines``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from deepspec.eval.engine import SpeculativeEngine
+from deepspec.eval.ngram import NGramProposer, check_baselines, ngram_proposal
+from deepspec.eval.proposers import NullProposer
+from deepspec.eval.verify import SamplingParams, verify
+from deepspec.target.capture import target_forward
+from tests.helpers import sharp_tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 64
+
+
+def slow_ngram_proposal(context, *, ngram_max, ngram_min, num_tokens):
+    """The rule read literally: for n = max..min, every start whose n tokens equal the last n tokens and
+    that ends before the last token; the latest such start wins; the tokens after it follow."""
+    L = len(context)
+    for n in range(ngram_max, ngram_min - 1, -1):
+        if n >= L:
+            continue
+        starts = [s for s in range(L - n) if context[s:s + n] == context[L - n:]]
+        if starts:
+            s = max(starts)
+            return context[s + n:s + n + num_tokens]
+    return []
+
+
+def test_ngram_proposal_hand_made_cases():
+    # last 2-gram (7, 8) occurred at 1..2 and 4..5: the most recent one (4..5) is followed by 9, 7, 8
+    ctx = [1, 7, 8, 2, 7, 8, 9, 7, 8]
+    assert ngram_proposal(ctx, ngram_max=2, ngram_min=1, num_tokens=5) == [9, 7, 8]
+    assert ngram_proposal(ctx, ngram_max=2, ngram_min=1, num_tokens=2) == [9, 7]
+    # no 3-gram match falls back to the 2-gram
+    assert ngram_proposal(ctx, ngram_max=3, ngram_min=2, num_tokens=3) == [9, 7, 8]
+    # nothing matches: empty; a single token has no earlier occurrence
+    assert ngram_proposal([1, 2, 3, 4], ngram_max=2, ngram_min=1, num_tokens=3) == []
+    assert ngram_proposal([5], ngram_max=3, ngram_min=1, num_tokens=3) == []
+    # a run of one token: the latest earlier occurrence is followed by the last token only
+    assert ngram_proposal([4, 4, 4, 4], ngram_max=1, ngram_min=1, num_tokens=3) == [4]
+
+
+def test_ngram_proposal_matches_slow_version_and_stays_in_context():
+    rng = random.Random(0)
+    for trial in range(400):
+        vocab = rng.choice([2, 3, 5, 9])
+        ctx = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        n_max = rng.randint(1, 4)
+        n_min = rng.randint(1, n_max)
+        k = rng.randint(1, 8)
+        got = ngram_proposal(ctx, ngram_max=n_max, ngram_min=n_min, num_tokens=k)
+        assert got == slow_ngram_proposal(ctx, ngram_max=n_max, ngram_min=n_min, num_tokens=k), (ctx, n_max, n_min, k)
+        assert len(got) <= k and set(got) <= set(ctx)
+
+
+def test_proposer_checks_arguments_and_context():
+    with pytest.raises(ValueError, match="ngram_min"):
+        NGramProposer(vocab_size=8, ngram_max=2, ngram_min=3)
+    with pytest.raises(ValueError, match="ngram_max"):
+        NGramProposer(vocab_size=8, ngram_max=0, ngram_min=0)
+    with pytest.raises(ValueError, match="num_tokens"):
+        NGramProposer(vocab_size=8, num_tokens=0)
+    prop = NGramProposer(vocab_size=8, num_tokens=3)
+    prop.extend_context(None, [1, 2, 3, 1, 2])
+    with pytest.raises(ValueError, match="positions 0..3"):
+        prop.propose(3, 4, sampling=SamplingParams(), generator=None)
+    p = prop.propose(3, 5, sampling=SamplingParams(), generator=None)  # context 1 2 3 1 2 3
+    assert p.draft_ids_N.tolist() == [1, 2, 3] and p.draft_probs_NV is None
+    capped = NGramProposer(vocab_size=8, num_tokens=3, max_positions=7)
+    capped.extend_context(None, [1, 2, 3, 1, 2])
+    assert capped.propose(3, 5, sampling=SamplingParams(), generator=None).draft_ids_N.tolist() == [1]
+
+
+def test_sampling_rows_are_point_masses_and_verify_stays_finite():
+    prop = NGramProposer(vocab_size=8, num_tokens=3)
+    prop.extend_context(None, [1, 2, 3, 1, 2])
+    p = prop.propose(3, 5, sampling=SamplingParams(temperature=1.0), generator=None)
+    assert p.draft_probs_NV.dtype == torch.float32 and p.draft_probs_NV.shape == (3, 8)
+    assert torch.equal(p.draft_probs_NV.argmax(-1), p.draft_ids_N) and torch.equal(p.draft_probs_NV.sum(-1),
+                                                                                      torch.ones(3))
+    # the target puts no mass on the first draft: rejected, and the residual never returns it
+    logits = torch.randn(4, 8)
+    logits[0, 1] = float("-inf")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        res = verify(p.draft_ids_N, p.draft_probs_NV, logits, sampling=SamplingParams(temperature=1.0), generator=g,
+                     eos_token_ids=())
+        assert res.num_accepted == 0 and res.committed[0] != 1
+
+
+def test_check_baselines():
+    assert check_baselines(["none"], "eval.baselines") == []
+    assert check_baselines([], "eval.baselines") == []
+    assert check_baselines(["ngram", "ngram"], "eval.baselines") == ["ngram"]
+    with pytest.raises(ValueError, match="eval.baselines"):
+        check_baselines(["ngram", "none"], "eval.baselines")
+    with pytest.raises(ValueError, match="'lookahead'"):
+        check_baselines(["lookahead"], "eval.baselines")
+
+
+# ----------------------------------------------------------------------------- through the engine
+@pytest.fixture(scope="module")
+def target():
+    return sharp_tiny_llama(VOCAB)
+
+
+class RecordingForward:
+    """The engine's forward, recording the layer ids each call asked to capture."""
+
+    def __init__(self):
+        self.layer_ids = []
+
+    def __call__(self, model, input_ids_BT, ids, **kw):
+        self.layer_ids.append(list(ids))
+        return target_forward(model, input_ids_BT, ids, **kw)
+
+
+class Recording(NGramProposer):
+    def extend_context(self, target_hidden_TF, token_ids_T):
+        assert target_hidden_TF is None
+        super().extend_context(target_hidden_TF, token_ids_T)
+
+
+PROMPTS = [[0, 5, 17, 42, 8, 5, 17, 42, 9, 33], [0, 3, 3, 3, 7, 11, 3, 7], [0, 60, 2, 61]]
+
+
+@pytest.mark.parametrize("ngram_min", [1, 2])
+def test_engine_greedy_is_lossless_and_captures_no_features(target, ngram_min):
+    eos = [VOCAB + 1]  # never produced: every generation runs to max_new_tokens
+    base = SpeculativeEngine(target, [0], NullProposer(), eos)
+    forward = RecordingForward()
+    spec = SpeculativeEngine(target, [0], Recording(vocab_size=VOCAB, num_tokens=4, ngram_min=ngram_min), eos,
+                             forward_fn=forward)
+    accepted = 0
+    for prompt in PROMPTS:
+        ref = base.generate(prompt, max_new_tokens=40)
+        out = spec.generate(prompt, max_new_tokens=40)
+        assert out.output_ids == ref.output_ids
+        accepted += sum(s.num_accepted for s in out.steps)
+    assert all(ids == [] for ids in forward.layer_ids)
+    assert accepted > 0  # the lookup found repeats the target accepted (else the test shows little)
+
+
+def test_engine_sampling_runs_with_point_masses(target):
+    spec = SpeculativeEngine(target, [0], NGramProposer(vocab_size=VOCAB, num_tokens=4), [VOCAB + 1])
+    g = torch.Generator().manual_seed(3)
+    res = spec.generate(PROMPTS[0], max_new_tokens=30, sampling=SamplingParams(temperature=0.7, top_p=0.9),
+                        generator=g)
+    assert len(res.output_ids) == 30 and all(0 <= t < VOCAB for t in res.output_ids)
+    assert any(s.num_proposed for s in res.steps)
+
+
+def test_eval_config_baselines_and_ngram_knobs():
+    from deepspec.stages import EvalConfig
+
+    assert EvalConfig(draft=["x"], output_dir="o").baselines == ["ngram"]
+    assert EvalConfig(draft=["x"], output_dir="o", baselines=["none"]).baselines == []
+    with pytest.raises(ValueError, match="eval.baselines"):
+        EvalConfig(draft=["x"], output_dir="o", baselines=["eagle"])
+    with pytest.raises(ValueError, match="eval.ngram_min"):
+        EvalConfig(draft=["x"], output_dir="o", ngram_max=2, ngram_min=3)
+    with pytest.raises(ValueError, match="eval.ngram_num_tokens"):
+        EvalConfig(draft=["x"], output_dir="o", ngram_num_tokens=0)
+
+
+def test_baseline_proposers_take_the_drafts_k(target):
+    from deepspec.stages import EvalConfig, baseline_proposers
+
+    cfg = EvalConfig(draft=["x"], output_dir="o", ngram_max=4, ngram_min=2)
+    drafts = {"d": NGramProposer(vocab_size=VOCAB, num_tokens=5)}  # any proposer with K = 5
+    out = baseline_proposers(cfg, target, drafts=drafts, taken=drafts)
+    assert list(out) == ["ngram"]
+    prop = out["ngram"]
+    assert (prop.max_proposal_len, prop.ngram_max, prop.ngram_min, prop.vocab_size) == (5, 4, 2, VOCAB)
+    assert baseline_proposers(cfg, target, drafts={}, taken={})["ngram"].max_proposal_len == 7
+    assert list(baseline_proposers(cfg, target, drafts={}, taken={"ngram": None})) == ["ngram#2"]
+    assert baseline_proposers(EvalConfig(draft=["x"], output_dir="o", baselines=["none"]), target, drafts={},
+                              taken={}) == {}
