@@ -40,13 +40,22 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from deepspec.data.cache import TargetCache, check_compatible
+from deepspec.data.chat import render_prompt, target_stop_token_ids
 from deepspec.data.online import OnlineTargetFeatures
+from deepspec.eval.benchmarks import load_benchmark
 from deepspec.models.mask_token import check_mask_token_absent
 from deepspec.models.registry import ALGORITHMS, get_algorithm
 from deepspec.models.vocab import count_supervised_tokens, select_draft_vocab
 from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
 from deepspec.target.load import load_target, target_fingerprint, tokenizer_fingerprint
 from deepspec.train.data import collate, micro_batch_seed, rank_micro_batches
+from deepspec.train.heldout import (
+    REFERENCE_NAME,
+    heldout_tau,
+    load_or_make_reference,
+    make_reference,
+    reference_key,
+)
 from deepspec.utils import atomic_path, atomic_write_json, atomic_write_text
 
 TRAINER_STATE = "trainer_state.pt"
@@ -770,12 +779,9 @@ class _HeldoutCurve:
 
     def __init__(self, cfg: TrainConfig, ctx: _Dist, algorithm, target_model, tokenizer, target_layer_ids,
                  prompts: list[tuple[str, str, list[int]]] | None) -> None:
-        from deepspec.eval.run import eos_token_ids_of
-        from deepspec.train.heldout import REFERENCE_NAME, load_or_make_reference, make_reference, reference_key
-
         self.cfg, self.ctx, self.algorithm = cfg, ctx, algorithm
         self.max_positions = int(target_model.config.max_position_embeddings)
-        self.eos = eos_token_ids_of(target_model, tokenizer)
+        self.eos = target_stop_token_ids(target_model, tokenizer)  # the engine's stop rule
         self.refs = []
         if not ctx.is_main:
             return
@@ -792,8 +798,6 @@ class _HeldoutCurve:
 
     def evaluate(self, model: torch.nn.Module, template: torch.nn.Module | None) -> dict[str, float]:
         """Greedy held-out tau of the current weights (rank 0; other ranks only help gather: ``{}``)."""
-        from deepspec.train.heldout import heldout_tau
-
         draft = model
         if self.ctx.sharded:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -813,9 +817,6 @@ def heldout_prompt_ids(benchmarks: list[str], num_prompts: int, tokenizer) -> li
     """``(benchmark, prompt id, prompt ids)`` of the first turn of ``num_prompts`` prompts per
     benchmark: the same seeded sample ``deepspec eval`` takes (its default seed), rendered with the
     one prompt rule (:func:`deepspec.data.chat.render_prompt`)."""
-    from deepspec.data.chat import render_prompt
-    from deepspec.eval.benchmarks import load_benchmark
-
     return [(name, p.id, render_prompt(tokenizer, p.messages))
             for name in benchmarks for p in load_benchmark(name, max_samples=num_prompts)]
 
