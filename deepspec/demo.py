@@ -83,8 +83,33 @@ class DemoConfig:
         for name in ("num_conversations", "train_steps", "eval_num_prompts", "eval_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"demo.{name}: expected an integer >= 1, got {getattr(self, name)}")
-        if self.heldout_every < 0:
-            raise ValueError(f"demo.heldout_every: expected an integer >= 0 (0 = off), got {self.heldout_every}")
+        for algorithm in self.algorithms:  # the training settings fail here, not after prepare and cache
+            try:
+                self.train_config(algorithm, Path(self.output_dir) / "cache")
+            except ValueError as exc:
+                # name the demo's own flags (the demo's train_steps is the trainer's max_steps)
+                raise ValueError(str(exc).replace("train.max_steps", "demo.train_steps").replace("train.", "demo.")) from None
+
+    def train_config(self, algorithm: str, cache_dir: Path) -> TrainConfig:
+        """The training stage's settings for ``algorithm`` (its run folder under ``output_dir``).
+
+        Raises ValueError (from :class:`TrainConfig`) for an invalid training setting."""
+        train_dir = Path(self.output_dir) / ("train" if algorithm == "dspark" else f"train-{algorithm}")
+        return TrainConfig(
+            cache_dir=str(cache_dir),
+            output_dir=str(train_dir),
+            algorithm=algorithm,
+            num_draft_layers=self.num_draft_layers,
+            max_steps=self.train_steps,
+            batch_size=self.batch_size,
+            num_anchors=self.num_anchors,
+            markov_rank=self.markov_rank,
+            draft_vocab_size=self.draft_vocab_size,
+            lr=self.lr,
+            seed=self.seed,
+            resume="auto",
+            heldout_every=self.heldout_every,
+        )
 
 
 def _done_training(train_dir: Path, steps: int) -> bool:
@@ -141,22 +166,8 @@ def run_demo(cfg: DemoConfig) -> dict:
     checkpoints = []
     untrained = None
     for algorithm in cfg.algorithms:
-        train_dir = out / ("train" if algorithm == "dspark" else f"train-{algorithm}")
-        train_cfg = TrainConfig(
-            cache_dir=str(cache_dir),
-            output_dir=str(train_dir),
-            algorithm=algorithm,
-            num_draft_layers=cfg.num_draft_layers,
-            max_steps=cfg.train_steps,
-            batch_size=cfg.batch_size,
-            num_anchors=cfg.num_anchors,
-            markov_rank=cfg.markov_rank,
-            draft_vocab_size=cfg.draft_vocab_size,
-            lr=cfg.lr,
-            seed=cfg.seed,
-            resume="auto",
-            heldout_every=cfg.heldout_every,
-        )
+        train_cfg = cfg.train_config(algorithm, cache_dir)
+        train_dir = Path(train_cfg.output_dir)
         t0 = time.perf_counter()
         if _done_training(train_dir, cfg.train_steps):
             checkpoint = train_dir / (train_dir / LATEST).read_text().strip()

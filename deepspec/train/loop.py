@@ -42,7 +42,7 @@ from transformers import get_cosine_schedule_with_warmup
 from deepspec.data.cache import TargetCache, check_compatible
 from deepspec.data.chat import render_prompt, target_stop_token_ids
 from deepspec.data.online import OnlineTargetFeatures
-from deepspec.eval.benchmarks import load_benchmark
+from deepspec.eval.benchmarks import BENCHMARKS, load_benchmark
 from deepspec.models.mask_token import check_mask_token_absent
 from deepspec.models.registry import ALGORITHMS, get_algorithm
 from deepspec.models.vocab import count_supervised_tokens, select_draft_vocab
@@ -148,6 +148,10 @@ class TrainConfig:
                              f"got {self.heldout_num_prompts} and {self.heldout_max_new_tokens}")
         if self.heldout_every and not self.heldout_benchmarks:
             raise ValueError("train.heldout_benchmarks: expected at least one benchmark name when heldout_every > 0")
+        unknown = [b for b in self.heldout_benchmarks if b not in BENCHMARKS]
+        if unknown:
+            raise ValueError(f"train.heldout_benchmarks: {unknown} are not benchmarks; expected names among "
+                             f"{sorted(BENCHMARKS)}")
         if self.draft_vocab_size == 0:
             self.draft_vocab_size = None  # 0 and None both mean the full vocabulary
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:

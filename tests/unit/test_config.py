@@ -148,3 +148,17 @@ def test_mistyped_stage_flag_reports_the_stage_usage(capsys):
     with pytest.raises(SystemExit):  # abbreviations are still refused, with the stage usage
         main(["cache", "--output-dir", "o", "--input", "x", "--shard-siz", "3"])
     assert "deepspec cache: error: unrecognized arguments: --shard-siz 3" in capsys.readouterr().err
+
+
+def test_demo_refuses_bad_training_settings_before_any_stage_runs(tmp_path):
+    """A bad training setting of the demo fails at construction (not after minutes of prepare and
+    cache), naming the demo's own flag."""
+    from deepspec.demo import DemoConfig
+
+    for kwargs, field in (({"draft_vocab_size": -3}, "demo.draft_vocab_size"), ({"lr": -1.0}, "demo.lr"),
+                          ({"heldout_every": -1}, "demo.heldout_every"), ({"num_anchors": 0}, "demo.num_anchors")):
+        with pytest.raises(ValueError, match=field):
+            DemoConfig(output_dir=str(tmp_path / "demo"), **kwargs)
+    assert not (tmp_path / "demo").exists()
+    cfg = DemoConfig(output_dir=str(tmp_path / "demo"), algorithms=["dspark", "eagle3"])
+    assert cfg.train_config("eagle3", tmp_path / "cache").output_dir == str(tmp_path / "demo" / "train-eagle3")
