@@ -44,6 +44,7 @@ from deepspec.data.chat import render_prompt, target_stop_token_ids
 from deepspec.data.online import OnlineTargetFeatures
 from deepspec.eval.benchmarks import BENCHMARKS, load_benchmark
 from deepspec.models.mask_token import check_mask_token_absent
+from deepspec.models.acceptance import AcceptanceCounts
 from deepspec.models.registry import ALGORITHMS, get_algorithm
 from deepspec.models.vocab import count_supervised_tokens, select_draft_vocab
 from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
@@ -845,7 +846,7 @@ def _pooled_tau(acceptance, ctx: _Dist) -> dict[str, float]:
     packed = acceptance.pack().to(ctx.device)
     if ctx.sharded:
         dist.all_reduce(packed)
-    pooled = type(acceptance).unpack(packed)
+    pooled = AcceptanceCounts.unpack(packed)
     out = {"tau_estimate": pooled.tau(), "greedy_tau_estimate": pooled.greedy_tau()}
     for k, (s, n) in enumerate(zip(pooled.greedy_survive_K.tolist(), pooled.count_K.tolist())):
         out[f"accept_rate_prefix_{k + 1}"] = s / n if n > 0 else 0.0

@@ -7,7 +7,7 @@ import torch
 
 from deepspec.eval.engine import SpeculativeEngine
 from deepspec.eval.proposers import DSparkProposer, Eagle3Proposer, NullProposer, Proposal
-from deepspec.train.heldout import heldout_tau, make_reference, replay_greedy
+from deepspec.train.heldout import HeldoutReference, heldout_tau, make_reference, replay_greedy
 from tests.unit.test_dspark import LAYER_IDS, make_draft
 from tests.unit.test_eagle3 import make_draft as make_eagle3
 
@@ -80,6 +80,7 @@ def test_heldout_tau_pools_steps_per_benchmark():
                           eos_token_ids=[EOS]).accepted
     assert result["heldout_tau"] == pytest.approx(1 + sum(steps) / len(steps))
     assert result["heldout_tau_bench-a"] == result["heldout_tau"]
-    with pytest.raises(ValueError, match="needs"):
-        replay_greedy(NullProposer(), refs[0], max_new_tokens=100, eos_token_ids=[EOS]) if refs[0].output_ids[-1] != EOS \
-            else pytest.fail("reference ended with EOS; pick another prompt")
+    # a reference cut (no EOS) before max_new_tokens + K tokens cannot check the last proposals
+    short = HeldoutReference("bench-a", "cut", [0, 5, 6], [7, 8, 9], torch.zeros(6, refs[0].target_hidden_TF.shape[1]))
+    with pytest.raises(ValueError, match="needs 104"):
+        replay_greedy(PlannedProposer([0, 5, 6, 7, 8, 9]), short, max_new_tokens=100, eos_token_ids=[EOS])
