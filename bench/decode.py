@@ -34,6 +34,11 @@ Writes ``decode_bench.json`` and ``decode_bench.png`` under ``--output-dir`` (at
 
     python bench/decode.py --draft runs/demo/train --num-prompts 2 --max-new-tokens 64 --repeats 2
     python bench/decode.py --draft untrained --dtype bfloat16 --temperatures 0
+    python bench/decode.py --num-draft-tokens 3 --few-row-linear off
+
+``--num-draft-tokens N`` caps every proposal at N tokens (vLLM's ``num_speculative_tokens``);
+``--few-row-linear auto | on | off`` picks the linear path of every engine
+(:mod:`deepspec.eval.few_row_linear`; ``bench/verify_cost.py`` compares the two side by side).
 """
 
 from __future__ import annotations
@@ -283,6 +288,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=2, help="interleaved passes over all prompts")
     p.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy")
+    p.add_argument("--num-draft-tokens", type=int, default=0,
+                   help="tokens proposed per step by the draft and the ngram baseline (0: the draft's own K)")
+    p.add_argument("--few-row-linear", default="auto",
+                   help="auto | on | off: linear layers over few rows as (W @ x^T)^T (auto: float32 on the CPU)")
     p.add_argument("--confidence-threshold", type=float, default=0.0, help="DSpark proposal cut; 0 = off")
     p.add_argument("--seed", type=int, default=980406, help="prompt sample and sampling seed (eval's default)")
     p.add_argument("--benchmarks-dir", default=None, help="benchmark files folder (default: as deepspec eval)")
@@ -291,6 +300,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.max_new_tokens < 1 or args.repeats < 1:
         p.error("--num-prompts, --max-new-tokens and --repeats must be >= 1")
+    if args.num_draft_tokens < 0:
+        p.error(f"--num-draft-tokens: expected an integer >= 1, or 0 for the draft's own K, got {args.num_draft_tokens}")
     if not 0.0 <= args.confidence_threshold < 1.0:
         p.error(f"--confidence-threshold: expected a value in [0, 1), got {args.confidence_threshold}")
     from deepspec.eval.benchmarks import BENCHMARKS
@@ -308,10 +319,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     from deepspec.device import check_dtype_name, decoding_device, dtype_name, resolve_dtype
+    from deepspec.eval.few_row_linear import check_few_row_mode, few_row_linear_applies
     from deepspec.eval.ngram import NGramProposer, check_baselines, check_ngram_range
+    from deepspec.eval.proposers import cap_proposal_len
 
     try:
         check_dtype_name(args.dtype, "--dtype")
+        check_few_row_mode(args.few_row_linear, "--few-row-linear")
         baselines = check_baselines([b for b in args.baselines.split(",") if b], "--baselines")
         check_ngram_range(ngram_max=args.ngram_max, ngram_min=args.ngram_min, field="bench")
     except ValueError as exc:
@@ -347,15 +361,18 @@ def main(argv: list[str] | None = None) -> dict:
     proposer = algorithm_for_model(draft).proposer(
         draft, max_positions=max_pos,
         confidence_threshold=args.confidence_threshold if args.confidence_threshold > 0 else None)
+    if args.num_draft_tokens:
+        cap_proposal_len(proposer, args.num_draft_tokens)
     eos = eos_token_ids_of(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    engines = {"target-only": SpeculativeEngine(model, layer_ids, NullProposer(), eos),
-               "speculative": SpeculativeEngine(model, layer_ids, proposer, eos)}
+    few_rows = few_row_linear_applies(args.few_row_linear, model)
+    proposers = {"target-only": NullProposer(), "speculative": proposer}
     if "ngram" in baselines:
-        ngram = NGramProposer(vocab_size=int(model.get_output_embeddings().weight.shape[0]),
-                              num_tokens=proposer.max_proposal_len, ngram_max=args.ngram_max,
-                              ngram_min=args.ngram_min, max_positions=max_pos, device=device)
-        engines["ngram"] = SpeculativeEngine(model, layer_ids, ngram, eos)
+        proposers["ngram"] = NGramProposer(vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+                                           num_tokens=proposer.max_proposal_len, ngram_max=args.ngram_max,
+                                           ngram_min=args.ngram_min, max_positions=max_pos, device=device)
+    engines = {name: SpeculativeEngine(model, layer_ids, prop, eos, few_row_linear=few_rows)
+               for name, prop in proposers.items()}
 
     bench_prompts = [(b, pr) for b in benchmarks
                      for pr in load_benchmark(b, max_samples=args.num_prompts, seed=args.seed,
@@ -370,7 +387,7 @@ def main(argv: list[str] | None = None) -> dict:
                                        eos=eos, pad=pad, device=device)
     results: dict[str, Any] = {
         "target": args.target, "device": str(device), "threads": torch.get_num_threads(),
-        "dtype": dtype_name(dtype), "dtype_requested": args.dtype,
+        "dtype": dtype_name(dtype), "dtype_requested": args.dtype, "few_row_linear": few_rows,
         "draft": str(folder) if folder is not None else "untrained", "algorithm": algorithm,
         "max_proposal_len": proposer.max_proposal_len, "baselines": baselines,
         "ngram": {"ngram_max": args.ngram_max, "ngram_min": args.ngram_min} if baselines else None,
@@ -382,7 +399,8 @@ def main(argv: list[str] | None = None) -> dict:
     if "greedy" in settings:
         results["goals"] = goals(results)
 
-    print(f"{args.target} on {device} in {dtype_name(dtype)} ({torch.get_num_threads()} threads); draft {algorithm} "
+    print(f"{args.target} on {device} in {dtype_name(dtype)} ({torch.get_num_threads()} threads, few-row linear "
+          f"{'on' if few_rows else 'off'}); draft {algorithm} "
           f"{folder or 'untrained'} "
           f"(K = {proposer.max_proposal_len}); {len(prompts)} prompts x {args.repeats} repeats, "
           f"max_new_tokens {args.max_new_tokens}")

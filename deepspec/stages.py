@@ -81,14 +81,25 @@ class EvalConfig:
     ngram_max: int = 3  # ngram baseline: longest n-gram matched (tried first)
     ngram_min: int = 1  # ngram baseline: shortest n-gram matched
     ngram_num_tokens: int | None = None  # ngram baseline: K, tokens proposed per step; none = the first draft's K (else 7)
+    # every method proposes at most this many tokens per step (vLLM's num_speculative_tokens); none = each
+    # proposer's own K (a DSpark/DFlash draft's block size, Eagle3's steps, the ngram baseline's K)
+    num_draft_tokens: int | None = None
+    # linear layers over few rows (a verify forward) as (W @ x^T)^T: auto (float32 on the CPU, where the row-major
+    # GEMM over 2-8 rows costs 1.4-2.2x a one-row product; deepspec.eval.few_row_linear) | on | off
+    few_row_linear: str = "auto"
 
     def __post_init__(self) -> None:
         from deepspec.device import check_dtype_name
         from deepspec.eval.benchmarks import BENCHMARKS, SOURCES
+        from deepspec.eval.few_row_linear import check_few_row_mode
         from deepspec.eval.ngram import check_baselines, check_ngram_range
 
         self.sampling_params()  # validates temperature, top_k, top_p
         self.dtype = check_dtype_name(self.dtype, "eval.dtype")
+        self.few_row_linear = check_few_row_mode(self.few_row_linear, "eval.few_row_linear")
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
+            raise ValueError(f"eval.num_draft_tokens: expected an integer >= 1 or none (each proposer's own K), "
+                             f"got {self.num_draft_tokens}")
         self.baselines = check_baselines(self.baselines, "eval.baselines")
         check_ngram_range(ngram_max=self.ngram_max, ngram_min=self.ngram_min, field="eval")
         if self.ngram_num_tokens is not None and self.ngram_num_tokens < 1:
@@ -400,6 +411,8 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
     import sys
 
     from deepspec.device import cast_for_decoding, resolve_dtype
+    from deepspec.eval.few_row_linear import few_row_linear_applies
+    from deepspec.eval.proposers import cap_proposal_len
     from deepspec.eval.run import run_eval
     from deepspec.models.registry import algorithm_for_model, check_draft_target, load_draft
     from deepspec.target.load import load_target, target_fingerprint
@@ -458,6 +471,9 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
         for name, model in drafts.items()
     }
     proposers.update(baseline_proposers(cfg, target_model, drafts=proposers, taken=proposers))
+    if cfg.num_draft_tokens is not None:
+        for proposer in proposers.values():
+            cap_proposal_len(proposer, cfg.num_draft_tokens)
     return run_eval(
         target_model,
         tokenizer,
@@ -470,6 +486,7 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
         seed=cfg.seed,
         out_dir=out_dir,
         compare_hf_generate=cfg.compare_hf_generate,
+        few_row_linear=few_row_linear_applies(cfg.few_row_linear, target_model),
         chat_template_kwargs=None if cfg.enable_thinking is None else {"enable_thinking": cfg.enable_thinking},
         config_extra={
             "eval": asdict(cfg),

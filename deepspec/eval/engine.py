@@ -40,6 +40,11 @@ Scope and choices:
   again runs without capture hooks. Without the attribute a proposer needs features.
 - The prefill computes logits only for the last prompt position (``lm_head`` on the final-norm
   hidden state), not ``[P, V]``; a family with logit soft-capping would need it here as well.
+- ``few_row_linear`` (default False): the target's and the proposer's linear layers compute inputs
+  of at most 16 rows as ``(W @ x^T)^T`` during :meth:`SpeculativeEngine.generate`
+  (:mod:`deepspec.eval.few_row_linear`: on CPUs where the row-major GEMM over 2-8 rows costs far more
+  than a GEMV, it makes a verify forward cost about a one-token one). Give the target-only engine
+  the same setting as the speculative one, so both decode with the same kernels.
 - Timing (``time.perf_counter``; on CUDA the device is synchronised at each boundary, where the
   next host read would wait anyway): a step's ``propose_s`` is the proposer's call, ``verify_s``
   the target forward over ``[anchor, d_1..d_N]`` (input tensors included), and the remainder of
@@ -48,6 +53,7 @@ Scope and choices:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +61,7 @@ from typing import Any
 
 import torch
 
+from deepspec.eval.few_row_linear import few_row_linear
 from deepspec.eval.proposers import Proposer, draw_token
 from deepspec.eval.verify import SamplingParams, verify
 from deepspec.target.capture import target_forward
@@ -148,6 +155,8 @@ class SpeculativeEngine:
             position_ids_BT, past_key_values, use_cache, compute_logits)`` and returning a
             :class:`~deepspec.target.capture.TargetOutput`; ``layer_ids`` is ``[]`` when no features
             are needed. Default :func:`deepspec.target.capture.target_forward` (the parameter exists for tests).
+        few_row_linear: run :meth:`generate` with the few-row linear path (see the module docstring)
+            for the target and the proposer's ``model`` (when it has one).
 
     Raises ValueError for an empty ``eos_token_ids``.
     """
@@ -160,6 +169,7 @@ class SpeculativeEngine:
         eos_token_ids: Collection[int],
         *,
         forward_fn: Callable[..., Any] | None = None,
+        few_row_linear: bool = False,
     ) -> None:
         if not eos_token_ids:
             raise ValueError("eos_token_ids: expected at least one token id, received none; pass tokenizer.eos_token_id.")
@@ -176,6 +186,7 @@ class SpeculativeEngine:
         self.uses_features = self.can_propose and bool(getattr(proposer, "needs_features", True))
         self._feature_layer_ids = self.target_layer_ids if self.uses_features else []
         self._lm_head = target_model.get_output_embeddings()
+        self.few_row_linear = bool(few_row_linear)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -194,7 +205,6 @@ class SpeculativeEngine:
             compute_logits=compute_logits,
         )
 
-    @torch.inference_mode()
     def generate(
         self,
         prompt_ids: Sequence[int],
@@ -217,6 +227,21 @@ class SpeculativeEngine:
         fit the target's ``max_position_embeddings``; RuntimeError when the target's KV cache cannot
         be rolled back (see :func:`crop_kv_cache`).
         """
+        draft = getattr(self.proposer, "model", None)
+        kernels = (few_row_linear(self.target_model, *([draft] if isinstance(draft, torch.nn.Module) else []))
+                   if self.few_row_linear else contextlib.nullcontext())
+        with kernels:
+            return self._decode(prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, generator=generator)
+
+    @torch.inference_mode()
+    def _decode(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingParams | None,
+        generator: torch.Generator | None,
+    ) -> GenerationResult:
         from transformers import DynamicCache
 
         if sampling is None:

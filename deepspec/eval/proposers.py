@@ -157,6 +157,20 @@ def draw_token(
     return tok, q_V
 
 
+def cap_proposal_len(proposer: Proposer, num_draft_tokens: int) -> Proposer:
+    """Make ``proposer`` propose at most ``num_draft_tokens`` tokens per step (vLLM's
+    ``num_speculative_tokens``); returns it. Every proposer here reads ``max_proposal_len`` as the
+    most tokens one ``propose`` call returns, so lowering it is the whole change (a DSpark/DFlash
+    draft still predicts its whole block in one forward and keeps the first slots).
+
+    Raises ValueError for ``num_draft_tokens < 1``.
+    """
+    if num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens: expected an integer >= 1, received {num_draft_tokens}.")
+    proposer.max_proposal_len = min(int(proposer.max_proposal_len), int(num_draft_tokens))
+    return proposer
+
+
 # =====================================================================================
 # DSparkProposer
 # =====================================================================================
@@ -222,8 +236,9 @@ class DSparkProposer:
             return Proposal.empty(m.fc.weight.device)
         if self.cache.length > anchor_pos:  # defensive: never attend to positions >= anchor
             self.cache.crop(anchor_pos)
-        hidden_KD, base_KV = m.block_hidden(self.cache, anchor_token, anchor_pos)  # base logits over draft ids
-        base_KV = base_KV[:n_max].float()  # the slots' fp32 logits in one conversion (a no-op in fp32)
+        # base logits over draft ids, for the n_max slots used only
+        hidden_KD, base_KV = m.block_hidden(self.cache, anchor_token, anchor_pos, num_slots=n_max)
+        base_KV = base_KV.float()  # the slots' fp32 logits in one conversion (a no-op in fp32)
         dev = hidden_KD.device
         prev = torch.tensor([int(anchor_token)], device=dev)
         ids, probs_rows, conf = [], [], []

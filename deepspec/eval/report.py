@@ -222,8 +222,14 @@ def _draft_dtypes(cfg: Mapping[str, Any]) -> str:
 
 
 def _setup_lines(cfg: Mapping[str, Any]) -> list[str]:
-    """Confidence thresholds, where each benchmark's prompts came from, and the benchmarks skipped."""
+    """Proposal lengths and linear path, confidence thresholds, where each benchmark's prompts came
+    from, and the benchmarks skipped."""
     lines = []
+    proposers = cfg.get("proposers") or {}
+    if proposers:
+        lines += ["", "Tokens proposed per step (K): " + ", ".join(
+            f"{m} {p.get('max_proposal_len')}" for m, p in proposers.items())
+            + ("; few-row linear path on (deepspec.eval.few_row_linear)" if cfg.get("few_row_linear") else "") + "."]
     if cfg.get("confidence_threshold"):
         lines += ["", "Confidence threshold (proposals cut at the first slot below it; calibration then sees only "
                   "the slots kept): " + ", ".join(f"{m} {t}" for m, t in cfg["confidence_threshold"].items()) + "."]

@@ -18,6 +18,7 @@ record per (prompt, turn).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -29,6 +30,7 @@ import torch
 from deepspec.device import dtype_name
 from deepspec.eval.benchmarks import BenchmarkPrompt
 from deepspec.eval.engine import GenerationResult, SpeculativeEngine
+from deepspec.eval.few_row_linear import few_row_linear as few_row_linear_context
 from deepspec.eval.flips import argmax_flip_positions, chunked_argmax, divergence_record, first_divergence, flip_rate
 from deepspec.eval.metrics import METRIC_DEFINITIONS, benchmark_metrics
 from deepspec.eval.ngram import DEFAULT_NUM_TOKENS
@@ -178,6 +180,7 @@ def run_eval(
     log: Callable[[str], None] = print,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     measure_argmax_flips: bool = True,
+    few_row_linear: bool = False,
 ) -> dict[str, Any]:
     """Run the target-only baseline and each proposer on every benchmark prompt; write the report.
 
@@ -204,6 +207,8 @@ def run_eval(
             that forward's argmax differs from the one-token decode, and where each divergent
             output first differs (:func:`argmax_flip_figures`). Untimed; about one verify forward per
             K + 1 output tokens.
+        few_row_linear: every engine (the baseline too) and the argmax-flip re-run use the few-row
+            linear path (:mod:`deepspec.eval.few_row_linear`); recorded in the report's config.
 
     Returns the results dict (``config``, ``environment``, ``definitions``, ``benchmarks``:
     bench -> method -> metrics, ``samples``: bench -> method -> one record per (prompt, turn)).
@@ -223,8 +228,8 @@ def run_eval(
         raise ValueError(f"sampling: expected a SamplingParams, received {type(sampling).__name__}.")
     eos = eos_token_ids_of(target_model, tokenizer)
     pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else eos[0]
-    engines = {BASELINE: SpeculativeEngine(target_model, target_layer_ids, NullProposer(), eos)}
-    engines.update({n: SpeculativeEngine(target_model, target_layer_ids, p, eos) for n, p in proposers.items()})
+    engines = {n: SpeculativeEngine(target_model, target_layer_ids, p, eos, few_row_linear=few_row_linear)
+               for n, p in {BASELINE: NullProposer(), **proposers}.items()}
     max_k = {n: e.proposer.max_proposal_len for n, e in engines.items()}
     flip_chunk_len = (max(max_k.values()) or DEFAULT_NUM_TOKENS) + 1  # a verify forward: anchor + K drafts
     measure_flips = measure_argmax_flips and sampling.greedy
@@ -278,8 +283,9 @@ def run_eval(
             for name, res in runs.items()
         }
         if measure_flips:
-            argmax_flip_figures(target_model, base_prompts, base, {n: runs[n] for n in proposers}, figures[bench],
-                                chunk_len=flip_chunk_len, turn_of=turn_of)
+            with few_row_linear_context(target_model) if few_row_linear else contextlib.nullcontext():
+                argmax_flip_figures(target_model, base_prompts, base, {n: runs[n] for n in proposers},
+                                    figures[bench], chunk_len=flip_chunk_len, turn_of=turn_of)
         if compare_hf_generate:
             hf = figures[bench][HF_GENERATE]
             figures[bench][HF_GENERATE] = {k: hf[k] for k in (
@@ -321,6 +327,7 @@ def run_eval(
                                                                              None)),
             "proposers": {n: _proposer_info(p) for n, p in proposers.items()},
             "dtype": dtype_name(next(target_model.parameters()).dtype),
+            "few_row_linear": few_row_linear,
             "flip_chunk_len": flip_chunk_len if measure_flips else None,
             "num_prompts": {b: len(v) for b, v in benchmarks.items()},
             "compare_hf_generate": compare_hf_generate,

@@ -551,11 +551,15 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
         cache.length += T
 
     @torch.no_grad()
-    def block_hidden(self, cache: DraftContextCache, anchor_token: int, anchor_pos: int) -> tuple[Tensor, Tensor]:
+    def block_hidden(self, cache: DraftContextCache, anchor_token: int, anchor_pos: int,
+                     num_slots: int | None = None) -> tuple[Tensor, Tensor]:
         """Run ``[anchor, m, .., m]`` at positions ``anchor_pos .. anchor_pos+K-1`` attending to all
         cached context (which must hold exactly positions ``0..anchor_pos-1``) and to the whole block.
 
-        Returns (final hidden ``[K, D]``, base logits ``[K, N]`` over draft ids, without the Markov bias).
+        Returns (final hidden ``[K, D]``, base logits ``[S, N]`` over draft ids for the first
+        ``S = num_slots`` slots (None: all K), without the Markov bias). The whole block runs through
+        the layers either way (every slot attends to the others); only the output layer, the
+        costliest product of a proposal, is cut to the slots a capped proposal uses.
         """
         if cache.length != anchor_pos:
             raise ValueError(f"block_hidden: expected the context cache to hold positions 0..anchor_pos-1 "
@@ -575,7 +579,7 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
                 ctx_k, ctx_v = empty, empty
             h = layer(h, cos, sin, ctx_k, ctx_v, None)
         hidden_KD = self.norm(h)[0]
-        return hidden_KD, self.lm_head(hidden_KD)
+        return hidden_KD, self.lm_head(hidden_KD if num_slots is None else hidden_KD[:num_slots])
 
     # ------------------------------------------------------------------ save / load
     def save_pretrained(self, out_dir: str | Path) -> Path:
