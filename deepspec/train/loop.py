@@ -95,6 +95,12 @@ class TrainConfig:
     init_from_target: bool = False
     # with --init-from-target: the target layers (0-based, one per draft layer) to copy; none = the last ones
     init_from_target_layers: list[int] | None = None
+    # dspark/dflash loss weights and slot decay (DESIGN s.5); none = the algorithm's own (DSpark: ce 0.1, l1 0.9,
+    # confidence 1.0, gamma 4.0 as the original; DFlash: ce 1.0 only)
+    ce_weight: float | None = None
+    l1_weight: float | None = None
+    confidence_weight: float | None = None
+    loss_decay_gamma: float | None = None
     batch_size: int = 4  # sequences per micro-batch
     grad_accum_steps: int = 1  # micro-batches per optimizer step
     max_steps: int = 200  # optimizer steps
@@ -158,9 +164,22 @@ class TrainConfig:
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"train.draft_vocab_size: expected 0 / none (full vocabulary) or a positive number of "
                              f"draft tokens, got {self.draft_vocab_size}")
+        losses = self.loss_knobs()
+        if losses and self.algorithm == "eagle3":
+            flags = ", ".join("--" + name.replace("_", "-") for name in losses)
+            raise ValueError(f"train: {flags} set the DSpark/DFlash loss; eagle3 has its own, drop them")
+        for name, value in losses.items():
+            if value < 0 or (name == "loss_decay_gamma" and value == 0):
+                raise ValueError(f"train.{name}: expected a value {'> 0' if name == 'loss_decay_gamma' else '>= 0'}, "
+                                 f"got {value}")
         if self.init_from_target_layers is not None and not self.init_from_target:
             raise ValueError(f"train.init_from_target_layers: names the target layers to copy with --init-from-target, "
                              f"got {self.init_from_target_layers} without it; add --init-from-target or drop the list")
+
+    def loss_knobs(self) -> dict[str, float]:
+        """The loss settings given (not None), as :class:`~deepspec.models.config.DraftConfig` knobs."""
+        names = ("ce_weight", "l1_weight", "confidence_weight", "loss_decay_gamma")
+        return {n: float(getattr(self, n)) for n in names if getattr(self, n) is not None}
 
 
 def draft_vocab_from_data(data, draft_vocab_size: int, vocab_size: int) -> torch.Tensor:

@@ -422,6 +422,18 @@ def test_registry_build_passes_markov_head(tmp_path):
         draft = get_algorithm("dspark").build(target, tok, cfg, [0, 1])
         assert draft.config.markov_head_type == markov and draft.markov_head.head_type == markov
         assert algorithm_for_model(draft).name == "dspark"
+    # loss weights given to train reach the draft's config (the rest keep the algorithm's own)
+    cfg = TrainConfig(output_dir=str(tmp_path), online_data="unused.jsonl", markov_rank=8, ce_weight=1.0,
+                      l1_weight=0.1, loss_decay_gamma=2.0)
+    c = get_algorithm("dspark").build(target, tok, cfg, [0, 1]).config
+    assert (c.ce_weight, c.l1_weight, c.confidence_weight, c.loss_decay_gamma) == (1.0, 0.1, 1.0, 2.0)
+    c = get_algorithm("dflash").build(target, tok, TrainConfig(output_dir=str(tmp_path), online_data="unused.jsonl",
+                                                                algorithm="dflash", loss_decay_gamma=2.0), [0, 1]).config
+    assert (c.ce_weight, c.l1_weight, c.confidence_weight, c.loss_decay_gamma) == (1.0, 0.0, 0.0, 2.0)
+    with pytest.raises(ValueError, match="eagle3 has its own"):
+        TrainConfig(output_dir=str(tmp_path), online_data="unused.jsonl", algorithm="eagle3", ce_weight=1.0)
+    with pytest.raises(ValueError, match="train.l1_weight"):
+        TrainConfig(output_dir=str(tmp_path), online_data="unused.jsonl", l1_weight=-1.0)
 
 
 # ----------------------------------------------------------------------------- attention paths
