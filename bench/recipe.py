@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
         run.mkdir(exist_ok=True)
         if reference is not None and not (run / REFERENCE_NAME).exists():
             shutil.copy(reference, run / REFERENCE_NAME)
-        base = dict(cache_dir=args.cache_dir, output_dir=str(run), max_steps=args.max_steps,
+        # resume="never": a rerun of the study retrains each setting from step 0 (replacing its earlier run)
+        base = dict(cache_dir=args.cache_dir, output_dir=str(run), max_steps=args.max_steps, resume="never",
                     heldout_every=args.heldout_every, heldout_benchmarks=args.heldout_benchmarks,
                     heldout_num_prompts=args.heldout_num_prompts,
                     heldout_max_new_tokens=args.heldout_max_new_tokens)

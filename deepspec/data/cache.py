@@ -1068,6 +1068,9 @@ def _load_manifest(path: Path) -> dict[str, Any]:
         raise FileNotFoundError(f"target cache {path} not found; build it with `deepspec cache`")
     manifest_path = path / MANIFEST_NAME
     if not manifest_path.is_file():
+        if not any(path.glob("shard-*.safetensors")) and not any(path.glob(PROGRESS_GLOB)):
+            raise FileNotFoundError(f"{path} is not a target cache (no {MANIFEST_NAME}, no shards); a target cache is "
+                                    "a folder written by `deepspec cache`")
         raise RuntimeError(f"{path}: no {MANIFEST_NAME}: {INCOMPLETE_HINT}")
     manifest: dict[str, Any] = json.loads(manifest_path.read_text(encoding="utf-8"))
     fmt = manifest.get("format")
@@ -1092,8 +1095,9 @@ class TargetCache:
     its rows are copied. At most ``max_open_shards`` shards are open at once (least recently used
     closed). Safe to pickle into DataLoader workers (open handles are not pickled).
 
-    Raises FileNotFoundError if the folder does not exist, RuntimeError if the manifest is
-    missing (an unfinished run), ValueError for another format version (e.g. v1: rebuild).
+    Raises FileNotFoundError if the folder does not exist or holds no cache (no manifest, no shards),
+    RuntimeError if the manifest is missing beside shards (an unfinished run), ValueError for another
+    format version (e.g. v1: rebuild).
     """
 
     FIELDS = ("input_ids", "loss_mask", "target_hidden", "target_last_hidden")

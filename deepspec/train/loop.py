@@ -112,7 +112,9 @@ class TrainConfig:
     save_every: int = 0  # 0: save only at the end
     keep_last: int = 0  # keep the newest N checkpoint-*/ folders (never the one `latest` names); 0 = keep all
     seed: int = 0  # seeds the draft init and the data order
-    resume: str | None = None  # None | "auto" | a checkpoint folder
+    # None: output_dir must hold no earlier run | "auto": continue the run in output_dir (its `latest`) | "never":
+    # start from step 0, replacing the run in output_dir | a checkpoint folder to continue from
+    resume: str | None = None
     # Learning curve: greedy tau on a fixed held-out prompt set (deepspec.train.heldout), at step 0, every
     # heldout_every steps and at the end; logged to train_log.jsonl, TensorBoard and train_loss.png
     heldout_every: int = 0  # held-out greedy tau every N steps (and at steps 0 and max_steps); 0 = off
@@ -227,11 +229,53 @@ def _lr_schedule(optimizer, cfg: TrainConfig):
     )
 
 
+RUN_LOG = "train_log.jsonl"
+# what a run writes into output_dir besides checkpoint-*/ (--resume never replaces them; the held-out
+# reference stays: it is keyed by its prompts and target, and reused only when they match)
+_RUN_FILES = (LATEST, RUN_LOG, "train_config.json", "train_loss.png", "tensorboard")
+
+
+def previous_run(output_dir: str | Path) -> list[str]:
+    """The names in ``output_dir`` that show an earlier training run there (``latest``,
+    ``checkpoint-*/`` folders, ``train_log.jsonl``), sorted; [] when the folder is missing or holds none."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    return sorted(p.name for p in out.iterdir() if p.name in (LATEST, RUN_LOG) or _checkpoint_step(p) is not None)
+
+
+def clear_previous_run(output_dir: str | Path) -> list[Path]:
+    """Delete what an earlier run wrote into ``output_dir`` (``checkpoint-*/``, ``latest``, the log,
+    config, plot and TensorBoard events) for ``--resume never``; returns the deleted paths (each
+    renamed to a hidden name before it is removed, as :func:`apply_retention` does)."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    doomed = sorted(p for p in out.iterdir() if p.name in _RUN_FILES or _checkpoint_step(p) is not None)
+    for path in doomed:
+        _delete(path)
+    return doomed
+
+
 def _resolve_resume(cfg: TrainConfig, *, log: bool = False) -> Path | None:
-    """The checkpoint folder to resume from: None without ``cfg.resume`` or, with ``"auto"``, when
-    ``output_dir`` has no ``latest`` pointer (``log``: say so). Raises ValueError for a ``latest``
-    naming a missing checkpoint or a path that is not a checkpoint folder."""
+    """The checkpoint folder to resume from: None without ``cfg.resume``, with ``"never"``, or with
+    ``"auto"`` when ``output_dir`` has no ``latest`` pointer (``log``: say so).
+
+    Raises:
+        ValueError: no ``cfg.resume`` while ``output_dir`` holds an earlier run (:func:`previous_run`;
+            names ``--resume auto`` / ``--resume never``), a ``latest`` naming a missing checkpoint, or a
+            path that is not a checkpoint folder.
+    """
     if cfg.resume is None:
+        found = previous_run(cfg.output_dir)
+        if found:
+            shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+            raise ValueError(
+                f"train.output_dir: {cfg.output_dir} already holds a training run ({shown}); pass --resume auto to "
+                "continue it, --resume never to start over from step 0 (replacing it), or pass another --output-dir"
+            )
+        return None
+    if cfg.resume == "never":
         return None
     if cfg.resume == "auto":
         pointer = Path(cfg.output_dir) / LATEST
@@ -249,7 +293,8 @@ def _resolve_resume(cfg: TrainConfig, *, log: bool = False) -> Path | None:
         return path
     path = Path(cfg.resume)
     if not (path / TRAINER_STATE).exists():
-        raise ValueError(f"train.resume: {path} is not a checkpoint folder (no {TRAINER_STATE}); pass one or 'auto'")
+        raise ValueError(f"train.resume: {path} is not a checkpoint folder (no {TRAINER_STATE}); pass one, 'auto' or "
+                         "'never'")
     return path
 
 
@@ -535,10 +580,40 @@ def apply_retention(output_dir: str | Path, keep_last: int) -> list[Path]:
     found = sorted((step, p) for p in out.iterdir() if (step := _checkpoint_step(p)) is not None)
     doomed = [p for _, p in found[:-keep_last] if p.name != latest]
     for path in doomed:
-        trash = path.with_name(f".{path.name}.deleting")
-        os.replace(path, trash)
-        shutil.rmtree(trash)
+        _delete(path)
     return doomed
+
+
+def _delete(path: Path) -> None:
+    """Remove a file or folder, renamed to a hidden ``.name.deleting`` first, so a crash never leaves
+    a half-deleted checkpoint under its final name."""
+    trash = path.with_name(f".{path.name}.deleting")
+    os.replace(path, trash)
+    if trash.is_dir():
+        shutil.rmtree(trash)
+    else:
+        trash.unlink()
+
+
+def open_target_cache(cache_dir: str) -> TargetCache:
+    """The :class:`TargetCache` of ``cache_dir`` (``--cache-dir``), with the errors a user can fix as one line.
+
+    Raises:
+        ValueError: ``cache_dir`` is a file (a prepared JSONL trains online: ``--online-data``), or a
+            folder whose build is unfinished (no manifest beside shards: rerun ``deepspec cache``).
+        FileNotFoundError: no such folder, or a folder that holds no target cache.
+    """
+    path = Path(cache_dir)
+    if path.is_file():
+        raise ValueError(f"train.cache_dir: {path} is a file, not a target cache (a folder written by "
+                         f"`deepspec cache`); to train on a prepared JSONL pass --online-data {path} instead of --cache-dir, or build a "
+                         f"cache from it with `deepspec cache --input {path} --output-dir CACHE_DIR`")
+    try:
+        return TargetCache(path)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"train.cache_dir: {exc}") from None
+    except RuntimeError as exc:  # no manifest beside shards: an unfinished build
+        raise ValueError(f"train.cache_dir: {exc}") from None
 
 
 def open_training_data(cfg: TrainConfig, target_model, tokenizer) -> TargetCache | OnlineTargetFeatures:
@@ -550,7 +625,9 @@ def open_training_data(cfg: TrainConfig, target_model, tokenizer) -> TargetCache
     :mod:`deepspec.data.online`), so the loop below has no online branch.
 
     Raises:
-        ValueError: a cache built for another target/tokenizer/layer set, or invalid layer ids.
+        ValueError: a cache built for another target/tokenizer/layer set, invalid layer ids, or a
+            ``cache_dir`` that is no finished target cache (:func:`open_target_cache`).
+        FileNotFoundError: ``cache_dir`` missing or holding no target cache.
     """
     num_layers = target_model.config.num_hidden_layers
     if cfg.online_data is not None:
@@ -563,7 +640,7 @@ def open_training_data(cfg: TrainConfig, target_model, tokenizer) -> TargetCache
             max_seq_len=cfg.max_seq_len,
             feature_dtype=cfg.online_feature_dtype,
         )
-    cache = TargetCache(cfg.cache_dir)
+    cache = open_target_cache(cfg.cache_dir)
     layer_ids = validate_target_layer_ids(cache.manifest["target_layer_ids"], num_layers)
     if cfg.target_layer_ids is not None and list(cfg.target_layer_ids) != layer_ids:
         raise ValueError(
@@ -596,8 +673,10 @@ def train(cfg: TrainConfig, *, target_model=None, tokenizer=None,
     run gives the same losses and weights as one on a float32 cache of the same data.
 
     The draft weights of a checkpoint are in ``<checkpoint>/draft`` (loadable with the algorithm's
-    ``load``). Resume happens only when ``cfg.resume`` asks for it. Rank 0 alone writes checkpoints,
-    ``train_log.jsonl``, ``train_loss.png`` and the TensorBoard events (``<output_dir>/tensorboard``).
+    ``load``). Resume happens only when ``cfg.resume`` asks for it; an ``output_dir`` that already
+    holds a run is refused without it, and ``"never"`` replaces that run (:func:`clear_previous_run`).
+    Rank 0 alone writes checkpoints, ``train_log.jsonl``, ``train_loss.png`` and the TensorBoard
+    events (``<output_dir>/tensorboard``).
 
     Resuming a checkpoint already at ``cfg.max_steps`` does nothing and returns that checkpoint.
 
@@ -610,8 +689,10 @@ def train(cfg: TrainConfig, *, target_model=None, tokenizer=None,
     Raises:
         ValueError: the cache was built for another target/tokenizer/layer set, the mask token occurs
             in the data, a setting is invalid, the checkpoint to resume is past ``cfg.max_steps`` or was
-            trained with another draft shape (:func:`check_resume_shape`), or ``latest`` names a
-            missing checkpoint.
+            trained with another draft shape (:func:`check_resume_shape`), ``latest`` names a
+            missing checkpoint, ``output_dir`` holds an earlier run and ``cfg.resume`` is None, or
+            ``cfg.cache_dir`` is no finished target cache (:func:`open_target_cache`).
+        FileNotFoundError: ``cfg.cache_dir`` missing or holding no target cache.
     """
     ctx = _setup_distributed()
     try:
@@ -623,6 +704,8 @@ def train(cfg: TrainConfig, *, target_model=None, tokenizer=None,
 
 def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, heldout_prompts=None) -> Path:
     resume_from = _resolve_resume(cfg, log=ctx.is_main)
+    if cfg.cache_dir is not None:
+        open_target_cache(cfg.cache_dir)  # a wrong --cache-dir fails here, before the target loads
     state = None
     if resume_from is not None:
         state = torch.load(resume_from / TRAINER_STATE, weights_only=False, map_location="cpu")
@@ -682,12 +765,14 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
             print(f"resumed from {resume_from} at step {start_step}")
 
     out = Path(cfg.output_dir)
-    log_path = out / "train_log.jsonl"
+    log_path = out / RUN_LOG
     log_rows: list[dict] = []
     writer = None
     if ctx.is_main:
         from torch.utils.tensorboard import SummaryWriter
 
+        if cfg.resume == "never" and clear_previous_run(out):
+            print(f"train: --resume never: removed the earlier run in {out}; starting from step 0")
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(out / "train_config.json", asdict(cfg))
         log_rows = _read_log(log_path, upto_step=start_step)

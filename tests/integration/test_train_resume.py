@@ -134,8 +134,10 @@ def test_resume_from_a_path_in_another_folder(setup, tmp_path):
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert (tmp_path / "resumed" / "latest").read_text().strip() == "checkpoint-000006"
-    # resume happens only when asked: a rerun without `resume` starts again from step 0
-    assert loop._resolve_resume(_cfg(cache, tmp_path / "full")) is None
+    # resume happens only when asked: a rerun into the run's folder needs `resume` ("never": from step 0)
+    assert loop._resolve_resume(_cfg(cache, tmp_path / "full", resume="never")) is None
+    with pytest.raises(ValueError, match="already holds a training run"):
+        loop._resolve_resume(_cfg(cache, tmp_path / "full"))
     with pytest.raises(ValueError, match="not a checkpoint folder"):
         train(_cfg(cache, tmp_path / "x", resume=str(tmp_path)), target_model=model, tokenizer=tok)
 
@@ -200,6 +202,18 @@ def test_logged_lr_is_the_rate_each_step_used(setup, six_steps):
     expected = [cfg.lr * sched.lr_lambdas[0](i) for i in range(cfg.max_steps)]
     assert expected[0] == 0.0 and expected[2] == cfg.lr  # 2 warmup steps (0.2 x 6, rounded up)
     assert [r["lr"] for r in _log(six_steps)] == pytest.approx(expected, abs=1e-12)
+
+
+def test_a_second_run_into_a_folder_needs_resume_and_never_replaces_it(setup, six_steps, tmp_path):
+    model, tok, cache = setup
+    out = _copy_run(six_steps, tmp_path / "run")
+    with pytest.raises(ValueError, match=r"train.output_dir: .* already holds a training run .*--resume never"):
+        train(_cfg(cache, out, max_steps=2), target_model=model, tokenizer=tok)
+    assert (out / "checkpoint-000006").is_dir()  # the refusal touched nothing
+    final = train(_cfg(cache, out, max_steps=2, resume="never"), target_model=model, tokenizer=tok)
+    assert final.name == "checkpoint-000002" and (out / "latest").read_text().strip() == "checkpoint-000002"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-000002"]
+    assert [r["step"] for r in _log(out)] == [1, 2]
 
 
 def test_resume_at_max_steps_does_nothing(setup, six_steps, tmp_path, capsys):

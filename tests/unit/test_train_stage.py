@@ -1,0 +1,64 @@
+"""`deepspec train` refuses what a new user gets wrong before the target loads: a --cache-dir that is
+no target cache, and an --output-dir that already holds a run (without --resume)."""
+
+import json
+
+import pytest
+
+from deepspec.cli import main
+from deepspec.train import loop
+from deepspec.train.loop import TrainConfig, clear_previous_run, previous_run
+
+
+def _train_error(capsys, *argv) -> str:
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err  # one line, no traceback
+    return err
+
+
+def test_cache_dir_that_is_no_target_cache_is_a_one_line_error(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    err = _train_error(capsys, "--cache-dir", str(empty), "--output-dir", str(tmp_path / "run"))
+    assert "train.cache_dir" in err and "not a target cache" in err and "`deepspec cache`" in err
+    # a prepared JSONL given as the cache: point to online mode
+    prepared = tmp_path / "prepared.jsonl"
+    prepared.write_text(json.dumps({"messages": []}) + "\n")
+    err = _train_error(capsys, "--cache-dir", str(prepared), "--output-dir", str(tmp_path / "run"))
+    assert "is a file, not a target cache" in err and f"--online-data {prepared}" in err
+    # an unfinished build (shards or progress, no manifest) says so
+    (empty / "progress-rank0.json").write_text("{}")
+    err = _train_error(capsys, "--cache-dir", str(empty), "--output-dir", str(tmp_path / "run"))
+    assert "cache incomplete" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("left", ["latest", "checkpoint-000004", "train_log.jsonl"])
+def test_output_dir_holding_a_run_is_refused_without_resume(tmp_path, capsys, left):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / left).mkdir() if left.startswith("checkpoint-") else (out / left).write_text("x\n")
+    assert previous_run(out) == [left]
+    err = _train_error(capsys, "--cache-dir", str(tmp_path / "cache"), "--output-dir", str(out))
+    assert "train.output_dir" in err and left in err and "--resume auto" in err and "--resume never" in err
+    assert previous_run(out) == [left]  # nothing touched
+    # "never" and "auto" are accepted (auto with a latest naming nothing is its own error)
+    assert loop._resolve_resume(TrainConfig(cache_dir="c", output_dir=str(out), resume="never")) is None
+    if left != "latest":
+        assert loop._resolve_resume(TrainConfig(cache_dir="c", output_dir=str(out), resume="auto")) is None
+
+
+def test_resume_never_clears_the_earlier_run_only(tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoint-000002" / "draft").mkdir(parents=True)
+    (out / "tensorboard").mkdir()
+    for name in ("latest", "train_log.jsonl", "train_config.json", "train_loss.png", "heldout_reference.pt",
+                 "notes.txt"):
+        (out / name).write_text("x")
+    assert previous_run(out) == ["checkpoint-000002", "latest", "train_log.jsonl"]
+    removed = clear_previous_run(out)
+    assert sorted(p.name for p in removed) == ["checkpoint-000002", "latest", "tensorboard", "train_config.json",
+                                               "train_log.jsonl", "train_loss.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["heldout_reference.pt", "notes.txt"]
+    assert previous_run(out) == [] and clear_previous_run(tmp_path / "missing") == []
