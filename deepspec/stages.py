@@ -6,6 +6,8 @@ The CLI (``deepspec.cli``) builds one of the configs below from its flags and ca
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -369,6 +371,25 @@ def _writable_folder(path: str) -> Path:
     return folder
 
 
+@contextmanager
+def _output_folder(path: str) -> Iterator[Path]:
+    """:func:`_writable_folder` for one stage's output: yields the folder; when the stage raises, the
+    folders created here (``path`` and missing parents) are removed again while still empty, so a failed
+    stage leaves no empty output folder. A folder that existed before is never removed."""
+    absolute = Path(path).expanduser().absolute()
+    created = [p for p in (absolute, *absolute.parents) if not p.exists()]  # leaf first
+    folder = _writable_folder(path)
+    try:
+        yield folder
+    except BaseException:
+        for p in created:
+            try:
+                p.rmdir()  # only an empty folder
+            except OSError:
+                break  # it holds something: keep it and its parents
+        raise
+
+
 def _unique_name(name: str, taken: dict) -> str:
     """``name``, or ``name#2``, ``name#3``, ... if already taken (two drafts never share a report row)."""
     candidate, k = name, 1
@@ -407,7 +428,16 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
     another target shape is a ValueError; another target fingerprint is a ValueError unless
     ``cfg.allow_target_mismatch``, when a warning is printed and the report's ``config.target_check``
     records it (as it records every draft's check). The fingerprint is taken of the target as loaded
-    (float32, as training loads it), before target and drafts are cast to the decoding dtype."""
+    (float32, as training loads it), before target and drafts are cast to the decoding dtype.
+
+    ``cfg.output_dir`` is created first (ValueError if it cannot be written); when the stage then
+    fails, the folder is removed again if this call created it and it is still empty."""
+    with _output_folder(cfg.output_dir) as out_dir:
+        return _run_eval_into(out_dir, cfg, target_model=target_model, tokenizer=tokenizer, drafts=drafts)
+
+
+def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, drafts: dict | None) -> dict:
+    """:func:`run_eval_stage` once its output folder exists."""
     import sys
 
     from deepspec.device import cast_for_decoding, resolve_dtype
@@ -418,7 +448,6 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
     from deepspec.target.load import load_target, target_fingerprint
 
     # Everything the user controls is checked before the target loads (minutes for a large model).
-    out_dir = _writable_folder(cfg.output_dir)
     folders = [draft_folder(path) for path in cfg.draft] if drafts is None else []
     benchmarks, skipped = load_eval_benchmarks(cfg)
     device = next(target_model.parameters()).device if target_model is not None else "cpu"

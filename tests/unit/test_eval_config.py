@@ -100,3 +100,21 @@ def test_unwritable_output_dir_fails_before_anything_loads(tmp_path):
     blocker.write_text("")
     with pytest.raises(ValueError, match="output_dir"):
         run_eval_stage(EvalConfig(draft=[str(tmp_path / "no-draft")], output_dir=str(blocker)))
+
+
+def test_failed_eval_removes_the_output_folder_it_created(tmp_path):
+    from deepspec.stages import run_eval_stage
+
+    out = tmp_path / "reports" / "eval"
+    with pytest.raises(FileNotFoundError, match="no draft found"):
+        run_eval_stage(EvalConfig(draft=[str(tmp_path / "no-draft")], output_dir=str(out)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # "reports" was created by the stage: gone too
+    # a folder that existed before stays, empty or not
+    out.mkdir(parents=True)
+    with pytest.raises(FileNotFoundError):
+        run_eval_stage(EvalConfig(draft=[str(tmp_path / "no-draft")], output_dir=str(out)))
+    assert out.is_dir()
+    fresh = tmp_path / "reports" / "new"
+    with pytest.raises(FileNotFoundError):
+        run_eval_stage(EvalConfig(draft=[str(tmp_path / "no-draft")], output_dir=str(fresh)))
+    assert not fresh.exists() and out.is_dir()
