@@ -88,21 +88,23 @@ def answer_text(tokenizer: Any, output_ids: Sequence[int], eos_token_ids: Collec
 
 def _run_turns(generate: Callable[[list[int]], GenerationResult], tokenizer: Any, prompt: BenchmarkPrompt, *,
                num_turns: int, eos: list[int], first_ids: list[int],
-               chat_template_kwargs: Mapping[str, Any] | None) -> list[GenerationResult]:
+               chat_template_kwargs: Mapping[str, Any] | None) -> tuple[list[list[int]], list[GenerationResult]]:
     """One method's conversation on ``prompt``: turn 1 on ``first_ids`` (already rendered), each later
-    turn on ``[user_1, own answer_1, .., user_t]``. Returns one result per turn run."""
+    turn on ``[user_1, own answer_1, .., user_t]``. Returns the prompt ids and the result of each turn run."""
     from deepspec.data.chat import render_prompt
 
     turns = prompt.turns[:num_turns]
     messages: list[dict[str, str]] = []
+    prompt_ids: list[list[int]] = []
     results: list[GenerationResult] = []
     for t, user in enumerate(turns):
         messages.append({"role": "user", "content": user})
         ids = first_ids if t == 0 else render_prompt(tokenizer, messages, chat_template_kwargs=chat_template_kwargs)
+        prompt_ids.append(list(ids))
         results.append(generate(ids))
         if t + 1 < len(turns):
             messages.append({"role": "assistant", "content": answer_text(tokenizer, results[-1].output_ids, eos)})
-    return results
+    return prompt_ids, results
 
 
 def render_benchmark_prompts(tokenizer: Any, benchmarks: Mapping[str, Sequence[BenchmarkPrompt]], *,
@@ -211,7 +213,9 @@ def run_eval(
             linear path (:mod:`deepspec.eval.few_row_linear`); recorded in the report's config.
 
     Returns the results dict (``config``, ``environment``, ``definitions``, ``benchmarks``:
-    bench -> method -> metrics, ``samples``: bench -> method -> one record per (prompt, turn)).
+    bench -> method -> metrics, ``samples``: bench -> method -> one record per (prompt, turn), with
+    ``prompt`` the turn's rendered prompt text (its ids decoded, template tokens kept) and ``output``
+    the generated text (:func:`answer_text`)).
     Raises ValueError for a reserved proposer name, ``max_new_tokens < 1``, ``num_turns < 1`` or a
     ``sampling`` that is not a SamplingParams.
     """
@@ -255,27 +259,29 @@ def run_eval(
     turns_kw = dict(num_turns=num_turns, eos=eos, chat_template_kwargs=chat_template_kwargs)
     for bench, prompts in benchmarks.items():
         runs: dict[str, list[GenerationResult]] = {m: [] for m in methods}
+        prompts_of: dict[str, list[list[int]]] = {m: [] for m in methods}  # the prompt ids of each result
         turn_of: list[tuple[str, int]] = []  # (prompt id, turn 1..) of each pooled result, in order
-        base_prompts: list[list[int]] = []  # the prompt ids of each pooled target-only result
         for i, (prompt, ids) in enumerate(zip(prompts, rendered[bench])):
             turn_of.extend((prompt.id, t + 1) for t in range(min(num_turns, len(prompt.turns))))
             for name, engine in engines.items():
                 bar.set_postfix_str(f"{bench} {name}")
                 gen = new_generator(seed + i)
 
-                def generate(x: list[int], engine=engine, gen=gen, name=name) -> GenerationResult:
-                    if name == BASELINE:
-                        base_prompts.append(list(x))
+                def generate(x: list[int], engine=engine, gen=gen) -> GenerationResult:
                     return engine.generate(x, max_new_tokens=max_new_tokens, sampling=sampling, generator=gen)
 
-                runs[name].extend(_run_turns(generate, tokenizer, prompt, first_ids=ids, **turns_kw))
+                turn_ids, results = _run_turns(generate, tokenizer, prompt, first_ids=ids, **turns_kw)
+                prompts_of[name].extend(turn_ids)
+                runs[name].extend(results)
                 bar.update(1)
             if compare_hf_generate:
                 torch.manual_seed(seed + i)
-                runs[HF_GENERATE].extend(_run_turns(
+                turn_ids, results = _run_turns(
                     lambda x: hf_generate(target_model, x, max_new_tokens=max_new_tokens, sampling=sampling,
                                            eos=eos, pad=pad),
-                    tokenizer, prompt, first_ids=ids, **turns_kw))
+                    tokenizer, prompt, first_ids=ids, **turns_kw)
+                prompts_of[HF_GENERATE].extend(turn_ids)
+                runs[HF_GENERATE].extend(results)
                 bar.update(1)
         base = runs[BASELINE]
         figures[bench] = {
@@ -284,7 +290,7 @@ def run_eval(
         }
         if measure_flips:
             with few_row_linear_context(target_model) if few_row_linear else contextlib.nullcontext():
-                argmax_flip_figures(target_model, base_prompts, base, {n: runs[n] for n in proposers},
+                argmax_flip_figures(target_model, prompts_of[BASELINE], base, {n: runs[n] for n in proposers},
                                     figures[bench], chunk_len=flip_chunk_len, turn_of=turn_of)
         if compare_hf_generate:
             hf = figures[bench][HF_GENERATE]
@@ -295,8 +301,9 @@ def run_eval(
             name: [
                 {"id": pid, "turn": turn, "prompt_len": r.prompt_len, "num_new_tokens": r.num_new_tokens,
                  "stop_reason": r.stop_reason, "num_steps": len(r.steps), "total_time_s": r.total_time_s,
-                 "identical_to_baseline": r.output_ids == b.output_ids}
-                for (pid, turn), r, b in zip(turn_of, res, base)
+                 "identical_to_baseline": r.output_ids == b.output_ids,
+                 "prompt": tokenizer.decode(prompt_ids), "output": answer_text(tokenizer, r.output_ids, eos)}
+                for (pid, turn), prompt_ids, r, b in zip(turn_of, prompts_of[name], res, base)
             ]
             for name, res in runs.items()
         }

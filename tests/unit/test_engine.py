@@ -3,6 +3,8 @@ position limit, the feature-less baseline, step timing, and run_eval (one and tw
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -469,6 +471,17 @@ def test_run_eval_end_to_end_writes_report(target, tmp_path):
     assert figs["random"]["speedup"] > 0 and figs["random"]["num_output_tokens"] == 12
     assert res["config"]["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
     assert [r["turn"] for r in res["samples"]["tiny"]["random"]] == [1, 1]
+    # each record holds the rendered prompt and the generated text (readable back from the JSON)
+    tok = _FakeChatTokenizer()
+    written = json.loads((tmp_path / "eval_results.json").read_text())["samples"]["tiny"]
+    for name in ("target-only", "random", "hf-generate"):
+        for i, record in enumerate(res["samples"]["tiny"][name]):
+            ids = tok.apply_chat_template([{"role": "user", "content": f"hello {i}"}], add_generation_prompt=True)
+            assert record["prompt"] == tok.decode(ids) and record["prompt_len"] == len(ids)
+            assert isinstance(record["output"], str) and len(record["output"]) <= record["num_new_tokens"]
+            assert record["output"] == res["samples"]["tiny"]["target-only"][i]["output"]  # lossless at T=0
+            assert written[name][i] == record
+    assert any(r["output"] for r in written["random"])
     assert any("tiny" in line and "tau" in line for line in logs)
     for name in ("eval_results.json", "eval_report.md", "acceptance.png"):
         assert (tmp_path / name).stat().st_size > 0
