@@ -191,7 +191,7 @@ def _calibration_table(results: Mapping[str, Any]) -> list[str]:
         "## Confidence-head calibration",
         "",
         ("Pairs: per step, slots k = 1..min(accepted + 1, proposed); label 1 if accepted. "
-         "Position `all` pools every position."),
+         "Position `all` pools every position; a position with no pairs has no row."),
         "",
         "| method | benchmark | k | n | mean conf | accept rate | ECE | AUROC | Brier |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -203,6 +203,8 @@ def _calibration_table(results: Mapping[str, Any]) -> list[str]:
     for method, entries in by_method.items():
         for bench, cal in entries:
             for k, row in [("all", cal["pooled"])] + [(r["k"], r) for r in cal["per_position"]]:
+                if not row["num_pairs"]:
+                    continue  # nothing measured there (e.g. a slot past every proposal)
                 lines.append(
                     f"| {method} | {bench} | {k} | {row['num_pairs']} | {_fmt(row['mean_confidence'], 3)} | "
                     f"{_fmt(row['accept_rate'], 3)} | {_fmt(row['ece'], 3)} | {_fmt(row['auroc'], 3)} | "

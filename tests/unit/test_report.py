@@ -72,6 +72,21 @@ def test_markdown_tables_and_definitions():
         assert f"- `{key}`: " in md
 
 
+def test_calibration_table_skips_positions_without_pairs():
+    from deepspec.eval.metrics import calibration_stats
+
+    res = results_dict(with_confidence=True)
+    steps = [step(3, 1, (0.9, 0.6, 0.3)), step(2, 0, (0.4, 0.2))]  # pairs at k = 1, 2 only
+    cal = calibration_stats(steps, max_k=5)
+    assert [r["num_pairs"] for r in cal["per_position"]] == [2, 1, 0, 0, 0]
+    gsm8k = res["benchmarks"]["gsm8k"]
+    gsm8k["dspark"] = {**gsm8k["dspark"], "calibration": cal}  # mt-bench keeps the shared metrics
+    md = markdown_report(res)
+    assert "| dspark | gsm8k | all | 3 |" in md and "| dspark | gsm8k | 2 | 1 |" in md
+    assert "| dspark | gsm8k | 3 |" not in md and "| dspark | gsm8k | 5 |" not in md
+    assert "| dspark | mt-bench | 3 | 1 |" in md  # positions with pairs keep their rows
+
+
 def test_markdown_without_calibration_or_definitions_key():
     res = results_dict(with_confidence=False)
     del res["definitions"]
