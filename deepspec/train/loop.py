@@ -112,8 +112,8 @@ class TrainConfig:
     save_every: int = 0  # 0: save only at the end
     keep_last: int = 0  # keep the newest N checkpoint-*/ folders (never the one `latest` names); 0 = keep all
     seed: int = 0  # seeds the draft init and the data order
-    # None: output_dir must hold no earlier run | "auto": continue the run in output_dir (its `latest`) | "never":
-    # start from step 0, replacing the run in output_dir | a checkpoint folder to continue from
+    # none: start from step 0 in an output_dir that holds no earlier run | auto: continue the run in output_dir
+    # (its `latest`) | never: start from step 0, replacing the run in output_dir | a checkpoint folder to continue
     resume: str | None = None
     # Learning curve: greedy tau on a fixed held-out prompt set (deepspec.train.heldout), at step 0, every
     # heldout_every steps and at the end; logged to train_log.jsonl, TensorBoard and train_loss.png
