@@ -1347,7 +1347,8 @@ def verify_target_cache(
 
     Returns the per-shard results when all pass. Raises ValueError naming each broken shard and
     the fix (delete the shard file, rerun ``deepspec cache`` with the same settings: only missing
-    shards are rewritten); FileNotFoundError for a missing folder; ValueError for a missing manifest
+    shards are rewritten); FileNotFoundError for a missing folder or one that holds no cache (no
+    manifest, no shards); ValueError for a missing manifest beside shards
     (unfinished build: rerun ``deepspec cache``) or another format version.
     """
     root = Path(path)

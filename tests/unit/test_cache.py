@@ -269,6 +269,8 @@ def test_check_compatible(model, tmp_path):
 def test_reader_errors(tmp_path):
     with pytest.raises(FileNotFoundError):
         TargetCache(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match=r"is not a target cache \(no manifest.json, no shards\)"):
+        TargetCache(tmp_path)  # an empty folder
     (tmp_path / "progress-rank0.json").write_text("{}")
     with pytest.raises(RuntimeError, match="cache incomplete: run `deepspec cache` again to finish it"):
         TargetCache(tmp_path)
