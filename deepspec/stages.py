@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from deepspec.data.prepare import PrepareConfig
+from deepspec.utils import format_bytes
 
 
 @dataclass(kw_only=True)
@@ -291,7 +292,7 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
         details = (
             f"{summary.num_samples} samples, {summary.num_tokens} tokens in {summary.num_shards} shards"
             + ("" if summary.already_complete else f" ({summary.num_shards_reused} reused)")
-            + f", {summary.total_bytes / 2**20:.1f} MiB "
+            + f", {format_bytes(summary.total_bytes)} "
             f"({summary.bytes_per_token:.0f} bytes/token, {summary.storage_dtype}); inputs {summary.num_inputs}, "
             f"held out {summary.num_heldout}, truncated {summary.num_truncated}, refused {refused} "
             f"(no loss token {summary.num_refused_empty_mask}, non-finite features {summary.num_refused_nonfinite}"

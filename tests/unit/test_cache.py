@@ -174,8 +174,17 @@ def test_estimate_reproduces_qwen3_4b(capsys):
     assert main(["estimate", "--target", str(FIXTURES / "qwen3-4b-config.json"), "--num-tokens", "1000"]) == 0
     out = capsys.readouterr().out
     assert "30,726" in out and "original DeepSpec layout" in out and "fp8" in out and "float32" in out
+    # sizes in binary units, as the cache summary (and so the demo) prints them: 30,726 kB = 29.3 MiB
+    assert "29.3 MiB" in out and " MB" not in out and "1 MiB = 2^20 bytes" in out
     with pytest.raises(ValueError, match="at most one dataset size"):
         EstimateConfig(num_tokens=5, num_conversations=3, tokens_per_conversation=2)
+
+
+def test_format_bytes_is_binary():
+    from deepspec.utils import format_bytes
+
+    assert [format_bytes(n) for n in (512, 1536, 2**20, 37 * 2**20 + 2**19, 38 * 10**12)] == [
+        "512 B", "1.5 KiB", "1.0 MiB", "37.5 MiB", "34.6 TiB"]
 
 
 def test_estimate_measures_prepared_jsonl(tmp_path, monkeypatch):
