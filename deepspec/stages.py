@@ -249,7 +249,7 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
 
     from deepspec.data.cache import verify_target_cache, write_target_cache
     from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
-    from deepspec.target.load import load_target
+    from deepspec.target.load import load_target, recorded_target_name
 
     if cfg.verify:
         return verify_target_cache(cfg.output_dir)
@@ -281,6 +281,7 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
             storage_dtype=cfg.storage_dtype,
             rank=rank,
             world_size=world_size,
+            target=recorded_target_name(cfg.target),
         )
     finally:
         if created_group:

@@ -549,7 +549,7 @@ def test_write_target_cache_from_jsonl_wiring(model, tmp_path, monkeypatch):
     summary = cache_mod.write_target_cache(
         src, tmp_path / "cache", model, _StandInTokenizer(), target_layer_ids=LAYER_IDS, max_seq_len=13,
         shard_size=2, storage_dtype="float32", progress=False,
-        target_fingerprint="tgt-A", tokenizer_fingerprint="tok-A")
+        target_fingerprint="tgt-A", tokenizer_fingerprint="tok-A", target="/models/tiny")
     seen = [{k: kw[k] for k in ("cut_turns", "chat_template_kwargs", "generated_ids")} for kw in seen]
     assert {"cut_turns": [1], "chat_template_kwargs": {"enable_thinking": False}, "generated_ids": None} in seen
     assert {"cut_turns": [], "chat_template_kwargs": None, "generated_ids": None} in seen
@@ -561,6 +561,7 @@ def test_write_target_cache_from_jsonl_wiring(model, tmp_path, monkeypatch):
     assert [s["num_samples"] for s in cache.manifest["shards"]] == [1, 2, 2]  # rows (0,1), (2,3), (4,5)
     assert summary.num_truncated == 2 and cache.sample_length(3) == 13
     assert cache.manifest["chat_template"].startswith("sha256:")
+    assert cache.manifest["target"] == "/models/tiny"  # `deepspec train` without --target uses it
     assert cache.manifest["settings"]["source_fingerprint"] == "sha256:" + sha256_file(src)
     want = _fake_render_training_samples(None, rows[3]["messages"])[1]
     assert cache[2]["input_ids"].tolist() == want.input_ids and cache[2]["loss_mask"].tolist() == want.loss_mask
