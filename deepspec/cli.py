@@ -1,42 +1,48 @@
-"""The ``deepspec`` command: one entry point, one subcommand per stage.
+"""The deepspec command: one entry point, one subcommand per stage.
 
-    deepspec prepare  regenerate chat answers with the target          -> prepared JSONL
-    deepspec cache    capture target features into a target cache       -> cache folder
-    deepspec train    train a DSpark (or DFlash) draft on a target cache -> checkpoints
-    deepspec eval     speculative decoding on benchmarks                -> report (MD, JSON, PNG)
-    deepspec demo     all of the above on the embedded default target
-    deepspec estimate target cache size per storage mode               -> a table
-    deepspec serve    the target behind an OpenAI-compatible HTTP API  -> a local server
+  deepspec prepare   regenerate chat answers with the target          -> prepared JSONL
+  deepspec cache     capture target features into a target cache      -> cache folder
+  deepspec train     train a draft on a target cache, or online       -> checkpoints
+  deepspec eval      speculative decoding on benchmarks               -> report (MD, JSON, PNG)
+  deepspec demo      all of the above on the embedded default target
+  deepspec estimate  target cache size per storage mode               -> a table
+  deepspec serve     the target behind an OpenAI-compatible HTTP API  -> a local server
 
-Each subcommand's flags are exactly the fields of its config dataclass (see ``deepspec.config``).
+Drafting algorithms (deepspec train --algorithm): dspark (DSpark, the default), dflash (DFlash:
+DSpark's drafter without its heads), eagle3 (Eagle3).
+
+Each subcommand's flags are exactly the fields of its config dataclass (deepspec.config);
+`deepspec STAGE --help` lists them.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from deepspec.config import add_dataclass_arguments, dataclass_from_args
 
+# stage -> (module, config class, one-line help). A config's module imports torch and transformers
+# (seconds), so only the stage being run (or whose --help is asked for) is imported: `deepspec --help`
+# imports neither.
+_STAGES = {
+    "prepare": ("deepspec.data.prepare", "PrepareConfig", "regenerate assistant turns with the target"),
+    "cache": ("deepspec.stages", "CacheConfig", "write the target cache (features + final hidden states)"),
+    "train": ("deepspec.train.loop", "TrainConfig",
+              "train a draft model on a target cache or online (features computed by the target)"),
+    "eval": ("deepspec.stages", "EvalConfig", "evaluate drafts with speculative decoding on benchmarks"),
+    "demo": ("deepspec.demo", "DemoConfig", "the whole pipeline on the embedded default target"),
+    "estimate": ("deepspec.data.estimate", "EstimateConfig",
+                 "target cache size per storage mode for a target config and dataset size"),
+    "serve": ("deepspec.data.openai_server", "ServeConfig",
+              "serve the target over an OpenAI-compatible HTTP API (tests, CPU use)"),
+}
 
-def _stages():
-    # Imported lazily so `deepspec --help` is instant (torch/transformers take seconds to import).
-    from deepspec.data.estimate import EstimateConfig
-    from deepspec.data.openai_server import ServeConfig
-    from deepspec.data.prepare import PrepareConfig
-    from deepspec.demo import DemoConfig
-    from deepspec.stages import CacheConfig, EvalConfig
-    from deepspec.train.loop import TrainConfig
 
-    return {
-        "prepare": (PrepareConfig, "regenerate assistant turns with the target"),
-        "cache": (CacheConfig, "write the target cache (features + final hidden states)"),
-        "train": (TrainConfig, "train a draft model on a target cache or online (features computed by the target)"),
-        "eval": (EvalConfig, "evaluate drafts with speculative decoding on benchmarks"),
-        "demo": (DemoConfig, "the whole pipeline on the embedded default target"),
-        "estimate": (EstimateConfig, "target cache size per storage mode for a target config and dataset size"),
-        "serve": (ServeConfig, "serve the target over an OpenAI-compatible HTTP API (tests, CPU use)"),
-    }
+def _config_class(stage: str) -> type:
+    module, name, _ = _STAGES[stage]
+    return getattr(importlib.import_module(module), name)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,23 +59,33 @@ class _Parser(argparse.ArgumentParser):
         return parsed
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(stages: tuple[str, ...] | None = None) -> argparse.ArgumentParser:
+    """The ``deepspec`` parser: one subcommand per stage, whose flags are its config's fields.
+
+    Args:
+        stages: the stages whose flags are added (their config modules are imported); ``None`` = all.
+            The others are listed with their one-line help only, so ``deepspec --help`` stays fast.
+    """
     parser = _Parser(
         prog="deepspec", description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
     )
     sub = parser.add_subparsers(dest="command", required=True)
     parser.stage_parsers = {}
-    for name, (cls, help_text) in _stages().items():
+    for name, (_, _, help_text) in _STAGES.items():
         stage = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
-        add_dataclass_arguments(stage, cls)
+        if stages is None or name in stages:
+            add_dataclass_arguments(stage, _config_class(name))
         parser.stage_parsers[name] = stage
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    # the stage is the first word that is no option (the top-level parser has no option taking a value)
+    named = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(stages=(named,) if named in _STAGES else ())
     args = parser.parse_args(argv)
-    cls = _stages()[args.command][0]
+    cls = _config_class(args.command)
     try:
         cfg = dataclass_from_args(cls, args)
     except ValueError as exc:

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from deepspec.data.prepare import PrepareConfig
+from deepspec.utils import format_bytes
 
 
 @dataclass(kw_only=True)
@@ -248,7 +249,7 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
 
     from deepspec.data.cache import verify_target_cache, write_target_cache
     from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
-    from deepspec.target.load import load_target
+    from deepspec.target.load import load_target, recorded_target_name
 
     if cfg.verify:
         return verify_target_cache(cfg.output_dir)
@@ -280,6 +281,7 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
             storage_dtype=cfg.storage_dtype,
             rank=rank,
             world_size=world_size,
+            target=recorded_target_name(cfg.target),
         )
     finally:
         if created_group:
@@ -291,7 +293,7 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
         details = (
             f"{summary.num_samples} samples, {summary.num_tokens} tokens in {summary.num_shards} shards"
             + ("" if summary.already_complete else f" ({summary.num_shards_reused} reused)")
-            + f", {summary.total_bytes / 2**20:.1f} MiB "
+            + f", {format_bytes(summary.total_bytes)} "
             f"({summary.bytes_per_token:.0f} bytes/token, {summary.storage_dtype}); inputs {summary.num_inputs}, "
             f"held out {summary.num_heldout}, truncated {summary.num_truncated}, refused {refused} "
             f"(no loss token {summary.num_refused_empty_mask}, non-finite features {summary.num_refused_nonfinite}"

@@ -26,6 +26,18 @@ def token_id_list(value: Any) -> list[int]:
     return [int(value)]
 
 
+def format_bytes(num_bytes: int | float) -> str:
+    """A byte count in binary (IEC) units, one decimal: ``"37.0 MiB"``, ``"34.5 TiB"``, ``"512 B"``.
+
+    Every size DeepSpec prints (cache summary, ``deepspec estimate``, the demo) uses this one rule,
+    so sizes compare directly: 1 KiB = 1,024 bytes, 1 MiB = 2**20, ..., 1 PiB = 2**50.
+    """
+    for unit, power in (("PiB", 50), ("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if num_bytes >= 2**power:
+            return f"{num_bytes / 2**power:,.1f} {unit}"
+    return f"{int(num_bytes)} B"
+
+
 def deepspec_home() -> Path:
     """Return the DeepSpec cache folder: ``$DEEPSPEC_HOME``, else ``$XDG_CACHE_HOME/deepspec``,
     else ``~/.cache/deepspec``. The folder is created if missing."""

@@ -650,6 +650,7 @@ def _write_cache_in(
     rank: int,
     world_size: int,
     render: Mapping[str, Any] | None = None,
+    target: str | None = None,
 ) -> CacheSummary:
     out = Path(out_dir)
     num_hidden_layers = len(_base_model(model).layers)
@@ -805,6 +806,7 @@ def _write_cache_in(
             "format": FORMAT_VERSION,
             "run_key": run_key,
             "settings": settings,
+            "target": target,  # as named to `deepspec cache`; `deepspec train` without --target uses it
             "target_fingerprint": target_fingerprint,
             "tokenizer_fingerprint": tokenizer_fingerprint,
             "target_layer_ids": layer_ids,
@@ -984,6 +986,7 @@ def write_target_cache(
     tokenizer_fingerprint: str | None = None,
     rank: int = 0,
     world_size: int = 1,
+    target: str | None = None,
 ) -> CacheSummary:
     """Build the target cache of a prepared JSONL file (rows ``{"id", "messages", ...}``).
 
@@ -991,7 +994,9 @@ def write_target_cache(
     rendered by :func:`render_prepared_row` (held-out rows are counted, not cached); rows of
     shards another rank writes, or of shards already complete, are not rendered. Otherwise as
     :func:`write_target_cache_from_samples`. Fingerprints default to
-    :func:`deepspec.target.load.target_fingerprint` / ``tokenizer_fingerprint``.
+    :func:`deepspec.target.load.target_fingerprint` / ``tokenizer_fingerprint``. ``target`` names the
+    target as ``deepspec cache`` was given it (``"default"`` or an absolute folder path); the manifest
+    records it, and ``deepspec train`` without ``--target`` trains against it.
 
     Raises FileNotFoundError for a missing input, ValueError for bad settings or rows.
     """
@@ -1021,7 +1026,7 @@ def write_target_cache(
         tokenizer_fingerprint=tokenizer_fingerprint, max_seq_len=max_seq_len, shard_size=shard_size,
         storage_dtype=storage_dtype, chat_template=chat_template_id(tokenizer),
         source_fingerprint="sha256:" + sha256_file(path), num_inputs_hint=_count_lines(path),
-        progress=progress, rank=rank, world_size=world_size, render=render,
+        progress=progress, rank=rank, world_size=world_size, render=render, target=target,
     )
 
 
@@ -1213,9 +1218,11 @@ def check_compatible(
     """
     m = manifest_or_cache.manifest if hasattr(manifest_or_cache, "manifest") else manifest_or_cache
     where = f"target cache {manifest_or_cache.path}" if hasattr(manifest_or_cache, "path") else "target cache"
+    built_with = f" (--target {m['target']})" if m.get("target") else " (pass it with --target)"
     checks = [
         ("target_fingerprint", m.get("target_fingerprint"), target_fingerprint,
-         "rebuild the cache with this target (`deepspec cache`) or train against the target it was built with"),
+         "rebuild the cache with this target (`deepspec cache`) or train against the target it was built with"
+         + built_with),
         ("tokenizer_fingerprint", m.get("tokenizer_fingerprint"), tokenizer_fingerprint,
          "rebuild the cache with this target's tokenizer (`deepspec cache`)"),
         ("target_layer_ids", list(m.get("target_layer_ids", [])), list(target_layer_ids),

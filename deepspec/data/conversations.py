@@ -231,8 +231,8 @@ def recover_json_array(text: str) -> tuple[list[Any], int]:
         except json.JSONDecodeError as exc:
             if text.rstrip().endswith("]") and _looks_complete(text, idx, decoder):
                 raise ValueError(
-                    f"element {len(records)} (char {idx}) is malformed ({exc.msg}) but the array continues "
-                    f"after it: the file is corrupt, not truncated."
+                    f"element {len(records)} is malformed ({exc.msg} at line {exc.lineno} column {exc.colno}) but "
+                    f"the array continues after it: the file is corrupt, not truncated."
                 ) from None
             return records, 1
         records.append(obj)
@@ -242,9 +242,18 @@ def recover_json_array(text: str) -> tuple[list[Any], int]:
         if text[idx] == "]":
             return records, 0
         if text[idx] != ",":
-            raise ValueError(f"expected ',' or ']' after element {len(records) - 1} at char {idx}, found {text[idx]!r}")
+            line, column = _line_column(text, idx)
+            raise ValueError(f"expected ',' or ']' after element {len(records) - 1} at line {line} column {column}, "
+                             f"found {text[idx]!r}")
         idx = _WS.match(text, idx + 1).end()
     return records, 0
+
+
+def _line_column(text: str, pos: int) -> tuple[int, int]:
+    """1-based (line, column) of character offset ``pos`` in ``text``, as an editor shows it (and as
+    :class:`json.JSONDecodeError` counts: columns in characters, lines split at ``\\n``)."""
+    line_start = text.rfind("\n", 0, pos) + 1
+    return text.count("\n", 0, pos) + 1, pos - line_start + 1
 
 
 def _looks_complete(text: str, idx: int, decoder: json.JSONDecoder) -> bool:

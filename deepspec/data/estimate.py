@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from deepspec.data.cache import STORAGE_DTYPES, cache_bytes_per_token
+from deepspec.utils import format_bytes
 
 
 @dataclass(kw_only=True)
@@ -148,16 +149,6 @@ class EstimateReport:
         return asdict(self)
 
 
-def _human(num_bytes: int | None) -> str:
-    if num_bytes is None:
-        return "-"
-    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if num_bytes >= scale:
-            tib = num_bytes / 2**40
-            return f"{num_bytes / scale:,.1f} {unit}" + (f" ({tib:,.1f} TiB)" if scale >= 1e12 else "")
-    return f"{num_bytes} B"
-
-
 def run_estimate(cfg: EstimateConfig, *, tokenizer: Any = None, log=print) -> EstimateReport:
     """Compute and print the size table for ``cfg``; ``tokenizer`` defaults to the target's.
 
@@ -214,7 +205,8 @@ def run_estimate(cfg: EstimateConfig, *, tokenizer: Any = None, log=print) -> Es
     log(f"  {'storage':<{width}}{'bytes/token':>12}  {'total':>22}")
     for r in report.rows:
         mark = "*" if r.layout == "deepspec" and r.storage_dtype == cfg.storage_dtype else " "
-        log(f"{mark} {r.label:<{width}}{r.bytes_per_token:>12,}  {_human(r.total_bytes):>22}")
+        total = "-" if r.total_bytes is None else format_bytes(r.total_bytes)
+        log(f"{mark} {r.label:<{width}}{r.bytes_per_token:>12,}  {total:>22}")
     log("(* = --storage-dtype; per-sample offsets (8 B/sample) and shard headers not included; "
-        "TB = 10^12 bytes)")
+        "binary units: 1 MiB = 2^20 bytes, 1 TiB = 2^40 bytes)")
     return report

@@ -402,7 +402,7 @@ def _parse(data: bytes, where: str) -> Rows:
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}:{exc.lineno}: malformed JSON ({exc.msg}).") from None
+            raise ValueError(f"{where}:{exc.lineno}: malformed JSON ({exc.msg} at column {exc.colno}).") from None
         if not isinstance(rows, list):
             raise ValueError(f"{where}: expected a JSON array of records, received {type(rows).__name__}.")
         return [(f"{where}[{i}]", row) for i, row in enumerate(rows)]
@@ -412,7 +412,7 @@ def _parse(data: bytes, where: str) -> Rows:
             try:
                 out.append((f"{where}:{line_no}", json.loads(line)))
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}:{line_no}: malformed JSON ({exc.msg}).") from None
+                raise ValueError(f"{where}:{line_no}: malformed JSON ({exc.msg} at column {exc.colno}).") from None
     return out
 
 

@@ -1,21 +1,32 @@
 """Choice and validation of the draft's mask token (DESIGN section 5, "Mask token").
 
 The block input is ``[x_a, m, m, ..., m]``; ``m`` must be an embedding row that no real text ever
-produces. Preference order: a spare embedding row beyond the tokenizer (Qwen3: 151,936 rows for
-151,669 tokens, the original DeepSpec uses 151669), else a reserved special token named by the user
-(SmolLM2 has no spare row; ``<repo_name>`` is a reserved code-pretraining token that chat text never
-contains). pad and eos are always refused: they occur in every training sequence.
+produces. Automatic preference order (:func:`choose_mask_token_id`):
+
+1. the tokenizer's declared ``mask_token`` (Gemma declares ``<mask>``);
+2. a reserved special token that chat text never contains, as real tokenizers spell it
+   (SmolLM2: ``<repo_name>``; Qwen2.5/Qwen3: ``<|repo_name|>``, ``<|file_sep|>``, ``<|fim_pad|>``);
+3. a padding-only token that fills the vocabulary (``<unused0>``, ``<|reserved_special_token_0|>``, ...);
+4. a spare embedding row beyond the tokenizer (the original DeepSpec uses Qwen3's row 151669).
+
+pad, eos and bos are never chosen: they occur in every training sequence. ``deepspec train`` then
+checks that the chosen token never occurs in the training data (:func:`check_mask_token_absent`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
 
-# Reserved special tokens that chat data never contains, tried in order when the embedding has no
-# spare row. SmolLM2's tokenizer defines all of them (ids 3-5).
-RESERVED_MASK_TOKEN_CANDIDATES = ("<repo_name>", "<reponame>", "<file_sep>", "<filename>")
+# Reserved special tokens that chat data never contains, tried in order after the declared mask token.
+# SmolLM2's tokenizer defines the first ones (ids 3-5); Qwen2.5 and Qwen3 spell theirs with bars.
+RESERVED_MASK_TOKEN_CANDIDATES = (
+    "<repo_name>", "<reponame>", "<file_sep>", "<filename>", "<|repo_name|>", "<|file_sep|>", "<|fim_pad|>",
+)
+# Tokens that only pad the vocabulary to a round size (Gemma, Llama 3, Phi-3), tried after the reserved ones.
+PADDING_ONLY_TOKEN_PATTERNS = (r"<unused\d+>", r"\[unused\d+\]", r"<\|reserved_special_token_\d+\|>", r"<\|dummy_\d+\|>")
 
 
 def choose_mask_token_id(tokenizer, num_embeddings: int, requested: str | int | None = None) -> int:
@@ -24,26 +35,15 @@ def choose_mask_token_id(tokenizer, num_embeddings: int, requested: str | int | 
     Args:
         tokenizer: the target's Hugging Face tokenizer.
         num_embeddings: rows of the target's input embedding (may exceed ``len(tokenizer)``).
-        requested: a token string or id chosen by the user; ``None`` picks automatically.
+        requested: a token string or id chosen by the user; ``None`` picks automatically, in the order
+            of this module's docstring (declared mask token, reserved, padding-only, spare row).
 
     Raises:
         ValueError: the requested token is unknown, out of range, or equals pad/eos; or no
             automatic choice exists (then the message says to pass ``--mask-token``).
     """
     if requested is None:
-        if num_embeddings > len(tokenizer):
-            mask_id = len(tokenizer)
-        else:
-            vocab = tokenizer.get_vocab()
-            found = [vocab[t] for t in RESERVED_MASK_TOKEN_CANDIDATES if t in vocab]
-            if not found:
-                raise ValueError(
-                    f"mask_token: the target's embedding has no spare row ({num_embeddings} rows for "
-                    f"{len(tokenizer)} tokens) and none of the reserved tokens "
-                    f"{RESERVED_MASK_TOKEN_CANDIDATES} exists; pass --mask-token with a reserved special "
-                    "token that never occurs in your data"
-                )
-            mask_id = found[0]
+        mask_id = _automatic_mask_token_id(tokenizer, num_embeddings)
     elif isinstance(requested, int) or str(requested).isdigit():
         mask_id = int(requested)
     else:
@@ -52,6 +52,26 @@ def choose_mask_token_id(tokenizer, num_embeddings: int, requested: str | int | 
             raise ValueError(f"mask_token: {requested!r} is not a token of this tokenizer; pass a token it defines")
     validate_mask_token_id(mask_id, num_embeddings=num_embeddings, forbidden_ids=special_ids_of(tokenizer))
     return mask_id
+
+
+def _automatic_mask_token_id(tokenizer, num_embeddings: int) -> int:
+    """The first usable candidate of the module docstring's order; ValueError when none exists."""
+    forbidden = set(special_ids_of(tokenizer).values())
+    vocab = tokenizer.get_vocab()
+    declared = getattr(tokenizer, "mask_token", None)
+    named = ((str(declared),) if declared else ()) + RESERVED_MASK_TOKEN_CANDIDATES
+    candidates = [vocab[t] for t in named if t in vocab]
+    candidates += sorted(vocab[t] for t in vocab if any(re.fullmatch(p, t) for p in PADDING_ONLY_TOKEN_PATTERNS))
+    if num_embeddings > len(tokenizer):
+        candidates.append(len(tokenizer))
+    for mask_id in candidates:
+        if mask_id not in forbidden and 0 <= mask_id < num_embeddings:
+            return mask_id
+    raise ValueError(
+        f"mask_token: found no declared mask token, none of the reserved tokens {RESERVED_MASK_TOKEN_CANDIDATES}, "
+        f"no padding-only token and no spare embedding row ({num_embeddings} rows for {len(tokenizer)} tokens); "
+        "pass --mask-token with a reserved special token that never occurs in your data"
+    )
 
 
 def special_ids_of(tokenizer) -> dict[str, int]:

@@ -122,6 +122,12 @@ def resolve_target_dir(target: str) -> Path:
     return path
 
 
+def recorded_target_name(target: str) -> str:
+    """``target`` as a target cache records it: ``"default"``, else the folder's absolute path (so a
+    later ``deepspec train`` from another working directory finds the same folder)."""
+    return target if target == EMBEDDED_DEFAULT else str(Path(target).expanduser().resolve())
+
+
 def load_tokenizer(target: str = EMBEDDED_DEFAULT) -> Any:
     """Load only the tokenizer of ``target`` (same resolution rules as :func:`load_target`)."""
     from transformers import AutoTokenizer

@@ -30,7 +30,7 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ from deepspec.models.acceptance import AcceptanceCounts
 from deepspec.models.registry import ALGORITHMS, get_algorithm
 from deepspec.models.vocab import count_supervised_tokens, select_draft_vocab
 from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
-from deepspec.target.load import load_target, target_fingerprint, tokenizer_fingerprint
+from deepspec.target.load import EMBEDDED_DEFAULT, load_target, target_fingerprint, tokenizer_fingerprint
 from deepspec.train.data import collate, micro_batch_seed, rank_micro_batches
 from deepspec.train.heldout import (
     REFERENCE_NAME,
@@ -76,7 +76,9 @@ class TrainConfig:
     num_target_layers: int = 5  # online, when target_layer_ids is None
     max_seq_len: int = 1024  # online only (a cache records its own)
     online_feature_dtype: str = "float32"  # online only: the cache storage dtype to reproduce (or fp8)
-    target: str = "default"  # "default" (the embedded SmolLM2) or a Hugging Face model folder
+    # none: the target the cache records (`deepspec cache --target`; online mode and older caches: the embedded
+    # SmolLM2) | "default": the embedded SmolLM2 | a Hugging Face model folder
+    target: str | None = None
     # (the --help text is the trailing comment; tests/integration/test_train_resume.py checks that it lists every
     # algorithm of deepspec.models.registry.ALGORITHMS)
     algorithm: str = "dspark"  # the drafting algorithm: dspark | dflash | eagle3 (deepspec.models.registry)
@@ -616,6 +618,27 @@ def open_target_cache(cache_dir: str) -> TargetCache:
         raise ValueError(f"train.cache_dir: {exc}") from None
 
 
+def resolve_train_target(cfg: TrainConfig, cache: TargetCache | None, *, log=print) -> str:
+    """The target to train against: ``cfg.target`` when given; else the target the cache's manifest
+    records (``deepspec cache --target``, saying so in one line through ``log``); else (online mode, a
+    cache written before caches recorded it) the embedded default. An explicit ``--target`` that is
+    not the cache's target is checked by fingerprint afterwards (:func:`open_training_data`).
+
+    Raises:
+        FileNotFoundError: the recorded target folder no longer exists (the message says to pass --target).
+    """
+    if cfg.target is not None:
+        return cfg.target
+    recorded = None if cache is None else cache.manifest.get("target")
+    if recorded is None:
+        return EMBEDDED_DEFAULT
+    if recorded != EMBEDDED_DEFAULT and not Path(recorded).is_dir():
+        raise FileNotFoundError(f"train.target: the target cache {cfg.cache_dir} was built with --target {recorded}, "
+                                "which no longer exists; pass --target with that model folder (or its new place)")
+    log(f"train: --target not given; using the target the cache records: {recorded} ({cfg.cache_dir})")
+    return recorded
+
+
 def open_training_data(cfg: TrainConfig, target_model, tokenizer) -> TargetCache | OnlineTargetFeatures:
     """The training samples: a :class:`TargetCache` (``cfg.cache_dir``) checked against this target,
     tokenizer and (if given) ``cfg.target_layer_ids``, or in online mode (``cfg.online_data``) an
@@ -704,8 +727,8 @@ def train(cfg: TrainConfig, *, target_model=None, tokenizer=None,
 
 def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, heldout_prompts=None) -> Path:
     resume_from = _resolve_resume(cfg, log=ctx.is_main)
-    if cfg.cache_dir is not None:
-        open_target_cache(cfg.cache_dir)  # a wrong --cache-dir fails here, before the target loads
+    # a wrong --cache-dir fails here, before the target loads
+    cache = open_target_cache(cfg.cache_dir) if cfg.cache_dir is not None else None
     state = None
     if resume_from is not None:
         state = torch.load(resume_from / TRAINER_STATE, weights_only=False, map_location="cpu")
@@ -721,6 +744,7 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
                       "to do (raise --max-steps to train further)")
             return resume_from
     if target_model is None:
+        cfg = replace(cfg, target=resolve_train_target(cfg, cache, log=print if ctx.is_main else lambda _: None))
         target_model, tokenizer = load_target(cfg.target)
     cache = open_training_data(cfg, target_model, tokenizer)
     target_layer_ids = cache.target_layer_ids

@@ -174,8 +174,17 @@ def test_estimate_reproduces_qwen3_4b(capsys):
     assert main(["estimate", "--target", str(FIXTURES / "qwen3-4b-config.json"), "--num-tokens", "1000"]) == 0
     out = capsys.readouterr().out
     assert "30,726" in out and "original DeepSpec layout" in out and "fp8" in out and "float32" in out
+    # sizes in binary units, as the cache summary (and so the demo) prints them: 30,726 kB = 29.3 MiB
+    assert "29.3 MiB" in out and " MB" not in out and "1 MiB = 2^20 bytes" in out
     with pytest.raises(ValueError, match="at most one dataset size"):
         EstimateConfig(num_tokens=5, num_conversations=3, tokens_per_conversation=2)
+
+
+def test_format_bytes_is_binary():
+    from deepspec.utils import format_bytes
+
+    assert [format_bytes(n) for n in (512, 1536, 2**20, 37 * 2**20 + 2**19, 38 * 10**12)] == [
+        "512 B", "1.5 KiB", "1.0 MiB", "37.5 MiB", "34.6 TiB"]
 
 
 def test_estimate_measures_prepared_jsonl(tmp_path, monkeypatch):
@@ -540,7 +549,7 @@ def test_write_target_cache_from_jsonl_wiring(model, tmp_path, monkeypatch):
     summary = cache_mod.write_target_cache(
         src, tmp_path / "cache", model, _StandInTokenizer(), target_layer_ids=LAYER_IDS, max_seq_len=13,
         shard_size=2, storage_dtype="float32", progress=False,
-        target_fingerprint="tgt-A", tokenizer_fingerprint="tok-A")
+        target_fingerprint="tgt-A", tokenizer_fingerprint="tok-A", target="/models/tiny")
     seen = [{k: kw[k] for k in ("cut_turns", "chat_template_kwargs", "generated_ids")} for kw in seen]
     assert {"cut_turns": [1], "chat_template_kwargs": {"enable_thinking": False}, "generated_ids": None} in seen
     assert {"cut_turns": [], "chat_template_kwargs": None, "generated_ids": None} in seen
@@ -552,6 +561,7 @@ def test_write_target_cache_from_jsonl_wiring(model, tmp_path, monkeypatch):
     assert [s["num_samples"] for s in cache.manifest["shards"]] == [1, 2, 2]  # rows (0,1), (2,3), (4,5)
     assert summary.num_truncated == 2 and cache.sample_length(3) == 13
     assert cache.manifest["chat_template"].startswith("sha256:")
+    assert cache.manifest["target"] == "/models/tiny"  # `deepspec train` without --target uses it
     assert cache.manifest["settings"]["source_fingerprint"] == "sha256:" + sha256_file(src)
     want = _fake_render_training_samples(None, rows[3]["messages"])[1]
     assert cache[2]["input_ids"].tolist() == want.input_ids and cache[2]["loss_mask"].tolist() == want.loss_mask

@@ -54,6 +54,25 @@ def test_cli_parser_builds_every_stage():
         parser.parse_args(["train", "--cache-dir", "c", "--output-dir", "o", "--max-stepz", "5"])
 
 
+def test_top_level_help_lists_every_algorithm_in_plain_text_without_importing_torch(capsys):
+    import subprocess
+    import sys
+
+    from deepspec.cli import main
+    from deepspec.models.registry import ALGORITHMS
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in ALGORITHMS), out
+    assert "``" not in out and ":func:" not in out and ":mod:" not in out
+    # `deepspec --help` imports no stage module (torch and transformers take seconds to import)
+    probe = ("import sys\nfrom deepspec.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+             "print('torch' in sys.modules, 'transformers' in sys.modules, file=sys.stderr)")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert run.stderr.strip().splitlines()[-1] == "False False", run.stderr
+
+
 def test_cli_refuses_abbreviated_flags_and_reports_bad_values_per_stage(capsys):
     from deepspec.cli import build_parser, main
 

@@ -176,6 +176,19 @@ def test_recover_json_array_rejects_corruption_in_the_middle():
         recover_json_array(text)
 
 
+def test_json_errors_name_the_line_and_column_the_file_shows(tmp_path):
+    # a .json array over several lines: the error names where the bad value is, not a char offset
+    text = '[\n  {"a": 1},\n  {"a": oops},\n  {"a": 3}\n]\n'
+    with pytest.raises(ValueError, match=r"element 1 is malformed \(Expecting value at line 3 column 9\)"):
+        recover_json_array(text)
+    with pytest.raises(ValueError, match=r"after element 0 at line 2 column 11, found ';'"):
+        recover_json_array('[\n  {"a": 1}; {"a": 2}\n]')
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"messages": []}\n  {"é": 1, x}\n', encoding="utf-8")  # column 12 = the x
+    with pytest.raises(ValueError, match=rf"{path.name}:2: malformed JSON \(.* at column 12\)"):
+        list(read_jsonl(path))
+
+
 def test_recover_json_array_rejects_non_array():
     with pytest.raises(ValueError, match="JSON array"):
         recover_json_array('{"a": 1}')

@@ -7,8 +7,9 @@ from deepspec.models.mask_token import check_mask_token_absent, choose_mask_toke
 class _Tok:
     """The parts of a Hugging Face tokenizer that the mask-token policy reads."""
 
-    def __init__(self, vocab, pad=2, eos=2, bos=1):
+    def __init__(self, vocab, pad=2, eos=2, bos=1, mask_token=None):
         self._vocab = vocab
+        self.mask_token = mask_token
         self.pad_token_id, self.eos_token_id, self.bos_token_id = pad, eos, bos
         self.unk_token_id = None
 
@@ -25,8 +26,28 @@ class _Tok:
 VOCAB = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "<repo_name>": 3, "a": 4, "b": 5}
 
 
-def test_spare_embedding_row_is_preferred():
-    assert choose_mask_token_id(_Tok(VOCAB), num_embeddings=8) == 6
+def test_spare_embedding_row_is_the_last_resort():
+    no_reserved = {k: v for k, v in VOCAB.items() if k != "<repo_name>"}
+    assert choose_mask_token_id(_Tok(no_reserved), num_embeddings=8) == 5
+    assert choose_mask_token_id(_Tok(VOCAB), num_embeddings=8) == 3  # a reserved token comes first
+
+
+def test_declared_mask_token_then_qwen_reserved_then_padding_only_tokens():
+    gemma = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<mask>": 4, "<unused0>": 7, "a": 8}
+    assert choose_mask_token_id(_Tok(gemma, pad=0, eos=1, bos=2, mask_token="<mask>"), num_embeddings=9) == 4
+    assert choose_mask_token_id(_Tok(gemma, pad=0, eos=1, bos=2), num_embeddings=9) == 7  # padding-only
+    # Qwen2.5 spells its reserved tokens with bars; the declared mask token still wins over them
+    qwen = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "<|fim_pad|>": 3, "<|repo_name|>": 4,
+            "<|file_sep|>": 5, "a": 6}
+    assert choose_mask_token_id(_Tok(qwen, pad=0, eos=2), num_embeddings=7) == 4
+    assert choose_mask_token_id(_Tok({k: v for k, v in qwen.items() if k != "<|repo_name|>"}, pad=0, eos=2),
+                                num_embeddings=7) == 5
+    assert choose_mask_token_id(_Tok(qwen, pad=0, eos=2, mask_token="<|fim_pad|>"), num_embeddings=7) == 3
+    # a candidate that is the pad token is skipped, never chosen
+    assert choose_mask_token_id(_Tok(qwen, pad=4, eos=2), num_embeddings=7) == 5
+    llama3 = {"<|begin_of_text|>": 0, "<|eot_id|>": 1, "<|reserved_special_token_2|>": 3,
+              "<|reserved_special_token_0|>": 2, "a": 4}
+    assert choose_mask_token_id(_Tok(llama3, pad=None, eos=1, bos=0), num_embeddings=5) == 2
 
 
 def test_reserved_token_used_when_no_spare_row():

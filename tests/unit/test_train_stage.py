@@ -62,3 +62,38 @@ def test_resume_never_clears_the_earlier_run_only(tmp_path):
                                                "train_log.jsonl", "train_loss.png"]
     assert sorted(p.name for p in out.iterdir()) == ["heldout_reference.pt", "notes.txt"]
     assert previous_run(out) == [] and clear_previous_run(tmp_path / "missing") == []
+
+
+def test_train_without_target_uses_the_target_the_cache_records(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from deepspec.data.cache import check_compatible
+    from deepspec.target.load import recorded_target_name
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    said = []
+
+    def resolve(target, recorded):
+        cfg = TrainConfig(cache_dir=str(tmp_path / "cache"), output_dir=str(tmp_path / "run"), target=target)
+        return loop.resolve_train_target(cfg, SimpleNamespace(manifest={"target": recorded}), log=said.append)
+
+    assert TrainConfig(cache_dir="c", output_dir="o").target is None  # left out: the cache decides
+    monkeypatch.chdir(tmp_path)  # `deepspec cache` records a folder as an absolute path, "default" as is
+    assert recorded_target_name("model") == str(model_dir) and recorded_target_name("default") == "default"
+    assert resolve(None, str(model_dir)) == str(model_dir)
+    assert len(said) == 1 and "--target not given" in said[0] and str(model_dir) in said[0]
+    assert resolve(None, "default") == "default"
+    assert resolve(None, None) == "default"  # a cache written before caches recorded their target
+    # an explicit --target is kept (the fingerprint check then refuses a cache built for another target)
+    assert resolve("default", str(model_dir)) == "default" and resolve(str(model_dir), "default") == str(model_dir)
+    assert len(said) == 2
+    with pytest.raises(FileNotFoundError, match=r"train.target: .*--target .*gone.*no longer exists; pass --target"):
+        resolve(None, str(tmp_path / "gone"))
+    with pytest.raises(ValueError, match=rf"target_fingerprint mismatch.*train against the target it was built "
+                                         rf"with \(--target {model_dir}\)"):
+        check_compatible({"target": str(model_dir), "target_fingerprint": "a"}, target_fingerprint="b",
+                         tokenizer_fingerprint="t", target_layer_ids=[])
+    # the online mode has no cache: the embedded default
+    online = TrainConfig(online_data="p.jsonl", output_dir=str(tmp_path / "run"))
+    assert loop.resolve_train_target(online, None) == "default"
