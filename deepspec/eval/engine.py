@@ -41,7 +41,7 @@ Scope and choices:
 - The prefill computes logits only for the last prompt position (``lm_head`` on the final-norm
   hidden state), not ``[P, V]``; a family with logit soft-capping would need it here as well.
 - ``few_row_linear`` (default False): the target's and the proposer's linear layers compute inputs
-  of at most 16 rows as ``(W @ x^T)^T`` during :meth:`SpeculativeEngine.generate`
+  of 2-16 rows as ``(W @ x^T)^T`` during :meth:`SpeculativeEngine.generate`
   (:mod:`deepspec.eval.few_row_linear`: on CPUs where the row-major GEMM over 2-8 rows costs far more
   than a GEMV, it makes a verify forward cost about a one-token one). Give the target-only engine
   the same setting as the speculative one, so both decode with the same kernels.
