@@ -64,7 +64,7 @@ class DemoConfig:
     eval_max_new_tokens: int = 48  # per prompt
     temperature: float = 0.0  # eval decoding; 0 = greedy
     # tokens proposed per step in the eval (every method; vLLM's num_speculative_tokens). On this CPU a float32 verify
-    # over 4 tokens costs about a one-token step with the few-row linear path, over 8 tokens 1.5-1.9x
+    # over 4 tokens costs 1.0-1.2 one-token steps with the few-row linear path, over 8 tokens 1.5-1.9x
     # (bench/verify_cost.py, docs/results/verify-cost-cpu-2026-11-30), and the demo's draft is rarely accepted past
     # slot 3, so 3 drafts per step win more time than 7; none = the draft's own K
     num_draft_tokens: int | None = 3

@@ -119,8 +119,8 @@ class DSparkAlgorithm:
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
             draft_vocab_size=None if d2t is None else int(d2t.shape[0]),
-            **({} if self.heads else dflash_knobs()),
-            **(cfg.loss_knobs() if hasattr(cfg, "loss_knobs") else {}),
+            # the algorithm's own knobs, then the loss settings given to train over them
+            **{**({} if self.heads else dflash_knobs()), **(cfg.loss_knobs() if hasattr(cfg, "loss_knobs") else {})},
         )
         model = DSparkDraftModel.from_target(target_model, draft_config, d2t=d2t)
         if getattr(cfg, "init_from_target", False):

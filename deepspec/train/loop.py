@@ -142,6 +142,9 @@ class TrainConfig:
                 raise ValueError(f"train.{name}: expected an integer >= 1, got {getattr(self, name)}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"train.algorithm: expected one of {sorted(ALGORITHMS)}, got {self.algorithm!r}")
+        if self.algorithm != "eagle3" and self.block_size < 2:
+            raise ValueError(f"train.block_size: expected an integer >= 2 for {self.algorithm} (the anchor slot and at "
+                             f"least one mask slot), got {self.block_size}")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"train.dtype: expected 'fp32' or 'bf16', got {self.dtype!r}")
         if not 0.0 <= self.warmup_frac < 1.0:

@@ -430,6 +430,15 @@ def test_registry_build_passes_markov_head(tmp_path):
     c = get_algorithm("dflash").build(target, tok, TrainConfig(output_dir=str(tmp_path), online_data="unused.jsonl",
                                                                 algorithm="dflash", loss_decay_gamma=2.0), [0, 1]).config
     assert (c.ce_weight, c.l1_weight, c.confidence_weight, c.loss_decay_gamma) == (1.0, 0.0, 0.0, 2.0)
+    c = get_algorithm("dflash").build(target, tok, TrainConfig(output_dir=str(tmp_path), online_data="unused.jsonl",
+                                                                algorithm="dflash", ce_weight=0.5, l1_weight=0.5),
+                                      [0, 1]).config
+    assert (c.ce_weight, c.l1_weight, c.confidence_weight) == (0.5, 0.5, 0.0)  # given weights override DFlash's own
+    with pytest.raises(ValueError, match="confidence_weight"):  # DFlash has no confidence head
+        get_algorithm("dflash").build(target, tok, TrainConfig(output_dir=str(tmp_path), online_data="unused.jsonl",
+                                                                algorithm="dflash", confidence_weight=1.0), [0, 1])
+    with pytest.raises(ValueError, match="train.block_size"):
+        TrainConfig(output_dir=str(tmp_path), online_data="unused.jsonl", block_size=1)
     with pytest.raises(ValueError, match="eagle3 has its own"):
         TrainConfig(output_dir=str(tmp_path), online_data="unused.jsonl", algorithm="eagle3", ce_weight=1.0)
     with pytest.raises(ValueError, match="train.l1_weight"):

@@ -123,8 +123,9 @@ def test_eval_and_demo_configs_check_the_new_settings():
         EvalConfig(draft=["x"], output_dir="o", num_draft_tokens=0)
     with pytest.raises(ValueError, match="demo.num_draft_tokens"):
         DemoConfig(num_draft_tokens=0)
-    with pytest.raises(ValueError, match="demo.block_size"):
-        DemoConfig(block_size=0)
+    for bad in (0, 1):  # one slot is no block: refused before prepare, naming the demo's flag
+        with pytest.raises(ValueError, match="demo.block_size"):
+            DemoConfig(block_size=bad)
 
 
 def test_report_names_proposal_lengths_and_the_linear_path():
