@@ -101,10 +101,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     try:
         check_dtype_name(args.dtype, "--dtype")
-        num_tokens = sorted({int(n) for n in args.num_tokens.split(",") if n})
     except ValueError as exc:
-        p.error(f"{exc}" if "dtype" in str(exc) else f"--num-tokens: expected comma-separated integers, got "
-                f"{args.num_tokens!r}")
+        p.error(str(exc))
+    try:
+        num_tokens = sorted({int(n) for n in args.num_tokens.split(",") if n})
+    except ValueError:
+        p.error(f"--num-tokens: expected comma-separated integers, got {args.num_tokens!r}")
     if not num_tokens or num_tokens[0] < 1 or 1 not in num_tokens:
         p.error(f"--num-tokens: expected integers >= 1 including 1 (the one-token step), got {args.num_tokens!r}")
     if args.context < 1 or args.rounds < 1:

@@ -120,7 +120,7 @@ class DSparkAlgorithm:
             eos_token_id=tokenizer.eos_token_id,
             draft_vocab_size=None if d2t is None else int(d2t.shape[0]),
             # the algorithm's own knobs, then the loss settings given to train over them
-            **{**({} if self.heads else dflash_knobs()), **(cfg.loss_knobs() if hasattr(cfg, "loss_knobs") else {})},
+            **{**({} if self.heads else dflash_knobs()), **cfg.loss_knobs()},
         )
         model = DSparkDraftModel.from_target(target_model, draft_config, d2t=d2t)
         if getattr(cfg, "init_from_target", False):
