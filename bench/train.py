@@ -3,8 +3,9 @@
 Measured side by side in one run (interleaved repetitions, medians), on the embedded default
 target's shapes with random target features (speed does not depend on their values):
 
-1. ``train``: one optimizer step (prepare, weight, loss, backward, AdamW) of every registered
-   algorithm (``deepspec.models.registry``) on the same batch; tokens/s counts the batch's real
+1. ``train``: one optimizer step (prepare, weight, loss, backward, AdamW as the training loop builds
+   it: fused) of every registered algorithm (``deepspec.models.registry``) on the same batch, and the
+   DSpark step once more with the default per-tensor AdamW loop; tokens/s counts the batch's real
    (unpadded) tokens. Eagle3 unrolls ``ttt_steps`` forwards per step, DSpark/DFlash run one
    block-parallel forward over ``num_anchors`` blocks, so the figures price a step, not quality.
 2. ``attention``: DSpark's ``forward_train`` with the dense SDPA mask against the flex_attention
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from deepspec.models.registry import ALGORITHMS, get_algorithm  # noqa: E402
 from deepspec.target.capture import default_target_layer_ids  # noqa: E402
 from deepspec.train.data import TrainBatch  # noqa: E402
-from deepspec.train.loop import TrainConfig  # noqa: E402
+from deepspec.train.loop import TrainConfig, build_optimizer  # noqa: E402
 
 
 def _batch(vocab: int, hidden: int, n: int, batch_size: int, seq_len: int, device, generator) -> TrainBatch:
@@ -54,9 +55,9 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _step_fn(algo, model, batch, cfg, device):
+def _step_fn(algo, model, batch, cfg, device, *, fused: bool = True):
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    optimizer = build_optimizer(params, cfg, fused=fused)  # as the training loop builds it
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     generator = torch.Generator().manual_seed(0)
 
@@ -111,6 +112,11 @@ def main(argv: list[str] | None = None) -> dict:
         model.train()
         steps[name] = _step_fn(algo, model, batch, c, device)
         steps[name]()  # warm-up
+    # the same DSpark step with the default per-tensor AdamW loop instead of the fused kernel
+    torch.manual_seed(0)
+    model = get_algorithm("dspark").build(target, tokenizer, cfg("dspark"), layer_ids).to(device).train()
+    steps[UNFUSED] = _step_fn(get_algorithm("dspark"), model, batch, cfg("dspark"), device, fused=False)
+    steps[UNFUSED]()
     times = {name: [] for name in steps}
     for _ in range(args.repeats):
         for name, step in steps.items():
@@ -156,9 +162,9 @@ def main(argv: list[str] | None = None) -> dict:
     _plot(result, out / "train_bench.png")
     print(f"{args.target} on {device}, {torch.get_num_threads()} threads; batch {args.batch_size} x {args.seq_len} "
           f"({num_tokens} real tokens), {args.num_anchors} anchors")
-    print(f"{'algorithm':<10}{'step s':>10}{'tok/s':>10}")
+    print(f"{'algorithm':<24}{'step s':>10}{'tok/s':>10}")
     for name, r in train.items():
-        print(f"{name:<10}{r['median_step_s']:>10.3f}{r['tok_per_s']:>10.1f}")
+        print(f"{name:<24}{r['median_step_s']:>10.3f}{r['tok_per_s']:>10.1f}")
     print(f"DSpark forward: dense {attention_median['dense']:.3f} s, flex {attention_median['flex']:.3f} s "
           f"(flex / dense {attention_median['flex'] / attention_median['dense']:.2f})")
     if qwen is not None:
@@ -166,6 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"wrote {out / 'train_bench.json'} and {out / 'train_bench.png'}")
     return result
 
+
+UNFUSED = "dspark, unfused AdamW"
 
 QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,

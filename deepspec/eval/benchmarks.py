@@ -616,3 +616,68 @@ def load_benchmarks(
     paths = paths or {}
     return {n: load_benchmark(n, max_samples=cap(n), seed=seed, local_dir=local_dir, source=source,
                               path=paths.get(n)) for n in names}
+
+
+# ------------------------------------------------------------------------------- training splits
+# Conversations for training a draft in a benchmark's domain, from records that are never evaluated:
+# name -> (file of the local benchmarks folder, record -> conversation or None when the record is
+# evaluated). The user turn is the benchmark's own prompt form, the assistant turn the dataset's
+# reference answer (prepare regenerates it with the target).
+
+def _gsm8k_train_conversation(rec: dict[str, Any]) -> list[dict[str, str]]:
+    return [{"role": "user", "content": _gsm8k(rec, "gsm8k")[1][0]},
+            {"role": "assistant", "content": rec["answer"]}]
+
+
+def _mbpp_train_conversation(rec: dict[str, Any]) -> list[dict[str, str]] | None:
+    if _mbpp_test_task(rec["task_id"]):
+        return None
+    return [{"role": "user", "content": _humaneval(rec, "mbpp")[1][0]},
+            {"role": "assistant", "content": rec["prompt"] + rec["canonical_solution"]}]
+
+
+TRAINING_SPLITS: dict[str, tuple[str, Callable[[dict[str, Any]], list[dict[str, str]] | None]]] = {
+    # openai/grade-school-math train split (7,473 problems), prompted as the gsm8k benchmark is
+    "gsm8k": ("gsm8k/train.jsonl", _gsm8k_train_conversation),
+    # the 170 sanitized MBPP problems outside its test split (task ids 2-10 and 511-809), prompted as
+    # HumanEval is (signature + docstring in a python fence after HUMANEVAL_HEADER): code-completion
+    # answers of the humaneval benchmark's kind, from problems that are neither HumanEval's nor MBPP's test
+    "mbpp": ("mbpp/mbpp_sanitized_for_code_generation.jsonl", _mbpp_train_conversation),
+}
+
+
+def training_conversations(name: str, *, local_dir: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """Conversations from a benchmark's training records, for a draft meant for that domain.
+
+    ``name`` is a key of :data:`TRAINING_SPLITS` (gsm8k: its train split; mbpp: its non-test problems
+    in HumanEval's prompt form). Read from the local benchmarks folder (``local_dir``, else
+    :func:`benchmarks_dir`); no wheel or hub source is tried, since none ships these records.
+
+    Returns:
+        ``[{"id": "<name>-train-<i>", "messages": [user, assistant]}, ...]`` in file order (``i``: the
+        record's position in the file), ready for ``deepspec prepare`` (which regenerates the answers).
+
+    Raises:
+        KeyError: ``name`` has no training split here.
+        FileNotFoundError: no local benchmarks folder, or it lacks the file (the message names both).
+        ValueError: a record lacks a field (the message names the file and line).
+    """
+    if name not in TRAINING_SPLITS:
+        raise KeyError(f"no training split for benchmark {name!r}; known: {sorted(TRAINING_SPLITS)}")
+    relative, to_conversation = TRAINING_SPLITS[name]
+    folder = Path(local_dir) if local_dir is not None else benchmarks_dir()
+    path = None if folder is None else folder / relative
+    if path is None or not path.is_file():
+        raise FileNotFoundError(
+            f"{name} training records: expected {relative} in the local benchmarks folder "
+            f"({folder if folder is not None else f'none found: set {BENCHMARKS_DIR_ENV}'})."
+        )
+    out = []
+    for i, (where, rec) in enumerate(_read_file(path)):
+        try:
+            messages = to_conversation(rec)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{where}: not a {name} training record (missing or bad field {exc}).") from None
+        if messages is not None:
+            out.append({"id": f"{name}-train-{i}", "messages": messages})
+    return out

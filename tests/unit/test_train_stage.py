@@ -97,3 +97,25 @@ def test_train_without_target_uses_the_target_the_cache_records(tmp_path, monkey
     # the online mode has no cache: the embedded default
     online = TrainConfig(online_data="p.jsonl", output_dir=str(tmp_path / "run"))
     assert loop.resolve_train_target(online, None) == "default"
+
+
+def test_optimizer_is_fused_adamw_with_the_same_update_as_the_loop():
+    """The training loop's AdamW runs fused on the CPU (sharded parameters opt out) and takes the
+    same step as the default per-tensor implementation, up to float rounding."""
+    import torch
+
+    cfg = TrainConfig(online_data="x.jsonl", output_dir="unused", lr=1e-2, weight_decay=0.1)
+    steps = {}
+    for fused in (True, False):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(7, 5)), torch.nn.Parameter(torch.randn(3))]
+        optimizer = loop.build_optimizer(params, cfg, fused=fused)
+        assert optimizer.defaults["fused"] is (True if fused else None)
+        assert optimizer.defaults["betas"] == (0.9, 0.95) and optimizer.defaults["weight_decay"] == 0.1
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.ones_like(p) * p.detach().sum().sign()
+            optimizer.step()
+        steps[fused] = [p.detach().clone() for p in params]
+    for a, b in zip(steps[True], steps[False]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
