@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from deepspec.data.prepare import PrepareConfig
+from deepspec.models.config import unsupported_family_note
 from deepspec.utils import format_bytes
 
 
@@ -134,8 +135,8 @@ class EvalConfig:
                 raise ValueError(f"eval.num_prompts_per_benchmark: {name}={cap}; expected a cap >= 1")
 
     def sampling_params(self):
-        """The decoding settings as a :class:`deepspec.eval.verify.SamplingParams` (validated there)."""
-        from deepspec.eval.verify import SamplingParams
+        """The decoding settings as a :class:`deepspec.target.decoding.SamplingParams` (validated there)."""
+        from deepspec.target.decoding import SamplingParams
 
         try:
             return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
@@ -227,8 +228,15 @@ def run_prepare_stage(cfg: PrepareConfig, *, target_model=None, tokenizer=None):
         if target_model is None:
             target_model, tokenizer = load_target(cfg.target, dtype=dtype)
         target_model = cast_for_decoding(target_model, dtype)  # a copy when the caller's target has another dtype
+        note = unsupported_family_note(getattr(target_model, "config", None), "prepare")
+        if note:
+            print(note, flush=True)
     summary = run_prepare(cfg, model=target_model, tokenizer=tokenizer)
     print(f"prepare: wrote {cfg.output}")
+    if summary.kept == 0:
+        raise ValueError(f"prepare: no conversation kept ({summary.read} read = skipped {summary.skipped} + failed "
+                         f"{summary.failed}); each row's reason is in {summary.skipped_path}. Fix those rows or "
+                         f"the settings that refused them, then run again.")
     return summary
 
 
@@ -267,6 +275,9 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
             target_model, tokenizer = load_target(cfg.target)
             if torch.cuda.is_available():
                 target_model.to(f"cuda:{local_rank}")
+        note = unsupported_family_note(target_model.config, "cache")
+        if note and rank == 0:
+            print(note, flush=True)
         num_layers = target_model.config.num_hidden_layers
         layer_ids = cfg.target_layer_ids or default_target_layer_ids(num_layers, cfg.num_target_layers)
         layer_ids = validate_target_layer_ids(layer_ids, num_layers)
@@ -318,6 +329,11 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
             print(f"cache: {cfg.output_dir}: {details}")
         else:
             print(f"cache: wrote {cfg.output_dir}: {details}")
+    if summary.num_samples == 0:
+        raise ValueError(f"cache: no sample to train on in {cfg.output_dir} ({summary.num_inputs} inputs: held out "
+                         f"{summary.num_heldout}, refused {summary.num_refused_empty_mask} with no loss token and "
+                         f"{summary.num_refused_nonfinite} with non-finite features); check {cfg.input} "
+                         f"(a prepare run that kept no conversation writes an empty file).")
     return summary
 
 

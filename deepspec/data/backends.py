@@ -35,18 +35,17 @@ from typing import Any, Protocol
 import torch
 
 from deepspec.data.chat import render_prompt, target_stop_token_ids
-from deepspec.target.decoding import openai_request_fields, pinned_generate
+from deepspec.target.decoding import SamplingParams, openai_request_fields, pinned_generate
 
 
 @dataclass(frozen=True, kw_only=True)
-class SamplingParams:
-    """Per-request sampling: ``temperature == 0`` is greedy (``top_k``, ``top_p`` and ``seed`` are then
-    unused); ``top_k`` 0 and ``top_p`` 1.0 are off. Nothing else changes the logits (pinned decoding)."""
+class GenerationParams:
+    """Per-request generation: ``sampling`` (the one :class:`~deepspec.target.decoding.SamplingParams`
+    rule: ``temperature == 0`` is greedy; nothing else changes the logits), at most ``max_new_tokens``
+    new tokens, and the ``seed`` of a sampled request (unused when greedy)."""
 
     max_new_tokens: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    sampling: SamplingParams = SamplingParams()
     seed: int | None = None
 
 
@@ -60,7 +59,7 @@ class TurnRequest:
 
     key: str
     messages: list[dict[str, str]]
-    sampling: SamplingParams
+    generation: GenerationParams
     chat_template_kwargs: Mapping[str, Any] | None = None
 
 
@@ -162,23 +161,24 @@ class LocalBackend:
         self.eos_ids = sorted(stop_token_ids) if stop_token_ids else target_stop_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
-    def answer_one(self, messages: Sequence[Mapping[str, str]], sampling: SamplingParams,
+    def answer_one(self, messages: Sequence[Mapping[str, str]], generation: GenerationParams,
                    chat_template_kwargs: Mapping[str, Any] | None = None,
                    extra_stop_token_ids: Sequence[int] = ()) -> tuple[TurnResult, list[int]]:
         """Answer a single conversation; returns ``(result, prompt_ids)`` (used by ``deepspec serve``).
         ``extra_stop_token_ids`` stop generation too (a request's ``stop_token_ids``, as in vLLM)."""
         prompt = render_prompt(self.tokenizer, messages, chat_template_kwargs=chat_template_kwargs)
         stop = sorted(set(self.eos_ids) | {int(t) for t in extra_stop_token_ids})
-        return self._generate([prompt], sampling, stop)[0], prompt
+        return self._generate([prompt], generation, stop)[0], prompt
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingParams,
+    def _generate(self, prompts: list[list[int]], generation: GenerationParams,
                   stop_ids: list[int] | None = None) -> list[TurnResult]:
-        if sampling.temperature > 0 and sampling.seed is not None:
-            torch.manual_seed(sampling.seed)
+        s = generation.sampling
+        if not s.greedy and generation.seed is not None:
+            torch.manual_seed(generation.seed)
         stop_ids = stop_ids or self.eos_ids
         answers = generate_batch(self.model, prompts, pad_id=self.pad_id, eos_ids=stop_ids,
-                                 max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                                 top_k=sampling.top_k, top_p=sampling.top_p)
+                                 max_new_tokens=generation.max_new_tokens, temperature=s.temperature,
+                                 top_k=s.top_k, top_p=s.top_p)
         return [TurnResult(text=self.tokenizer.decode(ids if cut else ids[:-1], skip_special_tokens=True),
                            num_tokens=len(ids), cut=cut, token_ids=list(ids)) for ids, cut in answers]
 
@@ -188,8 +188,7 @@ class LocalBackend:
         groups: dict[tuple, list[tuple[int, list[int]]]] = {}
         for i, req in enumerate(requests):
             prompt = render_prompt(self.tokenizer, req.messages, chat_template_kwargs=req.chat_template_kwargs)
-            s = req.sampling
-            group_key = (s.max_new_tokens, s.temperature, s.top_k, s.top_p,
+            group_key = (req.generation.max_new_tokens, req.generation.sampling,
                          tuple(sorted((req.chat_template_kwargs or {}).items())))
             groups.setdefault(group_key, []).append((i, prompt))
         for jobs in groups.values():
@@ -199,7 +198,7 @@ class LocalBackend:
                 window = sorted(window, key=lambda job: len(job[1]))
                 for b in range(0, len(window), self.batch_size):
                     batch = window[b:b + self.batch_size]
-                    results = self._generate([p for _, p in batch], requests[batch[0][0]].sampling)
+                    results = self._generate([p for _, p in batch], requests[batch[0][0]].generation)
                     for (i, _), result in zip(batch, results):
                         on_result(i, result)
 
@@ -365,10 +364,10 @@ class OpenAIBackend:
 
     def request_kwargs(self, req: TurnRequest) -> dict[str, Any]:
         """The ``chat.completions.create`` arguments of one request (decoding pinned, see the class doc)."""
-        s = req.sampling
-        fields, extra = openai_request_fields(max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+        g, s = req.generation, req.generation.sampling
+        fields, extra = openai_request_fields(max_new_tokens=g.max_new_tokens, temperature=s.temperature,
                                               top_k=s.top_k, top_p=s.top_p,
-                                              seed=s.seed if s.temperature > 0 else None,
+                                              seed=g.seed if not s.greedy else None,
                                               stop_token_ids=self.stop_token_ids)
         extra["return_token_ids"] = True
         if not self.stop_token_ids:

@@ -63,7 +63,8 @@ def read_target_config(target: str) -> tuple[dict[str, Any], Path]:
     converted if needed), a model folder holding config.json, or a config.json path. For
     multimodal configs the text model's ``text_config`` is returned.
 
-    Raises FileNotFoundError when no config.json is found.
+    Raises FileNotFoundError when no config.json is found, ValueError for a file that is not a JSON
+    config object (a GGUF file is named as one) or a config without ``hidden_size`` / ``num_hidden_layers``.
     """
     if target == "default":
         from deepspec.target.load import resolve_target_dir
@@ -75,7 +76,19 @@ def read_target_config(target: str) -> tuple[dict[str, Any], Path]:
     if not path.is_file():
         raise FileNotFoundError(f"estimate.target={target!r}: no config.json at {path}; pass 'default', a "
                                 f"Hugging Face model folder, or the path of a config.json")
-    cfg = json.loads(path.read_text(encoding="utf-8"))
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        raise ValueError(f"estimate.target={target!r}: {path} is a GGUF file; estimate reads a Hugging Face config.json. "
+                         f"Pass the model's Hugging Face folder (or its config.json), or 'default' for the embedded "
+                         f"target.")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"estimate.target={target!r}: {path} is not a JSON config ({exc}); pass a Hugging Face "
+                         f"model folder or the path of its config.json.") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"estimate.target={target!r}: {path} holds a JSON {type(cfg).__name__}, not a config object.")
     if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
         cfg = cfg["text_config"]
     for key in ("hidden_size", "num_hidden_layers"):

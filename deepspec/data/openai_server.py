@@ -31,13 +31,15 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import threading
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from deepspec.data.backends import LocalBackend, SamplingParams
+from deepspec.data.backends import GenerationParams, LocalBackend
+from deepspec.target.decoding import SamplingParams
 from deepspec.target.decoding import NEUTRAL_SETTINGS
 
 
@@ -130,12 +132,12 @@ class OpenAICompatServer:
         if body.get("stream") or int(body.get("n", 1) or 1) != 1:
             return 400, {"error": {"message": "stream and n > 1 are not supported", "type": "invalid_request_error"}}
         try:
-            sampling, stop_ids = _request_sampling(body)
+            generation, stop_ids = _request_sampling(body)
         except ValueError as exc:
             return 400, {"error": {"message": str(exc), "type": "invalid_request_error"}}
         try:
             with self._lock:
-                result, prompt = self.backend.answer_one(messages, sampling, body.get("chat_template_kwargs"),
+                result, prompt = self.backend.answer_one(messages, generation, body.get("chat_template_kwargs"),
                                                          extra_stop_token_ids=stop_ids)
                 self.prompts.append(prompt)
         except Exception as exc:  # template errors etc. are the client's problem: 400 with the reason
@@ -196,7 +198,7 @@ class OpenAICompatServer:
         return Handler
 
 
-def _request_sampling(body: dict[str, Any]) -> tuple[SamplingParams, list[int]]:
+def _request_sampling(body: dict[str, Any]) -> tuple[GenerationParams, list[int]]:
     """The pinned sampling of a request and its extra stop ids. Raises ValueError (a 400) for a
     penalty or filter this server does not implement set away from its neutral value."""
     for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -209,9 +211,9 @@ def _request_sampling(body: dict[str, Any]) -> tuple[SamplingParams, list[int]]:
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise ValueError(f"stop_token_ids={stop_ids!r}: expected a list of token ids")
-    sampling = SamplingParams(max_new_tokens=int(max_tokens), temperature=float(body.get("temperature") or 0.0),
-                              top_k=max(top_k, 0), top_p=float(body.get("top_p") or 1.0), seed=body.get("seed"))
-    return sampling, stop_ids
+    sampling = SamplingParams(temperature=float(body.get("temperature") or 0.0), top_k=max(top_k, 0),
+                              top_p=float(body.get("top_p") or 1.0))
+    return GenerationParams(max_new_tokens=int(max_tokens), sampling=sampling, seed=body.get("seed")), stop_ids
 
 
 @dataclass(kw_only=True)
@@ -230,14 +232,39 @@ class ServeConfig:
             raise ValueError("ServeConfig.host: expected a host name or address, e.g. 127.0.0.1.")
 
 
+def _port_unavailable(host: str, port: int, exc: OSError) -> ValueError:
+    return ValueError(f"serve: cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port "
+                      "(0 = any free port), stop what uses it, or give another --host.")
+
+
+def check_listenable(host: str, port: int) -> None:
+    """Bind ``host:port`` once and release it, so that a taken port fails before the target loads.
+
+    Raises ValueError naming the address and the fix when the bind fails (port in use, no such
+    address, a privileged port)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server binds
+            probe.bind((host, port))
+    except OSError as exc:
+        raise _port_unavailable(host, port, exc) from None
+
+
 def run_serve_stage(cfg: ServeConfig, *, target_model: Any = None, tokenizer: Any = None) -> None:
-    """Load the target and serve it until interrupted (Ctrl-C). Raises what target loading raises."""
+    """Load the target and serve it until interrupted (Ctrl-C).
+
+    Raises ValueError when ``cfg.host:cfg.port`` cannot be listened on (checked before the target
+    loads, and again when the server binds), and what target loading raises."""
+    check_listenable(cfg.host, cfg.port)
     if target_model is None or tokenizer is None:
         from deepspec.target.load import load_target
 
         target_model, tokenizer = load_target(cfg.target)
-    server = OpenAICompatServer(target_model, tokenizer, host=cfg.host, port=cfg.port,
-                                model_name=cfg.model_name or cfg.target)
+    try:
+        server = OpenAICompatServer(target_model, tokenizer, host=cfg.host, port=cfg.port,
+                                    model_name=cfg.model_name or cfg.target)
+    except OSError as exc:  # taken between the check and now
+        raise _port_unavailable(cfg.host, cfg.port, exc) from None
     print(f"serve: {server.model_name!r} at {server.base_url} (POST /chat/completions, GET /models); Ctrl-C stops",
           flush=True)
     try:

@@ -108,16 +108,16 @@ from typing import Any
 import torch
 
 from deepspec.data.backends import (
+    GenerationParams,
     LocalBackend,
     OpenAIBackend,
     RegenerationBackend,
-    SamplingParams,
     TurnRequest,
     TurnResult,
 )
 from deepspec.data.chat import generation_eos_of, render_prompt, render_record, stop_token_ids
 from deepspec.data.conversations import SkipRow
-from deepspec.target.decoding import decoding_record
+from deepspec.target.decoding import SamplingParams, decoding_record
 from deepspec.device import check_dtype_name, dtype_name, resolve_dtype
 from deepspec.utils import atomic_path, atomic_write_text
 
@@ -629,6 +629,7 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
         journal.append(entry)
 
     pending = [c for c in convs if not c.done]
+    sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
     num_tokens = num_turns = num_with_ids = 0
     generate_s = 0.0
     bar = tqdm(total=sum(len(c.assistant_positions) for c in pending), desc="regenerate turns", unit="turn",
@@ -662,9 +663,8 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
                     break
                 requests = [TurnRequest(
                     key=f"{conv.where} assistant turn {conv.next_turn}", messages=context, chat_template_kwargs=ctk,
-                    sampling=SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                            top_k=cfg.top_k, top_p=cfg.top_p,
-                                            seed=_request_seed(cfg.seed, conv.source_index, conv.next_turn)),
+                    generation=GenerationParams(max_new_tokens=cfg.max_new_tokens, sampling=sampling,
+                                                seed=_request_seed(cfg.seed, conv.source_index, conv.next_turn)),
                 ) for conv, context in jobs]
 
                 def on_result(i: int, result: TurnResult) -> None:

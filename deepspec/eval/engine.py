@@ -13,7 +13,7 @@ target-only decoding: the speedup baseline runs the very same code.
 
 Scope and choices:
 - Batch size 1 (no padding, no ragged acceptance across a batch); the attention mask is implicit.
-- Sampling (:class:`~deepspec.eval.verify.SamplingParams`): ``None`` or temperature 0 is greedy;
+- Sampling (:class:`~deepspec.target.decoding.SamplingParams`): ``None`` or temperature 0 is greedy;
   at T > 0 the first token is drawn from ``sampling_probs(prefill logits)`` and every verify step
   uses the same params (the draft's ``q`` and the target's ``p`` go through the same top-k / top-p
   filters), so the output follows exactly the distribution target-only sampling draws from.
@@ -63,8 +63,9 @@ import torch
 
 from deepspec.eval.few_row_linear import few_row_linear
 from deepspec.eval.proposers import Proposer, draw_token
-from deepspec.eval.verify import SamplingParams, verify
+from deepspec.eval.verify import verify
 from deepspec.target.capture import target_forward
+from deepspec.target.decoding import SamplingParams
 
 GREEDY = SamplingParams()
 

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from deepspec.eval.proposers import Proposal
-from deepspec.eval.verify import SamplingParams
+from deepspec.target.decoding import SamplingParams
 
 DEFAULT_NGRAM_MAX = 3
 DEFAULT_NGRAM_MIN = 1

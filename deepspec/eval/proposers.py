@@ -31,8 +31,9 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from deepspec.eval.verify import SamplingParams, sampling_probs
+from deepspec.eval.verify import sampling_probs
 from deepspec.models.vocab import scatter_to_target
+from deepspec.target.decoding import SamplingParams
 
 
 @dataclass(kw_only=True)

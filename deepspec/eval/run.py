@@ -35,9 +35,8 @@ from deepspec.eval.flips import argmax_flip_positions, chunked_argmax, divergenc
 from deepspec.eval.metrics import METRIC_DEFINITIONS, benchmark_metrics
 from deepspec.eval.ngram import DEFAULT_NUM_TOKENS
 from deepspec.eval.proposers import NullProposer, Proposer
-from deepspec.eval.verify import SamplingParams
 from deepspec.eval.report import BASELINE, HF_GENERATE, environment_info, write_report
-from deepspec.target.decoding import decoding_record
+from deepspec.target.decoding import SamplingParams, decoding_record
 
 
 def eos_token_ids_of(target_model: Any, tokenizer: Any) -> list[int]:

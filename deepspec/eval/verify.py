@@ -35,56 +35,16 @@ state, no I/O.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from deepspec.target.decoding import SamplingParams  # the one sampling rule (re-exported here)
+
 
 # ----------------------------------------------------------------------------- sampling parameters
-@dataclass(frozen=True, kw_only=True)
-class SamplingParams:
-    """How the next token is chosen, for the target and the draft alike.
-
-    Attributes:
-        temperature: 0 = greedy (argmax; ``top_k`` / ``top_p`` then have no effect); > 0 = sample
-            from ``softmax(logits / temperature)`` after the filters below.
-        top_k: 0 = off; else keep the ``top_k`` most likely tokens. Ties at the boundary: every
-            token whose logit equals the ``top_k``-th largest is kept too (so more than ``top_k``
-            tokens survive only on exact ties; no tie is broken by token id). Same rule as
-            transformers' ``TopKLogitsWarper`` and vLLM.
-        top_p: 1.0 = off; else nucleus filtering (Holtzman et al. 2020), applied after top-k: keep
-            the smallest set of most likely tokens whose probability mass is ``>= top_p`` (always
-            at least the most likely token); tokens tied with the least likely kept token are kept
-            too.
-
-    Raises ValueError (naming the field) for a negative or non-finite ``temperature``, a negative
-    or non-integer ``top_k``, or ``top_p`` outside ``(0, 1]``.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self) -> None:
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"SamplingParams.temperature: expected a finite number >= 0 (0 = greedy), received {t!r}.")
-        k = self.top_k
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"SamplingParams.top_k: expected an integer >= 0 (0 = off), received {k!r}.")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
-            raise ValueError(f"SamplingParams.top_p: expected a number in (0, 1] (1.0 = off), received {p!r}.")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-
 def sampling_probs(logits_XV: Tensor, params: SamplingParams) -> Tensor:
     """The distribution a token is sampled from: fp32 ``[..., V]`` from logits ``[..., V]`` (any float dtype).
 

@@ -49,6 +49,17 @@ _FAMILIES: dict[str, tuple[str, str, str]] = {
 }
 SUPPORTED_FAMILIES = tuple(_FAMILIES)
 
+
+def unsupported_family_note(target_config: Any, stage: str) -> str | None:
+    """A warning for ``stage`` (prepare, cache) when no draft can be built for the target's family, so
+    that the user learns it before hours of regeneration and capture, not at ``train``; None when
+    the family (``target_config.model_type``) is one of :data:`SUPPORTED_FAMILIES` or not recorded."""
+    family = getattr(target_config, "model_type", None)
+    if family is None or family in _FAMILIES:  # no config to judge (a stand-in model), or a family we draft for
+        return None
+    return (f"{stage}: warning: the target's model_type {family!r} is not a family DeepSpec builds drafts for "
+            f"({', '.join(SUPPORTED_FAMILIES)}): this stage works, but `deepspec train` will refuse it.")
+
 # DSpark Markov head variants (DeepSpec's ``markov_head_type``; see deepspec.models.dspark):
 #   vanilla: bias_k = W2 W1[prev_k]
 #   gated:   bias_k = W2 (sigmoid(gate_proj([h_k ; W1[prev_k]])) * W1[prev_k])

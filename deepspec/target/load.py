@@ -112,6 +112,13 @@ def resolve_target_dir(target: str) -> Path:
     if target == EMBEDDED_DEFAULT:
         return ensure_embedded_target()
     path = Path(target).expanduser()
+    draft = _draft_kind(path)
+    if draft is not None:
+        raise FileNotFoundError(
+            f"target={target!r}: {path.resolve()} is {draft}, not a target model. --target takes the model the "
+            f"draft drafts for ({EMBEDDED_DEFAULT!r} or a Hugging Face folder); a draft goes to `deepspec eval "
+            f"--draft`."
+        )
     if not path.is_dir() or not (path / "config.json").is_file():
         found = "a folder without config.json" if path.is_dir() else ("a file" if path.exists() else "nothing")
         raise FileNotFoundError(
@@ -120,6 +127,30 @@ def resolve_target_dir(target: str) -> Path:
             f"SmolLM2-135M-Instruct, needs `{_INSTALL_HINT}`) or a local folder saved with save_pretrained()."
         )
     return path
+
+
+_DRAFT_ARCHITECTURE_SUFFIXES = ("DSparkModel", "DFlashDraftModel", "Eagle3DraftModel")
+
+
+def _draft_kind(path: Path) -> str | None:
+    """What DeepSpec output ``path`` is, worded for an error (a draft folder in our or the original's
+    layout, a checkpoint, a training run), or None for anything else."""
+    if (path / "draft" / "config.json").is_file():
+        return "a DeepSpec training checkpoint (its draft is the draft/ folder inside)"
+    if (path / "latest").is_file() and (path / "train_config.json").is_file():
+        return "a DeepSpec training run (its drafts are checkpoint-*/draft)"
+    config = path / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        cfg = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    archs = cfg.get("architectures") if isinstance(cfg, dict) else None
+    if isinstance(cfg, dict) and ("deepspec_algorithm" in cfg or any(
+            isinstance(a, str) and a.endswith(_DRAFT_ARCHITECTURE_SUFFIXES) for a in archs or [])):
+        return f"a draft model folder ({', '.join(map(str, archs or [cfg.get('deepspec_algorithm')]))})"
+    return None
 
 
 def recorded_target_name(target: str) -> str:

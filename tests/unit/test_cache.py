@@ -710,3 +710,40 @@ def test_estimate_input_without_tokenizer_files_is_a_clear_error(tmp_path):
         with pytest.raises(ValueError, match=r"--input needs the target's tokenizer; .*cfg-only has no tokenizer "
                                              r"files .* pass the model folder or use --num-tokens"):
             run_estimate(EstimateConfig(target=str(target), input=str(src)), log=lambda s: None)
+
+
+def test_cache_stage_with_no_sample_fails_with_the_counts(model, tmp_path, monkeypatch):
+    """A prepared file that gives no sample (here: empty, as a prepare run that kept nothing writes)
+    is an error naming the counts, not a 0-sample cache and exit 0."""
+    from deepspec.stages import CacheConfig, run_cache_stage
+    from deepspec.target import load
+
+    monkeypatch.setattr(cache_mod, "render_training_samples", _fake_render_training_samples)
+    monkeypatch.setattr(load, "tokenizer_fingerprint", lambda tok: "tok-A")
+    src = tmp_path / "prepared.jsonl"
+    src.write_text("")
+    cfg = CacheConfig(input=str(src), output_dir=str(tmp_path / "cache"), target_layer_ids=LAYER_IDS)
+    with pytest.raises(ValueError, match=r"cache: no sample to train on .*\(0 inputs: held out 0, refused 0 with no "
+                                         r"loss token and 0 with non-finite features\); check .*prepared.jsonl"):
+        run_cache_stage(cfg, target_model=model, tokenizer=_StandInTokenizer())
+
+
+def test_cache_stage_warns_at_once_about_a_family_train_will_refuse(model, tmp_path, monkeypatch, capsys):
+    """A target whose family has no draft builder is cached (the stage works) with a warning first,
+    not only refused hours later by train; a supported family gets no warning."""
+    from deepspec.stages import CacheConfig, run_cache_stage
+    from deepspec.target import load
+
+    monkeypatch.setattr(cache_mod, "render_training_samples", _fake_render_training_samples)
+    monkeypatch.setattr(load, "tokenizer_fingerprint", lambda tok: "tok-A")
+    src = _write_jsonl(tmp_path / "prepared.jsonl", _rows(3))
+    run_cache_stage(CacheConfig(input=str(src), output_dir=str(tmp_path / "llama"), target_layer_ids=LAYER_IDS),
+                    target_model=model, tokenizer=_StandInTokenizer())
+    assert "warning" not in capsys.readouterr().out
+    monkeypatch.setattr(model.config, "model_type", "gemma3_text")
+    run_cache_stage(CacheConfig(input=str(src), output_dir=str(tmp_path / "gemma"), target_layer_ids=LAYER_IDS),
+                    target_model=model, tokenizer=_StandInTokenizer())
+    out = capsys.readouterr().out
+    assert out.startswith("cache: warning: the target's model_type 'gemma3_text' is not a family DeepSpec builds "
+                          "drafts for (llama, qwen3, qwen2, mistral)")
+    assert "cache: wrote" in out

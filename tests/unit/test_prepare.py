@@ -21,6 +21,8 @@ from deepspec.data.prepare import (
     run_prepare,
     skipped_path_for,
 )
+from deepspec.stages import run_prepare_stage
+
 try:
     from tests.unit.test_chat import tiny_chatml_tokenizer
 except ImportError:  # pytest run from another folder: tests/unit itself is on sys.path
@@ -305,7 +307,10 @@ def test_failed_rows_carry_their_location_and_the_console_shows_the_first_five(t
     assert f"prepare: ... 2 more in {skipped_path_for(cfg.output)}" in lines
     assert lines[-1] == (f"prepare: warning: no conversation kept (7 read); see {skipped_path_for(cfg.output)} "
                          f"for the reasons")
-    assert cfg.output.read_text() == ""  # outputs are still written (empty); the exit status stays 0
+    assert cfg.output.read_text() == ""  # outputs are still written (empty), the skipped rows with their reasons
+    with pytest.raises(ValueError, match=r"prepare: no conversation kept \(7 read = skipped 0 \+ failed 7\); "
+                                         r"each row's reason is in .*out.skipped.jsonl"):
+        run_prepare_stage(cfg, target_model=ScriptedTarget(tok), tokenizer=tok)  # the stage (CLI: exit 2)
 
 
 def test_lost_in_source_is_printed_only_when_nonzero(tmp_path, tok):
