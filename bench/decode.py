@@ -25,7 +25,7 @@ accepted + 1 per verify step), break-even tau (the method's mean step time / the
 step time: the tau above which speculation pays), and the per-step breakdown of each engine (mean
 propose ms, verify-forward ms, overhead ms per step = step time - propose - verify), next to the
 target-only forward ms per token (its verify forward, one token per step); then the baseline vs
-``generate()`` tokens/s ratio. Goals (issue 5): speedup >= 2x at greedy, and the target-only
+``generate()`` tokens/s ratio. Goals: speedup >= 2x at greedy, and the target-only
 baseline's tokens/s at least 95 % of ``generate()``'s (within 5 %); each is printed as met or not,
 judged on the pooled figure and on the median over (prompt, repeat) pairs (robust to a load spike
 on a shared machine).

@@ -33,12 +33,9 @@ class CacheConfig:
     verify: bool = False  # only check every shard of output_dir against its manifest (no target needed)
 
     def __post_init__(self) -> None:
-        from deepspec.data.cache import STORAGE_DTYPES
+        from deepspec.data.cache import check_storage_dtype
 
-        if self.storage_dtype not in STORAGE_DTYPES:
-            raise ValueError(
-                f"cache.storage_dtype: expected one of {', '.join(STORAGE_DTYPES)}, got {self.storage_dtype!r}"
-            )
+        check_storage_dtype(self.storage_dtype, "cache.storage_dtype")
         for name in ("num_target_layers", "max_seq_len", "shard_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"cache.{name}: expected an integer >= 1, got {getattr(self, name)}")

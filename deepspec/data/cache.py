@@ -4,7 +4,7 @@ Shape legend: N samples in a shard, M tokens in a shard (all samples concatenate
 one sample, H target hidden size, n number of target layers, F = n * H target feature size,
 U input items (prepared rows, or tokenised samples), S ``shard_size`` (input items per shard).
 
-Format ``deepspec-target-cache/2`` (docs/semantics.md, "Target cache (issue 3)")::
+Format ``deepspec-target-cache/2`` (docs/semantics.md, "Target cache format, writer and reader")::
 
     manifest.json             written last (rank 0), atomically; its presence means "complete"
     progress-rank<r>.json     resume bookkeeping of rank r (0 without torchrun), after each shard
@@ -74,6 +74,14 @@ PROGRESS_GLOB = "progress-rank*.json"
 INCOMPLETE_HINT = "cache incomplete: run `deepspec cache` again to finish it"
 
 STORAGE_DTYPES = ("float32", "bfloat16", "float16", "fp8")
+
+
+def check_storage_dtype(value: object, field: str) -> str:
+    """``value`` when it is one of :data:`STORAGE_DTYPES` (the cache's and online mode's feature
+    dtypes); ValueError naming ``field`` and the choices otherwise."""
+    if value not in STORAGE_DTYPES:
+        raise ValueError(f"{field}: expected one of {', '.join(STORAGE_DTYPES)}, got {value!r}")
+    return str(value)
 _FLOAT_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,

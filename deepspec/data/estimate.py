@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deepspec.data.cache import STORAGE_DTYPES, cache_bytes_per_token
+from deepspec.data.cache import STORAGE_DTYPES, cache_bytes_per_token, check_storage_dtype
 from deepspec.utils import format_bytes
 
 
@@ -39,9 +39,7 @@ class EstimateConfig:
     tokens_per_conversation: float | None = None  # mean tokens per conversation (with num_conversations)
 
     def __post_init__(self) -> None:
-        if self.storage_dtype not in STORAGE_DTYPES:
-            raise ValueError(f"estimate.storage_dtype: expected one of {', '.join(STORAGE_DTYPES)}, "
-                             f"got {self.storage_dtype!r}")
+        check_storage_dtype(self.storage_dtype, "estimate.storage_dtype")
         if self.num_target_layers < 1:
             raise ValueError(f"estimate.num_target_layers: expected >= 1, got {self.num_target_layers}")
         sources = [self.input is not None, self.num_tokens is not None,

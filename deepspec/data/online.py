@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepspec.data.cache import check_storage_dtype
 from deepspec.target.capture import capture_sample_features, validate_target_layer_ids
 
 ONLINE_FORMAT = "deepspec-online/1"
-FEATURE_DTYPES = ("float32", "bfloat16", "float16", "fp8")
 FIELDS = ("input_ids", "loss_mask", "target_hidden", "target_last_hidden")
 
 
@@ -92,8 +92,7 @@ class OnlineTargetFeatures:
         self.path = Path(prepared_jsonl)
         if not self.path.is_file():
             raise FileNotFoundError(f"prepared data {self.path} not found; run `deepspec prepare` first")
-        if feature_dtype not in FEATURE_DTYPES:
-            raise ValueError(f"feature_dtype: expected one of {list(FEATURE_DTYPES)}, received {feature_dtype!r}")
+        check_storage_dtype(feature_dtype, "feature_dtype")
         if max_seq_len is not None and max_seq_len < 1:
             raise ValueError(f"max_seq_len: expected >= 1 or None, received {max_seq_len}")
         num_hidden_layers = int(model.config.num_hidden_layers)

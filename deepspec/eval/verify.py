@@ -1,7 +1,6 @@
 """Pure verify math for speculative decoding: sampling filters, greedy acceptance, rejection sampling.
 
-Legend: B rows of a batch, N number of draft tokens in a proposal (``N_max`` the padded width of a
-batch), V vocab. Row ``i`` of a ``[N+1, V]`` target tensor is the target's prediction for the
+Legend: N number of draft tokens in a proposal, V vocab. Row ``i`` of a ``[N+1, V]`` target tensor is the target's prediction for the
 position of draft token ``d_{i+1}`` (row 0 comes from the anchor, row N is the bonus position after
 the last draft token).
 
@@ -25,7 +24,7 @@ with Speculative Sampling", Alg. 2):
   EOS and no bonus / residual token is drawn. ``num_accepted`` then counts the accepted drafts up to
   and including the EOS.
 
-Generator use (what makes results reproducible, and a batch row equal to the single-row call): a
+Generator use (what makes results reproducible): a
 T > 0 step draws ``torch.rand(N)`` (the uniforms) and then exactly one ``torch.multinomial`` draw
 (residual or bonus), both from the step's generator; a greedy step draws nothing.
 
@@ -35,7 +34,7 @@ state, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -249,83 +248,6 @@ def verify(
     )
 
 
-# ----------------------------------------------------------------------------- a batch of steps
-def verify_batch(
-    draft_ids_BN: Tensor,
-    num_drafts_B: Sequence[int] | Tensor,
-    draft_probs_BNV: Tensor | None,
-    target_logits_BN1V: Tensor,
-    *,
-    sampling: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
-    eos_token_ids: Collection[int],
-) -> list[VerifyResult]:
-    """One verify step for each of ``B`` rows; each row has its own sampling and proposal length.
-
-    Row ``b`` gives exactly what :func:`verify` gives for ``draft_ids_BN[b, :n_b]``,
-    ``draft_probs_BNV[b, :n_b]``, ``target_logits_BN1V[b, :n_b + 1]``, ``sampling[b]`` and
-    ``generators[b]`` (the same draws in the same order: one generator per row). The accept masks
-    of all rows are computed at once; the per-row parts (filters, residual / bonus draws) loop.
-    Rows sharing one generator (or None) are still correct samples, but their draws interleave
-    differently from sequential :func:`verify` calls (all uniforms first, then the extra tokens).
-
-    Args:
-        draft_ids_BN: int ``[B, N_max]``, right-padded (padding is never read).
-        num_drafts_B: ``n_b``, the drafts proposed in row ``b`` (``0 <= n_b <= N_max``).
-        draft_probs_BNV: fp32 ``[B, N_max, V]`` (``q``; read for T > 0 rows only), or None when
-            every T > 0 row proposes nothing or every row is greedy.
-        target_logits_BN1V: ``[B, N_max+1, V]`` (any float dtype); row ``b`` reads ``[:n_b + 1]``.
-        sampling: ``B`` :class:`SamplingParams`, greedy and T > 0 rows mixed freely.
-        generators: ``B`` generators (None: the global RNG); greedy rows draw nothing.
-        eos_token_ids: tokens that end generation.
-
-    Returns ``B`` :class:`VerifyResult`, in row order.
-    Raises ValueError on inconsistent shapes / lengths or a missing ``draft_probs_BNV``.
-    """
-    b, n_max = _check_batch(draft_ids_BN, num_drafts_B, draft_probs_BNV, target_logits_BN1V, sampling, generators)
-    device = target_logits_BN1V.device
-    n_B = torch.as_tensor([int(n) for n in num_drafts_B], dtype=torch.long, device=device)
-    ids_BN = draft_ids_BN.to(device)
-    valid_BN = torch.arange(n_max, device=device)[None, :] < n_B[:, None]
-    greedy_B = torch.tensor([s.greedy for s in sampling], dtype=torch.bool, device=device)
-
-    # Greedy rows: the draft matches the target argmax.
-    target_ids_BN1 = target_logits_BN1V.argmax(dim=-1)
-    greedy_accept_BN = ids_BN == target_ids_BN1[:, :n_max]
-
-    # T > 0 rows: p and q of each draft token and one uniform per proposed draft (row generator).
-    p_rows: dict[int, Tensor] = {}
-    p_draft_BN = torch.zeros(b, n_max, device=device)
-    q_draft_BN = torch.ones(b, n_max, device=device)
-    u_BN = torch.ones(b, n_max, device=device)
-    for row, params in enumerate(sampling):
-        if params.greedy:
-            continue
-        n = int(n_B[row])
-        p_rows[row] = sampling_probs(target_logits_BN1V[row, : n + 1], params)
-        if n:
-            ids_N1 = ids_BN[row, :n, None]
-            p_draft_BN[row, :n] = p_rows[row][:n].gather(1, ids_N1)[:, 0]
-            q_draft_BN[row, :n] = draft_probs_BNV[row, :n].float().to(device).gather(1, ids_N1)[:, 0]
-        u_BN[row, :n] = _uniforms(n, generators[row], device)
-    sample_accept_BN = accept_mask(p_draft_BN, q_draft_BN, u_BN)
-
-    accept_BN = torch.where(greedy_B[:, None], greedy_accept_BN, sample_accept_BN) & valid_BN
-    num_accepted_B = accepted_prefix_lens(accept_BN).tolist()
-
-    results = []
-    for row, params in enumerate(sampling):
-        n, k = int(n_B[row]), num_accepted_B[row]
-        if params.greedy:
-            extra = int(target_ids_BN1[row, k])
-        else:
-            q_NV = (draft_probs_BNV[row, :n].float().to(device) if n
-                    else torch.zeros(0, target_logits_BN1V.shape[-1], device=device))
-            extra = _extra_token(p_rows[row], q_NV, k, generators[row])
-        results.append(_finish(ids_BN[row, :n].tolist(), k, extra, eos_token_ids))
-    return results
-
-
 # ----------------------------------------------------------------------------- checks
 def _check_shapes(draft_ids_N: Tensor, target_N1V: Tensor) -> None:
     if draft_ids_N.dim() != 1 or target_N1V.dim() != 2 or target_N1V.shape[0] != draft_ids_N.shape[0] + 1:
@@ -342,31 +264,3 @@ def _check_draft_probs(draft_probs_NV: Tensor | None, n: int, v: int) -> None:
             f"{None if draft_probs_NV is None else tuple(draft_probs_NV.shape)}; a proposer must return the "
             "probabilities its tokens were sampled from when temperature > 0."
         )
-
-
-def _check_batch(draft_ids_BN, num_drafts_B, draft_probs_BNV, target_logits_BN1V, sampling, generators) -> tuple[int, int]:
-    if draft_ids_BN.dim() != 2 or target_logits_BN1V.dim() != 3 or (
-        tuple(target_logits_BN1V.shape[:2]) != (draft_ids_BN.shape[0], draft_ids_BN.shape[1] + 1)
-    ):
-        raise ValueError(
-            f"verify_batch: expected draft_ids [B, N_max] and target logits [B, N_max+1, V], received "
-            f"{tuple(draft_ids_BN.shape)} and {tuple(target_logits_BN1V.shape)}."
-        )
-    b, n_max = draft_ids_BN.shape
-    for name, seq in (("num_drafts_B", num_drafts_B), ("sampling", sampling), ("generators", generators)):
-        if len(seq) != b:
-            raise ValueError(f"verify_batch.{name}: expected {b} entries (one per row), received {len(seq)}.")
-    bad = [int(n) for n in num_drafts_B if not 0 <= int(n) <= n_max]
-    if bad:
-        raise ValueError(f"verify_batch.num_drafts_B: expected values in [0, {n_max}], received {bad}.")
-    for s in sampling:
-        if not isinstance(s, SamplingParams):
-            raise ValueError(f"verify_batch.sampling: expected SamplingParams, received {type(s).__name__}.")
-    needs_q = any(not s.greedy and int(n) > 0 for s, n in zip(sampling, num_drafts_B))
-    v = target_logits_BN1V.shape[-1]
-    if needs_q and (draft_probs_BNV is None or tuple(draft_probs_BNV.shape) != (b, n_max, v)):
-        raise ValueError(
-            f"verify_batch.draft_probs_BNV: expected shape ({b}, {n_max}, {v}) when a T > 0 row proposes drafts, "
-            f"received {None if draft_probs_BNV is None else tuple(draft_probs_BNV.shape)}."
-        )
-    return b, n_max

@@ -1,4 +1,4 @@
-"""Eagle3 draft model, its training-time-test (TTT) loss and its algorithm entry (issue 4).
+"""Eagle3 draft model, its training-time-test (TTT) loss and its algorithm entry.
 
 Li et al., "EAGLE-3: Scaling up Inference Acceleration of LLMs via Training-Time Test" (2025).
 

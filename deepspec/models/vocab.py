@@ -1,4 +1,4 @@
-"""Reduced draft vocabulary: which target tokens a draft can propose, and the id maps (issue 11).
+"""Reduced draft vocabulary: which target tokens a draft can propose, and the id maps.
 
 Legend: V target vocabulary size, N draft vocabulary size (N <= V), T tokens of one sample.
 

@@ -15,7 +15,7 @@ sum is all-reduced, so N ranks compute the same step as one process over the sam
 Checkpoints hold the full (gathered) weights and optimizer state, written by rank 0 alone, so a
 run resumes exactly for the same global batch and ``max_steps``, also on another number of ranks
 (a resume checks the draft's shape and warns about what makes it inexact). See docs/semantics.md,
-"Trainer (issue 4)".
+"Trainer".
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from deepspec.data.cache import TargetCache, check_compatible
+from deepspec.data.cache import TargetCache, check_compatible, check_storage_dtype
 from deepspec.data.chat import render_prompt, target_stop_token_ids
 from deepspec.data.online import OnlineTargetFeatures
 from deepspec.eval.benchmarks import BENCHMARKS, load_benchmark
@@ -130,11 +130,7 @@ class TrainConfig:
                 "train.cache_dir / train.online_data: expected exactly one of them (a target cache folder, or a "
                 f"prepared JSONL file for online mode), got cache_dir={self.cache_dir!r}, online_data={self.online_data!r}"
             )
-        if self.online_feature_dtype not in ("float32", "bfloat16", "float16", "fp8"):
-            raise ValueError(
-                "train.online_feature_dtype: expected float32, bfloat16, float16 or fp8, "
-                f"got {self.online_feature_dtype!r}"
-            )
+        check_storage_dtype(self.online_feature_dtype, "train.online_feature_dtype")
         positive = ("num_draft_layers", "block_size", "num_anchors", "batch_size", "grad_accum_steps", "max_steps",
                     "num_target_layers", "max_seq_len")
         for name in positive:
@@ -900,7 +896,7 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
                 "grad_norm": float(grad_norm),
                 "step_time_s": step_time,
                 "elapsed_s": elapsed_s,
-                "tokens_per_s": totals["num_tokens"] / step_time,
+                "tok_per_s": totals["num_tokens"] / step_time,
                 # loss terms add up over micro-batches and ranks; tau estimates come from pooled counts
                 **totals,
             }

@@ -118,7 +118,7 @@ def test_ten_steps_equal_five_then_resume_then_five(setup, tmp_path, monkeypatch
         assert [r[key] for r in rows_cut] == [r[key] for r in rows_full], key
     # TensorBoard: one scalar per logged quantity and step, no duplicate steps after the resume
     scalars = _tb_scalars(tmp_path / "cut")
-    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tau_estimate", "train/tokens_per_s", "train/ce"):
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tau_estimate", "train/tok_per_s", "train/ce"):
         assert [s for s, _ in scalars[tag]] == list(range(1, 11)), tag
     assert [v for _, v in scalars["train/lr"]] == pytest.approx([r["lr"] for r in rows_full])
 
@@ -166,7 +166,7 @@ def test_training_reduces_loss_and_refuses_another_target(setup, tmp_path):
     rows = _log(tmp_path / "run")
     assert len(rows) == 12 and rows[-1]["loss"] < rows[0]["loss"]
     assert (tmp_path / "run" / "train_loss.png").stat().st_size > 0
-    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["tok_per_s"] > 0 for r in rows)
     other = LlamaForCausalLM(model.config).eval().requires_grad_(False)
     with pytest.raises(ValueError, match="target"):
         train(_cfg(cache, tmp_path / "other"), target_model=other, tokenizer=tok)

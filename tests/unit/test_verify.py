@@ -23,7 +23,6 @@ from deepspec.eval.verify import (
     residual_distribution,
     sampling_probs,
     verify,
-    verify_batch,
     verify_greedy,
     verify_sampling,
 )
@@ -365,71 +364,6 @@ def test_verify_dispatch_and_errors():
         verify(torch.tensor([1]), None, logits, sampling=T1, generator=None, eos_token_ids={EOS})
     with pytest.raises(ValueError, match="N\\+1"):
         verify_greedy(torch.tensor([1, 2]), logits, eos_token_ids={EOS})
-
-
-# ----------------------------------------------------------------------------- batch
-def _mixed_batch():
-    """Rows: (sampling, drafts); greedy and T > 0 rows, N from 0 to 4, an accepted EOS row."""
-    rows = [
-        (SamplingParams(), [1, 2, 3]),                                   # greedy, mismatch at 3
-        (T1, []),                                                        # T > 0, plain step
-        (SamplingParams(temperature=0.7, top_k=3), [4, 0]),
-        (SamplingParams(), []),                                          # greedy, plain step
-        (SamplingParams(temperature=1.3, top_p=0.8), [2, 2, 1, 0]),
-        (SamplingParams(), [1, EOS, 2]),                                 # greedy, accepted EOS
-        (T1, [0, 1, 2, 3]),
-    ]
-    n_max, b = 4, len(rows)
-    logits = torch.randn(b, n_max + 1, V, generator=_gen(3)) * 2
-    logits[0, :4] = _logits_for([1, 2, 4, 0])
-    logits[5, :4] = _logits_for([1, EOS, 2, 3])
-    logits[6, :5] = (torch.softmax(logits[6, :5], -1) * 0.2 + _onehot([0, 1, 2, 3, 4]) * 0.8).log()  # mostly accepted
-    ids = torch.full((b, n_max), 7)  # padding: an out-of-vocab id, never read
-    probs = torch.full((b, n_max, V), float("nan"))  # padding and greedy rows: never read
-    for r, (params, drafts) in enumerate(rows):
-        ids[r, : len(drafts)] = torch.tensor(drafts, dtype=torch.long)
-        if not params.greedy and drafts:
-            probs[r, : len(drafts)] = sampling_probs(torch.randn(len(drafts), V, generator=_gen(10 + r)), params)
-    return rows, ids, probs, logits
-
-
-def test_verify_batch_rows_equal_single_row_verify():
-    rows, ids, probs, logits = _mixed_batch()
-    num_drafts = [len(d) for _, d in rows]
-    for seed in range(25):
-        gens = [_gen(seed * 100 + r) for r in range(len(rows))]
-        got = verify_batch(ids, num_drafts, probs, logits, sampling=[s for s, _ in rows], generators=gens,
-                           eos_token_ids={EOS})
-        after = [g.get_state() for g in gens]
-        for r, (params, drafts) in enumerate(rows):
-            n = len(drafts)
-            g = _gen(seed * 100 + r)
-            want = verify(ids[r, :n], probs[r, :n] if not params.greedy else None, logits[r, : n + 1],
-                          sampling=params, generator=g, eos_token_ids={EOS})
-            assert got[r] == want, (seed, r, got[r], want)
-            assert torch.equal(after[r], g.get_state())  # the same number of draws
-    assert got[0] == VerifyResult(num_accepted=2, committed=[1, 2, 4], hit_eos=False)
-    assert got[5] == VerifyResult(num_accepted=2, committed=[1, EOS], hit_eos=True)
-    assert torch.equal(gens[0].get_state(), _gen(24 * 100).get_state())  # greedy rows draw nothing
-
-
-def test_verify_batch_errors():
-    rows, ids, probs, logits = _mixed_batch()
-    sampling = [s for s, _ in rows]
-    gens = [None] * len(rows)
-    num = [len(d) for _, d in rows]
-    with pytest.raises(ValueError, match="num_drafts_B"):
-        verify_batch(ids, num[:-1], probs, logits, sampling=sampling, generators=gens, eos_token_ids={EOS})
-    with pytest.raises(ValueError, match="num_drafts_B"):
-        verify_batch(ids, [5] + num[1:], probs, logits, sampling=sampling, generators=gens, eos_token_ids={EOS})
-    with pytest.raises(ValueError, match="draft_probs_BNV"):
-        verify_batch(ids, num, None, logits, sampling=sampling, generators=gens, eos_token_ids={EOS})
-    with pytest.raises(ValueError, match="N_max\\+1"):
-        verify_batch(ids, num, probs, logits[:, :4], sampling=sampling, generators=gens, eos_token_ids={EOS})
-    # all-greedy batch needs no draft probabilities
-    res = verify_batch(ids[:1], [3], None, logits[:1], sampling=[SamplingParams()], generators=[None],
-                       eos_token_ids={EOS})
-    assert res[0].committed == [1, 2, 4]
 
 
 # ----------------------------------------------------------------------------- proposers
