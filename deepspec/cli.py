@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"deepspec {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    from deepspec import stages
+    from deepspec import demo, stages
     from deepspec.data.backends import BackendError
 
     runner = {
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         "cache": stages.run_cache_stage,
         "train": stages.run_train_stage,
         "eval": stages.run_eval_stage,
-        "demo": stages.run_demo_stage,
+        "demo": demo.run_demo,
         "estimate": stages.run_estimate_stage,
         "serve": stages.run_serve_stage,
     }[args.command]

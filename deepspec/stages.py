@@ -542,9 +542,3 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
             "target_check": target_check,
         },
     )
-
-
-def run_demo_stage(cfg) -> dict:
-    from deepspec.demo import run_demo
-
-    return run_demo(cfg)

@@ -11,11 +11,11 @@ import torch
 from deepspec.device import cast_for_decoding
 from deepspec.eval.engine import SpeculativeEngine
 from deepspec.eval.flips import chunked_argmax, first_divergence
-from deepspec.eval.proposers import DSparkProposer, Eagle3Proposer, NullProposer
+from deepspec.eval.proposers import DSparkProposer, NullProposer
 from deepspec.eval.verify import SamplingParams
 from deepspec.models.config import draft_config_from_target
 from deepspec.models.dspark import DSparkDraftModel
-from deepspec.models.eagle3 import Eagle3DraftModel, eagle3_config_from_target
+from deepspec.models.eagle3 import Eagle3DraftModel, Eagle3Proposer, eagle3_config_from_target
 from tests.helpers import sharp_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")

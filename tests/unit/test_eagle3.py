@@ -13,10 +13,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from deepspec.eval.engine import SpeculativeEngine
-from deepspec.eval.proposers import Eagle3Proposer, NullProposer
+from deepspec.eval.proposers import NullProposer
 from deepspec.eval.verify import SamplingParams
-from deepspec.models.eagle3 import (Eagle3Algorithm, Eagle3Config, Eagle3DraftModel, eagle3_config_from_target,
-                                    eagle3_loss, ttt_masks, ttt_supervision)
+from deepspec.models.eagle3 import (Eagle3Algorithm, Eagle3Config, Eagle3DraftModel, Eagle3Proposer,
+                                    eagle3_config_from_target, eagle3_loss, ttt_masks, ttt_supervision)
 from deepspec.models.registry import algorithm_for_model, get_algorithm, load_draft
 from deepspec.target.capture import target_forward
 

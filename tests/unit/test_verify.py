@@ -413,7 +413,7 @@ def test_dspark_proposer_samples_and_scores_with_the_same_filtered_probs():
 
 
 def test_eagle3_proposer_samples_and_scores_with_the_same_filtered_probs():
-    from deepspec.eval.proposers import Eagle3Proposer
+    from deepspec.models.eagle3 import Eagle3Proposer
     from tests.unit.test_dspark import batch, tiny_target
     from tests.unit.test_eagle3 import features, make_draft
 
