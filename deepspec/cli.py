@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runner = {
         "prepare": stages.run_prepare_stage,
-        "cache": stages.run_cache_stage,
+        "cache": stages.run_verify_cache_stage if getattr(cfg, "verify", False) else stages.run_cache_stage,
         "train": stages.run_train_stage,
         "eval": stages.run_eval_stage,
         "demo": demo.run_demo,

@@ -33,7 +33,7 @@ from deepspec.stages import (
     run_prepare_stage,
     run_train_stage,
 )
-from deepspec.train.loop import LATEST, TrainConfig, build_draft
+from deepspec.train.loop import TrainConfig, build_draft, latest_checkpoint
 from deepspec.utils import atomic_write_json, atomic_write_text
 
 
@@ -223,8 +223,7 @@ def prepare_demo_data(cfg: DemoConfig, prepared: Path, *, target_model, tokenize
 
 
 def _done_training(train_dir: Path, steps: int) -> bool:
-    pointer = train_dir / LATEST
-    return pointer.exists() and pointer.read_text().strip() == f"checkpoint-{steps:06d}"
+    return latest_checkpoint(train_dir) == train_dir / f"checkpoint-{steps:06d}"
 
 
 def run_demo(cfg: DemoConfig) -> dict:
@@ -267,7 +266,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         train_dir = Path(train_cfg.output_dir)
         t0 = time.perf_counter()
         if _done_training(train_dir, cfg.train_steps):
-            checkpoint = train_dir / (train_dir / LATEST).read_text().strip()
+            checkpoint = latest_checkpoint(train_dir)
             print(f"train {algorithm}: reusing {checkpoint}")
         else:
             checkpoint = run_train_stage(train_cfg, target_model=target_model, tokenizer=tokenizer)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from deepspec.data.prepare import PrepareConfig
 from deepspec.models.config import unsupported_family_note
-from deepspec.utils import format_bytes
+from deepspec.train.loop import latest_checkpoint, train
+from deepspec.utils import format_bytes, torchrun_env
 
 
 @dataclass(kw_only=True)
@@ -237,28 +238,31 @@ def run_prepare_stage(cfg: PrepareConfig, *, target_model=None, tokenizer=None):
     return summary
 
 
-def _distributed_env() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from the torchrun environment (0, 1, 0 without it)."""
-    import os
+def run_verify_cache_stage(cfg: CacheConfig) -> list:
+    """``deepspec cache --verify``: check every shard of ``cfg.output_dir`` against its manifest (no
+    target needed); returns the list of ShardCheck. Raises ValueError naming the first bad shard."""
+    from deepspec.data.cache import verify_target_cache
 
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    return verify_target_cache(cfg.output_dir)
 
 
 def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
-    """Build (or, with ``cfg.verify``, verify) a target cache; returns the CacheSummary (or the
-    list of ShardCheck). Under torchrun (``WORLD_SIZE`` > 1) a gloo process group is created for
-    the barriers; each rank loads the target (on ``cuda:LOCAL_RANK`` when CUDA is available)."""
+    """Build a target cache; returns its CacheSummary (``cfg.verify`` is :func:`run_verify_cache_stage`'s
+    job). Under torchrun (``WORLD_SIZE`` > 1) a gloo process group is created for the barriers; each
+    rank loads the target (on ``cuda:LOCAL_RANK`` when CUDA is available).
+
+    Raises ValueError when ``cfg.verify`` is set, and (see below) for a cache with no sample."""
     import datetime
 
     import torch
 
-    from deepspec.data.cache import verify_target_cache, write_target_cache
+    from deepspec.data.cache import write_target_cache
     from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
     from deepspec.target.load import load_target, recorded_target_name
 
     if cfg.verify:
-        return verify_target_cache(cfg.output_dir)
-    rank, world_size, local_rank = _distributed_env()
+        raise ValueError("cache.verify: run_cache_stage builds a cache; run_verify_cache_stage checks one")
+    rank, world_size, local_rank = torchrun_env()
     created_group = False
     if world_size > 1:
         import torch.distributed as dist
@@ -349,10 +353,8 @@ def run_estimate_stage(cfg):
 
 
 def run_train_stage(cfg, *, target_model=None, tokenizer=None) -> Path:
-    from deepspec.train.loop import train
-
     checkpoint = train(cfg, target_model=target_model, tokenizer=tokenizer)
-    if _distributed_env()[0] == 0:
+    if torchrun_env()[0] == 0:
         print(f"train: final checkpoint {checkpoint}")
     return checkpoint
 
@@ -361,8 +363,8 @@ def draft_folder(path: str | Path) -> Path:
     """Accept a training run folder (its ``latest`` checkpoint), a checkpoint folder (``checkpoint-N/``)
     or the draft folder inside it."""
     path = Path(path)
-    if (path / "latest").is_file() and not (path / "draft").exists():
-        path = path / (path / "latest").read_text().strip()
+    if not (path / "draft").exists() and latest_checkpoint(path) is not None:
+        path = latest_checkpoint(path)
     if (path / "draft" / "config.json").exists():
         return path / "draft"
     if (path / "config.json").exists():

@@ -85,3 +85,9 @@ def atomic_write_text(final: str | os.PathLike[str], text: str) -> None:
 def atomic_write_json(final: str | os.PathLike[str], obj: Any) -> None:
     """Write ``obj`` as indented JSON to ``final`` atomically."""
     atomic_write_text(final, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def torchrun_env() -> tuple[int, int, int]:
+    """``(rank, world_size, local_rank)`` from the environment torchrun sets (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``); ``(0, 1, 0)`` outside torchrun."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))

@@ -57,7 +57,7 @@ from deepspec.train.heldout import (
     make_reference,
     reference_key,
 )
-from deepspec.utils import atomic_path, atomic_write_json, atomic_write_text
+from deepspec.utils import atomic_path, atomic_write_json, atomic_write_text, torchrun_env
 
 TRAINER_STATE = "trainer_state.pt"
 LATEST = "latest"
@@ -294,12 +294,12 @@ def _resolve_resume(cfg: TrainConfig, *, log: bool = False) -> Path | None:
     if cfg.resume == "never":
         return None
     if cfg.resume == "auto":
-        pointer = Path(cfg.output_dir) / LATEST
-        if not pointer.exists():
+        path = latest_checkpoint(cfg.output_dir)
+        if path is None:
             if log:
                 print(f"resume: no checkpoint in {cfg.output_dir}; starting from step 0")
             return None
-        path = Path(cfg.output_dir) / pointer.read_text().strip()
+        pointer = Path(cfg.output_dir) / LATEST
         if not (path / TRAINER_STATE).exists():
             raise ValueError(
                 f"train.resume: {pointer} names {path.name}, but {path / TRAINER_STATE} does not exist; point "
@@ -432,9 +432,7 @@ def _setup_distributed() -> _Dist:
     """Read ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` (set by torchrun); with a world of more than one
     process, create the default process group (NCCL on ``cuda:LOCAL_RANK`` when CUDA is available,
     else gloo on CPU). One process: ``cuda:0`` when CUDA is available, else CPU, and no group."""
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    rank, world_size, local_rank = torchrun_env()
     use_cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -583,6 +581,13 @@ def _checkpoint_step(path: Path) -> int | None:
     return int(match.group(1)) if match and path.is_dir() else None
 
 
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint folder a training run's ``latest`` pointer names (``run_dir/checkpoint-N``; it
+    may be absent if someone deleted it), or None when the run has no pointer yet."""
+    pointer = Path(run_dir) / LATEST
+    return Path(run_dir) / pointer.read_text().strip() if pointer.is_file() else None
+
+
 def apply_retention(output_dir: str | Path, keep_last: int) -> list[Path]:
     """Delete all but the ``keep_last`` newest (highest-step) ``checkpoint-*/`` folders of
     ``output_dir``, never the one ``latest`` names; ``keep_last`` 0 keeps everything. A folder is
@@ -591,8 +596,7 @@ def apply_retention(output_dir: str | Path, keep_last: int) -> list[Path]:
     if keep_last <= 0:
         return []
     out = Path(output_dir)
-    pointer = out / LATEST
-    latest = pointer.read_text().strip() if pointer.exists() else None
+    latest = getattr(latest_checkpoint(out), "name", None)
     found = sorted((step, p) for p in out.iterdir() if (step := _checkpoint_step(p)) is not None)
     doomed = [p for _, p in found[:-keep_last] if p.name != latest]
     for path in doomed:
