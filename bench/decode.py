@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as exc:
         p.error(str(exc))
 
-    from deepspec.stages import draft_folder
+    from deepspec.eval.stage import draft_folder
 
     folder = None
     if args.draft != "untrained":

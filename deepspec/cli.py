@@ -31,7 +31,7 @@ _STAGES = {
     "cache": ("deepspec.stages", "CacheConfig", "write the target cache (features + final hidden states)"),
     "train": ("deepspec.train.loop", "TrainConfig",
               "train a draft model on a target cache or online (features computed by the target)"),
-    "eval": ("deepspec.stages", "EvalConfig", "evaluate drafts with speculative decoding on benchmarks"),
+    "eval": ("deepspec.eval.stage", "EvalConfig", "evaluate drafts with speculative decoding on benchmarks"),
     "demo": ("deepspec.demo", "DemoConfig", "the whole pipeline on the embedded default target"),
     "estimate": ("deepspec.data.estimate", "EstimateConfig",
                  "target cache size per storage mode for a target config and dataset size"),
@@ -92,13 +92,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deepspec {args.command}: error: {exc}", file=sys.stderr)
         return 2
     from deepspec import demo, stages
+    from deepspec.eval import stage as eval_stage
     from deepspec.data.backends import BackendError
 
     runner = {
         "prepare": stages.run_prepare_stage,
         "cache": stages.run_verify_cache_stage if getattr(cfg, "verify", False) else stages.run_cache_stage,
         "train": stages.run_train_stage,
-        "eval": stages.run_eval_stage,
+        "eval": eval_stage.run_eval_stage,
         "demo": demo.run_demo,
         "estimate": stages.run_estimate_stage,
         "serve": stages.run_serve_stage,

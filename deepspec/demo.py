@@ -25,14 +25,8 @@ from pathlib import Path
 
 from deepspec.data.prepare import PrepareConfig, summary_path_for
 from deepspec.eval.benchmarks import DEMO_BENCHMARKS, TRAINING_SPLITS, benchmarks_dir, training_conversations
-from deepspec.stages import (
-    CacheConfig,
-    EvalConfig,
-    run_cache_stage,
-    run_eval_stage,
-    run_prepare_stage,
-    run_train_stage,
-)
+from deepspec.eval.stage import EvalConfig, run_eval_stage
+from deepspec.stages import CacheConfig, run_cache_stage, run_prepare_stage, run_train_stage
 from deepspec.train.loop import TrainConfig, build_draft, latest_checkpoint
 from deepspec.utils import atomic_write_json, atomic_write_text
 

@@ -43,7 +43,7 @@ def test_cast_for_decoding_copies_only_when_needed():
 def test_configs_validate_dtype(tmp_path):
     from deepspec.data.prepare import PrepareConfig
     from deepspec.demo import DemoConfig
-    from deepspec.stages import EvalConfig
+    from deepspec.eval.stage import EvalConfig
 
     assert EvalConfig(draft=["x"], output_dir="o", dtype="bf16").dtype == "bfloat16"
     assert PrepareConfig(input="sharegpt-demo", output=tmp_path / "p.jsonl", dtype="fp32").dtype == "float32"

@@ -102,7 +102,7 @@ def test_same_shape_other_weights_is_refused_unless_allowed(setup, kind):
 
 
 def test_eval_stage_refuses_or_reports_a_target_mismatch(setup, tmp_path, capsys):
-    from deepspec.stages import EvalConfig, run_eval_stage
+    from deepspec.eval.stage import EvalConfig, run_eval_stage
 
     tok, targets, folders = setup
     bench = tmp_path / "gsm8k.jsonl"

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from deepspec.eval.benchmarks import BENCHMARKS, DEEPSPEC_NUM_SAMPLES
-from deepspec.stages import EvalConfig, load_eval_benchmarks
+from deepspec.eval.stage import EvalConfig, load_eval_benchmarks
 
 
 def _cfg(**kw) -> EvalConfig:
@@ -94,7 +94,7 @@ def test_turns_given_as_a_string_are_refused(tmp_path):
 
 
 def test_unwritable_output_dir_fails_before_anything_loads(tmp_path):
-    from deepspec.stages import run_eval_stage
+    from deepspec.eval.stage import run_eval_stage
 
     blocker = tmp_path / "afile"
     blocker.write_text("")
@@ -103,7 +103,7 @@ def test_unwritable_output_dir_fails_before_anything_loads(tmp_path):
 
 
 def test_failed_eval_removes_the_output_folder_it_created(tmp_path):
-    from deepspec.stages import run_eval_stage
+    from deepspec.eval.stage import run_eval_stage
 
     out = tmp_path / "reports" / "eval"
     with pytest.raises(FileNotFoundError, match="no draft found"):

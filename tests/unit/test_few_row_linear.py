@@ -114,7 +114,7 @@ def test_capped_dspark_proposal_is_the_prefix_of_the_full_one():
 
 def test_eval_and_demo_configs_check_the_new_settings():
     from deepspec.demo import DemoConfig
-    from deepspec.stages import EvalConfig
+    from deepspec.eval.stage import EvalConfig
 
     assert EvalConfig(draft=["x"], output_dir="o").few_row_linear == "auto"
     with pytest.raises(ValueError, match="eval.few_row_linear"):

@@ -160,7 +160,7 @@ def test_engine_sampling_runs_with_point_masses(target):
 
 
 def test_eval_config_baselines_and_ngram_knobs():
-    from deepspec.stages import EvalConfig
+    from deepspec.eval.stage import EvalConfig
 
     assert EvalConfig(draft=["x"], output_dir="o").baselines == ["ngram"]
     assert EvalConfig(draft=["x"], output_dir="o", baselines=["none"]).baselines == []
@@ -173,7 +173,7 @@ def test_eval_config_baselines_and_ngram_knobs():
 
 
 def test_baseline_proposers_take_the_drafts_k(target):
-    from deepspec.stages import EvalConfig, baseline_proposers
+    from deepspec.eval.stage import EvalConfig, baseline_proposers
 
     cfg = EvalConfig(draft=["x"], output_dir="o", ngram_max=4, ngram_min=2)
     drafts = {"d": NGramProposer(vocab_size=VOCAB, num_tokens=5)}  # any proposer with K = 5

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from deepspec.models.registry import ALGORITHMS, algorithm_of_draft, get_algorithm
-from deepspec.stages import _unique_name, draft_folder
+from deepspec.eval.stage import _unique_name, draft_folder
 
 
 def test_registry_lists_the_three_algorithms_and_refuses_unknown_names():

