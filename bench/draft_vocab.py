@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from deepspec.eval.proposers import DSparkProposer  # noqa: E402
+from deepspec.models.dspark import DSparkProposer  # noqa: E402
 from deepspec.eval.verify import SamplingParams  # noqa: E402
 from deepspec.models.registry import get_algorithm  # noqa: E402
 from deepspec.models.vocab import count_supervised_tokens, select_draft_vocab  # noqa: E402

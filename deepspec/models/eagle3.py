@@ -543,10 +543,10 @@ class Eagle3Proposer:
     ``extend_context``, so a rejection needs no crop of the draft's cache.
 
     ``k`` defaults to the draft's ``ttt_steps``; ``max_positions`` caps drafted positions as in
-    :class:`~deepspec.eval.proposers.DSparkProposer`. At T = 0 tokens are argmaxes and ``draft_probs_NV`` is None; at T > 0
-    ``sampling_probs(logits, sampling)`` (fp32) is sampled from and returned. A reduced draft
-    vocabulary is handled as in :class:`~deepspec.eval.proposers.DSparkProposer` (draft ids mapped to target ids, ``q``
-    scattered into the full target vocabulary).
+    :class:`~deepspec.models.dspark.DSparkProposer`. At T = 0 tokens are argmaxes and
+    ``draft_probs_NV`` is None; at T > 0 ``sampling_probs(logits, sampling)`` (fp32) is sampled from
+    and returned. A reduced draft vocabulary is handled as in DSpark's proposer (draft ids mapped to
+    target ids, ``q`` scattered into the full target vocabulary).
     """
 
 

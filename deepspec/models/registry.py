@@ -26,6 +26,7 @@ from torch import nn
 
 from deepspec.models.acceptance import AcceptanceCounts
 from deepspec.models.config import CONFIG_NAME
+from deepspec.models.dspark import DSparkAlgorithm
 from deepspec.models.eagle3 import Eagle3Algorithm
 from deepspec.train.data import TrainBatch
 
@@ -79,93 +80,6 @@ class DraftAlgorithm(Protocol):
     def owns(self, model: nn.Module) -> bool:
         """Whether ``model`` is a draft of this algorithm's model class."""
         ...
-
-
-# ----------------------------------------------------------------------------------------------- DSpark
-
-
-@dataclass
-class _BlockMicroBatch:
-    batch: TrainBatch
-    anchor_pos_BA: torch.Tensor
-    block_valid_BA: torch.Tensor
-
-
-class DSparkAlgorithm:
-    """DSpark (DESIGN s.5): block-parallel drafter with Markov and confidence heads. With
-    ``heads=False`` it is DFlash: the same backbone, CE loss only."""
-
-    def __init__(self, name: str, *, heads: bool) -> None:
-        self.name = name
-        self.heads = heads
-
-    def build(self, target_model, tokenizer, cfg, target_layer_ids, *, d2t=None):
-        from deepspec.models.config import dflash_knobs, draft_config_from_target
-        from deepspec.models.dspark import DSparkDraftModel
-        from deepspec.models.mask_token import choose_mask_token_id
-        from deepspec.models.target_init import init_layers_from_target
-
-        mask_token_id = choose_mask_token_id(
-            tokenizer, target_model.get_input_embeddings().num_embeddings, cfg.mask_token
-        )
-        draft_config = draft_config_from_target(
-            target_model.config,
-            num_draft_layers=cfg.num_draft_layers,
-            target_layer_ids=target_layer_ids,
-            mask_token_id=mask_token_id,
-            block_size=cfg.block_size,
-            markov_rank=cfg.markov_rank,
-            markov_head_type=cfg.markov_head,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            draft_vocab_size=None if d2t is None else int(d2t.shape[0]),
-            # the algorithm's own knobs, then the loss settings given to train over them
-            **{**({} if self.heads else dflash_knobs()), **cfg.loss_knobs()},
-        )
-        model = DSparkDraftModel.from_target(target_model, draft_config, d2t=d2t)
-        if getattr(cfg, "init_from_target", False):
-            init_layers_from_target(model, target_model, getattr(cfg, "init_from_target_layers", None))
-        return model
-
-    def load(self, path):
-        from deepspec.models.dspark import DSparkDraftModel
-
-        return DSparkDraftModel.from_pretrained(path)
-
-    def prepare(self, model, batch, generator, cfg):
-        from deepspec.models.anchors import sample_anchors
-
-        anchor_pos_BA, block_valid_BA = sample_anchors(batch.loss_mask_BS, cfg.num_anchors, generator)
-        return _BlockMicroBatch(batch, anchor_pos_BA, block_valid_BA)
-
-    def weight(self, model, prepared):
-        from deepspec.models.loss import supervision_weights
-
-        return supervision_weights(
-            prepared.batch.loss_mask_BS, prepared.anchor_pos_BA, prepared.block_valid_BA, model.config
-        )[1].sum()
-
-    def loss(self, model, prepared, *, weight_sum, autocast):
-        from deepspec.models.loss import dspark_loss
-
-        b = prepared.batch
-        with autocast:
-            output = model.forward_train(b.input_ids_BS, b.target_hidden_BSF, prepared.anchor_pos_BA,
-                                         prepared.block_valid_BA)
-        return dspark_loss(output, b.input_ids_BS, b.loss_mask_BS, prepared.anchor_pos_BA, prepared.block_valid_BA,
-                           b.target_last_hidden_BSH, model.target_lm_head_weight, model.config, weight_sum=weight_sum,
-                           d2t_W=model.d2t)
-
-    def proposer(self, model, *, confidence_threshold=None, max_positions=None):
-        from deepspec.eval.proposers import DSparkProposer
-
-        return DSparkProposer(model, confidence_threshold=confidence_threshold, max_positions=max_positions)
-
-    def owns(self, model):
-        from deepspec.models.dspark import DSparkDraftModel
-
-        return isinstance(model, DSparkDraftModel) and (
-            self.heads == (model.config.use_markov_head or model.config.use_confidence_head))
 
 
 # ----------------------------------------------------------------------------------------------- registry

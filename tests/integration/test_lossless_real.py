@@ -22,7 +22,8 @@ def test_dspark_greedy_output_equals_target_only_greedy(target):
     from deepspec.data.chat import render_prompt
     from deepspec.eval.benchmarks import load_benchmark
     from deepspec.eval.engine import SpeculativeEngine
-    from deepspec.eval.proposers import DSparkProposer, NullProposer
+    from deepspec.eval.proposers import NullProposer
+    from deepspec.models.dspark import DSparkProposer
     from deepspec.eval.run import eos_token_ids_of
     from deepspec.target.capture import default_target_layer_ids
     from deepspec.train.loop import TrainConfig, build_draft
@@ -55,7 +56,8 @@ def test_reduced_vocab_dspark_greedy_output_equals_target_only_greedy(target):
     from deepspec.data.chat import render_prompt
     from deepspec.eval.benchmarks import load_benchmark
     from deepspec.eval.engine import SpeculativeEngine
-    from deepspec.eval.proposers import DSparkProposer, NullProposer
+    from deepspec.eval.proposers import NullProposer
+    from deepspec.models.dspark import DSparkProposer
     from deepspec.eval.run import eos_token_ids_of
     from deepspec.models.vocab import count_supervised_tokens, select_draft_vocab
     from deepspec.target.capture import default_target_layer_ids

@@ -215,7 +215,7 @@ def test_engine_broken_acceptance_rule_is_rejected(target, monkeypatch, broken):
 
 def reduced_vocab_dspark_proposer(model, seed: int = 3):
     """An untrained DSpark drafter (target layer 0's features) proposing from 6 of the 12 target tokens."""
-    from deepspec.eval.proposers import DSparkProposer
+    from deepspec.models.dspark import DSparkProposer
     from deepspec.models.config import draft_config_from_target
     from deepspec.models.dspark import DSparkDraftModel
 

@@ -11,7 +11,8 @@ import torch
 from deepspec.device import cast_for_decoding
 from deepspec.eval.engine import SpeculativeEngine
 from deepspec.eval.flips import chunked_argmax, first_divergence
-from deepspec.eval.proposers import DSparkProposer, NullProposer
+from deepspec.eval.proposers import NullProposer
+from deepspec.models.dspark import DSparkProposer
 from deepspec.eval.verify import SamplingParams
 from deepspec.models.config import draft_config_from_target
 from deepspec.models.dspark import DSparkDraftModel

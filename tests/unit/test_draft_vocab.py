@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from deepspec.eval.engine import SpeculativeEngine
-from deepspec.eval.proposers import DSparkProposer, NullProposer
+from deepspec.eval.proposers import NullProposer
+from deepspec.models.dspark import DSparkProposer
 from deepspec.eval.verify import SamplingParams
 from deepspec.models.anchors import sample_anchors
 from deepspec.models.config import dflash_knobs, draft_config_from_target

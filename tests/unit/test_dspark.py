@@ -8,7 +8,7 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from deepspec.eval.proposers import DSparkProposer
+from deepspec.models.dspark import DSparkProposer
 from deepspec.eval.verify import SamplingParams
 from deepspec.models.anchors import sample_anchors
 from deepspec.models.config import MARKOV_HEAD_TYPES, DraftConfig, dflash_knobs, draft_config_from_target

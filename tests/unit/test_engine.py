@@ -639,7 +639,7 @@ def test_dspark_proposer_through_engine_is_lossless(target, use_heads):
     HF generate, the context invariant holds, and T > 0 runs with valid draft probabilities."""
     config_mod = pytest.importorskip("deepspec.models.config")
     dspark_mod = pytest.importorskip("deepspec.models.dspark")
-    from deepspec.eval.proposers import DSparkProposer
+    from deepspec.models.dspark import DSparkProposer
 
     layer_ids = [0]
     cfg = config_mod.draft_config_from_target(

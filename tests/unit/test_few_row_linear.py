@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from deepspec.eval.engine import SpeculativeEngine
 from deepspec.eval.few_row_linear import few_row_forward, few_row_linear, few_row_linear_applies
 from deepspec.eval.ngram import NGramProposer
-from deepspec.eval.proposers import DSparkProposer, NullProposer, cap_proposal_len
+from deepspec.eval.proposers import NullProposer, cap_proposal_len
+from deepspec.models.dspark import DSparkProposer
 from deepspec.eval.verify import SamplingParams
 from deepspec.models.config import draft_config_from_target
 from deepspec.models.dspark import DSparkDraftModel

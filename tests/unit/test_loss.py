@@ -205,7 +205,8 @@ def test_micro_batches_give_the_global_token_weighted_mean():
     each normalised by the global weight sum, gives the same summed loss and accumulated gradients
     as the whole batch at once; and that loss is the weighted mean over all slots, so a sequence with
     many supervised slots weighs more than one with few (not a mean of per-sequence means)."""
-    from deepspec.models.registry import _BlockMicroBatch, get_algorithm
+    from deepspec.models.dspark import _BlockMicroBatch
+    from deepspec.models.registry import get_algorithm
     from deepspec.train.data import TrainBatch
 
     target, draft, batch, capture = _draft_setup("llama")

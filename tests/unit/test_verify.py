@@ -398,7 +398,7 @@ def _recording(obj, name, pick):
 
 
 def test_dspark_proposer_samples_and_scores_with_the_same_filtered_probs():
-    from deepspec.eval.proposers import DSparkProposer
+    from deepspec.models.dspark import DSparkProposer
     from tests.unit.test_dspark import batch, capture, make_draft
 
     target, draft = make_draft("llama")
