@@ -168,8 +168,9 @@ def prepare_demo_data(cfg: DemoConfig, prepared: Path, *, target_model, tokenize
     (``cfg.seed``) into ``prepared``, written atomically with a summary that holds each part's
     counts and the parts' common render record (which the cache stage checks).
 
-    Raises ValueError when the parts were rendered differently (they share one target and tokenizer,
-    so only a part left from another run can differ: delete it).
+    Raises ValueError when a part left from an earlier run holds another number of conversations, or
+    when the parts were rendered differently (they share one target and tokenizer, so only a part
+    left from another run can differ): delete it.
     """
     plan, notes = demo_data_plan(cfg)
     for note in notes:
@@ -201,8 +202,12 @@ def prepare_demo_data(cfg: DemoConfig, prepared: Path, *, target_model, tokenize
                 target_model=target_model,
                 tokenizer=tokenizer,
             )
-        lines += part.read_text(encoding="utf-8").splitlines(keepends=True)
         summaries[name] = json.loads(summary_path_for(part).read_text(encoding="utf-8"))
+        asked = summaries[name].get("config", {}).get("num_conversations", count)
+        if asked != count:
+            raise ValueError(f"{part} holds {asked} {name} conversations, this demo asks for {count}; delete it (and "
+                             f"{prepared.parent / 'cache'} and the train folders built on it) or use another --output-dir.")
+        lines += part.read_text(encoding="utf-8").splitlines(keepends=True)
     renders = {name: s.get("render") for name, s in summaries.items()}
     if len({json.dumps(r, sort_keys=True) for r in renders.values()}) > 1:
         raise ValueError(f"{prepared}: its parts were rendered with different chat templates or stop rules "

@@ -215,8 +215,8 @@ def test_demo_data_mix_falls_back_to_sharegpt_where_a_training_split_is_missing(
 
 def test_demo_data_parts_are_merged_once_and_reused(tmp_path, monkeypatch):
     """Each source is prepared into its own part (reused when present), and the parts are merged in a
-    seeded shuffle with one summary whose render record the cache stage checks; parts rendered
-    differently are refused."""
+    seeded shuffle with one summary whose render record the cache stage checks; a part of another
+    size, or parts rendered differently, are refused."""
     from deepspec import demo
     from deepspec.data.prepare import summary_path_for
 
@@ -252,6 +252,9 @@ def test_demo_data_parts_are_merged_once_and_reused(tmp_path, monkeypatch):
     assert len(calls) == 2 and prepared.read_text() == first  # parts reused, same seeded order
 
     part = tmp_path / "prepared-gsm8k.jsonl"
+    summary_path_for(part).write_text(json.dumps({"config": {"num_conversations": 4}, "summary": {}, "render": {"t": 1}}))
+    with pytest.raises(ValueError, match="prepared-gsm8k.jsonl holds 4 gsm8k conversations, this demo asks for 3"):
+        demo.prepare_demo_data(cfg, prepared, target_model=None, tokenizer=None)
     summary_path_for(part).write_text(json.dumps({"summary": {}, "render": {"t": 2}}))
     with pytest.raises(ValueError, match="rendered with different chat templates"):
         demo.prepare_demo_data(cfg, prepared, target_model=None, tokenizer=None)
