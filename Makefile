@@ -24,10 +24,11 @@ demo: install
 	$(VENV)/bin/deepspec demo --output-dir $(DEMO_OUT)
 
 # The CPU recipe: DSpark, DFlash and Eagle3 trained on the same data with the same budget, one report;
-# 554 in-domain answers (the demo: 320), 1,200 steps (the demo: 800), 8 prompts per benchmark.
+# 554 in-domain answers (the demo: 320), the demo's 800 steps, 8 prompts per benchmark. About 50 min on 2 cores,
+# estimated from the parts measured on 2026-12-01 (README, "CPU recipe"); not yet run end to end.
 recipe: install
 	$(VENV)/bin/deepspec demo --output-dir $(RECIPE_OUT) --algorithms dspark dflash eagle3 \
-		--num-gsm8k-conversations 384 --num-mbpp-conversations 170 --train-steps 1200 --eval-num-prompts 8
+		--num-gsm8k-conversations 384 --num-mbpp-conversations 170 --eval-num-prompts 8
 
 test: install
 	$(PY) -m pytest -q
