@@ -132,7 +132,7 @@ class OpenAICompatServer:
         if body.get("stream") or int(body.get("n", 1) or 1) != 1:
             return 400, {"error": {"message": "stream and n > 1 are not supported", "type": "invalid_request_error"}}
         try:
-            generation, stop_ids = _request_sampling(body)
+            generation, stop_ids = _request_generation(body)
         except ValueError as exc:
             return 400, {"error": {"message": str(exc), "type": "invalid_request_error"}}
         try:
@@ -198,8 +198,8 @@ class OpenAICompatServer:
         return Handler
 
 
-def _request_sampling(body: dict[str, Any]) -> tuple[GenerationParams, list[int]]:
-    """The pinned sampling of a request and its extra stop ids. Raises ValueError (a 400) for a
+def _request_generation(body: dict[str, Any]) -> tuple[GenerationParams, list[int]]:
+    """The pinned generation settings of a request and its extra stop ids. Raises ValueError (a 400) for a
     penalty or filter this server does not implement set away from its neutral value."""
     for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         value = body.get(name)
