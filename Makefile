@@ -23,12 +23,10 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(VENV)/bin/deepspec demo --output-dir $(DEMO_OUT)
 
-# The CPU recipe: DSpark, DFlash and Eagle3 trained on the same data with the same budget, one report;
-# 554 in-domain answers (the demo: 320), the demo's 800 steps, 8 prompts per benchmark. About 50 min on 2 cores,
-# estimated from the parts measured on 2026-12-01 (README, "CPU recipe"); not yet run end to end.
+# The CPU recipe (deepspec/recipes/cpu.toml): DSpark, DFlash and Eagle3 trained on the same data with the same
+# budget, one report; 554 in-domain answers (the demo: 320), the demo's 800 steps, 8 prompts per benchmark.
 recipe: install
-	$(VENV)/bin/deepspec demo --output-dir $(RECIPE_OUT) --algorithms dspark dflash eagle3 \
-		--num-gsm8k-conversations 384 --num-mbpp-conversations 170 --eval-num-prompts 8
+	$(VENV)/bin/deepspec demo --recipe cpu --output-dir $(RECIPE_OUT)
 
 test: install
 	$(PY) -m pytest -q

@@ -4,6 +4,7 @@
   deepspec cache     capture target features into a target cache      -> cache folder
   deepspec train     train a draft on a target cache, or online       -> checkpoints
   deepspec eval      speculative decoding on benchmarks               -> report (MD, JSON, PNG)
+  deepspec export    a trained draft in a serving engine's layout     -> folder (vLLM, SGLang)
   deepspec demo      all of the above on the embedded default target
   deepspec estimate  target cache size per storage mode               -> a table
   deepspec serve     the target behind an OpenAI-compatible HTTP API  -> a local server
@@ -12,7 +13,8 @@ Drafting algorithms (deepspec train --algorithm): dspark (DSpark, the default), 
 DSpark's drafter without its heads), eagle3 (Eagle3).
 
 Each subcommand's flags are exactly the fields of its config dataclass (deepspec.config);
-`deepspec STAGE --help` lists them.
+`deepspec STAGE --help` lists them. `--recipe NAME` (or a .toml file) sets them from a recipe
+(deepspec/recipes: demo, cpu, qwen3-4b, qwen3-8b, qwen3-14b); flags given beside it win.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import importlib
 import sys
 
 from deepspec.config import add_dataclass_arguments, dataclass_from_args
+from deepspec.recipes import Recipe, load_recipe, recipe_names
 
 # stage -> (module, config class, one-line help). A config's module imports torch and transformers
 # (seconds), so only the stage being run (or whose --help is asked for) is imported: `deepspec --help`
@@ -32,6 +35,7 @@ _STAGES = {
     "train": ("deepspec.train.loop", "TrainConfig",
               "train a draft model on a target cache or online (features computed by the target)"),
     "eval": ("deepspec.eval.stage", "EvalConfig", "evaluate drafts with speculative decoding on benchmarks"),
+    "export": ("deepspec.export", "ExportConfig", "write a trained draft in the layout vLLM or SGLang loads"),
     "demo": ("deepspec.demo", "DemoConfig", "the whole pipeline on the embedded default target"),
     "estimate": ("deepspec.data.estimate", "EstimateConfig",
                  "target cache size per storage mode for a target config and dataset size"),
@@ -59,12 +63,14 @@ class _Parser(argparse.ArgumentParser):
         return parsed
 
 
-def build_parser(stages: tuple[str, ...] | None = None) -> argparse.ArgumentParser:
+def build_parser(stages: tuple[str, ...] | None = None, recipe: Recipe | None = None) -> argparse.ArgumentParser:
     """The ``deepspec`` parser: one subcommand per stage, whose flags are its config's fields.
 
     Args:
         stages: the stages whose flags are added (their config modules are imported); ``None`` = all.
             The others are listed with their one-line help only, so ``deepspec --help`` stays fast.
+        recipe: its settings for each stage in ``stages`` become that stage's defaults
+            (:meth:`Recipe.settings`; ValueError for a key or value the stage does not take).
     """
     parser = _Parser(
         prog="deepspec", description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
@@ -72,18 +78,42 @@ def build_parser(stages: tuple[str, ...] | None = None) -> argparse.ArgumentPars
     sub = parser.add_subparsers(dest="command", required=True)
     parser.stage_parsers = {}
     for name, (_, _, help_text) in _STAGES.items():
-        stage = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
+        description = help_text
+        if recipe is not None and (stages is None or name in stages):
+            description += f"\n\nrecipe {recipe.name}: {recipe.description}" if recipe.description else ""
+        stage = sub.add_parser(name, help=help_text, description=description, allow_abbrev=False)
         if stages is None or name in stages:
-            add_dataclass_arguments(stage, _config_class(name))
+            stage.add_argument("--recipe", metavar="NAME|FILE",
+                               help=f"settings from a recipe: {', '.join(recipe_names())} (deepspec/recipes), or a "
+                                    ".toml file; flags given beside it win")
+            cls = _config_class(name)
+            preset = recipe.settings(name, cls) if recipe is not None else None
+            add_dataclass_arguments(stage, cls, preset=preset, preset_name=f"recipe {recipe.name}" if recipe else "")
         parser.stage_parsers[name] = stage
     return parser
+
+
+def _recipe_from_argv(argv: list[str]) -> Recipe | None:
+    """The recipe named by ``--recipe NAME`` / ``--recipe=NAME`` in ``argv`` (the last one wins), or None."""
+    name = None
+    for i, arg in enumerate(argv):
+        if arg == "--recipe" and i + 1 < len(argv):
+            name = argv[i + 1]
+        elif arg.startswith("--recipe="):
+            name = arg.split("=", 1)[1]
+    return None if name is None else load_recipe(name)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # the stage is the first word that is no option (the top-level parser has no option taking a value)
     named = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(stages=(named,) if named in _STAGES else ())
+    try:
+        recipe = _recipe_from_argv(argv)
+        parser = build_parser(stages=(named,) if named in _STAGES else (), recipe=recipe)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"deepspec {named or ''}: error: {exc}".replace("  ", " "), file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     cls = _config_class(args.command)
     try:
@@ -91,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"deepspec {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    from deepspec import demo, stages
+    from deepspec import demo, export, stages
     from deepspec.eval import stage as eval_stage
     from deepspec.data.backends import BackendError
 
@@ -100,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         "cache": stages.run_verify_cache_stage if getattr(cfg, "verify", False) else stages.run_cache_stage,
         "train": stages.run_train_stage,
         "eval": eval_stage.run_eval_stage,
+        "export": export.run_export,
         "demo": demo.run_demo,
         "estimate": stages.run_estimate_stage,
         "serve": stages.run_serve_stage,

