@@ -20,6 +20,7 @@ from typing import Any
 
 from deepspec.data.chat import COUNT_KEYS as TURN_COUNT_KEYS
 from deepspec.data.chat import render_record, render_record_differences, render_training_samples
+from deepspec.data.prepare import summary_path_for
 
 _Sample = tuple[str, list[int], list[int]]  # (sample id, input_ids, loss_mask)
 
@@ -146,8 +147,6 @@ def check_prepared_render(prepared_jsonl: str | os.PathLike[str], tokenizer: Any
     Raises:
         ValueError: naming every field that differs, both values, and the fix.
     """
-    from deepspec.data.prepare import summary_path_for
-
     summary_path = summary_path_for(Path(prepared_jsonl))
     recorded = None
     if summary_path.is_file():

@@ -64,6 +64,8 @@ from deepspec.data.cache.samples import (
 )
 from deepspec.data.chat import COUNT_KEYS as TURN_COUNT_KEYS
 from deepspec.data.chat import target_stop_token_ids
+from deepspec.data.conversations import read_jsonl
+from deepspec.target import load
 from deepspec.target.capture import _base_model, capture_sample_features, validate_target_layer_ids
 from deepspec.utils import atomic_path, atomic_write_json
 
@@ -626,14 +628,10 @@ def write_target_cache(
 
     Raises FileNotFoundError for a missing input, ValueError for bad settings or rows.
     """
-    from deepspec.data.conversations import read_jsonl
-
     path = Path(prepared_jsonl)
     if not path.is_file():
         raise FileNotFoundError(f"prepared data {path} not found; run `deepspec prepare` first")
     if target_fingerprint is None or tokenizer_fingerprint is None:
-        from deepspec.target import load
-
         target_fingerprint = target_fingerprint or load.target_fingerprint(model)
         tokenizer_fingerprint = tokenizer_fingerprint or load.tokenizer_fingerprint(tokenizer)
     stop_ids = target_stop_token_ids(model, tokenizer)
