@@ -10,12 +10,12 @@ Measures, side by side in one run with interleaved repetitions, on the same per-
                the low-order bits, see ``capture_sample_features``): it prices the batch-1 rule;
 - ``capture``: :func:`deepspec.target.capture.capture_sample_features` (hooks + feature concat);
 - ``write``:   the full cache write of the same samples to a temporary folder
-               (:func:`deepspec.data.cache.write_target_cache`, float32 storage): rendering,
+               (:func:`deepspec.data.cache.writer.write_target_cache`, float32 storage): rendering,
                capture, device-to-host copy, shard files, checksums, manifest.
 
 It prints tokens/s of each, the capture overhead ``capture_time / plain_time - 1`` (goal: at most
 10 %), and bytes per token for each storage mode, measured
-on disk and from :func:`deepspec.data.cache.cache_bytes_per_token`. Figures are saved as
+on disk and from :func:`deepspec.data.cache.format.cache_bytes_per_token`. Figures are saved as
 ``cache_bench.json`` and ``cache_bench.png`` under ``--output-dir``.
 
     python bench/cache.py --num-conversations 8 --max-seq-len 256 --repeats 3 --output-dir runs/bench-cache
@@ -39,9 +39,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from deepspec.data import cache as cache_mod  # noqa: E402
 from deepspec.data.conversations import SkipRow, load_sharegpt_demo, normalise_messages, read_jsonl  # noqa: E402
-from deepspec.data.cache import iter_prepared_samples  # noqa: E402
+from deepspec.data.cache.format import cache_bytes_per_token  # noqa: E402
+from deepspec.data.cache.samples import iter_prepared_samples  # noqa: E402
+from deepspec.data.cache.writer import write_target_cache  # noqa: E402
 from deepspec.target.capture import (  # noqa: E402
     _base_model,
     capture_sample_features,
@@ -128,7 +129,7 @@ def _time_capture(model, ids_list: list[torch.Tensor], layer_ids: list[int], dev
 
 
 def _write(prepared: Path, out_dir: Path, model, tokenizer, *, layer_ids, args, storage_dtype, fingerprints):
-    return cache_mod.write_target_cache(
+    return write_target_cache(
         prepared, out_dir, model, tokenizer, target_layer_ids=layer_ids, max_seq_len=args.max_seq_len,
         storage_dtype=storage_dtype, progress=False, target_fingerprint=fingerprints[0],
         tokenizer_fingerprint=fingerprints[1],
@@ -205,11 +206,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     bytes_per_token: dict[str, dict] = {}
     for storage in args.storage_dtypes:
-        formula = cache_mod.cache_bytes_per_token(hidden, len(layer_ids), storage)
+        formula = cache_bytes_per_token(hidden, len(layer_ids), storage)
         s = _write(prepared, work / f"size-{storage}", model, tokenizer, layer_ids=layer_ids, args=args,
                    storage_dtype=storage, fingerprints=fingerprints)
         bytes_per_token[storage] = {"on_disk": s.total_bytes / s.num_tokens, "formula": formula}
-    original = cache_mod.cache_bytes_per_token(hidden, len(layer_ids), "bfloat16", layout="original")
+    original = cache_bytes_per_token(hidden, len(layer_ids), "bfloat16", layout="original")
 
     result = {
         "target": args.target,

@@ -2,7 +2,7 @@
 
 Captures the features of real conversations with the cache writer's capture rule, stores them as the
 ``fp8`` storage mode does (float8 e4m3 with a float32 scale per token and target layer,
-:func:`deepspec.data.cache.quantize_fp8`), reads them back (:func:`deepspec.data.cache.dequantize_fp8`)
+:func:`deepspec.data.cache.fp8.quantize_fp8`), reads them back (:func:`deepspec.data.cache.fp8.dequantize_fp8`)
 and prints, per target layer, the relative L2 error (against bfloat16 storage for comparison), the
 largest absolute error against its bound (token-layer absmax / 28), and the lowest cosine similarity.
 Writes ``fp8_error.json`` under ``--output-dir``.
@@ -21,7 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from deepspec.data.cache import dequantize_fp8, iter_prepared_samples, quantize_fp8  # noqa: E402
+from deepspec.data.cache.fp8 import dequantize_fp8, quantize_fp8  # noqa: E402
+from deepspec.data.cache.samples import iter_prepared_samples  # noqa: E402
 from deepspec.data.conversations import SkipRow, load_sharegpt_demo, normalise_messages  # noqa: E402
 from deepspec.target.capture import capture_sample_features, default_target_layer_ids  # noqa: E402
 from deepspec.target.load import load_target  # noqa: E402

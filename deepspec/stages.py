@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from deepspec.data.cache.format import check_storage_dtype
+from deepspec.data.cache.verify import verify_target_cache
+from deepspec.data.cache.writer import write_target_cache
 from deepspec.data.prepare import PrepareConfig
 from deepspec.models.config import unsupported_family_note
 from deepspec.train.loop import train
@@ -33,8 +36,6 @@ class CacheConfig:
     verify: bool = False  # only check every shard of output_dir against its manifest (no target needed)
 
     def __post_init__(self) -> None:
-        from deepspec.data.cache import check_storage_dtype
-
         check_storage_dtype(self.storage_dtype, "cache.storage_dtype")
         for name in ("num_target_layers", "max_seq_len", "shard_size"):
             if getattr(self, name) < 1:
@@ -71,8 +72,6 @@ def run_prepare_stage(cfg: PrepareConfig, *, target_model=None, tokenizer=None):
 def run_verify_cache_stage(cfg: CacheConfig) -> list:
     """``deepspec cache --verify``: check every shard of ``cfg.output_dir`` against its manifest (no
     target needed); returns the list of ShardCheck. Raises ValueError naming the first bad shard."""
-    from deepspec.data.cache import verify_target_cache
-
     return verify_target_cache(cfg.output_dir)
 
 
@@ -86,7 +85,6 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
 
     import torch
 
-    from deepspec.data.cache import write_target_cache
     from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
     from deepspec.target.load import load_target, recorded_target_name
 

@@ -1,6 +1,6 @@
 """``deepspec estimate``: how large a target cache will be, before building it (DESIGN.md section 4).
 
-Bytes per token come from :func:`deepspec.data.cache.cache_bytes_per_token` (the format's exact
+Bytes per token come from :func:`deepspec.data.cache.format.cache_bytes_per_token` (the format's exact
 per-token cost; per-sample offsets, 8 bytes a sample, and shard headers are left out). The
 dataset size is a token count: measured from a prepared JSONL file with the cache writer's own
 rendering and truncation rule, given directly, or given as conversations x tokens per conversation.
@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deepspec.data.cache import STORAGE_DTYPES, cache_bytes_per_token, check_storage_dtype
+from deepspec.data.cache.format import STORAGE_DTYPES, cache_bytes_per_token, check_storage_dtype
+from deepspec.data.cache.samples import iter_prepared_samples
 from deepspec.utils import format_bytes
 
 
@@ -119,10 +120,9 @@ def _load_folder_tokenizer(folder: Path) -> Any:
 
 def count_prepared_tokens(path: str | Path, tokenizer: Any, *, max_seq_len: int | None) -> dict[str, int]:
     """Token counts of a prepared JSONL as the cache writer would store it: rows rendered by
-    :func:`deepspec.data.cache.render_prepared_row`, held-out rows skipped, samples truncated to
+    :func:`deepspec.data.cache.samples.render_prepared_row`, held-out rows skipped, samples truncated to
     ``max_seq_len``, samples without a loss token refused. Returns ``num_rows``, ``num_heldout``,
     ``num_samples``, ``num_tokens``, ``num_loss_tokens``."""
-    from deepspec.data.cache import iter_prepared_samples
     from deepspec.data.conversations import read_jsonl
 
     counts: dict[str, int] = {}

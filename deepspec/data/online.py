@@ -24,7 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepspec.data.cache import check_storage_dtype
+from deepspec.data.cache.format import check_storage_dtype, storage_features
+from deepspec.data.cache.fp8 import dequantize_fp8
+from deepspec.data.cache.samples import check_prepared_render, iter_prepared_samples
 from deepspec.target.capture import capture_sample_features, validate_target_layer_ids
 
 ONLINE_FORMAT = "deepspec-online/1"
@@ -34,18 +36,18 @@ FIELDS = ("input_ids", "loss_mask", "target_hidden", "target_last_hidden")
 class OnlineTargetFeatures:
     """Training samples of a prepared JSONL file whose target features are computed on demand.
 
-    Same interface as :class:`deepspec.data.cache.TargetCache`: ``len``, ``read(i, fields)``,
+    Same interface as :class:`deepspec.data.cache.reader.TargetCache`: ``len``, ``read(i, fields)``,
     ``[i]``, ``sample_id(i)``, ``sample_length(i)``, ``target_layer_ids`` and a ``manifest`` dict
     (``target_fingerprint``, ``tokenizer_fingerprint``, ``target_layer_ids``, ``hidden_size``,
     ``feature_size``, ``dtypes``, ``max_seq_len``, counts) so that
-    :func:`deepspec.data.cache.check_compatible` works on it.
+    :func:`deepspec.data.cache.reader.check_compatible` works on it.
 
     ``online[i]`` -> ``{"input_ids": int32 [T], "loss_mask": uint8 [T], "target_hidden": [T, F],
     "target_last_hidden": [T, H]}``, all on the CPU, in the dtypes the cache reader returns for
     ``storage_dtype=feature_dtype`` (float32/bfloat16/float16 as named; fp8: ``target_hidden``
     quantised and dequantised to float32, ``target_last_hidden`` bfloat16). The rows are rendered
     once, at construction (token ids and masks only, :func:`iter_prepared_samples`, with the target's
-    stop rule and the cache writer's render check :func:`deepspec.data.cache.check_prepared_render`;
+    stop rule and the cache writer's render check :func:`deepspec.data.cache.samples.check_prepared_render`;
     the per-turn counts go into ``manifest``); features are
     computed at each read of a feature field by
     :func:`deepspec.target.capture.capture_sample_features` (the sample alone, under
@@ -85,7 +87,6 @@ class OnlineTargetFeatures:
         target_fingerprint: str | None = None,
         tokenizer_fingerprint: str | None = None,
     ):
-        from deepspec.data.cache import check_prepared_render, iter_prepared_samples
         from deepspec.data.chat import target_stop_token_ids
         from deepspec.data.conversations import read_jsonl
 
@@ -184,8 +185,6 @@ class OnlineTargetFeatures:
         return {name: out[name] for name in fields}
 
     def _features(self, sample_id: str, ids: list[int]) -> dict[str, torch.Tensor]:
-        from deepspec.data.cache import storage_features, dequantize_fp8
-
         with torch.no_grad():
             hidden_TF, last_TH = capture_sample_features(self.model, ids, self._layer_ids)
         stored = storage_features(hidden_TF, last_TH, self.feature_dtype, len(self._layer_ids))

@@ -32,7 +32,7 @@ from torch import Tensor
 def count_supervised_tokens(samples: Iterable[dict[str, Any]], vocab_size: int) -> Tensor:
     """int64 ``[V]``: how often each target id occurs where ``loss_mask == 1``, over ``samples``
     (dicts with ``input_ids`` ``[T]`` and ``loss_mask`` ``[T]``, any integer dtypes: what
-    :meth:`deepspec.data.cache.TargetCache.read` returns).
+    :meth:`deepspec.data.cache.reader.TargetCache.read` returns).
 
     Raises:
         ValueError: a token id outside ``[0, vocab_size)`` or a sample whose two tensors differ in length.

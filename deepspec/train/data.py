@@ -97,7 +97,7 @@ def micro_batch_seed(seed: int, step: int, slot: int) -> int:
 
 
 def collate(samples: list[dict[str, torch.Tensor]], sample_indices: list[int]) -> TrainBatch:
-    """Right-pad samples into a batch: dicts from :class:`deepspec.data.cache.TargetCache` or
+    """Right-pad samples into a batch: dicts from :class:`deepspec.data.cache.reader.TargetCache` or
     :class:`deepspec.data.online.OnlineTargetFeatures` (``input_ids`` [T], ``loss_mask`` [T],
     ``target_hidden`` [T, F], ``target_last_hidden`` [T, H], any dtypes). Ids and mask become
     int64, features float32; each sample's rows are copied unchanged, so a sample's tensors do not

@@ -39,7 +39,8 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from deepspec.data.cache import TargetCache, check_compatible, check_storage_dtype
+from deepspec.data.cache.format import check_storage_dtype
+from deepspec.data.cache.reader import TargetCache, check_compatible
 from deepspec.data.chat import render_prompt, target_stop_token_ids
 from deepspec.data.online import OnlineTargetFeatures
 from deepspec.eval.benchmarks import BENCHMARKS, load_benchmark

@@ -27,14 +27,14 @@ import torch
 torch.set_num_threads(1)
 delay = float(os.environ.get("DEEPSPEC_TEST_CAPTURE_DELAY_S", "0"))
 if delay:
-    import deepspec.data.cache as cache_mod
-    real = cache_mod.capture_sample_features
+    import deepspec.data.cache.writer as writer_mod  # the writer looks the capture up in its own module
+    real = writer_mod.capture_sample_features
 
     def slow_capture(*args, **kwargs):
         time.sleep(delay)
         return real(*args, **kwargs)
 
-    cache_mod.capture_sample_features = slow_capture
+    writer_mod.capture_sample_features = slow_capture
 from deepspec.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -13,7 +13,9 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from deepspec.data import cache as cache_mod
+from deepspec.data.cache import reader as reader_mod
+from deepspec.data.cache import samples as samples_mod
+from deepspec.data.cache import writer as writer_mod
 from deepspec.data.cache import (
     FORMAT_VERSION,
     TargetCache,
@@ -191,7 +193,7 @@ def test_estimate_measures_prepared_jsonl(tmp_path, monkeypatch):
     """Token count measured through render_prepared_row (held-out rows skipped, truncation applied)."""
     from deepspec.data.estimate import EstimateConfig, run_estimate
 
-    monkeypatch.setattr(cache_mod, "render_training_samples", _fake_render_training_samples)
+    monkeypatch.setattr(samples_mod, "render_training_samples", _fake_render_training_samples)
     rows = _rows(5)
     rows[1]["split"] = "heldout"
     src = _write_jsonl(tmp_path / "p.jsonl", rows)
@@ -235,7 +237,7 @@ def test_reader_uses_get_slice_never_whole_shard(model, tmp_path, monkeypatch):
         def metadata(self):
             return self._f.metadata()
 
-    assert "safe_open" not in cache_mod.__dict__  # imported lazily inside the reader, so the spy applies
+    assert "safe_open" not in reader_mod.__dict__  # imported lazily inside the reader, so the spy applies
     monkeypatch.setattr(safetensors, "safe_open", Spy)
     item = cache[6]  # middle shard (samples 4..7), its 3rd sample
     assert set(calls["get_tensor"]) <= {"offsets"}  # only the [N+1] offsets are ever read whole
@@ -303,7 +305,7 @@ def test_interrupted_writer_resumes_to_identical_cache(model, tmp_path, monkeypa
 
     # interrupt: the capture raises in the middle of shard 1 (shard_size 4: the 6th capture)
     out = tmp_path / "resumed"
-    real_capture = cache_mod.capture_sample_features
+    real_capture = writer_mod.capture_sample_features
     num_calls = {"n": 0, "armed": True}
 
     def flaky_capture(*args, **kwargs):
@@ -312,7 +314,7 @@ def test_interrupted_writer_resumes_to_identical_cache(model, tmp_path, monkeypa
             raise _Boom("killed")
         return real_capture(*args, **kwargs)
 
-    monkeypatch.setattr(cache_mod, "capture_sample_features", flaky_capture)
+    monkeypatch.setattr(writer_mod, "capture_sample_features", flaky_capture)
     with pytest.raises(_Boom):
         _write(samples, out, model)
     assert sorted(p.name for p in out.iterdir()) == ["progress-rank0.json", "shard-00000.safetensors"]
@@ -540,13 +542,13 @@ def test_write_target_cache_from_jsonl_wiring(model, tmp_path, monkeypatch):
         seen.append(kw)
         return _fake_render_training_samples(tokenizer, messages, **kw)
 
-    monkeypatch.setattr(cache_mod, "render_training_samples", spy)
+    monkeypatch.setattr(samples_mod, "render_training_samples", spy)
     rows = _rows(6)
     rows[1]["split"] = "heldout"
     rows[4]["chat_template_kwargs"] = {"enable_thinking": False}
     rows[4]["truncated_turns"] = [1]
     src = _write_jsonl(tmp_path / "prepared.jsonl", rows)
-    summary = cache_mod.write_target_cache(
+    summary = writer_mod.write_target_cache(
         src, tmp_path / "cache", model, _StandInTokenizer(), target_layer_ids=LAYER_IDS, max_seq_len=13,
         shard_size=2, storage_dtype="float32", progress=False,
         target_fingerprint="tgt-A", tokenizer_fingerprint="tok-A", target="/models/tiny")
@@ -580,7 +582,7 @@ def test_cache_on_embedded_default_target(tmp_path):
                                      {"role": "assistant", "content": "Hi!"}]}]
     src = _write_jsonl(tmp_path / "prepared.jsonl", rows)
     layer_ids = [1, 8, 14, 20, 27]
-    summary = cache_mod.write_target_cache(src, tmp_path / "cache", target, tok, target_layer_ids=layer_ids,
+    summary = writer_mod.write_target_cache(src, tmp_path / "cache", target, tok, target_layer_ids=layer_ids,
                                            max_seq_len=64, shard_size=8, storage_dtype="float32", progress=False)
     assert summary.num_samples == 2
     cache = TargetCache(tmp_path / "cache")
@@ -636,7 +638,7 @@ def test_cache_stage_says_already_complete_instead_of_wrote(model, tmp_path, mon
     from deepspec.stages import CacheConfig, run_cache_stage
     from deepspec.target import load
 
-    monkeypatch.setattr(cache_mod, "render_training_samples", _fake_render_training_samples)
+    monkeypatch.setattr(samples_mod, "render_training_samples", _fake_render_training_samples)
     monkeypatch.setattr(load, "tokenizer_fingerprint", lambda tok: "tok-A")
     src = _write_jsonl(tmp_path / "prepared.jsonl", _rows(5))
     cfg = CacheConfig(input=str(src), output_dir=str(tmp_path / "cache"), target_layer_ids=LAYER_IDS, shard_size=2)
@@ -652,24 +654,24 @@ def test_cache_stage_says_already_complete_instead_of_wrote(model, tmp_path, mon
 
 def test_failed_run_leaves_no_empty_output_folder(model, tmp_path, monkeypatch):
 
-    monkeypatch.setattr(cache_mod, "render_training_samples", _fake_render_training_samples)
+    monkeypatch.setattr(samples_mod, "render_training_samples", _fake_render_training_samples)
     bad = _write_jsonl(tmp_path / "bad.jsonl", [{"id": "r0", "text": "no messages"}])
     kw = dict(target_layer_ids=LAYER_IDS, max_seq_len=16, shard_size=2, progress=False,
               target_fingerprint="tgt-A", tokenizer_fingerprint="tok-A")
     with pytest.raises(ValueError, match="messages"):
-        cache_mod.write_target_cache(bad, tmp_path / "new" / "cache", model, _StandInTokenizer(), **kw)
+        writer_mod.write_target_cache(bad, tmp_path / "new" / "cache", model, _StandInTokenizer(), **kw)
     assert not (tmp_path / "new" / "cache").exists()
     with pytest.raises(ValueError, match="equal length"):
         _write([("x", [1, 2, 3], [1, 1])], tmp_path / "c", model)
     assert not (tmp_path / "c").exists()
     (tmp_path / "mine").mkdir()  # a folder the user made is kept, even empty
     with pytest.raises(ValueError, match="messages"):
-        cache_mod.write_target_cache(bad, tmp_path / "mine", model, _StandInTokenizer(), **kw)
+        writer_mod.write_target_cache(bad, tmp_path / "mine", model, _StandInTokenizer(), **kw)
     assert (tmp_path / "mine").is_dir()
     # a run that wrote shards before failing keeps them (resume)
     rows = _rows(4) + [{"id": "r4", "text": "no messages"}]
     with pytest.raises(ValueError, match="messages"):
-        cache_mod.write_target_cache(_write_jsonl(tmp_path / "late.jsonl", rows), tmp_path / "late", model,
+        writer_mod.write_target_cache(_write_jsonl(tmp_path / "late.jsonl", rows), tmp_path / "late", model,
                                      _StandInTokenizer(), **kw)
     assert len(list((tmp_path / "late").glob("shard-*.safetensors"))) == 2
 
@@ -718,7 +720,7 @@ def test_cache_stage_with_no_sample_fails_with_the_counts(model, tmp_path, monke
     from deepspec.stages import CacheConfig, run_cache_stage
     from deepspec.target import load
 
-    monkeypatch.setattr(cache_mod, "render_training_samples", _fake_render_training_samples)
+    monkeypatch.setattr(samples_mod, "render_training_samples", _fake_render_training_samples)
     monkeypatch.setattr(load, "tokenizer_fingerprint", lambda tok: "tok-A")
     src = tmp_path / "prepared.jsonl"
     src.write_text("")
@@ -734,7 +736,7 @@ def test_cache_stage_warns_at_once_about_a_family_train_will_refuse(model, tmp_p
     from deepspec.stages import CacheConfig, run_cache_stage
     from deepspec.target import load
 
-    monkeypatch.setattr(cache_mod, "render_training_samples", _fake_render_training_samples)
+    monkeypatch.setattr(samples_mod, "render_training_samples", _fake_render_training_samples)
     monkeypatch.setattr(load, "tokenizer_fingerprint", lambda tok: "tok-A")
     src = _write_jsonl(tmp_path / "prepared.jsonl", _rows(3))
     run_cache_stage(CacheConfig(input=str(src), output_dir=str(tmp_path / "llama"), target_layer_ids=LAYER_IDS),
