@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import inspect
 import io
+import re
 import textwrap
 import tokenize
 import types
@@ -62,6 +63,9 @@ def _converter(annotation: Any):
     return str, None
 
 
+_SECTION = re.compile(r"--\s*(.+?)\s*--")  # a section header comment: ``# -- Optimiser --``
+
+
 def field_comments(cls: type) -> dict[str, str]:
     """Field name -> its comment in the source of ``cls`` (and of its dataclass bases).
 
@@ -69,7 +73,18 @@ def field_comments(cls: type) -> dict[str, str]:
     block of comment lines directly above it (no blank line between). Read with :mod:`tokenize`, so a
     ``#`` inside a string is not a comment. Returns ``{}`` when the source is not available.
     """
+    return _source_notes(cls)[0]
+
+
+def field_sections(cls: type) -> dict[str, str]:
+    """Field name -> its section: the title of the last header comment ``# -- Title --`` above it in
+    the class body (fields before any header have none). The CLI groups ``--help`` by section."""
+    return _source_notes(cls)[1]
+
+
+def _source_notes(cls: type) -> tuple[dict[str, str], dict[str, str]]:
     comments: dict[str, str] = {}
+    sections: dict[str, str] = {}
     for klass in reversed(cls.__mro__):  # subclasses override their bases' comments
         if not dataclasses.is_dataclass(klass) or klass is object:
             continue
@@ -77,20 +92,24 @@ def field_comments(cls: type) -> dict[str, str]:
             source = textwrap.dedent(inspect.getsource(klass))
         except (OSError, TypeError):
             continue
-        comments.update(_class_body_comments(source))
-    return comments
+        klass_comments, klass_sections = _class_body_notes(source)
+        comments.update(klass_comments)
+        sections.update(klass_sections)
+    return comments, sections
 
 
-def _class_body_comments(source: str) -> dict[str, str]:
+def _class_body_notes(source: str) -> tuple[dict[str, str], dict[str, str]]:
     out: dict[str, str] = {}
+    sections: dict[str, str] = {}
     try:
         tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
     except (tokenize.TokenError, SyntaxError):
-        return out
+        return out, sections
     body_col = None  # indentation of the class body's statements
     above: list[str] = []  # comment lines directly above the current statement
     line: list[tokenize.TokenInfo] = []  # tokens of the current logical line
     depth = 0  # INDENT depth: 1 = class body
+    section = None  # the title of the last section header seen
     for tok in tokens:
         if tok.type == tokenize.INDENT:
             depth += 1
@@ -100,7 +119,12 @@ def _class_body_comments(source: str) -> dict[str, str]:
             continue
         if tok.type == tokenize.COMMENT and not line:  # a comment on a line of its own
             if depth == 1 and (body_col is None or tok.start[1] == body_col):
-                above.append(tok.string.lstrip("#").strip())
+                text = tok.string.lstrip("#").strip()
+                header = _SECTION.fullmatch(text)
+                if header:
+                    section, above = header.group(1), []
+                else:
+                    above.append(text)
             continue
         if tok.type == tokenize.NL and not line:  # a blank line (or the end of a comment line)
             if tok.line.strip() == "":
@@ -117,10 +141,12 @@ def _class_body_comments(source: str) -> dict[str, str]:
                     text = " ".join(trailing) if trailing else " ".join(above)
                     if text:
                         out[code[0].string] = text
+                    if section:
+                        sections[code[0].string] = section
             line, above = [], []
             continue
         line.append(tok)
-    return out
+    return out, sections
 
 
 def _show_default(value: Any) -> str:
@@ -140,17 +166,23 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, skip:
     """Add one ``--field-name`` flag per field of the dataclass ``cls``.
 
     Fields without a default become required flags. Each flag's help is the field's source comment
-    (:func:`field_comments`) followed by its default (``none`` for None: the comment says what that means).
+    (:func:`field_comments`) followed by its default (``none`` for None: the comment says what that means);
+    flags are listed in argument groups by the field's section (:func:`field_sections`).
     ``preset`` (field -> value, already typed, e.g. a recipe's settings from :func:`dataclass_values`)
     replaces those fields' defaults; a flag given on the command line still wins. ``preset_name``
     (e.g. ``recipe cpu``) labels them in the help.
     """
     preset = preset or {}
     hints = typing.get_type_hints(cls)
-    comments = field_comments(cls)
+    comments, sections = _source_notes(cls)
+    groups: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         if field.name in skip:
             continue
+        title = sections.get(field.name)
+        if title is not None and title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        target = groups[title] if title is not None else parser
         convert, nargs = _converter(hints[field.name])
         if field.default is not dataclasses.MISSING:
             default_text = f"default: {_show_default(field.default)}"
@@ -164,7 +196,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, skip:
         comment = comments.get(field.name, "")
         help_text = (f"{comment} ({default_text})" if comment else default_text).replace("%", "%%")
         extra = {"const": True} if nargs == "?" else {}
-        parser.add_argument(
+        target.add_argument(
             "--" + field.name.replace("_", "-"),
             dest=field.name,
             type=convert,

@@ -68,6 +68,7 @@ LATEST = "latest"
 class TrainConfig:
     """Draft training settings. Defaults suit the embedded default target on a 2-core CPU."""
 
+    # -- Data and target --
     output_dir: str  # folder for checkpoint-N/, latest, train_log.jsonl, train_loss.png
     # Data: exactly one of a target cache (`deepspec cache`) or, in online mode, a prepared JSONL file
     # (`deepspec prepare`) whose target features the frozen target computes inside the training loop.
@@ -80,6 +81,7 @@ class TrainConfig:
     # none: the target the cache records (`deepspec cache --target`; online mode and older caches: the embedded
     # SmolLM2) | "default": the embedded SmolLM2 | a Hugging Face model folder
     target: str | None = None
+    # -- Draft --
     # (the --help text is the trailing comment; tests/integration/test_train_resume.py checks that it lists every
     # algorithm of deepspec.models.registry.ALGORITHMS)
     algorithm: str = "dspark"  # the drafting algorithm: dspark | dflash | eagle3 (deepspec.models.registry)
@@ -98,12 +100,14 @@ class TrainConfig:
     init_from_target: bool = False
     # with --init-from-target: the target layers (0-based, one per draft layer) to copy; none = the last ones
     init_from_target_layers: list[int] | None = None
+    # -- Loss --
     # dspark/dflash loss weights and slot decay (DESIGN s.5); none = the algorithm's own (DSpark: ce 0.1, l1 0.9,
     # confidence 1.0, gamma 4.0 as the original; DFlash: ce 1.0 only)
     ce_weight: float | None = None
     l1_weight: float | None = None
     confidence_weight: float | None = None
     loss_decay_gamma: float | None = None
+    # -- Optimiser --
     batch_size: int = 4  # sequences per micro-batch
     grad_accum_steps: int = 1  # micro-batches per optimizer step
     max_steps: int = 200  # optimizer steps
@@ -112,12 +116,14 @@ class TrainConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global gradient norm
     dtype: str = "fp32"  # fp32 | bf16 (autocast) for the draft's forward
+    # -- Checkpoints --
     save_every: int = 0  # 0: save only at the end
     keep_last: int = 0  # keep the newest N checkpoint-*/ folders (never the one `latest` names); 0 = keep all
     seed: int = 0  # seeds the draft init and the data order
     # none: start from step 0 in an output_dir that holds no earlier run | auto: continue the run in output_dir
     # (its `latest`) | never: start from step 0, replacing the run in output_dir | a checkpoint folder to continue
     resume: str | None = None
+    # -- Learning curve --
     # Learning curve: greedy tau on a fixed held-out prompt set (deepspec.train.heldout), at step 0, every
     # heldout_every steps and at the end; logged to train_log.jsonl, TensorBoard and train_loss.png
     heldout_every: int = 0  # held-out greedy tau every N steps (and at steps 0 and max_steps); 0 = off

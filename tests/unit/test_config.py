@@ -143,6 +143,41 @@ def test_help_text_is_the_field_comment_then_the_default():
     assert "100% optional" in parser.format_help()
 
 
+@dataclasses.dataclass(kw_only=True)
+class _Sectioned:
+    first: int = 0  # before any section
+    # -- Data --
+    # where the data lives
+    path: str = "x"
+    # -- Optimiser --
+    lr: float = 1e-3  # peak learning rate
+
+
+def test_section_headers_group_the_help():
+    from deepspec.config import field_comments, field_sections
+
+    assert field_sections(_Sectioned) == {"path": "Data", "lr": "Optimiser"}
+    assert field_comments(_Sectioned)["path"] == "where the data lives"  # the header is not part of it
+    parser = argparse.ArgumentParser()
+    add_dataclass_arguments(parser, _Sectioned)
+    text = parser.format_help()
+    text = text[text.index("options:"):]  # past the usage line, which names every flag
+    assert text.index("Data:") < text.index("--path") < text.index("Optimiser:") < text.index("--lr")
+    assert text.index("--first") < text.index("Data:")
+
+
+def test_train_help_is_grouped_by_section(capsys):
+    from deepspec.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    out = out[out.index("options:"):]
+    order = ["Data and target:", "--cache-dir", "Draft:", "--block-size", "Loss:", "--ce-weight", "Optimiser:",
+             "--lr", "Checkpoints:", "--resume", "Learning curve:", "--heldout-every"]
+    assert [out.index(s) for s in order] == sorted(out.index(s) for s in order)
+
+
 def test_every_stage_flag_of_the_cli_has_a_description(capsys):
     from deepspec.cli import build_parser
 
