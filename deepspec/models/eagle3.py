@@ -64,7 +64,7 @@ from deepspec.models.config import (
     save_draft_folder,
     target_shape_fields,
 )
-from deepspec.models.dspark import DraftVocabMixin, check_saved_d2t, draft_from_target, qk_norms, split_heads
+from deepspec.models.draft_common import DraftVocabMixin, check_saved_d2t, draft_from_target, qk_norms, split_heads
 from deepspec.models.vocab import scatter_to_target
 from deepspec.target.decoding import SamplingParams
 
@@ -228,7 +228,7 @@ class Eagle3DraftModel(DraftVocabMixin, nn.Module):
     def from_target(cls, target_model: nn.Module, config: Eagle3Config, *,
                     d2t: Tensor | None = None) -> Eagle3DraftModel:
         """New draft with the target's embedding / lm_head copied (frozen); ``d2t`` as for DSpark
-        (:func:`deepspec.models.dspark.draft_from_target`)."""
+        (:func:`deepspec.models.draft_common.draft_from_target`)."""
         return draft_from_target(cls, target_model, config, d2t, "eagle3_config_from_target")
 
     # ------------------------------------------------------------------ training forward
