@@ -8,9 +8,10 @@ Rules (DESIGN.md s.6; Leviathan et al. 2023 "Fast Inference from Transformers vi
 Decoding", Alg. 1 and Appendix A.1; Chen et al. 2023 "Accelerating Large Language Model Decoding
 with Speculative Sampling", Alg. 2):
 
-- Sampling distribution (:func:`~deepspec.target.decoding.sampling_probs`): ``softmax(logits / T)`` in fp32, then top-k, then
-  top-p, renormalised. The draft's ``q`` and the target's ``p`` go through the same filters, so
-  speculative output follows exactly the distribution the target-only baseline samples from.
+- Sampling distribution (:func:`~deepspec.target.decoding.sampling_probs`): ``softmax(logits / T)``
+  in fp32, then top-k, then top-p, renormalised. The draft's ``q`` and the target's ``p`` go through
+  the same filters, so speculative output follows exactly the distribution the target-only baseline
+  samples from.
 - Greedy (temperature 0): accept ``d_i`` while it equals the target argmax; then commit the target
   argmax at the first mismatch (or the bonus argmax after the last draft). Top-k / top-p do not
   change the argmax and are ignored.
