@@ -105,3 +105,14 @@ def test_the_protocol_and_the_shared_draft_pieces_sit_below_the_algorithms():
     shared = [m for m in graph if m.startswith("deepspec.models")]
     assert "deepspec.models.draft_common" in shared
     assert sorted((m, e) for m in shared for e in graph[m] if not e.startswith(below)) == []
+
+
+def test_an_algorithm_folder_imports_no_other_folder_nor_the_trainer_or_the_evaluation():
+    graph = import_graph()
+    folders = {m.split(".")[2] for m in graph if m.count(".") >= 3 and m.startswith("deepspec.algorithms.")}
+    assert {"dspark", "eagle3", "ngram"} <= folders
+    for name in folders:
+        own = f"deepspec.algorithms.{name}"
+        allowed = (own, "deepspec.algorithms.protocol", "deepspec.target", "deepspec.models", "deepspec.utils")
+        modules = [m for m in graph if m == own or m.startswith(own + ".")]
+        assert sorted((m, e) for m in modules for e in graph[m] if not e.startswith(allowed)) == []
