@@ -11,7 +11,7 @@ float32; the JSON records the resolved dtype):
   ``--draft untrained``: a freshly initialised draft of the demo's DSpark shape, for the cost of a
   step without a trained draft: its tau is ~1);
 - ``ngram`` (``--baselines ngram``, the default; ``none`` drops it): the training-free prompt-lookup
-  proposer (``deepspec.eval.ngram``) with the draft's K;
+  proposer (``deepspec.algorithms.ngram``) with the draft's K;
 - ``hf-generate``: Hugging Face ``generate()`` with the same sampling, the reference the baseline
   is held to.
 
@@ -54,8 +54,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from deepspec.algorithms.protocol import NullProposer  # noqa: E402
 from deepspec.eval.engine import GenerationResult, SpeculativeEngine  # noqa: E402
-from deepspec.eval.proposers import NullProposer  # noqa: E402
 from deepspec.eval.run import hf_generate, eos_token_ids_of  # noqa: E402
 from deepspec.eval.verify import SamplingParams  # noqa: E402
 from deepspec.utils import atomic_path, atomic_write_json  # noqa: E402
@@ -318,10 +318,11 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--temperatures: expected at least one temperature")
     if args.threads:
         torch.set_num_threads(args.threads)
+    from deepspec.algorithms.ngram.proposer import NGramProposer, check_ngram_range
+    from deepspec.algorithms.protocol import cap_proposal_len
+    from deepspec.algorithms.registry import check_baselines
     from deepspec.device import check_dtype_name, decoding_device, dtype_name, resolve_dtype
     from deepspec.eval.few_row_linear import check_few_row_mode, few_row_linear_applies
-    from deepspec.eval.ngram import NGramProposer, check_baselines, check_ngram_range
-    from deepspec.eval.proposers import cap_proposal_len
 
     try:
         check_dtype_name(args.dtype, "--dtype")
@@ -342,9 +343,9 @@ def main(argv: list[str] | None = None) -> dict:
                     "or --draft untrained for the cost of a step")
             sys.exit(f"bench/decode: {exc}\n{hint}")
 
+    from deepspec.algorithms.registry import algorithm_for_model, load_draft
     from deepspec.data.chat import render_prompt
     from deepspec.eval.benchmarks import load_benchmark
-    from deepspec.models.registry import algorithm_for_model, load_draft
     from deepspec.target.load import load_target
 
     device = decoding_device()

@@ -32,9 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from deepspec.models.dspark import DSparkProposer  # noqa: E402
+from deepspec.algorithms.dspark.proposer import DSparkProposer  # noqa: E402
+from deepspec.algorithms.registry import get_algorithm  # noqa: E402
 from deepspec.eval.verify import SamplingParams  # noqa: E402
-from deepspec.models.registry import get_algorithm  # noqa: E402
 from deepspec.models.vocab import count_supervised_tokens, select_draft_vocab  # noqa: E402
 from deepspec.target.capture import default_target_layer_ids, target_forward  # noqa: E402
 from deepspec.train.loop import TrainConfig  # noqa: E402

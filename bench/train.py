@@ -4,7 +4,7 @@ Measured side by side in one run (interleaved repetitions, medians), on the embe
 target's shapes with random target features (speed does not depend on their values):
 
 1. ``train``: one optimizer step (prepare, weight, loss, backward, AdamW as the training loop builds
-   it: fused) of every registered algorithm (``deepspec.models.registry``) on the same batch, and the
+   it: fused) of every registered algorithm (``deepspec.algorithms.registry``) on the same batch, and the
    DSpark step once more with the default per-tensor AdamW loop; tokens/s counts the batch's real
    (unpadded) tokens. Eagle3 unrolls ``ttt_steps`` forwards per step, DSpark/DFlash run one
    block-parallel forward over ``num_anchors`` blocks, so the figures price a step, not quality.
@@ -31,9 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from deepspec.models.registry import ALGORITHMS, get_algorithm  # noqa: E402
+from deepspec.algorithms.protocol import TrainBatch  # noqa: E402
+from deepspec.algorithms.registry import ALGORITHMS, get_algorithm  # noqa: E402
 from deepspec.target.capture import default_target_layer_ids  # noqa: E402
-from deepspec.train.data import TrainBatch  # noqa: E402
 from deepspec.train.loop import TrainConfig, build_optimizer  # noqa: E402
 
 

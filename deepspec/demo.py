@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deepspec.algorithms.registry import ALGORITHMS, check_baselines, load_draft
 from deepspec.data.prepare import PrepareConfig, summary_path_for
 from deepspec.eval.benchmarks import DEMO_BENCHMARKS, TRAINING_SPLITS, benchmarks_dir, training_conversations
 from deepspec.eval.stage import EvalConfig, run_eval_stage
@@ -89,8 +90,6 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         from deepspec.device import check_dtype_name
-        from deepspec.eval.ngram import check_baselines
-        from deepspec.models.registry import ALGORITHMS
 
         self.dtype = check_dtype_name(self.dtype, "demo.dtype")
         self.baselines = check_baselines(self.baselines, "demo.baselines")
@@ -269,8 +268,6 @@ def run_demo(cfg: DemoConfig) -> dict:
     t0 = time.perf_counter()
     run_cache_stage(cfg.cache_config(prepared, cache_dir), target_model=target_model, tokenizer=tokenizer)
     timings["cache_s"] = time.perf_counter() - t0
-
-    from deepspec.models.registry import load_draft
 
     drafts = {}
     checkpoints = []

@@ -39,8 +39,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from deepspec.algorithms.registry import load_draft
 from deepspec.eval.stage import draft_folder
-from deepspec.models.registry import load_draft
 from deepspec.models.vocab import d2t_to_offsets
 from deepspec.utils import atomic_path
 

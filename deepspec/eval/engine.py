@@ -35,7 +35,7 @@ Scope and choices:
   engine then runs the target without capture hooks (``target_layer_ids=[]`` to ``forward_fn``,
   see :func:`deepspec.target.capture.target_forward`) and never calls ``extend_context``, so the target-only baseline pays
   for nothing it does not use and is comparable with Hugging Face ``generate()``. A proposer whose
-  ``needs_features`` attribute is False (the n-gram baseline, :mod:`deepspec.eval.ngram`) gets the
+  ``needs_features`` attribute is False (the n-gram baseline, :mod:`deepspec.algorithms.ngram`) gets the
   committed token ids through ``extend_context`` with ``target_hidden_TF=None``, and the target
   again runs without capture hooks. Without the attribute a proposer needs features.
 - The prefill computes logits only for the last prompt position (``lm_head`` on the final-norm
@@ -61,8 +61,8 @@ from typing import Any
 
 import torch
 
+from deepspec.algorithms.protocol import Proposer, draw_token
 from deepspec.eval.few_row_linear import few_row_linear
-from deepspec.eval.proposers import Proposer, draw_token
 from deepspec.eval.verify import verify
 from deepspec.target.capture import target_forward
 from deepspec.target.decoding import SamplingParams
@@ -142,7 +142,7 @@ def crop_kv_cache(cache: Any, new_len: int) -> None:
 
 
 class SpeculativeEngine:
-    """Speculative decoding with any :class:`~deepspec.eval.proposers.Proposer` (batch size 1).
+    """Speculative decoding with any :class:`~deepspec.algorithms.protocol.Proposer` (batch size 1).
 
     Args:
         target_model: a Hugging Face causal LM (eval mode); its ``lm_head`` maps the final-norm

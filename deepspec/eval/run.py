@@ -27,14 +27,14 @@ from typing import Any
 
 import torch
 
+from deepspec.algorithms.ngram.proposer import DEFAULT_NUM_TOKENS
+from deepspec.algorithms.protocol import NullProposer, Proposer
 from deepspec.device import dtype_name
 from deepspec.eval.benchmarks import BenchmarkPrompt
 from deepspec.eval.engine import GenerationResult, SpeculativeEngine
 from deepspec.eval.few_row_linear import few_row_linear as few_row_linear_context
 from deepspec.eval.flips import argmax_flip_positions, chunked_argmax, divergence_record, first_divergence, flip_rate
 from deepspec.eval.metrics import METRIC_DEFINITIONS, benchmark_metrics
-from deepspec.eval.ngram import DEFAULT_NUM_TOKENS
-from deepspec.eval.proposers import NullProposer, Proposer
 from deepspec.eval.report import BASELINE, HF_GENERATE, environment_info, write_report
 from deepspec.target.decoding import SamplingParams, decoding_record
 

@@ -13,14 +13,14 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from deepspec.algorithms.ngram.proposer import DEFAULT_NUM_TOKENS, NGramProposer, check_ngram_range
+from deepspec.algorithms.protocol import cap_proposal_len
+from deepspec.algorithms.registry import algorithm_for_model, check_baselines, check_draft_target, load_draft
 from deepspec.data.sources import SourceUnavailableError
 from deepspec.device import cast_for_decoding, check_dtype_name, resolve_dtype
 from deepspec.eval.benchmarks import BENCHMARKS, DEEPSPEC_NUM_SAMPLES, SOURCES, load_benchmark
 from deepspec.eval.few_row_linear import check_few_row_mode, few_row_linear_applies
-from deepspec.eval.ngram import DEFAULT_NUM_TOKENS, NGramProposer, check_baselines, check_ngram_range
-from deepspec.eval.proposers import cap_proposal_len
 from deepspec.eval.run import run_eval
-from deepspec.models.registry import algorithm_for_model, check_draft_target, load_draft
 from deepspec.target.decoding import SamplingParams
 from deepspec.target.load import load_target, target_fingerprint
 from deepspec.train.loop import latest_checkpoint
@@ -267,7 +267,7 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
     ``cfg.draft``) against the target-only baseline on ``cfg``'s benchmarks; returns the results dict
     of :func:`deepspec.eval.run.run_eval` (the report is written to ``cfg.output_dir``).
 
-    Every draft is checked against the target first (:func:`deepspec.models.registry.check_draft_target`):
+    Every draft is checked against the target first (:func:`deepspec.algorithms.registry.check_draft_target`):
     another target shape is a ValueError; another target fingerprint is a ValueError unless
     ``cfg.allow_target_mismatch``, when a warning is printed and the report's ``config.target_check``
     records it (as it records every draft's check). The fingerprint is taken of the target as loaded

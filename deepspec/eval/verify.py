@@ -8,9 +8,10 @@ Rules (DESIGN.md s.6; Leviathan et al. 2023 "Fast Inference from Transformers vi
 Decoding", Alg. 1 and Appendix A.1; Chen et al. 2023 "Accelerating Large Language Model Decoding
 with Speculative Sampling", Alg. 2):
 
-- Sampling distribution (:func:`sampling_probs`): ``softmax(logits / T)`` in fp32, then top-k, then
-  top-p, renormalised. The draft's ``q`` and the target's ``p`` go through the same filters, so
-  speculative output follows exactly the distribution the target-only baseline samples from.
+- Sampling distribution (:func:`~deepspec.target.decoding.sampling_probs`): ``softmax(logits / T)``
+  in fp32, then top-k, then top-p, renormalised. The draft's ``q`` and the target's ``p`` go through
+  the same filters, so speculative output follows exactly the distribution the target-only baseline
+  samples from.
 - Greedy (temperature 0): accept ``d_i`` while it equals the target argmax; then commit the target
   argmax at the first mismatch (or the bonus argmax after the last draft). Top-k / top-p do not
   change the argmax and are ignored.
@@ -40,44 +41,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from deepspec.target.decoding import SamplingParams  # the one sampling rule (re-exported here)
-
-
-# ----------------------------------------------------------------------------- sampling parameters
-def sampling_probs(logits_XV: Tensor, params: SamplingParams) -> Tensor:
-    """The distribution a token is sampled from: fp32 ``[..., V]`` from logits ``[..., V]`` (any float dtype).
-
-    ``softmax(logits / T)`` computed in fp32, then top-k (on the logits), then top-p (on the
-    top-k-renormalised probabilities), renormalised; filtered tokens have probability exactly 0.
-    Tie rules: see :class:`SamplingParams`. Every row keeps at least its most likely token, so
-    every row sums to 1 and holds no NaN (for finite logits). Temperature, top-k and top-p are each
-    sampling from an adjusted distribution (Leviathan et al. 2023, s.2.2 "standardized sampling"),
-    so rejection sampling stays lossless when the draft's ``q`` and the target's ``p`` both come
-    from this function with the same params.
-
-    Raises ValueError when ``params.greedy`` (temperature 0 is the argmax path, not a distribution).
-    """
-    if params.greedy:
-        raise ValueError(
-            "temperature: expected > 0 for sampling probabilities, received 0; use the greedy path (argmax) "
-            "for temperature 0."
-        )
-    scaled_XV = logits_XV.float() / params.temperature
-    v = scaled_XV.shape[-1]
-    if 0 < params.top_k < v:
-        kth_X1 = torch.topk(scaled_XV, params.top_k, dim=-1).values[..., -1:]
-        scaled_XV = scaled_XV.masked_fill(scaled_XV < kth_X1, float("-inf"))
-    probs_XV = torch.softmax(scaled_XV, dim=-1)
-    if params.top_p < 1.0:
-        sorted_XV = torch.sort(probs_XV, dim=-1, descending=True).values
-        # keep sorted token j while the mass strictly before it is < top_p: the smallest prefix with
-        # mass >= top_p (j = 0 is always kept); its last probability is the threshold.
-        mass_before_XV = torch.cumsum(sorted_XV, dim=-1) - sorted_XV
-        num_kept_X1 = (mass_before_XV < params.top_p).sum(dim=-1, keepdim=True)
-        threshold_X1 = sorted_XV.gather(-1, num_kept_X1 - 1)
-        probs_XV = probs_XV.masked_fill(probs_XV < threshold_X1, 0.0)
-        probs_XV = probs_XV / probs_XV.sum(dim=-1, keepdim=True)
-    return probs_XV
+# the one sampling rule and the distribution it samples from (both re-exported here)
+from deepspec.target.decoding import SamplingParams, sampling_probs
 
 
 # ----------------------------------------------------------------------------- acceptance rules

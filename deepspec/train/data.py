@@ -14,16 +14,7 @@ from functools import lru_cache
 
 import torch
 
-
-@dataclass
-class TrainBatch:
-    """One micro-batch, right-padded. Padding has ``loss_mask`` 0 so it carries no anchor and no loss."""
-
-    input_ids_BS: torch.Tensor  # int64
-    loss_mask_BS: torch.Tensor  # int64 (0/1)
-    target_hidden_BSF: torch.Tensor  # float32
-    target_last_hidden_BSH: torch.Tensor  # float32
-    sample_indices: list[int]
+from deepspec.algorithms.protocol import TrainBatch
 
 
 def epoch_order(num_samples: int, *, seed: int, epoch: int) -> list[int]:

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from deepspec.algorithms.protocol import NullProposer, Proposer
 from deepspec.eval.engine import GREEDY, SpeculativeEngine
-from deepspec.eval.proposers import NullProposer, Proposer
 from deepspec.target.capture import target_forward
 from deepspec.utils import atomic_path
 

@@ -39,14 +39,14 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+from deepspec.algorithms.registry import ALGORITHMS, get_algorithm
 from deepspec.data.cache.format import check_storage_dtype
 from deepspec.data.cache.reader import TargetCache, check_compatible
 from deepspec.data.chat import render_prompt, target_stop_token_ids
 from deepspec.data.online import OnlineTargetFeatures
 from deepspec.eval.benchmarks import BENCHMARKS, load_benchmark
-from deepspec.models.mask_token import check_mask_token_absent
 from deepspec.models.acceptance import AcceptanceCounts
-from deepspec.models.registry import ALGORITHMS, get_algorithm
+from deepspec.models.mask_token import check_mask_token_absent
 from deepspec.models.vocab import count_supervised_tokens, select_draft_vocab
 from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
 from deepspec.target.load import EMBEDDED_DEFAULT, load_target, target_fingerprint, tokenizer_fingerprint
@@ -83,8 +83,8 @@ class TrainConfig:
     target: str | None = None
     # -- Draft --
     # (the --help text is the trailing comment; tests/integration/test_train_resume.py checks that it lists every
-    # algorithm of deepspec.models.registry.ALGORITHMS)
-    algorithm: str = "dspark"  # the drafting algorithm: dspark | dflash | eagle3 (deepspec.models.registry)
+    # algorithm of deepspec.algorithms.registry.ALGORITHMS)
+    algorithm: str = "dspark"  # the drafting algorithm: dspark | dflash | eagle3 (deepspec.algorithms.registry)
     num_draft_layers: int = 1  # decoder layers of the draft
     # dspark/dflash: slots per draft block (the anchor + block_size - 1 mask slots, each proposes one token);
     # eagle3: the number of unrolled training-time-test steps (tokens proposed per step)
@@ -187,7 +187,7 @@ class TrainConfig:
                              f"got {self.init_from_target_layers} without it; add --init-from-target or drop the list")
 
     def loss_knobs(self) -> dict[str, float]:
-        """The loss settings given (not None), as :class:`~deepspec.models.config.DraftConfig` knobs."""
+        """The loss settings given (not None), as :class:`~deepspec.algorithms.dspark.config.DraftConfig` knobs."""
         names = ("ce_weight", "l1_weight", "confidence_weight", "loss_decay_gamma")
         return {n: float(getattr(self, n)) for n in names if getattr(self, n) is not None}
 

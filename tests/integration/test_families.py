@@ -3,7 +3,7 @@
 For each family (Llama, SmolLM2-style tied Llama, Llama with llama3 RoPE scaling, Qwen2, Qwen3 with
 q/k-norm, Mistral, Llama with linear RoPE scaling and a spare embedding row) a tiny random target
 (hidden 32, 2-3 layers) and the byte-level ChatML tokenizer; each algorithm of
-``deepspec.models.registry.ALGORITHMS`` (whatever is registered) is trained online for 3 steps
+``deepspec.algorithms.registry.ALGORITHMS`` (whatever is registered) is trained online for 3 steps
 through ``deepspec.train.loop.train``, loaded back from its checkpoint with ``load_draft``, and
 its proposer (``algorithm_for_model(model).proposer``) drives the speculative engine: greedy output
 must equal target-only decoding. A draft with a rotary embedding must reproduce the target's RoPE
@@ -20,10 +20,10 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
+from deepspec.algorithms.protocol import NullProposer
+from deepspec.algorithms.registry import ALGORITHMS, algorithm_for_model, load_draft
 from deepspec.data.chat import render_prompt
 from deepspec.eval.engine import SpeculativeEngine
-from deepspec.eval.proposers import NullProposer
-from deepspec.models.registry import ALGORITHMS, algorithm_for_model, load_draft
 from deepspec.train.loop import TrainConfig, train
 from tests.unit.test_chat import tiny_chatml_tokenizer
 

@@ -19,11 +19,11 @@ def target():
 
 
 def test_dspark_greedy_output_equals_target_only_greedy(target):
+    from deepspec.algorithms.dspark.proposer import DSparkProposer
+    from deepspec.algorithms.protocol import NullProposer
     from deepspec.data.chat import render_prompt
     from deepspec.eval.benchmarks import load_benchmark
     from deepspec.eval.engine import SpeculativeEngine
-    from deepspec.eval.proposers import NullProposer
-    from deepspec.models.dspark import DSparkProposer
     from deepspec.eval.run import eos_token_ids_of
     from deepspec.target.capture import default_target_layer_ids
     from deepspec.train.loop import TrainConfig, build_draft
@@ -53,11 +53,11 @@ def test_dspark_greedy_output_equals_target_only_greedy(target):
 def test_reduced_vocab_dspark_greedy_output_equals_target_only_greedy(target):
     """A 4,096-token draft vocabulary (the prompt's tokens first, then the smallest ids) on the embedded
     target: the draft proposes only those tokens, the target verifies in its full 49,152."""
+    from deepspec.algorithms.dspark.proposer import DSparkProposer
+    from deepspec.algorithms.protocol import NullProposer
     from deepspec.data.chat import render_prompt
     from deepspec.eval.benchmarks import load_benchmark
     from deepspec.eval.engine import SpeculativeEngine
-    from deepspec.eval.proposers import NullProposer
-    from deepspec.models.dspark import DSparkProposer
     from deepspec.eval.run import eos_token_ids_of
     from deepspec.models.vocab import count_supervised_tokens, select_draft_vocab
     from deepspec.target.capture import default_target_layer_ids

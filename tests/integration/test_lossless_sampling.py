@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import deepspec.eval.verify as verify_mod
-from deepspec.eval.proposers import Proposal, draw_token
+from deepspec.algorithms.protocol import Proposal, draw_token
 from deepspec.eval.verify import SamplingParams, sampling_probs, verify
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -215,9 +215,9 @@ def test_engine_broken_acceptance_rule_is_rejected(target, monkeypatch, broken):
 
 def reduced_vocab_dspark_proposer(model, seed: int = 3):
     """An untrained DSpark drafter (target layer 0's features) proposing from 6 of the 12 target tokens."""
-    from deepspec.models.dspark import DSparkProposer
-    from deepspec.models.config import draft_config_from_target
-    from deepspec.models.dspark import DSparkDraftModel
+    from deepspec.algorithms.dspark.config import draft_config_from_target
+    from deepspec.algorithms.dspark.model import DSparkDraftModel
+    from deepspec.algorithms.dspark.proposer import DSparkProposer
 
     d2t = torch.tensor([1, 2, 4, 6, 8, 9])
     cfg = draft_config_from_target(model.config, num_draft_layers=1, target_layer_ids=[0], mask_token_id=V - 1,
@@ -246,7 +246,7 @@ def test_reduced_vocab_dspark_sampling_follows_target_distribution(target, param
 def test_engine_ngram_baseline_follows_target_distribution(target, params):
     """The n-gram baseline's proposals are deterministic (one-hot q): accepted with probability p(d),
     replaced from p without d on rejection, so the output is still the target's distribution."""
-    from deepspec.eval.ngram import NGramProposer
+    from deepspec.algorithms.ngram.proposer import NGramProposer
 
     joint_VV, third_V = exact_target_distributions(target, params)
     trials = 1200

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from deepspec.algorithms.dspark.model import DSparkDraftModel
 from deepspec.data.cache import write_target_cache_from_samples
-from deepspec.models.dspark import DSparkDraftModel
 from deepspec.target.load import target_fingerprint, tokenizer_fingerprint
 from deepspec.train import loop
 from deepspec.train.data import collate as collate_fn
@@ -310,8 +310,8 @@ def test_markov_flags_warn_for_drafts_without_a_markov_head(setup, tmp_path, cap
 
 
 def test_train_help_lists_the_registered_algorithms():
+    from deepspec.algorithms.registry import ALGORITHMS
     from deepspec.cli import build_parser
-    from deepspec.models.registry import ALGORITHMS
 
     stage = build_parser().stage_parsers["train"]
     helps = {a.dest: a.help for a in stage._actions}

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from deepspec.algorithms.registry import load_draft
 from deepspec.data.cache import TargetCache
-from deepspec.models.registry import load_draft
 from deepspec.models.target_init import init_layers_from_target
 from deepspec.models.vocab import count_supervised_tokens, select_draft_vocab
 from deepspec.train import loop

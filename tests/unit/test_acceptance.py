@@ -4,8 +4,8 @@ import math
 
 import torch
 
+from deepspec.algorithms.dspark.loss import dspark_loss
 from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance, tau_from_counts
-from deepspec.models.loss import dspark_loss
 from tests.unit.test_loss import K, lm_head_fixture, make_batch, make_config
 
 
@@ -72,7 +72,7 @@ def test_tau_never_nan_and_pack_roundtrip():
 def test_dspark_loss_counts_add_up_over_micro_batches():
     """Splitting a batch in two gives counts whose sum is the whole batch's, so the trainer's pooled
     tau does not depend on the micro-batching."""
-    from deepspec.models.dspark import DraftTrainOutput
+    from deepspec.algorithms.dspark.model import DraftTrainOutput
 
     cfg, head = make_config(), lm_head_fixture()
     ids, lm, ap, valid, out, tlh = make_batch()

@@ -8,15 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepspec.algorithms.dspark.config import draft_config_from_target
+from deepspec.algorithms.dspark.model import DSparkDraftModel
+from deepspec.algorithms.dspark.proposer import DSparkProposer
+from deepspec.algorithms.eagle3.config import eagle3_config_from_target
+from deepspec.algorithms.eagle3.model import Eagle3DraftModel
+from deepspec.algorithms.eagle3.proposer import Eagle3Proposer
+from deepspec.algorithms.protocol import NullProposer
 from deepspec.device import cast_for_decoding
 from deepspec.eval.engine import SpeculativeEngine
 from deepspec.eval.flips import chunked_argmax, first_divergence
-from deepspec.eval.proposers import NullProposer
-from deepspec.models.dspark import DSparkProposer
 from deepspec.eval.verify import SamplingParams
-from deepspec.models.config import draft_config_from_target
-from deepspec.models.dspark import DSparkDraftModel
-from deepspec.models.eagle3 import Eagle3DraftModel, Eagle3Proposer, eagle3_config_from_target
 from tests.helpers import sharp_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -60,8 +60,8 @@ def test_top_level_help_lists_every_algorithm_in_plain_text_without_importing_to
     import subprocess
     import sys
 
+    from deepspec.algorithms.registry import ALGORITHMS
     from deepspec.cli import main
-    from deepspec.models.registry import ALGORITHMS
 
     with pytest.raises(SystemExit):
         main(["--help"])

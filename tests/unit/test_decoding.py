@@ -79,9 +79,9 @@ def _prompts(tok):
 
 
 def test_greedy_prepare_engine_and_hf_generate_equal_the_argmax_loop(sampling_target, tmp_path):
+    from deepspec.algorithms.protocol import NullProposer
     from deepspec.data.prepare import PrepareConfig, run_prepare, summary_path_for
     from deepspec.eval.engine import SpeculativeEngine
-    from deepspec.eval.proposers import NullProposer
     from deepspec.eval.run import eos_token_ids_of, hf_generate
     from deepspec.eval.verify import SamplingParams
 

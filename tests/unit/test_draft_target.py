@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from deepspec.models.registry import check_draft_target, load_draft
+from deepspec.algorithms.registry import check_draft_target, load_draft
 from deepspec.target.load import target_fingerprint
 from tests.helpers import byte_level_tokenizer
 
@@ -44,7 +44,7 @@ def _target(tok, *, layers: int, seed: int):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """(tokenizer, targets A/B/C, {algorithm: saved draft folder made for A})."""
-    from deepspec.models.original import save_original_dspark
+    from deepspec.algorithms.dspark.original import save_original_dspark
     from deepspec.train.loop import TrainConfig, build_draft
 
     tok = _tok()

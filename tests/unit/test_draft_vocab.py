@@ -9,14 +9,14 @@ from collections import Counter
 import pytest
 import torch
 
+from deepspec.algorithms.dspark.config import dflash_knobs, draft_config_from_target
+from deepspec.algorithms.dspark.loss import dspark_loss, supervision_weights
+from deepspec.algorithms.dspark.model import DSparkDraftModel
+from deepspec.algorithms.dspark.proposer import DSparkProposer
+from deepspec.algorithms.protocol import NullProposer
 from deepspec.eval.engine import SpeculativeEngine
-from deepspec.eval.proposers import NullProposer
-from deepspec.models.dspark import DSparkProposer
 from deepspec.eval.verify import SamplingParams
 from deepspec.models.anchors import sample_anchors
-from deepspec.models.config import dflash_knobs, draft_config_from_target
-from deepspec.models.dspark import DSparkDraftModel
-from deepspec.models.loss import dspark_loss, supervision_weights
 from deepspec.models.vocab import (count_supervised_tokens, d2t_from_offsets, d2t_to_offsets, scatter_to_target,
                                    select_draft_vocab, t2d_mask, t2d_table, validate_d2t)
 from tests.unit.test_dspark import LAYER_IDS, MASK, V, batch, capture, tiny_target

@@ -8,12 +8,12 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from deepspec.models.dspark import DSparkProposer
+from deepspec.algorithms.dspark.config import MARKOV_HEAD_TYPES, DraftConfig, dflash_knobs, draft_config_from_target
+from deepspec.algorithms.dspark.loss import dspark_loss
+from deepspec.algorithms.dspark.model import DSparkDraftModel, GatedMarkovHead, MarkovHead, RNNMarkovHead
+from deepspec.algorithms.dspark.proposer import DSparkProposer
 from deepspec.eval.verify import SamplingParams
 from deepspec.models.anchors import sample_anchors
-from deepspec.models.config import MARKOV_HEAD_TYPES, DraftConfig, dflash_knobs, draft_config_from_target
-from deepspec.models.dspark import DSparkDraftModel, GatedMarkovHead, MarkovHead, RNNMarkovHead
-from deepspec.models.loss import dspark_loss
 
 V, MASK = 64, 5
 LAYER_IDS = [0, 1]
@@ -408,7 +408,7 @@ def test_markov_variants_train(markov):
 
 
 def test_registry_build_passes_markov_head(tmp_path):
-    from deepspec.models.registry import algorithm_for_model, get_algorithm
+    from deepspec.algorithms.registry import algorithm_for_model, get_algorithm
     from deepspec.train.loop import TrainConfig
     from tests.unit.test_chat import tiny_chatml_tokenizer
 

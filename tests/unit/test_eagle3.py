@@ -12,12 +12,15 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from deepspec.algorithms.eagle3 import Eagle3Algorithm
+from deepspec.algorithms.eagle3.config import Eagle3Config, eagle3_config_from_target
+from deepspec.algorithms.eagle3.loss import eagle3_loss, ttt_supervision
+from deepspec.algorithms.eagle3.model import Eagle3DraftModel, ttt_masks
+from deepspec.algorithms.eagle3.proposer import Eagle3Proposer
+from deepspec.algorithms.protocol import NullProposer
+from deepspec.algorithms.registry import algorithm_for_model, get_algorithm, load_draft
 from deepspec.eval.engine import SpeculativeEngine
-from deepspec.eval.proposers import NullProposer
 from deepspec.eval.verify import SamplingParams
-from deepspec.models.eagle3 import (Eagle3Algorithm, Eagle3Config, Eagle3DraftModel, Eagle3Proposer,
-                                    eagle3_config_from_target, eagle3_loss, ttt_masks, ttt_supervision)
-from deepspec.models.registry import algorithm_for_model, get_algorithm, load_draft
 from deepspec.target.capture import target_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -263,7 +266,7 @@ def test_trainer_lowers_the_loss(tmp_path):
 def test_prepare_samples_chain_starts_within_the_supervision_budget():
     from types import SimpleNamespace
 
-    from deepspec.train.data import TrainBatch
+    from deepspec.algorithms.protocol import TrainBatch
 
     B, S = 2, 40
     lm = torch.zeros(B, S, dtype=torch.long)

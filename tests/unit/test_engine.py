@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from deepspec.algorithms.protocol import NullProposer, Proposal
 from deepspec.eval.engine import SpeculativeEngine, crop_kv_cache
-from deepspec.target.capture import target_forward
-from deepspec.eval.proposers import NullProposer, Proposal
 from deepspec.eval.verify import SamplingParams
+from deepspec.target.capture import target_forward
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -637,9 +637,9 @@ def test_sampling_is_lossless_statistically():
 def test_dspark_proposer_through_engine_is_lossless(target, use_heads):
     """Integration with helper MODEL's DSparkProposer (untrained, random draft): greedy output equals
     HF generate, the context invariant holds, and T > 0 runs with valid draft probabilities."""
-    config_mod = pytest.importorskip("deepspec.models.config")
-    dspark_mod = pytest.importorskip("deepspec.models.dspark")
-    from deepspec.models.dspark import DSparkProposer
+    config_mod = pytest.importorskip("deepspec.algorithms.dspark.config")
+    dspark_mod = pytest.importorskip("deepspec.algorithms.dspark.model")
+    from deepspec.algorithms.dspark.proposer import DSparkProposer
 
     layer_ids = [0]
     cfg = config_mod.draft_config_from_target(

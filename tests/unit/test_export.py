@@ -10,11 +10,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from deepspec.algorithms.dspark.config import dflash_knobs, draft_config_from_target
+from deepspec.algorithms.dspark.model import DSparkDraftModel
+from deepspec.algorithms.eagle3.config import eagle3_config_from_target
+from deepspec.algorithms.eagle3.model import Eagle3DraftModel
 from deepspec.cli import main
 from deepspec.export import ExportConfig, ExportError, build_export, check_export, run_export
-from deepspec.models.config import dflash_knobs, draft_config_from_target
-from deepspec.models.dspark import DSparkDraftModel
-from deepspec.models.eagle3 import Eagle3DraftModel, eagle3_config_from_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,14 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from deepspec.algorithms.dspark.config import draft_config_from_target
+from deepspec.algorithms.dspark.model import DSparkDraftModel
+from deepspec.algorithms.dspark.proposer import DSparkProposer
+from deepspec.algorithms.ngram.proposer import NGramProposer
+from deepspec.algorithms.protocol import NullProposer, cap_proposal_len
 from deepspec.eval.engine import SpeculativeEngine
 from deepspec.eval.few_row_linear import few_row_forward, few_row_linear, few_row_linear_applies
-from deepspec.eval.ngram import NGramProposer
-from deepspec.eval.proposers import NullProposer, cap_proposal_len
-from deepspec.models.dspark import DSparkProposer
 from deepspec.eval.verify import SamplingParams
-from deepspec.models.config import draft_config_from_target
-from deepspec.models.dspark import DSparkDraftModel
 from tests.helpers import sharp_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")

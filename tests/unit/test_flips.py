@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepspec.algorithms.ngram.proposer import NGramProposer
+from deepspec.algorithms.protocol import NullProposer
 from deepspec.eval.engine import SpeculativeEngine
 from deepspec.eval.flips import (
     ChunkPass,
@@ -16,8 +18,6 @@ from deepspec.eval.flips import (
     first_divergence,
     flip_rate,
 )
-from deepspec.eval.ngram import NGramProposer
-from deepspec.eval.proposers import NullProposer
 from deepspec.eval.verify import SamplingParams
 from tests.helpers import sharp_tiny_llama
 

@@ -82,3 +82,37 @@ def test_the_circle_finder_finds_a_function_level_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for w in graph[todo.pop()] - seen:
+            seen.add(w)
+            todo.append(w)
+    return seen
+
+
+def test_the_protocol_and_the_shared_draft_pieces_sit_below_the_algorithms():
+    """An algorithm folder, the trainer and the engine all import ``deepspec.algorithms.protocol``;
+    it, and the shared pieces in ``deepspec.models``, import nothing above ``target`` / ``models``."""
+    graph = import_graph()
+    below = ("deepspec.target", "deepspec.models", "deepspec.utils")
+    reached = _reachable(graph, "deepspec.algorithms.protocol")
+    assert "deepspec.target.decoding" in reached
+    assert sorted(m for m in reached if not m.startswith(below)) == []
+    shared = [m for m in graph if m.startswith("deepspec.models")]
+    assert "deepspec.models.draft_common" in shared
+    assert sorted((m, e) for m in shared for e in graph[m] if not e.startswith(below)) == []
+
+
+def test_an_algorithm_folder_imports_no_other_folder_nor_the_trainer_or_the_evaluation():
+    graph = import_graph()
+    folders = {m.split(".")[2] for m in graph if m.count(".") >= 3 and m.startswith("deepspec.algorithms.")}
+    assert {"dspark", "eagle3", "ngram"} <= folders
+    for name in folders:
+        own = f"deepspec.algorithms.{name}"
+        allowed = (own, "deepspec.algorithms.protocol", "deepspec.target", "deepspec.models", "deepspec.utils")
+        modules = [m for m in graph if m == own or m.startswith(own + ".")]
+        assert sorted((m, e) for m in modules for e in graph[m] if not e.startswith(allowed)) == []

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepspec.models.config import DraftConfig, dflash_knobs
-from deepspec.models.dspark import DraftTrainOutput
-from deepspec.models.loss import dspark_loss, supervision_mask, supervision_weights
+from deepspec.algorithms.dspark.config import DraftConfig, dflash_knobs
+from deepspec.algorithms.dspark.loss import dspark_loss, supervision_mask, supervision_weights
+from deepspec.algorithms.dspark.model import DraftTrainOutput
 
 V, H, K = 11, 6, 4
 
@@ -205,9 +205,9 @@ def test_micro_batches_give_the_global_token_weighted_mean():
     each normalised by the global weight sum, gives the same summed loss and accumulated gradients
     as the whole batch at once; and that loss is the weighted mean over all slots, so a sequence with
     many supervised slots weighs more than one with few (not a mean of per-sequence means)."""
-    from deepspec.models.dspark import _BlockMicroBatch
-    from deepspec.models.registry import get_algorithm
-    from deepspec.train.data import TrainBatch
+    from deepspec.algorithms.dspark import _BlockMicroBatch
+    from deepspec.algorithms.protocol import TrainBatch
+    from deepspec.algorithms.registry import get_algorithm
 
     target, draft, batch, capture = _draft_setup("llama")
     ids, lm = batch(B=4, S=24, seed=5)

@@ -89,7 +89,7 @@ def test_each_forbidden_id_is_named_in_the_error():
 
 
 def test_draft_config_refuses_pad_eos_and_out_of_range():
-    from deepspec.models.config import DraftConfig
+    from deepspec.algorithms.dspark.config import DraftConfig
 
     base = dict(family="llama", hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
                 intermediate_size=16, max_position_embeddings=32, vocab_size=10, target_hidden_size=8,

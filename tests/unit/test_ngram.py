@@ -9,9 +9,10 @@ import random
 import pytest
 import torch
 
+from deepspec.algorithms.ngram.proposer import NGramProposer, ngram_proposal
+from deepspec.algorithms.protocol import NullProposer
+from deepspec.algorithms.registry import check_baselines
 from deepspec.eval.engine import SpeculativeEngine
-from deepspec.eval.ngram import NGramProposer, check_baselines, ngram_proposal
-from deepspec.eval.proposers import NullProposer
 from deepspec.eval.verify import SamplingParams, verify
 from deepspec.target.capture import target_forward
 from tests.helpers import sharp_tiny_llama

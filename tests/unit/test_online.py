@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from deepspec.algorithms.dspark.model import DSparkDraftModel
 from deepspec.data.cache import TargetCache, check_compatible, write_target_cache
 from deepspec.data.online import OnlineTargetFeatures
-from deepspec.models.dspark import DSparkDraftModel
 from deepspec.target.load import target_fingerprint, tokenizer_fingerprint
 from deepspec.train.data import collate
 from deepspec.train.loop import TrainConfig, train

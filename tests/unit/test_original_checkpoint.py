@@ -18,13 +18,14 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from deepspec.algorithms.dspark.config import dflash_knobs, draft_config_from_target
+from deepspec.algorithms.dspark.model import DSparkDraftModel
+from deepspec.algorithms.dspark.original import (
+    draft_config_from_original, is_original_layout, load_original_dspark, save_original_dspark,
+)
+from deepspec.algorithms.protocol import NullProposer
+from deepspec.algorithms.registry import algorithm_for_model, load_draft
 from deepspec.eval.engine import SpeculativeEngine
-from deepspec.eval.proposers import NullProposer
-from deepspec.models.config import dflash_knobs, draft_config_from_target
-from deepspec.models.dspark import DSparkDraftModel
-from deepspec.models.original import (draft_config_from_original, is_original_layout, load_original_dspark,
-                                      save_original_dspark)
-from deepspec.models.registry import algorithm_for_model, load_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

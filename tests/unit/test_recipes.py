@@ -13,13 +13,13 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from deepspec.algorithms.dspark.config import draft_config_from_target
+from deepspec.algorithms.dspark.model import DSparkDraftModel
 from deepspec.cli import _config_class, build_parser, main
 from deepspec.config import dataclass_from_args
 from deepspec.demo import DemoConfig
-from deepspec.recipes import load_recipe, recipe_names
-from deepspec.models.config import draft_config_from_target
-from deepspec.models.dspark import DSparkDraftModel
 from deepspec.models.mask_token import choose_mask_token_id
+from deepspec.recipes import load_recipe, recipe_names
 from deepspec.train.loop import TrainConfig
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

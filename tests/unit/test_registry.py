@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from deepspec.models.registry import ALGORITHMS, algorithm_of_draft, get_algorithm
+from deepspec.algorithms.registry import ALGORITHMS, algorithm_of_draft, get_algorithm
 from deepspec.eval.stage import _unique_name, draft_folder
 
 

@@ -398,7 +398,7 @@ def _recording(obj, name, pick):
 
 
 def test_dspark_proposer_samples_and_scores_with_the_same_filtered_probs():
-    from deepspec.models.dspark import DSparkProposer
+    from deepspec.algorithms.dspark.proposer import DSparkProposer
     from tests.unit.test_dspark import batch, capture, make_draft
 
     target, draft = make_draft("llama")
@@ -413,7 +413,7 @@ def test_dspark_proposer_samples_and_scores_with_the_same_filtered_probs():
 
 
 def test_eagle3_proposer_samples_and_scores_with_the_same_filtered_probs():
-    from deepspec.models.eagle3 import Eagle3Proposer
+    from deepspec.algorithms.eagle3.proposer import Eagle3Proposer
     from tests.unit.test_dspark import batch, tiny_target
     from tests.unit.test_eagle3 import features, make_draft
 

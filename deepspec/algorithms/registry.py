@@ -1,94 +1,40 @@
-"""Drafting algorithms behind one small protocol, and the registry the trainer and evaluation use.
+"""The registry: every drafting algorithm by name, one line each (:data:`ALGORITHMS`), and the
+training-free baselines (:data:`BASELINES`); finding the algorithm of a saved draft and loading it.
 
-An algorithm is three things (DESIGN.md sections 5-6): a draft model (built from the target's
-configuration, saved and loaded as safetensors + ``config.json``), a training loss, and a proposer
-for the speculative decoding engine. The trainer runs every algorithm through the same loop:
-
-    prepared = algo.prepare(model, batch, generator)      # per micro-batch (e.g. DSpark's anchors)
-    weight_sum = sum(algo.weight(model, p) for p in micro)  # the global batch's supervision weight
-    out = algo.loss(model, prepared, weight_sum=weight_sum) # sum over the micro-batch / weight_sum
-
-so the loss of a step is the supervision-weighted mean over the whole global batch, whatever the
-micro-batching (and, under data parallelism, ranks all-reduce ``weight_sum``).
-
-Shape legend: B batch, S padded sequence length, A anchors per sequence.
+An algorithm is one folder, ``deepspec/algorithms/<name>/`` (model, loss, proposer, config; its
+``__init__`` holds the :class:`~deepspec.algorithms.protocol.DraftAlgorithm` adapter), plus its line in
+:data:`ALGORITHMS`. ``deepspec train --algorithm``, ``deepspec eval`` (:func:`load_draft`), the demo's
+``--algorithms`` and ``bench/train.py`` read this registry and nothing else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import torch
 from torch import nn
 
-from deepspec.models.acceptance import AcceptanceCounts
+from deepspec.algorithms.dspark import DSparkAlgorithm
+from deepspec.algorithms.dspark.original import is_original_layout, load_original_dspark
+from deepspec.algorithms.eagle3 import Eagle3Algorithm
+from deepspec.algorithms.protocol import DraftAlgorithm
 from deepspec.models.config import CONFIG_NAME
-from deepspec.models.dspark import DSparkAlgorithm
-from deepspec.models.eagle3 import Eagle3Algorithm
-from deepspec.train.data import TrainBatch
+from deepspec.target.load import target_fingerprint as fingerprint_of
 
 
-
-class LossLike(Protocol):
-    loss: torch.Tensor  # scalar, differentiable: this micro-batch's share of the global-batch mean
-    # additive acceptance counts (summed over the global batch and ranks, then turned into the tau
-    # estimates); None when the loss has no target distribution to compare with
-    acceptance: AcceptanceCounts | None
-
-    def scalars(self) -> dict[str, float]: ...  # what the trainer logs (summed over micro-batches)
-
-
-class DraftAlgorithm(Protocol):
-    """What the trainer and the evaluation need from a drafting algorithm."""
-
-    name: str
-
-    def build(self, target_model: nn.Module, tokenizer: Any, cfg: Any, target_layer_ids: list[int], *,
-              d2t: torch.Tensor | None = None) -> nn.Module:
-        """A freshly initialised draft for this target (``cfg``: the trainer's config; the caller seeds).
-        ``d2t``: the reduced draft vocabulary (draft -> target ids) when ``cfg.draft_vocab_size`` asks for
-        one (:func:`deepspec.models.vocab.select_draft_vocab`); an algorithm without that support refuses it.
-        ``cfg.init_from_target`` (when the config has it): start the draft's decoder layers as copies of
-        the target's (:mod:`deepspec.models.target_init`), or refuse with a ValueError."""
-        ...
-
-    def load(self, path: str | Path) -> nn.Module:
-        """A draft saved by ``model.save_pretrained(path)``."""
-        ...
-
-    def prepare(self, model: nn.Module, batch: TrainBatch, generator: torch.Generator, cfg: Any) -> Any:
-        """Everything a micro-batch's loss needs besides the model (a pure function of the generator state)."""
-        ...
-
-    def weight(self, model: nn.Module, prepared: Any) -> torch.Tensor:
-        """This micro-batch's total supervision weight (float scalar), for global-batch normalisation."""
-        ...
-
-    def loss(self, model: nn.Module, prepared: Any, *, weight_sum: torch.Tensor, autocast: Any) -> LossLike:
-        """The micro-batch's weighted loss sum divided by ``weight_sum`` (the global batch's weight)."""
-        ...
-
-    def proposer(self, model: nn.Module, *, confidence_threshold: float | None = None,
-                 max_positions: int | None = None) -> Any:
-        """A :class:`deepspec.eval.proposers.Proposer` drafting with ``model`` (algorithms without a
-        confidence head ignore ``confidence_threshold``)."""
-        ...
-
-    def owns(self, model: nn.Module) -> bool:
-        """Whether ``model`` is a draft of this algorithm's model class."""
-        ...
-
-
-# ----------------------------------------------------------------------------------------------- registry
-
+# name -> a factory of the algorithm (DFlash is DSpark's configuration without heads)
 ALGORITHMS: dict[str, Callable[[], DraftAlgorithm]] = {
     "dspark": lambda: DSparkAlgorithm("dspark", heads=True),
     "dflash": lambda: DSparkAlgorithm("dflash", heads=False),
     "eagle3": Eagle3Algorithm,
 }
+
+
+# training-free proposers selectable with --baselines (deepspec.algorithms.ngram; built by
+# deepspec.eval.stage.baseline_proposers)
+BASELINES = ("ngram",)
 
 
 def get_algorithm(name: str) -> DraftAlgorithm:
@@ -111,8 +57,6 @@ def algorithm_of_draft(path: str | Path) -> str:
         ValueError: a ``config.json`` that no DeepSpec draft wrote (e.g. a target model folder), or an
             algorithm that is not registered.
     """
-    import json
-
     config_path = Path(path) / CONFIG_NAME
     if not config_path.is_file():
         raise FileNotFoundError(f"{path}: no {CONFIG_NAME}; pass a draft folder written by `deepspec train`")
@@ -135,7 +79,7 @@ def algorithm_of_draft(path: str | Path) -> str:
 def load_draft(path: str | Path, *, target_model: nn.Module | None = None, target_fingerprint: str | None = None,
                allow_target_mismatch: bool = False) -> tuple[str, nn.Module]:
     """``(algorithm name, model)`` of a saved draft folder: DeepSpec's own, or the original DeepSpec
-    layout (``Qwen3DSparkModel``, :mod:`deepspec.models.original`), loaded as a DSpark / DFlash draft.
+    layout (``Qwen3DSparkModel``, :mod:`deepspec.algorithms.dspark.original`), loaded as a DSpark / DFlash draft.
 
     With ``target_model`` the draft is checked against it (:func:`check_draft_target`: another target
     shape is refused; another fingerprint is refused unless ``allow_target_mismatch``);
@@ -145,8 +89,6 @@ def load_draft(path: str | Path, *, target_model: nn.Module | None = None, targe
     Raises:
         ValueError: an unreadable draft, or one made for another target (see :func:`check_draft_target`).
     """
-    from deepspec.models.original import is_original_layout, load_original_dspark
-
     if is_original_layout(path):
         model = load_original_dspark(path, target_model=target_model)
         name = algorithm_for_model(model).name
@@ -186,8 +128,6 @@ def check_draft_target(name: str, config: Any, target_model: nn.Module, *, targe
             target's), or a fingerprint mismatch without ``allow_mismatch`` (naming both fingerprints
             and the flag).
     """
-    from deepspec.target.load import target_fingerprint as fingerprint_of
-
     tc = target_model.config
     pairs = (("family", "model_type", getattr(config, "family", None), getattr(tc, "model_type", None)),
              ("target_num_hidden_layers", "num_hidden_layers", config.target_num_hidden_layers, tc.num_hidden_layers),
@@ -228,3 +168,17 @@ def algorithm_for_model(model: nn.Module) -> DraftAlgorithm:
         if algo.owns(model):
             return algo
     raise ValueError(f"no registered drafting algorithm owns a {type(model).__name__}")
+
+
+def check_baselines(names: Sequence[str], field: str) -> list[str]:
+    """The baselines asked for, without repeats; ``["none"]`` (or an empty list) means none.
+
+    Raises ValueError naming ``field`` for an unknown name or ``none`` mixed with a baseline.
+    """
+    names = list(dict.fromkeys(names))
+    if names in ([], ["none"]):
+        return []
+    bad = [n for n in names if n not in BASELINES]
+    if bad:
+        raise ValueError(f"{field}: expected some of {', '.join(BASELINES)} or none, received {', '.join(map(repr, bad))}.")
+    return names

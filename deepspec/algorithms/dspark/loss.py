@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from deepspec.algorithms.dspark.config import DraftConfig
 from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance
-from deepspec.models.config import DraftConfig
 from deepspec.models.vocab import t2d_table
 
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from deepspec.eval.proposers import Proposal
+from deepspec.algorithms.protocol import Proposal
 from deepspec.target.decoding import SamplingParams
 
 DEFAULT_NGRAM_MAX = 3
@@ -55,7 +55,7 @@ def ngram_proposal(context: Sequence[int], *, ngram_max: int, ngram_min: int, nu
 
 
 class NGramProposer:
-    """Prompt lookup behind the :class:`~deepspec.eval.proposers.Proposer` protocol.
+    """Prompt lookup behind the :class:`~deepspec.algorithms.protocol.Proposer` protocol.
 
     Args:
         vocab_size: V of the target (the width of the one-hot ``draft_probs_NV`` rows at T > 0).
@@ -119,20 +119,3 @@ def check_ngram_range(*, ngram_max: int, ngram_min: int, field: str) -> None:
     if ngram_min > ngram_max:
         raise ValueError(f"{field}.ngram_min: expected <= ngram_max ({ngram_max}), received {ngram_min}; "
                          "lower --ngram-min or raise --ngram-max.")
-
-
-BASELINES = ("ngram",)  # training-free proposers selectable with --baselines
-
-
-def check_baselines(names: Sequence[str], field: str) -> list[str]:
-    """The baselines asked for, without repeats; ``["none"]`` (or an empty list) means none.
-
-    Raises ValueError naming ``field`` for an unknown name or ``none`` mixed with a baseline.
-    """
-    names = list(dict.fromkeys(names))
-    if names in ([], ["none"]):
-        return []
-    bad = [n for n in names if n not in BASELINES]
-    if bad:
-        raise ValueError(f"{field}: expected some of {', '.join(BASELINES)} or none, received {', '.join(map(repr, bad))}.")
-    return names

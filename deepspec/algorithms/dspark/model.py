@@ -1,4 +1,4 @@
-"""DSpark / DFlash block-parallel draft model (DESIGN s.5).
+"""DSpark / DFlash block-parallel draft model (DESIGN s.5); its drafting loop is :mod:`.proposer`.
 
 Legend: B batch, S sequence length, A anchors (blocks), K block_size, Q = A*K block slots,
 D draft hidden (= target hidden H), F = n_layers * H target feature width, V target vocab, N draft
@@ -33,24 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from deepspec.eval.proposers import Proposal, draw_token
-from deepspec.models.anchors import sample_anchors
-from deepspec.models.config import (
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    DraftConfig,
-    dflash_knobs,
-    draft_config_from_target,
-    save_draft_folder,
-)
-from deepspec.models.loss import dspark_loss, supervision_weights
+from deepspec.algorithms.dspark.config import DraftConfig
+from deepspec.models.config import CONFIG_NAME, WEIGHTS_NAME, save_draft_folder
+from deepspec.models.draft_common import DraftVocabMixin, check_saved_d2t, draft_from_target, qk_norms, split_heads
 from deepspec.models.mask import dense_block_mask, flex_block_mask
-from deepspec.models.mask_token import choose_mask_token_id
-from deepspec.models.target_init import init_layers_from_target
-from deepspec.models.vocab import scatter_to_target, validate_d2t
-from deepspec.target.decoding import SamplingParams
-from deepspec.target.load import target_fingerprint
-from deepspec.train.data import TrainBatch
 
 
 @dataclass
@@ -195,136 +181,6 @@ def _rope_single(x: Tensor, cos: Tensor, sin: Tensor, rotate_half) -> Tensor:
     cos = cos.unsqueeze(1)
     sin = sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin
-
-
-def copy_target_embeddings(model: nn.Module, target_model: nn.Module, config_builder: str) -> nn.Module:
-    """Copy (not share) the target's input embedding and lm_head into the draft's frozen
-    ``embed_tokens`` / ``lm_head`` (in the draft's dtype), record the target's fingerprint in
-    ``model.config.target_fingerprint`` and move the draft to the target's device.
-
-    A draft with a reduced vocabulary (a ``d2t`` buffer, already set) gets the target's ``lm_head`` rows
-    ``d2t`` (``[N, D]``) and keeps the full matrix as the non-persistent buffer ``target_lm_weight``
-    (never saved; the training loss computes the target distribution with it).
-
-    Raises:
-        ValueError: the shapes differ (the draft config was not derived from this target; the message
-            names ``config_builder``, the function to build it with).
-    """
-    emb = target_model.get_input_embeddings().weight
-    head = target_model.get_output_embeddings().weight
-    d2t_N = getattr(model, "d2t", None)
-    want_emb = tuple(model.embed_tokens.weight.shape)
-    want_head = want_emb if d2t_N is not None else tuple(model.lm_head.weight.shape)
-    if tuple(emb.shape) != want_emb or tuple(head.shape) != want_head:
-        raise ValueError(f"{type(model).__name__}.from_target: expected target embedding/lm_head of shape "
-                         f"{want_emb}, received {tuple(emb.shape)} / {tuple(head.shape)}. Build the config with "
-                         f"{config_builder}(target.config).")
-    with torch.no_grad():
-        model.embed_tokens.weight.copy_(emb.detach().to(model.embed_tokens.weight.dtype))
-        if d2t_N is None:
-            model.lm_head.weight.copy_(head.detach().to(model.lm_head.weight.dtype))
-        else:
-            model.lm_head.weight.copy_(head.detach()[d2t_N.to(head.device)].to(model.lm_head.weight.dtype))
-            model.target_lm_weight = head.detach().to(model.lm_head.weight.dtype).clone()
-    model.config.target_fingerprint = target_fingerprint(target_model)  # saved with the draft, checked at eval
-    return model.to(emb.device)
-
-
-class DraftVocabMixin:
-    """Reduced draft vocabulary plumbing shared by the DSpark/DFlash and Eagle3 drafts (an ``nn.Module``
-    with ``config.draft_vocab_size`` and an ``lm_head``): the ``d2t`` buffer (int64 ``[N]``, saved),
-    the full target ``lm_head`` for the training loss (``target_lm_weight``, not saved), and the id map."""
-
-    def _init_draft_vocab(self, config) -> None:
-        """Call in ``__init__``: registers ``d2t`` (identity placeholder; set by :func:`draft_from_target`
-        or loaded) when ``config.draft_vocab_size`` is set, else ``self.d2t = None``."""
-        if config.draft_vocab_size is not None:
-            self.register_buffer("d2t", torch.arange(config.draft_vocab_size, dtype=torch.long), persistent=True)
-        else:
-            self.d2t = None
-        self.register_buffer("target_lm_weight", None, persistent=False)
-
-    def target_ids(self, draft_ids: Tensor) -> Tensor:
-        """Draft ids (indices into the logits) -> target ids (int64, same shape); the identity without
-        a reduced vocabulary."""
-        return draft_ids.long() if self.d2t is None else self.d2t[draft_ids.long()]
-
-    @property
-    def target_lm_head_weight(self) -> Tensor:
-        """The target's full ``lm_head`` weight ``[V, D]`` (what the training loss scores the target
-        distribution with): ``lm_head.weight`` itself, or ``target_lm_weight`` with a reduced vocabulary.
-
-        Raises:
-            ValueError: a reduced-vocabulary draft loaded from disk (only ``from_target`` sets it).
-        """
-        if self.d2t is None:
-            return self.lm_head.weight
-        if self.target_lm_weight is None:
-            name = type(self).__name__
-            raise ValueError(f"{name}.target_lm_weight: a reduced-vocabulary draft needs the target's full lm_head to "
-                             "compute its training loss; received None (the draft was loaded from disk). Build it with "
-                             f"{name}.from_target(target, config, d2t=...) and load the weights into that.")
-        return self.target_lm_weight
-
-
-def draft_from_target(cls, target_model: nn.Module, config, d2t: Tensor | None, config_builder: str):
-    """``cls(config)`` with its reduced vocabulary set to ``d2t`` and the target's embedding / lm_head
-    copied (:func:`copy_target_embeddings`).
-
-    Raises:
-        ValueError: ``d2t`` missing while ``config.draft_vocab_size`` is set, given while it is not, or
-            invalid (:func:`deepspec.models.vocab.validate_d2t`); target shapes that do not fit.
-    """
-    where = f"{cls.__name__}.from_target.d2t"
-    if (d2t is None) != (config.draft_vocab_size is None):
-        raise ValueError(f"{where}: expected a draft -> target id map exactly when config.draft_vocab_size is set "
-                         f"(received draft_vocab_size={config.draft_vocab_size}, "
-                         f"d2t={'None' if d2t is None else tuple(d2t.shape)}). Pass "
-                         "d2t=select_draft_vocab(counts, N), or leave draft_vocab_size None.")
-    model = cls(config)
-    if d2t is not None:
-        model.d2t.copy_(validate_d2t(d2t, vocab_size=config.vocab_size, draft_vocab_size=config.draft_vocab_size,
-                                     source=where))
-    return copy_target_embeddings(model, target_model, config_builder)
-
-
-def check_saved_d2t(state: dict[str, Tensor], config, source: str) -> dict[str, Tensor]:
-    """Check the ``d2t`` entry of a loaded state dict against ``config.draft_vocab_size`` (before
-    ``load_state_dict``, whose size errors would not name the field); returns ``state``.
-
-    Raises:
-        ValueError: naming ``source`` and ``d2t``: present for a full-vocabulary config, missing for a
-            reduced one, or invalid (:func:`deepspec.models.vocab.validate_d2t`).
-    """
-    source = f"{source}: d2t"
-    if config.draft_vocab_size is None and "d2t" in state:
-        raise ValueError(f"{source}: expected no draft -> target id map (config.json has draft_vocab_size null), "
-                         f"received one of {tuple(state['d2t'].shape)}. The weights and config.json belong to "
-                         "different drafts.")
-    if config.draft_vocab_size is not None:
-        if "d2t" not in state:
-            raise ValueError(f"{source}: expected a draft -> target id map of {config.draft_vocab_size} entries "
-                             "(config.json draft_vocab_size), received none. Re-save the draft with DeepSpec.")
-        state["d2t"] = validate_d2t(state["d2t"], vocab_size=config.vocab_size,
-                                    draft_vocab_size=config.draft_vocab_size, source=source)
-    return state
-
-
-def qk_norms(c) -> tuple[nn.Module | None, nn.Module | None]:
-    """The family's per-head q/k RMSNorms when the target has them (Qwen3), else ``(None, None)``."""
-    if not c.qk_norm:
-        return None, None
-    Norm = c.family_class("RMSNorm")
-    return Norm(c.head_dim, eps=c.rms_norm_eps), Norm(c.head_dim, eps=c.rms_norm_eps)
-
-
-def split_heads(x_BTX: Tensor, n_heads: int, head_dim: int, norm: nn.Module | None) -> Tensor:
-    """``[B, T, n_heads*head_dim]`` -> ``[B, n_heads, T, head_dim]``, with the per-head norm applied first."""
-    B, T, _ = x_BTX.shape
-    x = x_BTX.view(B, T, n_heads, head_dim)
-    if norm is not None:
-        x = norm(x)
-    return x.transpose(1, 2)
 
 
 class DSparkAttention(nn.Module):
@@ -600,7 +456,7 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
         original) and ``config.json`` (DraftConfig + ``architectures`` + ``deepspec_algorithm``),
         atomically as a folder."""
 
-        # deepspec_algorithm: the registry's name (deepspec.models.registry.algorithm_of_draft); DFlash is
+        # deepspec_algorithm: the registry's name (deepspec.algorithms.registry.algorithm_of_draft); DFlash is
         # this model with both heads off.
         heads = self.config.use_markov_head or self.config.use_confidence_head
         cfg = {"architectures": [self.config.architecture], "model_type": "dspark",
@@ -624,165 +480,3 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
         model.load_state_dict(state, strict=True)
         model.freeze_embeddings()
         return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
-
-
-# =====================================================================================
-# DSparkProposer
-# =====================================================================================
-
-
-class DSparkProposer:
-    """DSpark / DFlash drafter behind the :class:`~deepspec.eval.proposers.Proposer` protocol.
-
-    One block forward ``[anchor, m, .., m]`` at positions ``anchor_pos .. anchor_pos+K-1`` attending
-    to the cached context K/V (``DSparkDraftModel.block_hidden``), then a cheap serial pass: slot
-    ``k``'s logits are ``base_k`` + the Markov head's bias (``DSparkDraftModel.slot_step``: vanilla
-    ``markov_w2(markov_w1[prev])``, or the gated / rnn variant) with ``prev`` = the anchor for k=0 and
-    the token just drafted afterwards (DSpark paper, "parallel backbone + sequential correction").
-    ``q = sampling_probs(logits, sampling)`` (fp32; temperature, top-k, top-p) is both sampled from
-    and returned. At T=0 the token is the argmax and ``draft_probs_NV`` is ``None`` (greedy verify
-    reads only the tokens).
-
-    A draft with a reduced vocabulary (``model.d2t``, W draft tokens) scores and samples over its W
-    draft ids; each drafted id is mapped to its target id (``model.target_ids``) before it is returned
-    or fed to the Markov head as the next ``prev``, and at T>0 ``q`` is scattered into the full target
-    vocabulary (zeros outside the draft vocabulary), so the verify step's ``p / q`` test and
-    ``max(0, p - q)`` residual are exactly those of a full-vocabulary draft that puts no mass there.
-
-    The confidence head gives ``c_k = sigmoid(logit)`` per slot (returned as ``confidence_N``); with
-    ``confidence_threshold`` set, the proposal is cut before the first slot with ``c_k`` below it.
-    ``max_positions`` (the target's ``max_position_embeddings``): draft tokens never land at a
-    position ``>= max_positions``.
-    """
-
-    def __init__(self, model, *, confidence_threshold: float | None = None, max_positions: int | None = None):
-        if not isinstance(model, DSparkDraftModel):
-            raise ValueError(f"DSparkProposer.model: expected a DSparkDraftModel, received {type(model).__name__}.")
-        if confidence_threshold is not None and model.confidence_head is None:
-            raise ValueError("DSparkProposer.confidence_threshold: expected None for a draft without a confidence "
-                             f"head, received {confidence_threshold}. Drop the threshold or load a DSpark draft.")
-        self.model = model.eval()
-        self.max_proposal_len = int(model.config.block_size)
-        self.confidence_threshold = confidence_threshold
-        self.max_positions = int(max_positions if max_positions is not None
-                                 else model.config.max_position_embeddings)
-        self.cache = model.new_context_cache()
-
-    def reset(self) -> None:
-        self.cache = self.model.new_context_cache()
-
-    def extend_context(self, target_hidden_TF: Tensor, token_ids_T: list[int]) -> None:
-        self.model.append_context(self.cache, target_hidden_TF)  # DSpark's context is the features alone
-
-    @torch.no_grad()
-    def propose(
-        self,
-        anchor_token: int,
-        anchor_pos: int,
-        *,
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-    ) -> Proposal:
-        m = self.model
-        n_max = min(self.max_proposal_len, self.max_positions - 1 - int(anchor_pos))
-        if n_max <= 0:
-            return Proposal.empty(m.fc.weight.device)
-        if self.cache.length > anchor_pos:  # defensive: never attend to positions >= anchor
-            self.cache.crop(anchor_pos)
-        # base logits over draft ids, for the n_max slots used only
-        hidden_KD, base_KV = m.block_hidden(self.cache, anchor_token, anchor_pos, num_slots=n_max)
-        base_KV = base_KV.float()  # the slots' fp32 logits in one conversion (a no-op in fp32)
-        dev = hidden_KD.device
-        prev = torch.tensor([int(anchor_token)], device=dev)
-        ids, probs_rows, conf = [], [], []
-        markov_state = None  # the Markov head's state along the block (rnn variant; None otherwise)
-        for k in range(n_max):
-            logits_W, conf_logit, markov_state = m.slot_step(hidden_KD[k], base_KV[k], prev, markov_state)
-            if conf_logit is not None:
-                c = torch.sigmoid(conf_logit.float())
-                if self.confidence_threshold is not None and float(c) < self.confidence_threshold:
-                    break
-                conf.append(c.reshape(()))
-            draft_tok, q_W = draw_token(logits_W, sampling, generator)
-            tok = m.target_ids(draft_tok)
-            if q_W is not None:
-                probs_rows.append(q_W if m.d2t is None else scatter_to_target(q_W, m.d2t, m.config.vocab_size))
-            ids.append(tok)
-            prev = tok
-        if not ids:
-            return Proposal.empty(dev)
-        return Proposal(
-            draft_ids_N=torch.cat(ids).long(),
-            draft_probs_NV=torch.stack(probs_rows) if probs_rows else None,
-            confidence_N=torch.stack(conf).float() if conf else None,
-        )
-
-
-# --------------------------------------------------------------------------------- algorithm entry
-
-
-@dataclass
-class _BlockMicroBatch:
-    batch: TrainBatch
-    anchor_pos_BA: torch.Tensor
-    block_valid_BA: torch.Tensor
-
-
-class DSparkAlgorithm:
-    """DSpark (DESIGN s.5): block-parallel drafter with Markov and confidence heads. With
-    ``heads=False`` it is DFlash: the same backbone, CE loss only."""
-
-    def __init__(self, name: str, *, heads: bool) -> None:
-        self.name = name
-        self.heads = heads
-
-    def build(self, target_model, tokenizer, cfg, target_layer_ids, *, d2t=None):
-        mask_token_id = choose_mask_token_id(
-            tokenizer, target_model.get_input_embeddings().num_embeddings, cfg.mask_token
-        )
-        draft_config = draft_config_from_target(
-            target_model.config,
-            num_draft_layers=cfg.num_draft_layers,
-            target_layer_ids=target_layer_ids,
-            mask_token_id=mask_token_id,
-            block_size=cfg.block_size,
-            markov_rank=cfg.markov_rank,
-            markov_head_type=cfg.markov_head,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            draft_vocab_size=None if d2t is None else int(d2t.shape[0]),
-            # the algorithm's own knobs, then the loss settings given to train over them
-            **{**({} if self.heads else dflash_knobs()), **cfg.loss_knobs()},
-        )
-        model = DSparkDraftModel.from_target(target_model, draft_config, d2t=d2t)
-        if getattr(cfg, "init_from_target", False):
-            init_layers_from_target(model, target_model, getattr(cfg, "init_from_target_layers", None))
-        return model
-
-    def load(self, path):
-        return DSparkDraftModel.from_pretrained(path)
-
-    def prepare(self, model, batch, generator, cfg):
-        anchor_pos_BA, block_valid_BA = sample_anchors(batch.loss_mask_BS, cfg.num_anchors, generator)
-        return _BlockMicroBatch(batch, anchor_pos_BA, block_valid_BA)
-
-    def weight(self, model, prepared):
-        return supervision_weights(
-            prepared.batch.loss_mask_BS, prepared.anchor_pos_BA, prepared.block_valid_BA, model.config
-        )[1].sum()
-
-    def loss(self, model, prepared, *, weight_sum, autocast):
-        b = prepared.batch
-        with autocast:
-            output = model.forward_train(b.input_ids_BS, b.target_hidden_BSF, prepared.anchor_pos_BA,
-                                         prepared.block_valid_BA)
-        return dspark_loss(output, b.input_ids_BS, b.loss_mask_BS, prepared.anchor_pos_BA, prepared.block_valid_BA,
-                           b.target_last_hidden_BSH, model.target_lm_head_weight, model.config, weight_sum=weight_sum,
-                           d2t_W=model.d2t)
-
-    def proposer(self, model, *, confidence_threshold=None, max_positions=None):
-        return DSparkProposer(model, confidence_threshold=confidence_threshold, max_positions=max_positions)
-
-    def owns(self, model):
-        return isinstance(model, DSparkDraftModel) and (
-            self.heads == (model.config.use_markov_head or model.config.use_confidence_head))

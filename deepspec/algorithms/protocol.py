@@ -1,9 +1,22 @@
-"""Proposers: the drafting side of speculative decoding, behind one small protocol.
+"""The two small protocols a drafting algorithm implements, and the data they exchange.
 
-Legend: N proposal length (number of draft tokens, 0 <= N <= K), V target vocab, W draft vocab (= V
-unless reduced), T positions, F feature width (``len(target_layer_ids) * hidden_size``).
+This module imports no algorithm, trainer or evaluation code (only :mod:`deepspec.target` and
+:mod:`deepspec.models`), so every algorithm folder, the trainer and the engine can depend on it.
 
-The engine (``deepspec.eval.engine``) drives every proposer through the same three calls:
+Training (:class:`DraftAlgorithm`, :class:`LossLike`, :class:`TrainBatch`). An algorithm is three
+things (DESIGN.md sections 5-6): a draft model (built from the target's configuration, saved and
+loaded as safetensors + ``config.json``), a training loss, and a proposer for the speculative
+decoding engine. The trainer runs every algorithm through the same loop:
+
+    prepared = algo.prepare(model, batch, generator)      # per micro-batch (e.g. DSpark's anchors)
+    weight_sum = sum(algo.weight(model, p) for p in micro)  # the global batch's supervision weight
+    out = algo.loss(model, prepared, weight_sum=weight_sum) # sum over the micro-batch / weight_sum
+
+so the loss of a step is the supervision-weighted mean over the whole global batch, whatever the
+micro-batching (and, under data parallelism, ranks all-reduce ``weight_sum``).
+
+Decoding (:class:`Proposer`, :class:`Proposal`, :func:`draw_token`, :class:`NullProposer`). The
+engine (``deepspec.eval.engine``) drives every proposer through the same three calls:
 
 1. ``reset()`` before each prompt;
 2. ``extend_context(target_hidden_TF, token_ids_T)`` with the target features of the next committed
@@ -19,20 +32,86 @@ the target's ``max_position_embeddings`` (the proposer is not told; it simply se
 features next step). A proposer with ``max_proposal_len == 0`` (``NullProposer``) gets no
 ``extend_context`` calls: the engine then runs the target without capturing features. A proposer
 that reads only token ids declares ``needs_features = False`` (the n-gram baseline,
-:mod:`deepspec.eval.ngram`): its ``extend_context`` gets ``target_hidden_TF=None`` and the target
+:mod:`deepspec.algorithms.ngram`): its ``extend_context`` gets ``target_hidden_TF=None`` and the target
 runs without capture hooks too. A proposer without the attribute needs features.
+
+Legend: B batch, S padded sequence length, A anchors per sequence, H target hidden, F feature width
+(``len(target_layer_ids) * hidden_size``), T positions, N proposal length (number of draft tokens,
+0 <= N <= K), V target vocab, W draft vocab (= V unless reduced).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from deepspec.eval.verify import sampling_probs
-from deepspec.target.decoding import SamplingParams
+from deepspec.models.acceptance import AcceptanceCounts
+from deepspec.target.decoding import SamplingParams, sampling_probs
+
+
+@dataclass
+class TrainBatch:
+    """One micro-batch, right-padded. Padding has ``loss_mask`` 0 so it carries no anchor and no loss."""
+
+    input_ids_BS: torch.Tensor  # int64
+    loss_mask_BS: torch.Tensor  # int64 (0/1)
+    target_hidden_BSF: torch.Tensor  # float32
+    target_last_hidden_BSH: torch.Tensor  # float32
+    sample_indices: list[int]
+
+
+class LossLike(Protocol):
+    loss: torch.Tensor  # scalar, differentiable: this micro-batch's share of the global-batch mean
+    # additive acceptance counts (summed over the global batch and ranks, then turned into the tau
+    # estimates); None when the loss has no target distribution to compare with
+    acceptance: AcceptanceCounts | None
+
+    def scalars(self) -> dict[str, float]: ...  # what the trainer logs (summed over micro-batches)
+
+
+class DraftAlgorithm(Protocol):
+    """What the trainer and the evaluation need from a drafting algorithm."""
+
+    name: str
+
+    def build(self, target_model: nn.Module, tokenizer: Any, cfg: Any, target_layer_ids: list[int], *,
+              d2t: torch.Tensor | None = None) -> nn.Module:
+        """A freshly initialised draft for this target (``cfg``: the trainer's config; the caller seeds).
+        ``d2t``: the reduced draft vocabulary (draft -> target ids) when ``cfg.draft_vocab_size`` asks for
+        one (:func:`deepspec.models.vocab.select_draft_vocab`); an algorithm without that support refuses it.
+        ``cfg.init_from_target`` (when the config has it): start the draft's decoder layers as copies of
+        the target's (:mod:`deepspec.models.target_init`), or refuse with a ValueError."""
+        ...
+
+    def load(self, path: str | Path) -> nn.Module:
+        """A draft saved by ``model.save_pretrained(path)``."""
+        ...
+
+    def prepare(self, model: nn.Module, batch: TrainBatch, generator: torch.Generator, cfg: Any) -> Any:
+        """Everything a micro-batch's loss needs besides the model (a pure function of the generator state)."""
+        ...
+
+    def weight(self, model: nn.Module, prepared: Any) -> torch.Tensor:
+        """This micro-batch's total supervision weight (float scalar), for global-batch normalisation."""
+        ...
+
+    def loss(self, model: nn.Module, prepared: Any, *, weight_sum: torch.Tensor, autocast: Any) -> LossLike:
+        """The micro-batch's weighted loss sum divided by ``weight_sum`` (the global batch's weight)."""
+        ...
+
+    def proposer(self, model: nn.Module, *, confidence_threshold: float | None = None,
+                 max_positions: int | None = None) -> Proposer:
+        """A :class:`Proposer` drafting with ``model`` (algorithms without a confidence head ignore
+        ``confidence_threshold``)."""
+        ...
+
+    def owns(self, model: nn.Module) -> bool:
+        """Whether ``model`` is a draft of this algorithm's model class."""
+        ...
 
 
 @dataclass(kw_only=True)

@@ -21,12 +21,12 @@ transformers' ``save_pretrained``:
   ``markov_head.markov_w2.weight`` (Linear r -> V), ``markov_head.gate_proj.{weight,bias}`` (gated),
   ``markov_head.joint_proj.{weight,bias}`` (rnn), ``confidence_head.proj.{weight,bias}``.
 
-These are exactly :class:`~deepspec.models.dspark.DSparkDraftModel`'s parameter names (DESIGN s.5),
+These are exactly :class:`~deepspec.algorithms.dspark.model.DSparkDraftModel`'s parameter names (DESIGN s.5),
 so loading is a checked rename-free copy. A ``model.`` or ``_orig_mod.`` (torch.compile) prefix on
 every key is stripped. ``embed_tokens`` / ``lm_head`` are frozen copies of the target's: when a
 checkpoint omits them they are taken from ``target_model``. ``LlamaDSparkModel`` / ``Qwen2DSparkModel``
 / ``MistralDSparkModel`` (same layout, DeepSpec's other families; see
-:data:`deepspec.models.config.ARCHITECTURES`) are accepted too; the original only has Qwen3 (and
+:data:`deepspec.algorithms.dspark.config.ARCHITECTURES`) are accepted too; the original only has Qwen3 (and
 Gemma4, unsupported here).
 """
 
@@ -41,17 +41,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepspec.models.config import (
-    ARCHITECTURES,
-    CONFIG_NAME,
-    MARKOV_HEAD_TYPES,
-    WEIGHTS_NAME,
-    DraftConfig,
-    dflash_knobs,
-    save_draft_folder,
-    target_shape_fields,
-)
-from deepspec.models.dspark import DSparkDraftModel
+from deepspec.algorithms.dspark.config import ARCHITECTURES, MARKOV_HEAD_TYPES, DraftConfig, dflash_knobs
+from deepspec.algorithms.dspark.model import DSparkDraftModel
+from deepspec.models.config import CONFIG_NAME, WEIGHTS_NAME, save_draft_folder, target_shape_fields
+
 
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 ORIGINAL_ARCHITECTURE = "Qwen3DSparkModel"
@@ -137,7 +130,7 @@ def draft_config_from_original(cfg: dict[str, Any], *, target_config: Any = None
     ``markov_rank``, ``markov_head_type``; ``use_confidence_head`` <- ``enable_confidence_head``;
     ``target_fingerprint`` <- DeepSpec's own key of that name when present (the original has none). Loss
     weights are not in the file (training config): DSpark defaults, ``confidence_weight = 0`` without a
-    confidence head, :func:`~deepspec.models.config.dflash_knobs` without both heads.
+    confidence head, :func:`~deepspec.algorithms.dspark.config.dflash_knobs` without both heads.
 
     Args:
         target_config: the target's config; when given, the draft must fit it (``hidden_size``,

@@ -1,0 +1,95 @@
+"""DSpark, and DFlash as its configuration without heads (DESIGN s.5-6): one folder.
+
+- :mod:`.config`: :class:`DraftConfig` (shape from the target, block / head / loss knobs) and
+  :func:`dflash_knobs`, the knobs that make it DFlash.
+- :mod:`.model`: :class:`DSparkDraftModel`, the block-parallel drafter with its Markov and confidence heads.
+- :mod:`.loss`: the DSpark / DFlash training loss (CE + L1 + confidence, slot-decayed weights).
+- :mod:`.proposer`: :class:`DSparkProposer`, the drafter behind the engine's ``Proposer`` protocol.
+- :mod:`.original`: drafts in the original DeepSpec checkpoint layout (detect, load, write).
+
+This module is the algorithm adapter the registry holds (:class:`DSparkAlgorithm`, registered twice:
+``dspark`` with heads, ``dflash`` without); it reuses the shared pieces of :mod:`deepspec.models`
+(anchors, mask, mask token, target-layer init).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepspec.algorithms.dspark.config import dflash_knobs, draft_config_from_target
+from deepspec.algorithms.dspark.loss import dspark_loss, supervision_weights
+from deepspec.algorithms.dspark.model import DSparkDraftModel
+from deepspec.algorithms.dspark.proposer import DSparkProposer
+from deepspec.algorithms.protocol import TrainBatch
+from deepspec.models.anchors import sample_anchors
+from deepspec.models.mask_token import choose_mask_token_id
+from deepspec.models.target_init import init_layers_from_target
+
+
+@dataclass
+class _BlockMicroBatch:
+    batch: TrainBatch
+    anchor_pos_BA: torch.Tensor
+    block_valid_BA: torch.Tensor
+
+
+class DSparkAlgorithm:
+    """DSpark (DESIGN s.5): block-parallel drafter with Markov and confidence heads. With
+    ``heads=False`` it is DFlash: the same backbone, CE loss only."""
+
+    def __init__(self, name: str, *, heads: bool) -> None:
+        self.name = name
+        self.heads = heads
+
+    def build(self, target_model, tokenizer, cfg, target_layer_ids, *, d2t=None):
+        mask_token_id = choose_mask_token_id(
+            tokenizer, target_model.get_input_embeddings().num_embeddings, cfg.mask_token
+        )
+        draft_config = draft_config_from_target(
+            target_model.config,
+            num_draft_layers=cfg.num_draft_layers,
+            target_layer_ids=target_layer_ids,
+            mask_token_id=mask_token_id,
+            block_size=cfg.block_size,
+            markov_rank=cfg.markov_rank,
+            markov_head_type=cfg.markov_head,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            draft_vocab_size=None if d2t is None else int(d2t.shape[0]),
+            # the algorithm's own knobs, then the loss settings given to train over them
+            **{**({} if self.heads else dflash_knobs()), **cfg.loss_knobs()},
+        )
+        model = DSparkDraftModel.from_target(target_model, draft_config, d2t=d2t)
+        if getattr(cfg, "init_from_target", False):
+            init_layers_from_target(model, target_model, getattr(cfg, "init_from_target_layers", None))
+        return model
+
+    def load(self, path):
+        return DSparkDraftModel.from_pretrained(path)
+
+    def prepare(self, model, batch, generator, cfg):
+        anchor_pos_BA, block_valid_BA = sample_anchors(batch.loss_mask_BS, cfg.num_anchors, generator)
+        return _BlockMicroBatch(batch, anchor_pos_BA, block_valid_BA)
+
+    def weight(self, model, prepared):
+        return supervision_weights(
+            prepared.batch.loss_mask_BS, prepared.anchor_pos_BA, prepared.block_valid_BA, model.config
+        )[1].sum()
+
+    def loss(self, model, prepared, *, weight_sum, autocast):
+        b = prepared.batch
+        with autocast:
+            output = model.forward_train(b.input_ids_BS, b.target_hidden_BSF, prepared.anchor_pos_BA,
+                                         prepared.block_valid_BA)
+        return dspark_loss(output, b.input_ids_BS, b.loss_mask_BS, prepared.anchor_pos_BA, prepared.block_valid_BA,
+                           b.target_last_hidden_BSH, model.target_lm_head_weight, model.config, weight_sum=weight_sum,
+                           d2t_W=model.d2t)
+
+    def proposer(self, model, *, confidence_threshold=None, max_positions=None):
+        return DSparkProposer(model, confidence_threshold=confidence_threshold, max_positions=max_positions)
+
+    def owns(self, model):
+        return isinstance(model, DSparkDraftModel) and (
+            self.heads == (model.config.use_markov_head or model.config.use_confidence_head))

@@ -1,0 +1,176 @@
+"""Typed configuration of a DSpark / DFlash draft model (:class:`DraftConfig`), derived from the target's config.
+
+The shape fields are the target's (:class:`~deepspec.models.config.TargetShapeConfig`); only
+``num_draft_layers``, ``target_layer_ids``, ``mask_token_id``, ``block_size`` and the head / loss knobs
+are chosen.
+
+DFlash is the same config with ``use_markov_head=False, use_confidence_head=False`` and loss
+weights ``ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0`` (see :func:`dflash_knobs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from deepspec.models.config import TargetShapeConfig, config_error, config_from_dict, target_shape_fields
+
+
+# DSpark Markov head variants (DeepSpec's ``markov_head_type``; see deepspec.algorithms.dspark.model):
+#   vanilla: bias_k = W2 W1[prev_k]
+#   gated:   bias_k = W2 (sigmoid(gate_proj([h_k ; W1[prev_k]])) * W1[prev_k])
+#   rnn:     s_k = g * s_{k-1} + (1 - g) * tanh(c), bias_k = W2 tanh(o) with
+#            [g_raw ; c ; o] = joint_proj([s_{k-1} ; W1[prev_k] ; h_k]), g = sigmoid(g_raw), s_0 = 0
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+
+
+# Architectures written into the draft checkpoint's config.json (original naming).
+ARCHITECTURES = {
+    "llama": "LlamaDSparkModel",
+    "qwen3": "Qwen3DSparkModel",
+    "qwen2": "Qwen2DSparkModel",
+    "mistral": "MistralDSparkModel",
+}
+
+
+def _err(field_name: str, expected: str, received: Any, fix: str) -> ValueError:
+    return config_error(field_name, expected, received, fix, "DraftConfig")
+
+
+@dataclass(kw_only=True)
+class DraftConfig(TargetShapeConfig):
+    """All shape and algorithm fields of a draft model (DSpark, or DFlash with the heads off).
+
+    Shape fields mirror the target (:class:`TargetShapeConfig`, see :func:`draft_config_from_target`).
+    Validated in ``__post_init__``; errors are ``ValueError`` naming field, expected, received, fix.
+    """
+
+    # Loss knobs (training only) and markov_head_type (drafts saved before it existed are "vanilla").
+    OPTIONAL_ON_LOAD: ClassVar[tuple[str, ...]] = TargetShapeConfig.OPTIONAL_ON_LOAD + (
+        "markov_head_type", "loss_decay_gamma", "ce_weight", "l1_weight", "confidence_weight")
+
+    # --- draft knobs ---
+    num_draft_layers: int
+    block_size: int = 7
+    mask_token_id: int
+    markov_rank: int = 256
+    markov_head_type: str = "vanilla"  # one of MARKOV_HEAD_TYPES
+    use_markov_head: bool = True
+    use_confidence_head: bool = True
+    # --- loss (DESIGN s.5) ---
+    loss_decay_gamma: float = 4.0
+    ce_weight: float = 0.1
+    l1_weight: float = 0.9
+    confidence_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("num_draft_layers", "block_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise _err(name, "a positive integer", v, "Check the knob.")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise _err("mask_token_id", f"an id in [0, {self.vocab_size})", self.mask_token_id,
+                       "Use a reserved special token (SmolLM2: <repo_name> = 3) or a spare embedding row.")
+        if self.pad_token_id is not None and self.mask_token_id == self.pad_token_id:
+            raise _err("mask_token_id", f"!= pad_token_id ({self.pad_token_id})", self.mask_token_id,
+                       "Never fall back to pad; use a reserved token absent from the data (DESIGN s.5).")
+        if self.mask_token_id in self.eos_token_ids:
+            raise _err("mask_token_id", f"not an eos id ({self.eos_token_ids})", self.mask_token_id,
+                       "Never fall back to eos; use a reserved token absent from the data (DESIGN s.5).")
+        if self.block_size < 2:
+            raise _err("block_size", ">= 2", self.block_size, "The original uses 7.")
+        if self.use_markov_head and (not isinstance(self.markov_rank, int) or self.markov_rank <= 0):
+            raise _err("markov_rank", "a positive integer when use_markov_head", self.markov_rank,
+                       "Set markov_rank=256 or use_markov_head=False.")
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise _err("markov_head_type", f"one of {MARKOV_HEAD_TYPES}", self.markov_head_type,
+                       "Use 'vanilla' (the default), 'gated' or 'rnn' (train --markov-head).")
+        if self.loss_decay_gamma <= 0:
+            raise _err("loss_decay_gamma", "> 0", self.loss_decay_gamma, "The original uses 4.0.")
+        for name in ("ce_weight", "l1_weight", "confidence_weight"):
+            if getattr(self, name) < 0:
+                raise _err(name, ">= 0", getattr(self, name), "Loss weights are non-negative.")
+        if self.confidence_weight > 0 and not self.use_confidence_head:
+            raise _err("confidence_weight", "0 when use_confidence_head=False", self.confidence_weight,
+                       "Set confidence_weight=0.0 or enable the confidence head.")
+        if self.ce_weight + self.l1_weight + self.confidence_weight <= 0:
+            raise _err("ce_weight", "a positive total loss weight", 0.0, "Set ce_weight=1.0 (DFlash).")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def markov_dim(self) -> int:
+        """Width of W1[prev] fed to the confidence head (0 without a Markov head)."""
+        return self.markov_rank if self.use_markov_head else 0
+
+    @property
+    def architecture(self) -> str:
+        return ARCHITECTURES[self.family]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DraftConfig:
+        """Inverse of :meth:`to_dict` (:func:`config_from_dict`: unknown keys and missing forward-pass
+        keys raise ValueError naming them)."""
+        return config_from_dict(cls, d)
+
+    @property
+    def num_decoder_layers(self) -> int:
+        return self.num_draft_layers
+
+
+def dflash_knobs() -> dict[str, Any]:
+    """Knobs turning a DSpark config into DFlash: no heads, CE loss only (DESIGN s.5)."""
+    return dict(use_markov_head=False, use_confidence_head=False,
+                ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0)
+
+
+def draft_config_from_target(
+    target_config: Any,
+    *,
+    num_draft_layers: int,
+    target_layer_ids: list[int],
+    mask_token_id: int,
+    block_size: int = 7,
+    markov_rank: int = 256,
+    markov_head_type: str = "vanilla",
+    use_markov_head: bool = True,
+    use_confidence_head: bool = True,
+    pad_token_id: int | None = None,
+    eos_token_ids: list[int] | int | None = None,
+    eos_token_id: list[int] | int | None = None,
+    **knobs: Any,
+) -> DraftConfig:
+    """Derive a :class:`DraftConfig` from a transformers target config (DESIGN s.5 "Draft shape").
+
+    Args:
+        target_config: the target's ``PretrainedConfig`` (or anything with the same attributes).
+            Family from ``model_type`` (llama, qwen3, qwen2, mistral).
+        markov_head_type: DSpark Markov head variant, one of :data:`MARKOV_HEAD_TYPES`.
+        pad_token_id / eos_token_ids: ids the mask token must differ from (tokenizer's; defaults
+            to the target config's ``pad_token_id`` / ``eos_token_id``). ``eos_token_id`` (int or
+            list, tokenizer spelling) is accepted too; both are merged.
+        **knobs: any other DraftConfig field (loss weights, gamma, ...). Unknown -> ValueError.
+    Raises:
+        ValueError: unsupported family, missing config fields, or any DraftConfig validation error.
+    """
+    known = {f.name for f in dataclasses.fields(DraftConfig)}
+    unknown = sorted(set(knobs) - known)
+    if unknown:
+        raise ValueError(f"draft_config_from_target: unknown knobs {unknown}; expected DraftConfig fields. "
+                         "Fix the spelling.")
+    return DraftConfig(
+        **target_shape_fields(target_config, target_layer_ids=target_layer_ids, pad_token_id=pad_token_id,
+                              eos_token_ids=eos_token_ids, eos_token_id=eos_token_id),
+        num_draft_layers=num_draft_layers,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        markov_rank=markov_rank,
+        markov_head_type=markov_head_type,
+        use_markov_head=use_markov_head,
+        use_confidence_head=use_confidence_head,
+        **knobs,
+    )

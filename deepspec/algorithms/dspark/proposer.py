@@ -1,0 +1,101 @@
+"""The DSpark / DFlash drafter for the decoding engine (DESIGN s.6): one block forward, then the heads slot by slot.
+
+Legend: K block_size, W draft vocab (= V unless reduced), V target vocab, D draft hidden, T committed positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from deepspec.algorithms.dspark.model import DSparkDraftModel
+from deepspec.algorithms.protocol import Proposal, draw_token
+from deepspec.models.vocab import scatter_to_target
+from deepspec.target.decoding import SamplingParams
+
+
+class DSparkProposer:
+    """DSpark / DFlash drafter behind the :class:`~deepspec.algorithms.protocol.Proposer` protocol.
+
+    One block forward ``[anchor, m, .., m]`` at positions ``anchor_pos .. anchor_pos+K-1`` attending
+    to the cached context K/V (``DSparkDraftModel.block_hidden``), then a cheap serial pass: slot
+    ``k``'s logits are ``base_k`` + the Markov head's bias (``DSparkDraftModel.slot_step``: vanilla
+    ``markov_w2(markov_w1[prev])``, or the gated / rnn variant) with ``prev`` = the anchor for k=0 and
+    the token just drafted afterwards (DSpark paper, "parallel backbone + sequential correction").
+    ``q = sampling_probs(logits, sampling)`` (fp32; temperature, top-k, top-p) is both sampled from
+    and returned. At T=0 the token is the argmax and ``draft_probs_NV`` is ``None`` (greedy verify
+    reads only the tokens).
+
+    A draft with a reduced vocabulary (``model.d2t``, W draft tokens) scores and samples over its W
+    draft ids; each drafted id is mapped to its target id (``model.target_ids``) before it is returned
+    or fed to the Markov head as the next ``prev``, and at T>0 ``q`` is scattered into the full target
+    vocabulary (zeros outside the draft vocabulary), so the verify step's ``p / q`` test and
+    ``max(0, p - q)`` residual are exactly those of a full-vocabulary draft that puts no mass there.
+
+    The confidence head gives ``c_k = sigmoid(logit)`` per slot (returned as ``confidence_N``); with
+    ``confidence_threshold`` set, the proposal is cut before the first slot with ``c_k`` below it.
+    ``max_positions`` (the target's ``max_position_embeddings``): draft tokens never land at a
+    position ``>= max_positions``.
+    """
+
+    def __init__(self, model, *, confidence_threshold: float | None = None, max_positions: int | None = None):
+        if not isinstance(model, DSparkDraftModel):
+            raise ValueError(f"DSparkProposer.model: expected a DSparkDraftModel, received {type(model).__name__}.")
+        if confidence_threshold is not None and model.confidence_head is None:
+            raise ValueError("DSparkProposer.confidence_threshold: expected None for a draft without a confidence "
+                             f"head, received {confidence_threshold}. Drop the threshold or load a DSpark draft.")
+        self.model = model.eval()
+        self.max_proposal_len = int(model.config.block_size)
+        self.confidence_threshold = confidence_threshold
+        self.max_positions = int(max_positions if max_positions is not None
+                                 else model.config.max_position_embeddings)
+        self.cache = model.new_context_cache()
+
+    def reset(self) -> None:
+        self.cache = self.model.new_context_cache()
+
+    def extend_context(self, target_hidden_TF: Tensor, token_ids_T: list[int]) -> None:
+        self.model.append_context(self.cache, target_hidden_TF)  # DSpark's context is the features alone
+
+    @torch.no_grad()
+    def propose(
+        self,
+        anchor_token: int,
+        anchor_pos: int,
+        *,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        m = self.model
+        n_max = min(self.max_proposal_len, self.max_positions - 1 - int(anchor_pos))
+        if n_max <= 0:
+            return Proposal.empty(m.fc.weight.device)
+        if self.cache.length > anchor_pos:  # defensive: never attend to positions >= anchor
+            self.cache.crop(anchor_pos)
+        # base logits over draft ids, for the n_max slots used only
+        hidden_KD, base_KV = m.block_hidden(self.cache, anchor_token, anchor_pos, num_slots=n_max)
+        base_KV = base_KV.float()  # the slots' fp32 logits in one conversion (a no-op in fp32)
+        dev = hidden_KD.device
+        prev = torch.tensor([int(anchor_token)], device=dev)
+        ids, probs_rows, conf = [], [], []
+        markov_state = None  # the Markov head's state along the block (rnn variant; None otherwise)
+        for k in range(n_max):
+            logits_W, conf_logit, markov_state = m.slot_step(hidden_KD[k], base_KV[k], prev, markov_state)
+            if conf_logit is not None:
+                c = torch.sigmoid(conf_logit.float())
+                if self.confidence_threshold is not None and float(c) < self.confidence_threshold:
+                    break
+                conf.append(c.reshape(()))
+            draft_tok, q_W = draw_token(logits_W, sampling, generator)
+            tok = m.target_ids(draft_tok)
+            if q_W is not None:
+                probs_rows.append(q_W if m.d2t is None else scatter_to_target(q_W, m.d2t, m.config.vocab_size))
+            ids.append(tok)
+            prev = tok
+        if not ids:
+            return Proposal.empty(dev)
+        return Proposal(
+            draft_ids_N=torch.cat(ids).long(),
+            draft_probs_NV=torch.stack(probs_rows) if probs_rows else None,
+            confidence_N=torch.stack(conf).float() if conf else None,
+        )

@@ -1,0 +1,251 @@
+"""Eagle3 draft model (the TTT loss is :mod:`.loss`, the chain drafter :mod:`.proposer`).
+
+Li et al., "EAGLE-3: Scaling up Inference Acceleration of LLMs via Training-Time Test" (2025).
+
+Legend: B batch, S sequence length, H hidden (= target hidden), F = n_layers * H target feature
+width, V target vocab, W draft vocab (= V unless ``draft_vocab_size`` reduces it), K ttt_steps (unrolled steps = tokens drafted per proposal), T a run of rows,
+Hq query heads, Hk KV heads, d head_dim, N supervised rows of one step.
+
+Architecture (parameter names follow the original Eagle3 checkpoints where they exist):
+  embed_tokens (frozen copy of the target's), fc (Linear F -> H, no bias: fuses the target
+  features of all cached layers), midlayer = one decoder layer of the target's family whose
+  attention projections read ``cat(input_layernorm(embed(token)), hidden_norm(hidden))`` (2H ->
+  q/k/v), with the residual taken from ``hidden``; post_attention_layernorm + the family's MLP;
+  norm (final), lm_head (frozen copy of the target's: all V rows, or the rows ``d2t`` of a reduced
+  draft vocabulary, ``[W, H]``), and with a reduced vocabulary the buffer ``d2t`` (int64 ``[W]``,
+  absolute target ids; :mod:`deepspec.models.vocab`; EAGLE-3's own checkpoints store offsets).
+
+Rows. Row ``t`` of a sequence pairs the fused target feature ``f_t`` (position t) with the *next*
+token ``x_{t+1}`` and predicts ``x_{t+2}``. TTT step ``k`` (0 <= k < K) at row ``t`` reads the
+token ``x_{t+1+k}`` and, instead of ``f_t``, the draft's own pre-norm output of step ``k-1`` at row
+``t`` (step 0 reads ``fc(f_t)``); it predicts ``x_{t+k+2}``. Its RoPE position is ``t + k``.
+
+Attention at step k (the Eagle3 trick): row ``t`` attends to the step-0 keys of rows ``0..t``
+(causal) and to its own keys of steps ``1..k`` (the diagonal of each later step). This is exactly
+what chain drafting sees at inference: the committed rows (step 0, from target features) plus the
+chain's own earlier steps. Implemented with dense SDPA over ``cat(K_0, .., K_k)`` and a bool mask.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from deepspec.algorithms.eagle3.config import ALGORITHM_NAME, Eagle3Config
+from deepspec.models.config import CONFIG_NAME, WEIGHTS_NAME, save_draft_folder
+from deepspec.models.draft_common import DraftVocabMixin, check_saved_d2t, draft_from_target, qk_norms, split_heads
+
+
+@dataclass
+class Eagle3Cache:
+    """Inference K/V of committed rows (step 0, from target features): ``k``/``v`` ``[1, Hk, T, d]``
+    (RoPE applied to K at positions ``0..T-1``); ``length`` = committed rows."""
+
+    k: Tensor | None = None
+    v: Tensor | None = None
+    length: int = 0
+
+    def crop(self, n: int) -> None:
+        if not 0 <= n <= self.length:
+            raise ValueError(f"Eagle3Cache.crop: expected 0 <= n <= length={self.length}, received {n}.")
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
+        self.length = n
+
+
+class Eagle3Attention(nn.Module):
+    """Self-attention whose q/k/v projections read the 2H input ``[embed ; hidden]``."""
+
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        self._apply_rope = c.family_module().apply_rotary_pos_emb
+        self.q_norm, self.k_norm = qk_norms(c)
+
+    def _split(self, x: Tensor, n_heads: int, norm) -> Tensor:
+        return split_heads(x, n_heads, self.head_dim, norm)
+
+    def forward(self, x_BT2: Tensor, cos: Tensor, sin: Tensor, prev_k: Tensor | None, prev_v: Tensor | None,
+                mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries/keys/values of the T new rows; attend to ``cat(prev, new)`` under ``mask`` (bool
+        ``[.., T, P+T]``, True = visible; None = everything visible). Returns (out ``[B, T, H]``,
+        new K (RoPE'd), new V), both ``[B, Hk, T, d]``."""
+        B, T, _ = x_BT2.shape
+        q = self._split(self.q_proj(x_BT2), self.num_heads, self.q_norm)
+        k = self._split(self.k_proj(x_BT2), self.num_kv_heads, self.k_norm)
+        v = self._split(self.v_proj(x_BT2), self.num_kv_heads, None)
+        q, k = self._apply_rope(q, k, cos, sin)
+        k_all = k if prev_k is None else torch.cat([prev_k.expand(B, -1, -1, -1), k], dim=2)
+        v_all = v if prev_v is None else torch.cat([prev_v.expand(B, -1, -1, -1), v], dim=2)
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)), k, v
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, c: Eagle3Config, hf_config):
+        super().__init__()
+        Norm = c.family_class("RMSNorm")
+        self.self_attn = Eagle3Attention(c)
+        self.mlp = c.family_class("MLP")(hf_config)
+        self.input_layernorm = Norm(c.hidden_size, eps=c.rms_norm_eps)  # on the token embedding
+        self.hidden_norm = Norm(c.hidden_size, eps=c.rms_norm_eps)  # on the fused feature / previous hidden
+        self.post_attention_layernorm = Norm(c.hidden_size, eps=c.rms_norm_eps)
+
+    def forward(self, emb_BTH: Tensor, hid_BTH: Tensor, cos, sin, prev_k, prev_v, mask):
+        x = torch.cat([self.input_layernorm(emb_BTH), self.hidden_norm(hid_BTH)], dim=-1)
+        attn, k, v = self.self_attn(x, cos, sin, prev_k, prev_v, mask)
+        h = hid_BTH + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), k, v
+
+
+def ttt_masks(S: int, steps: int, device=None) -> list[Tensor]:
+    """Bool masks ``[S, S*(k+1)]`` per step k: causal over step 0's keys, diagonal over steps 1..k."""
+    causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(S, dtype=torch.bool, device=device)
+    return [torch.cat([causal] + [eye] * k, dim=1) for k in range(steps)]
+
+
+class Eagle3DraftModel(DraftVocabMixin, nn.Module):
+    """Eagle3 drafter (see the module docstring)."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.config = c = config
+        hf = c.to_hf_config()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.fc = nn.Linear(c.feature_width, c.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(c, hf)
+        self.norm = c.family_class("RMSNorm")(c.hidden_size, eps=c.rms_norm_eps)
+        self.rotary_emb = c.family_class("RotaryEmbedding")(hf)
+        self.lm_head = nn.Linear(c.hidden_size, c.output_vocab_size, bias=False)
+        self._init_draft_vocab(c)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+        self.freeze_embeddings()
+
+    def freeze_embeddings(self) -> None:
+        """embed_tokens and lm_head are copies of the target's and never trained (as DSpark's)."""
+        self.embed_tokens.weight.requires_grad_(False)
+        self.lm_head.weight.requires_grad_(False)
+
+    @classmethod
+    def from_target(cls, target_model: nn.Module, config: Eagle3Config, *,
+                    d2t: Tensor | None = None) -> Eagle3DraftModel:
+        """New draft with the target's embedding / lm_head copied (frozen); ``d2t`` as for DSpark
+        (:func:`deepspec.models.draft_common.draft_from_target`)."""
+        return draft_from_target(cls, target_model, config, d2t, "eagle3_config_from_target")
+
+    # ------------------------------------------------------------------ training forward
+    def forward_train(self, input_ids_BS: Tensor, target_hidden_BSF: Tensor,
+                      steps: int | None = None) -> list[Tensor]:
+        """The K unrolled TTT steps; returns the pre-norm hidden states ``[B, S, H]`` of each step
+        (row t of step k predicts ``x_{t+k+2}``; rows whose inputs run past S are garbage, never
+        supervised, and never seen by supervised rows)."""
+        K = self.config.ttt_steps if steps is None else steps
+        B, S = input_ids_BS.shape
+        dev = input_ids_BS.device
+        ids = input_ids_BS.long()
+        hid = self.fc(target_hidden_BSF.to(self.fc.weight.dtype))
+        masks = ttt_masks(S, K, dev)
+        ks: list[Tensor] = []
+        vs: list[Tensor] = []
+        outs = []
+        for k in range(K):
+            # token of row t at step k: x_{t+1+k} (past the end: token 0, an unsupervised row)
+            tok = torch.zeros_like(ids)
+            if k + 1 < S:
+                tok[:, : S - 1 - k] = ids[:, k + 1:]
+            emb = self.embed_tokens(tok).to(hid.dtype)
+            cos, sin = self.rotary_emb(hid, (torch.arange(S, device=dev) + k).unsqueeze(0))
+            prev_k = torch.cat(ks, dim=2) if ks else None
+            prev_v = torch.cat(vs, dim=2) if vs else None
+            hid, kk, vv = self.midlayer(emb, hid, cos, sin, prev_k, prev_v, masks[k])
+            ks.append(kk)
+            vs.append(vv)
+            outs.append(hid)
+        return outs
+
+    # ------------------------------------------------------------------ inference
+    def new_cache(self) -> Eagle3Cache:
+        return Eagle3Cache()
+
+    @torch.no_grad()
+    def commit_rows(self, cache: Eagle3Cache, next_token_ids_T: Tensor, target_hidden_TF: Tensor) -> Tensor:
+        """Append rows ``cache.length ..`` (feature ``f_t`` with next token ``x_{t+1}``) at step 0,
+        attending to every committed row and causally among themselves. Returns their pre-norm
+        outputs ``[T, H]`` (the last one starts a chain)."""
+        T = int(next_token_ids_T.shape[0])
+        dev = self.fc.weight.device
+        hid = self.fc(target_hidden_TF.to(dev, self.fc.weight.dtype)).unsqueeze(0)
+        emb = self.embed_tokens(next_token_ids_T.to(dev).long().view(1, T)).to(hid.dtype)
+        L = cache.length
+        cos, sin = self.rotary_emb(hid, torch.arange(L, L + T, device=dev).unsqueeze(0))
+        mask = torch.ones(T, L + T, dtype=torch.bool, device=dev)
+        mask[:, L:] = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        out, k, v = self.midlayer(emb, hid, cos, sin, cache.k, cache.v, mask)
+        cache.k = k if cache.k is None else torch.cat([cache.k, k], dim=2)
+        cache.v = v if cache.v is None else torch.cat([cache.v, v], dim=2)
+        cache.length += T
+        return out[0]
+
+    @torch.no_grad()
+    def chain_step(self, cache: Eagle3Cache, chain_k: list[Tensor], chain_v: list[Tensor], token_id: Tensor,
+                   hidden_H: Tensor, pos: int) -> Tensor:
+        """One chain step k >= 1 at RoPE position ``pos``: input (token, previous step's hidden),
+        attending to all committed rows and the chain's earlier steps; appends its K/V to the chain
+        lists. Returns the pre-norm output ``[H]``."""
+        dev = self.fc.weight.device
+        hid = hidden_H.view(1, 1, -1)
+        emb = self.embed_tokens(token_id.to(dev).long().view(1, 1)).to(hid.dtype)
+        cos, sin = self.rotary_emb(hid, torch.tensor([[pos]], device=dev))
+        prev_k = torch.cat([cache.k, *chain_k], dim=2)
+        prev_v = torch.cat([cache.v, *chain_v], dim=2)
+        out, k, v = self.midlayer(emb, hid, cos, sin, prev_k, prev_v, None)
+        chain_k.append(k)
+        chain_v.append(v)
+        return out[0, 0]
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Logits over the draft's W tokens (draft ids; ``target_ids`` maps them)."""
+        return self.lm_head(self.norm(hidden))
+
+    # ------------------------------------------------------------------ save / load
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        """``model.safetensors`` (all weights, self-contained) + ``config.json`` with
+        ``deepspec_algorithm: eagle3``, written atomically as a folder."""
+
+        cfg = {"architectures": ["Eagle3DraftModel"], "model_type": "eagle3", "deepspec_algorithm": ALGORITHM_NAME,
+               "eagle3_config": self.config.to_dict()}
+        return save_draft_folder(out_dir, self.state_dict(), cfg)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu") -> Eagle3DraftModel:
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
+            raise FileNotFoundError(f"Eagle3DraftModel.from_pretrained: expected {path}/{CONFIG_NAME} and "
+                                    f"{path}/{WEIGHTS_NAME}; pass a folder written by save_pretrained().")
+        cfg = json.loads((path / CONFIG_NAME).read_text(encoding="utf-8"))
+        if cfg.get("deepspec_algorithm") != ALGORITHM_NAME:
+            raise ValueError(f"Eagle3DraftModel.from_pretrained: {path} holds a "
+                             f"{cfg.get('deepspec_algorithm', 'dspark/dflash')!r} draft, not an Eagle3 one.")
+        config = Eagle3Config.from_dict(cfg["eagle3_config"])
+        model = cls(config)
+        model.load_state_dict(check_saved_d2t(load_file(str(path / WEIGHTS_NAME)), config, str(path / WEIGHTS_NAME)),
+                              strict=True)
+        model.freeze_embeddings()
+        return model.to(device)
