@@ -1,7 +1,7 @@
 """``deepspec eval`` as a stage: its config, the policy around the run (benchmark loading, draft
 naming and checks, training-free baselines, confidence thresholds) and the output folder.
 
-The evaluation itself is :func:`deepspec.eval.run.run_evaluation`; this module decides what it runs
+The evaluation itself is :func:`deepspec.eval.run.run_eval`; this module decides what it runs
 on. The CLI (``deepspec.cli``) builds :class:`EvalConfig` from its flags and calls
 :func:`run_eval_stage`; the demo calls it too.
 """
