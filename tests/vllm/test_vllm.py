@@ -1,5 +1,6 @@
 """A trained draft in a real serving engine: vLLM (CPU build) serves the embedded SmolLM2 target with a
-DeepSpec Eagle3 draft exported by ``deepspec export --format vllm-eagle3``.
+DeepSpec Eagle3 draft exported by ``deepspec export --format vllm-eagle3``; and ``deepspec prepare
+--backend openai`` against that vLLM server regenerates exactly the local backend's answers and ids.
 
 The draft memorises 8 conversations the target answered (``tests/fixtures/memorise8.prepared.jsonl``)
 for a short run with the demo recipe's sizes (a reduced 8,192-token draft vocabulary, so ``d2t`` and
@@ -104,7 +105,7 @@ class VllmServer:
 
 
 @pytest.mark.skipif(not VLLM_PYTHON, reason="DEEPSPEC_VLLM_PYTHON is not set (make test builds .venv-vllm)")
-def test_exported_eagle3_draft_is_lossless_and_accepted_in_vllm(tmp_path):
+def test_vllm_prepare_and_an_exported_eagle3_draft(tmp_path):
     target_dir = ensure_embedded_target()
     cache, train, exported = tmp_path / "cache", tmp_path / "train", tmp_path / "eagle3-vllm"
     assert main(["cache", "--recipe", "demo", "--input", str(PREPARED), "--output-dir", str(cache)]) == 0
@@ -116,9 +117,20 @@ def test_exported_eagle3_draft_is_lossless_and_accepted_in_vllm(tmp_path):
     assert config["draft_vocab_size"] == 8192 and config["num_aux_hidden_states"] == 5
 
     prompts = [json.loads(line)["messages"][0]["content"] for line in PREPARED.read_text().splitlines()]
+    prepare = ["prepare", "--input", str(PREPARED), "--max-new-tokens", "128", "--max-prompt-tokens", "256",
+               "--max-turns", "1"]
+    assert main([*prepare, "--output", str(tmp_path / "local.jsonl")]) == 0
     with VllmServer(target_dir, tmp_path / "vllm-target.log") as server:
         server.wait_ready()
         plain = [server.chat(p) for p in prompts]
+        assert main([*prepare, "--output", str(tmp_path / "served.jsonl"), "--backend", "openai",
+                     "--base-urls", server.url + "/v1"]) == 0
+    # prepare through vLLM regenerates exactly what the local backend does: text and token ids
+    local, served = ([json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+                     for name in ("local.jsonl", "served.jsonl"))
+    assert [r["messages"] for r in served] == [r["messages"] for r in local]
+    assert [r["generated_ids"] for r in served] == [r["generated_ids"] for r in local]
+    assert all(ids is not None for r in served for ids in r["generated_ids"][1::2])  # vLLM returned the ids
     speculative = {"method": "eagle3", "model": str(exported), "num_speculative_tokens": 3}
     with VllmServer(target_dir, tmp_path / "vllm-eagle3.log", speculative) as server:
         server.wait_ready()
