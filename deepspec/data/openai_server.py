@@ -39,8 +39,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from deepspec.data.backends import GenerationParams, LocalBackend
-from deepspec.target.decoding import SamplingParams
-from deepspec.target.decoding import NEUTRAL_SETTINGS
+from deepspec.target import load  # called as load.load_target, where tests stub it
+from deepspec.target.decoding import NEUTRAL_SETTINGS, SamplingParams
 
 
 class _QuietHTTPServer(ThreadingHTTPServer):
@@ -257,9 +257,7 @@ def run_serve_stage(cfg: ServeConfig, *, target_model: Any = None, tokenizer: An
     loads, and again when the server binds), and what target loading raises."""
     check_listenable(cfg.host, cfg.port)
     if target_model is None or tokenizer is None:
-        from deepspec.target.load import load_target
-
-        target_model, tokenizer = load_target(cfg.target)
+        target_model, tokenizer = load.load_target(cfg.target)
     try:
         server = OpenAICompatServer(target_model, tokenizer, host=cfg.host, port=cfg.port,
                                     model_name=cfg.model_name or cfg.target)

@@ -108,6 +108,7 @@ from typing import Any
 import torch
 
 from deepspec.data.backends import (
+    BackendError,
     GenerationParams,
     LocalBackend,
     OpenAIBackend,
@@ -117,8 +118,10 @@ from deepspec.data.backends import (
 )
 from deepspec.data.chat import generation_eos_of, render_prompt, render_record, stop_token_ids
 from deepspec.data.conversations import SkipRow
-from deepspec.target.decoding import SamplingParams, decoding_record
+from deepspec.data.sources import ID_FIELDS, assign_split, open_source, row_key, source_row_messages
 from deepspec.device import check_dtype_name, dtype_name, resolve_dtype
+from deepspec.target.decoding import SamplingParams, decoding_record
+from deepspec.target.load import load_generation_config, load_target, load_tokenizer
 from deepspec.utils import atomic_path, atomic_write_text
 
 SHAREGPT_DEMO = "sharegpt-demo"
@@ -355,8 +358,6 @@ def _cut_to_turns(messages: list[dict[str, str]], max_turns: int | None) -> list
 
 
 def _row_id(row: Any, source_index: int, cfg: PrepareConfig) -> str:
-    from deepspec.data.sources import ID_FIELDS
-
     if isinstance(row, dict):
         for name in ID_FIELDS:
             value = row.get(name)
@@ -367,8 +368,6 @@ def _row_id(row: Any, source_index: int, cfg: PrepareConfig) -> str:
 
 def _select(cfg: PrepareConfig, tokenizer: Any, skipped: list[dict[str, Any]]) -> tuple[list[_Conversation], int, int]:
     """First ``num_conversations`` usable rows. Returns (conversations, rows_read, lost_in_source)."""
-    from deepspec.data.sources import open_source, row_key, source_row_messages
-
     source = open_source(cfg.input, hf_split=cfg.hf_split, skip_unreadable=cfg.skip_bad_rows)
     convs: list[_Conversation] = []
     read = 0
@@ -556,8 +555,6 @@ def _target_generation_config(cfg: PrepareConfig, model: Any) -> Any:
     (backend "openai" loads only the tokenizer); read for its eos ids and recorded as ignored."""
     if model is not None:
         return getattr(model, "generation_config", None)
-    from deepspec.target.load import load_generation_config
-
     return load_generation_config(cfg.target)
 
 
@@ -586,15 +583,9 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
     """
     from tqdm.auto import tqdm
 
-    from deepspec.data.sources import assign_split
-
     if backend is None and cfg.backend == "local" and (model is None or tokenizer is None):
-        from deepspec.target.load import load_target
-
         model, tokenizer = load_target(cfg.target, dtype=resolve_dtype(cfg.dtype))
     elif tokenizer is None:
-        from deepspec.target.load import load_tokenizer
-
         tokenizer = load_tokenizer(cfg.target)
     generation_config = _target_generation_config(cfg, model)
     stop_ids = stop_token_ids(tokenizer, generation_eos=generation_eos_of(generation_config))
@@ -673,8 +664,6 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
                     remaining = len(conv.assistant_positions) - conv.next_turn
                     if result.refused:
                         if not cfg.skip_bad_rows:
-                            from deepspec.data.backends import BackendError
-
                             raise BackendError(f"{requests[i].key}: {result.refused} (pass --skip-bad-rows true "
                                                f"(skip_bad_rows=True) to skip and count such rows)")
                         conv.failure, conv.history = f"server refused assistant turn {conv.next_turn}: " \

