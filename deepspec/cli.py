@@ -22,9 +22,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import textwrap
 
 from deepspec.config import add_dataclass_arguments, dataclass_from_args
-from deepspec.recipes import Recipe, load_recipe, recipe_names
+from deepspec.recipes import COMMON, Recipe, load_recipe, recipe_names
 
 # stage -> (module, config class, one-line help). A config's module imports torch and transformers
 # (seconds), so only the stage being run (or whose --help is asked for) is imported: `deepspec --help`
@@ -79,9 +80,10 @@ def build_parser(stages: tuple[str, ...] | None = None, recipe: Recipe | None = 
     parser.stage_parsers = {}
     for name, (_, _, help_text) in _STAGES.items():
         description = help_text
-        if recipe is not None and (stages is None or name in stages):
-            description += f"\n\nrecipe {recipe.name}: {recipe.description}" if recipe.description else ""
-        stage = sub.add_parser(name, help=help_text, description=description, allow_abbrev=False)
+        if recipe is not None and recipe.description and (stages is None or name in stages):
+            description += "\n\n" + textwrap.fill(f"recipe {recipe.name}: {' '.join(recipe.description.split())}", 100)
+        stage = sub.add_parser(name, help=help_text, description=description, allow_abbrev=False,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
         if stages is None or name in stages:
             stage.add_argument("--recipe", metavar="NAME|FILE",
                                help=f"settings from a recipe: {', '.join(recipe_names())} (deepspec/recipes), or a "
@@ -93,23 +95,49 @@ def build_parser(stages: tuple[str, ...] | None = None, recipe: Recipe | None = 
     return parser
 
 
-def _recipe_from_argv(argv: list[str]) -> Recipe | None:
-    """The recipe named by ``--recipe NAME`` / ``--recipe=NAME`` in ``argv`` (the last one wins), or None."""
-    name = None
-    for i, arg in enumerate(argv):
-        if arg == "--recipe" and i + 1 < len(argv):
-            name = argv[i + 1]
+def _split_recipe(argv: list[str]) -> tuple[str | None, list[str]]:
+    """``(the recipe named by --recipe NAME / --recipe=NAME, argv without it)``; the last one wins, and it
+    may stand anywhere (before the stage too). ValueError when ``--recipe`` has no value."""
+    name, rest = None, []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--recipe":
+            name = next(args, None)
+            if name is None or name.startswith("-"):
+                raise ValueError("--recipe: expected a recipe name or a .toml file after it")
         elif arg.startswith("--recipe="):
             name = arg.split("=", 1)[1]
-    return None if name is None else load_recipe(name)
+        else:
+            rest.append(arg)
+    return name, rest
+
+
+def _check_recipe(recipe: Recipe) -> None:
+    """Every table of ``recipe`` names a stage (or is ``[common]``), and every ``[common]`` key is a setting of
+    some stage: a typo there would otherwise be ignored. ValueError naming the table or key."""
+    unknown = sorted(set(recipe.sections) - set(_STAGES) - {COMMON})
+    if unknown:
+        raise ValueError(f"recipe {recipe.name} ({recipe.path}): tables {unknown} are not stages; expected some "
+                         f"of {', '.join(_STAGES)} or {COMMON}")
+    common = recipe.sections.get(COMMON, {})
+    if common:
+        fields = {f for stage in _STAGES for f in _config_class(stage).__dataclass_fields__}
+        stray = sorted(set(common) - fields)
+        if stray:
+            raise ValueError(f"recipe {recipe.name} [{COMMON}]: {stray} are not settings of any stage "
+                             "(see `deepspec STAGE --help`)")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # the stage is the first word that is no option (the top-level parser has no option taking a value)
-    named = next((a for a in argv if not a.startswith("-")), None)
+    named = None
     try:
-        recipe = _recipe_from_argv(argv)
+        recipe_name, argv = _split_recipe(argv)  # --recipe may stand anywhere; it is taken out before parsing
+        # the stage is the first word that is no option (the top-level parser has no option taking a value)
+        named = next((a for a in argv if not a.startswith("-")), None)
+        recipe = None if recipe_name is None else load_recipe(recipe_name)
+        if recipe is not None:
+            _check_recipe(recipe)
         parser = build_parser(stages=(named,) if named in _STAGES else (), recipe=recipe)
     except (ValueError, FileNotFoundError) as exc:
         print(f"deepspec {named or ''}: error: {exc}".replace("  ", " "), file=sys.stderr)

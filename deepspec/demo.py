@@ -242,6 +242,23 @@ def prepare_demo_data(cfg: DemoConfig, prepared: Path, *, target_model, tokenize
     print(f"prepare: {len(lines)} conversations ({', '.join(f'{n} {c}' for n, c in plan)}) -> {prepared}")
 
 
+def check_reused_prepared(cfg: DemoConfig, prepared: Path) -> None:
+    """Raise ValueError unless ``prepared`` (left by an earlier run in the same folder) holds the data mix
+    ``cfg`` asks for (its summary's parts, :func:`prepare_demo_data`): another mix (a run with other
+    sizes, or another recipe, in the same ``--output-dir``) must not be trained on silently."""
+    plan = dict(demo_data_plan(cfg)[0])
+    try:
+        parts = json.loads(summary_path_for(prepared).read_text(encoding="utf-8"))["parts"]
+        asked = {name: int(part["conversations_asked"]) for name, part in parts.items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        asked = None
+    if asked != plan:
+        held = ", ".join(f"{n} {c}" for n, c in asked.items()) if asked else "no demo data summary"
+        raise ValueError(f"{prepared} holds another training mix ({held}) than this demo asks for "
+                         f"({', '.join(f'{n} {c}' for n, c in plan.items())}); use another --output-dir, or delete "
+                         f"{prepared.parent} to start over")
+
+
 def _done_training(train_dir: Path, steps: int) -> bool:
     return latest_checkpoint(train_dir) == train_dir / f"checkpoint-{steps:06d}"
 
@@ -258,6 +275,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     prepared = out / "prepared.jsonl"
     t0 = time.perf_counter()
     if prepared.exists():
+        check_reused_prepared(cfg, prepared)
         print(f"prepare: reusing {prepared}")
     else:
         prepare_demo_data(cfg, prepared, target_model=target_model, tokenizer=tokenizer)

@@ -31,6 +31,7 @@ uninitialised memory). The folder is written under a temporary name and renamed 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,9 @@ class ExportConfig:
     overwrite: bool = False  # replace an existing output_dir
 
     def __post_init__(self) -> None:
+        if not str(self.output_dir).strip() or Path(self.output_dir).resolve() == Path.cwd().resolve():
+            raise ValueError(f"export.output_dir: expected a folder of its own for the export, got "
+                             f"{self.output_dir!r}; name a new folder such as exports/my-draft")
         if self.format not in FORMATS:
             raise ValueError(f"export.format: expected one of {', '.join(FORMATS)}, got {self.format!r}")
         if self.dtype not in _DTYPES:
@@ -248,6 +252,8 @@ def build_export(draft_path: str | Path, fmt: str, *, dtype: torch.dtype = torch
     algorithm, model = load_draft(folder)
     c = model.config
     if fmt == "vllm-dflash":
+        if algorithm == "eagle3":
+            raise ExportError("vllm-dflash: the draft is an eagle3 draft; use --format vllm-eagle3 or sglang-eagle3")
         raise ExportError(
             "vllm-dflash: vLLM's DFlash method (z-lab's layout) reads a block [bonus, mask x K] whose mask slots "
             f"predict their own position; DeepSpec's {algorithm} drafts propose from the anchor slot on (each slot "
@@ -283,21 +289,58 @@ def build_export(draft_path: str | Path, fmt: str, *, dtype: torch.dtype = torch
     return config, weights, hint
 
 
+def _is_export(folder: Path) -> bool:
+    """True for a folder this command wrote: exactly config.json (with its ``deepspec`` record) and the weights."""
+    try:
+        names = {p.name for p in folder.iterdir()}
+        record = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("deepspec")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return names == {"config.json", WEIGHTS_NAME} and isinstance(record, dict)
+
+
+def _check_output_dir(out: Path, cfg: ExportConfig) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"export.output_dir: {out} is a file; name a folder")
+    if any(parent.exists() and not parent.is_dir() for parent in out.parents):
+        raise ValueError(f"export.output_dir: a parent of {out} is a file; name a folder elsewhere")
+    if out.exists():
+        if not cfg.overwrite:
+            raise ValueError(f"export.output_dir: {out} exists; pass --overwrite to replace an earlier export, or "
+                             "choose another folder")
+        if not _is_export(out):
+            raise ValueError(f"export.output_dir: {out} exists and is not an earlier `deepspec export` (only "
+                             "config.json with a deepspec record and model.safetensors); --overwrite replaces "
+                             "only those, so choose another folder")
+
+
+def _readable_by_all(folder: Path) -> None:
+    """Exports are read by serving engines, often as another user: files 0644, the folder 0755, less the
+    umask (safetensors writes its file readable by its owner only)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o755 & ~umask)
+    for path in folder.iterdir():
+        path.chmod(0o644 & ~umask)
+
+
 def run_export(cfg: ExportConfig) -> Path:
     """Write the export folder (``config.json`` + ``model.safetensors``) atomically; return its path.
 
     Raises:
         ExportError: the format cannot express the draft (before anything is written).
-        ValueError: ``output_dir`` exists and ``overwrite`` is false.
+        ValueError: ``output_dir`` is a file, or exists while ``overwrite`` is false;
+            ``--overwrite`` replaces only an earlier export (config.json with a ``deepspec`` record and
+            the weights, nothing else).
     """
     out = Path(cfg.output_dir)
-    if out.exists() and not cfg.overwrite:
-        raise ValueError(f"export.output_dir: {out} exists; pass --overwrite to replace it or choose another folder")
+    _check_output_dir(out, cfg)
     config, weights, hint = build_export(cfg.draft, cfg.format, dtype=_DTYPES[cfg.dtype])
     with atomic_path(out) as tmp:
         tmp.mkdir()
         save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        _readable_by_all(tmp)
     print(f"export: {cfg.format} draft ({config['deepspec']['algorithm']}, {len(weights)} tensors, {cfg.dtype}) -> {out}")
     print("serve it with: " + hint.replace("DIR", str(out)))
     return out

@@ -293,3 +293,23 @@ def test_demo_data_parts_are_merged_once_and_reused(tmp_path, monkeypatch):
     summary_path_for(part).write_text(json.dumps({"summary": {}, "render": {"t": 2}}))
     with pytest.raises(ValueError, match="rendered with different chat templates"):
         demo.prepare_demo_data(cfg, prepared, target_model=None, tokenizer=None)
+
+
+def test_demo_refuses_prepared_data_of_another_mix(tmp_path):
+    """A prepared.jsonl left in the output folder by a run with other sizes (or another recipe) is refused,
+    not trained on."""
+    from deepspec import demo
+
+    cfg = demo.DemoConfig(output_dir=str(tmp_path), num_conversations=4, num_gsm8k_conversations=0,
+                          num_mbpp_conversations=0)
+    prepared = tmp_path / "prepared.jsonl"
+    prepared.write_text("")
+    with pytest.raises(ValueError, match=r"holds another training mix \(no demo data summary\) than this demo asks "
+                                         r"for \(sharegpt 4\); use another --output-dir"):
+        demo.check_reused_prepared(cfg, prepared)
+    summary = tmp_path / "prepared.jsonl.summary.json"
+    summary.write_text(json.dumps({"parts": {"sharegpt": {"conversations_asked": 8}}}))
+    with pytest.raises(ValueError, match=r"\(sharegpt 8\) than this demo asks for \(sharegpt 4\)"):
+        demo.check_reused_prepared(cfg, prepared)
+    summary.write_text(json.dumps({"parts": {"sharegpt": {"conversations_asked": 4}}}))
+    demo.check_reused_prepared(cfg, prepared)

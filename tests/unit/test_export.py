@@ -136,6 +136,7 @@ def test_dflash_exports_as_dspark_with_a_zero_markov_head(tmp_path):
     ("dspark", "llama", "vllm-dspark", "builds Qwen3 layers with q/k RMSNorm; this draft's layers .llama target"),
     ("dspark", "qwen3", "vllm-dflash", "mask slots predict their own position"),
     ("dspark", "qwen3", "vllm-eagle3", "EAGLE-3 formats take eagle3 drafts"),
+    ("eagle3", "llama", "vllm-dflash", "eagle3 draft; use --format vllm-eagle3 or sglang-eagle3"),
     ("eagle3", "llama", "vllm-dspark", "vllm-dspark takes dspark and dflash drafts"),
 ])
 def test_formats_that_cannot_express_the_draft_are_refused(tmp_path, algorithm, family, fmt, message):
@@ -168,3 +169,40 @@ def test_existing_output_needs_overwrite_and_the_cli_says_so(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert main(["export", "--draft", str(folder), "--format", "gguf", "--output-dir", str(tmp_path / "x")]) == 2
     assert "export.format: expected one of vllm-eagle3" in capsys.readouterr().err
+
+
+def test_overwrite_replaces_only_an_earlier_export(tmp_path, monkeypatch):
+    folder, _ = saved_draft(tmp_path, "eagle3", "llama")
+    kw = dict(draft=str(folder), format="vllm-eagle3", overwrite=True)
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="is not an earlier `deepspec export`"):
+        run_export(ExportConfig(**kw, output_dir=str(precious)))
+    assert (precious / "notes.txt").read_text() == "keep me"
+    for own in (folder, folder.parent):  # the draft being exported, and the folder holding it
+        with pytest.raises(ValueError, match="is not an earlier `deepspec export`"):
+            run_export(ExportConfig(**kw, output_dir=str(own)))
+    (tmp_path / "a-file").write_text("x")
+    for bad in (tmp_path / "a-file", tmp_path / "a-file" / "sub"):
+        with pytest.raises(ValueError, match="is a file"):
+            run_export(ExportConfig(**kw, output_dir=str(bad)))
+    monkeypatch.chdir(tmp_path)
+    for bad in ("", "."):
+        with pytest.raises(ValueError, match="expected a folder of its own"):
+            ExportConfig(**kw, output_dir=bad)
+    assert (tmp_path / "precious" / "notes.txt").exists() and folder.exists()
+
+
+def test_export_files_are_readable_by_the_serving_user(tmp_path):
+    import os
+
+    folder, _ = saved_draft(tmp_path, "eagle3", "llama")
+    umask = os.umask(0o022)
+    try:
+        out = run_export(ExportConfig(draft=str(folder), format="vllm-eagle3", output_dir=str(tmp_path / "e")))
+    finally:
+        os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {"config.json": 0o644,
+                                                                        "model.safetensors": 0o644}

@@ -59,7 +59,7 @@ def test_the_demo_recipe_is_what_the_demo_runs(tmp_path):
     [demo] table), so running the stages one by one with --recipe demo reproduces the demo."""
     for name in ("demo", "cpu"):
         recipe = load_recipe(name)
-        demo = DemoConfig(**recipe.settings("demo", DemoConfig), output_dir=str(tmp_path / name))
+        demo = DemoConfig(**{**recipe.settings("demo", DemoConfig), "output_dir": str(tmp_path / name)})
         prepared, cache = tmp_path / "prepared.jsonl", tmp_path / "cache"
         built = {
             "prepare": demo.prepare_config("src.jsonl", prepared, 5),
@@ -81,7 +81,7 @@ def test_qwen3_recipes_build_their_draft_from_config_json_alone(name, layers, hi
     """DESIGN s.1: the original's targets build and validate from config.json alone (the draft is
     built on the meta device: no weights are read or allocated)."""
     recipe = load_recipe(name)
-    assert recipe.settings("train", TrainConfig)["target"] == f"Qwen/Qwen3-{name.split('-')[1].upper()}"
+    assert "target" not in recipe.settings("train", TrainConfig)  # the user's local folder: --target
     target_config = AutoConfig.for_model(**json.loads((FIXTURES / f"{name}-config.json").read_text()))
     tokenizer = types.SimpleNamespace(pad_token_id=151643, eos_token_id=151645, bos_token_id=None)
     cfg = TrainConfig(**recipe.settings("train", TrainConfig), cache_dir="cache", output_dir="train")
@@ -103,16 +103,17 @@ def test_qwen3_recipes_build_their_draft_from_config_json_alone(name, layers, hi
 
 
 def _parse(argv):
-    from deepspec.cli import _recipe_from_argv
+    from deepspec.cli import _split_recipe
 
-    args = build_parser(stages=(argv[0],), recipe=_recipe_from_argv(argv)).parse_args(argv)
-    return dataclass_from_args(_config_class(argv[0]), args)
+    name, rest = _split_recipe(argv)
+    args = build_parser(stages=(rest[0],), recipe=load_recipe(name)).parse_args(rest)
+    return dataclass_from_args(_config_class(rest[0]), args)
 
 
 def test_recipe_flag_sets_defaults_and_flags_win():
     cfg = _parse(["train", "--recipe", "qwen3-4b", "--cache-dir", "c", "--output-dir", "o", "--lr", "3e-4"])
     assert (cfg.num_anchors, cfg.block_size, cfg.num_draft_layers, cfg.dtype) == (512, 7, 5, "bf16")
-    assert cfg.lr == 3e-4 and cfg.target == "Qwen/Qwen3-4B"
+    assert cfg.lr == 3e-4 and cfg.target is None
     cfg = _parse(["train", "--recipe=cpu", "--cache-dir", "c", "--output-dir", "o", "--num-anchors", "4"])
     assert (cfg.block_size, cfg.draft_vocab_size, cfg.num_anchors) == (3, 8192, 4)
     cfg = _parse(["demo", "--recipe", "cpu"])
@@ -138,6 +139,9 @@ def test_recipe_help_shows_the_recipe_values(capsys):
     ('[train\n', r"not valid TOML"),
     ('base = "r.toml"\n[train]\n', r"base chain loops \(r -> r\)"),
     ('base = "nope"\n', r"'nope' is neither a named recipe"),
+    ('[trian]\nlr = 1.0\n', r"tables \['trian'\] are not stages"),
+    ('[common]\ntargte = "x"\n[train]\n', r"\[common\]: \['targte'\] are not settings of any stage"),
+    ('[description]\ntext = "x"\n[train]\n', r"tables \['description'\] are not stages"),
 ])
 def test_bad_recipes_are_one_line_errors_naming_the_key(tmp_path, capsys, text, message):
     path = tmp_path / "r.toml"
@@ -158,3 +162,11 @@ def test_a_recipe_file_may_extend_a_named_recipe(tmp_path):
     path.write_text('base = "qwen3-4b"\n[common]\ntarget = "/models/my-qwen3"\n[train]\nlr = 1e-4\n')
     cfg = _parse(["train", "--recipe", str(path), "--cache-dir", "c", "--output-dir", "o"])
     assert (cfg.target, cfg.lr, cfg.num_anchors) == ("/models/my-qwen3", 1e-4, 512)
+
+
+def test_recipe_flag_may_stand_before_the_stage_and_needs_a_value(capsys):
+    with pytest.raises(SystemExit):
+        main(["--recipe", "demo", "train", "--help"])
+    assert "recipe demo: 3; default: 7" in " ".join(capsys.readouterr().out.split())
+    assert main(["train", "--recipe", "--output-dir", "x"]) == 2
+    assert "--recipe: expected a recipe name or a .toml file" in capsys.readouterr().err
