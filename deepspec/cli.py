@@ -85,6 +85,7 @@ def build_parser(stages: tuple[str, ...] | None = None, recipe: Recipe | None = 
         stage = sub.add_parser(name, help=help_text, description=description, allow_abbrev=False,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
         if stages is None or name in stages:
+            # listed for --help only: main() takes --recipe out of argv (it may stand anywhere) before parsing
             stage.add_argument("--recipe", metavar="NAME|FILE",
                                help=f"settings from a recipe: {', '.join(recipe_names())} (deepspec/recipes), or a "
                                     ".toml file; flags given beside it win")

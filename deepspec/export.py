@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from torch import nn
 
 from deepspec.algorithms.registry import load_draft
 from deepspec.eval.stage import draft_folder
@@ -161,16 +160,14 @@ def _dspark_config(c: Any, algorithm: str, markov_rank: int, confidence_with_mar
 # ----------------------------------------------------------------------------------------------- weights
 
 
-def _eagle3_weights(model: nn.Module, c: Any) -> dict[str, torch.Tensor]:
-    state = {k: v for k, v in model.state_dict().items() if not k.startswith("rotary_emb.")}
+def _eagle3_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {"fc.weight": state["fc.weight"], "norm.weight": state["norm.weight"]}
     out.update({"layers.0." + k[len("midlayer."):]: v for k, v in state.items() if k.startswith("midlayer.")})
     return out
 
 
-def _dspark_weights(model: nn.Module, c: Any, algorithm: str) -> tuple[dict[str, torch.Tensor], int, bool | None]:
+def _dspark_weights(state: dict[str, torch.Tensor], c: Any) -> tuple[dict[str, torch.Tensor], int, bool | None]:
     """(weights, markov rank, confidence head reads the Markov vector: True/False, or None without one)."""
-    state = {k: v for k, v in model.state_dict().items() if not k.startswith("rotary_emb.")}
     keep = ("fc.", "hidden_norm.", "norm.", "layers.", "markov_head.", "confidence_head.")
     out = {k: v for k, v in state.items() if k.startswith(keep)}
     if "markov_head.markov_w1.weight" in out:
@@ -251,6 +248,7 @@ def build_export(draft_path: str | Path, fmt: str, *, dtype: torch.dtype = torch
     folder = draft_folder(draft_path)
     algorithm, model = load_draft(folder)
     c = model.config
+    state = model.state_dict()
     if fmt == "vllm-dflash":
         if algorithm == "eagle3":
             raise ExportError("vllm-dflash: the draft is an eagle3 draft; use --format vllm-eagle3 or sglang-eagle3")
@@ -264,7 +262,7 @@ def build_export(draft_path: str | Path, fmt: str, *, dtype: torch.dtype = torch
             raise ExportError(f"{fmt}: the draft is a {algorithm} draft; EAGLE-3 formats take eagle3 drafts "
                               "(use --format vllm-dspark for dspark and dflash)")
         config = _eagle3_config(c, fmt)
-        weights = _eagle3_weights(model, c)
+        weights = _eagle3_weights(state)
         k = c.ttt_steps
         hint = (f"vllm serve TARGET --speculative-config '{{\"method\": \"eagle3\", \"model\": \"DIR\", "
                 f"\"num_speculative_tokens\": {k}}}'" if fmt == "vllm-eagle3" else
@@ -275,14 +273,13 @@ def build_export(draft_path: str | Path, fmt: str, *, dtype: torch.dtype = torch
         if algorithm not in ("dspark", "dflash"):
             raise ExportError(f"{fmt}: the draft is a {algorithm} draft; vllm-dspark takes dspark and dflash drafts "
                               "(use --format vllm-eagle3 or sglang-eagle3 for eagle3)")
-        weights, rank, confidence = _dspark_weights(model, c, algorithm)
+        weights, rank, confidence = _dspark_weights(state, c)
         config = _dspark_config(c, algorithm, rank, confidence)
         hint = (f"vllm serve TARGET --speculative-config '{{\"method\": \"dspark\", \"model\": \"DIR\", "
                 f"\"num_speculative_tokens\": {c.block_size}}}'")
-    d2t = getattr(model, "d2t", None)
     if c.draft_vocab_size is not None:
-        weights["lm_head.weight"] = model.state_dict()["lm_head.weight"]
-        weights["d2t"] = d2t_to_offsets(d2t)
+        weights["lm_head.weight"] = state["lm_head.weight"]
+        weights["d2t"] = d2t_to_offsets(model.d2t)
     weights = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu() for k, v in weights.items()}
     config["deepspec"] = _deepspec_record(algorithm, c, folder)
     check_export(fmt, config, weights)

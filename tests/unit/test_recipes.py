@@ -13,12 +13,11 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from deepspec.algorithms.dspark.config import draft_config_from_target
 from deepspec.algorithms.dspark.model import DSparkDraftModel
+from deepspec.algorithms.registry import get_algorithm
 from deepspec.cli import _config_class, build_parser, main
 from deepspec.config import dataclass_from_args
 from deepspec.demo import DemoConfig
-from deepspec.models.mask_token import choose_mask_token_id
 from deepspec.recipes import load_recipe, recipe_names
 from deepspec.train.loop import TrainConfig
 
@@ -86,12 +85,8 @@ def test_qwen3_recipes_build_their_draft_from_config_json_alone(name, layers, hi
     tokenizer = types.SimpleNamespace(pad_token_id=151643, eos_token_id=151645, bos_token_id=None)
     cfg = TrainConfig(**recipe.settings("train", TrainConfig), cache_dir="cache", output_dir="train")
     # the draft's config and module, as DSparkAlgorithm.build makes them, without the target's weights
-    mask_token_id = choose_mask_token_id(tokenizer, target_config.vocab_size, cfg.mask_token)
-    dc = draft_config_from_target(target_config, num_draft_layers=cfg.num_draft_layers,
-                                  target_layer_ids=cfg.target_layer_ids, mask_token_id=mask_token_id,
-                                  block_size=cfg.block_size, markov_rank=cfg.markov_rank,
-                                  markov_head_type=cfg.markov_head, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=tokenizer.eos_token_id)
+    dc = get_algorithm(cfg.algorithm).draft_config(target_config, target_config.vocab_size, tokenizer, cfg,
+                                                   cfg.target_layer_ids)
     with torch.device("meta"):
         draft = DSparkDraftModel(dc)
     assert (dc.num_draft_layers, dc.block_size, dc.mask_token_id, dc.markov_rank) == (5, 7, 151669, 256)

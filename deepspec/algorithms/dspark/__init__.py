@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepspec.algorithms.dspark.config import dflash_knobs, draft_config_from_target
+from deepspec.algorithms.dspark.config import DraftConfig, dflash_knobs, draft_config_from_target
 from deepspec.algorithms.dspark.loss import dspark_loss, supervision_weights
 from deepspec.algorithms.dspark.model import DSparkDraftModel
 from deepspec.algorithms.dspark.proposer import DSparkProposer
@@ -43,12 +43,13 @@ class DSparkAlgorithm:
         self.name = name
         self.heads = heads
 
-    def build(self, target_model, tokenizer, cfg, target_layer_ids, *, d2t=None):
-        mask_token_id = choose_mask_token_id(
-            tokenizer, target_model.get_input_embeddings().num_embeddings, cfg.mask_token
-        )
-        draft_config = draft_config_from_target(
-            target_model.config,
+    def draft_config(self, target_config, num_embeddings: int, tokenizer, cfg, target_layer_ids, *,
+                     draft_vocab_size: int | None = None) -> DraftConfig:
+        """The draft's config from the target's config alone (no weights: a recipe builds it on the meta
+        device); ``num_embeddings`` = rows of the target's input embedding (for the mask token)."""
+        mask_token_id = choose_mask_token_id(tokenizer, num_embeddings, cfg.mask_token)
+        return draft_config_from_target(
+            target_config,
             num_draft_layers=cfg.num_draft_layers,
             target_layer_ids=target_layer_ids,
             mask_token_id=mask_token_id,
@@ -57,10 +58,15 @@ class DSparkAlgorithm:
             markov_head_type=cfg.markov_head,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
-            draft_vocab_size=None if d2t is None else int(d2t.shape[0]),
+            draft_vocab_size=draft_vocab_size,
             # the algorithm's own knobs, then the loss settings given to train over them
             **{**({} if self.heads else dflash_knobs()), **cfg.loss_knobs()},
         )
+
+    def build(self, target_model, tokenizer, cfg, target_layer_ids, *, d2t=None):
+        draft_config = self.draft_config(target_model.config, target_model.get_input_embeddings().num_embeddings,
+                                         tokenizer, cfg, target_layer_ids,
+                                         draft_vocab_size=None if d2t is None else int(d2t.shape[0]))
         model = DSparkDraftModel.from_target(target_model, draft_config, d2t=d2t)
         if getattr(cfg, "init_from_target", False):
             init_layers_from_target(model, target_model, getattr(cfg, "init_from_target_layers", None))
