@@ -4,8 +4,9 @@ Measured side by side in one run (interleaved repetitions, medians), on the embe
 target's shapes with random target features (speed does not depend on their values):
 
 1. ``train``: one optimizer step (prepare, weight, loss, backward, AdamW as the training loop builds
-   it: fused) of every registered algorithm (``deepspec.algorithms.registry``) on the same batch, and the
-   DSpark step once more with the default per-tensor AdamW loop; tokens/s counts the batch's real
+   it: fused) of every registered algorithm (``deepspec.algorithms.registry``) on the same batch, the
+   DSpark step once more with the default per-tensor AdamW loop, and the Eagle3 step once more with its
+   TTT forward over every row instead of the sampled chains' rows only; tokens/s counts the batch's real
    (unpadded) tokens. Eagle3 unrolls ``ttt_steps`` forwards per step, DSpark/DFlash run one
    block-parallel forward over ``num_anchors`` blocks, so the figures price a step, not quality.
 2. ``attention``: DSpark's ``forward_train`` with the dense SDPA mask against the flex_attention
@@ -81,6 +82,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seq-len", type=int, default=384)
     p.add_argument("--num-anchors", type=int, default=16)
     p.add_argument("--markov-rank", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=7, help="draft slots per block (Eagle3: TTT steps)")
+    p.add_argument("--draft-vocab-size", type=int, default=0,
+                   help="a reduced draft vocabulary of N ids (drawn at random: speed does not depend on which); 0 = full")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--qwen3-4b", action="store_true", help="CUDA only: also time a Qwen3-4B-shaped DSpark draft")
@@ -99,8 +103,11 @@ def main(argv: list[str] | None = None) -> dict:
     generator = torch.Generator().manual_seed(0)
     batch = _batch(V, H, len(layer_ids), args.batch_size, args.seq_len, device, generator)
     num_tokens = int((batch.input_ids_BS != 0).sum())  # real tokens (padding is id 0 here)
+    d2t_size = args.draft_vocab_size or None
+    d2t = None if d2t_size is None else torch.randperm(V, generator=generator)[:d2t_size].sort().values
     cfg = lambda algorithm: TrainConfig(online_data="unused.jsonl", output_dir="unused", algorithm=algorithm,  # noqa: E731
                                         num_anchors=args.num_anchors, markov_rank=args.markov_rank,
+                                        block_size=args.block_size, draft_vocab_size=d2t_size,
                                         batch_size=args.batch_size)
 
     steps = {}
@@ -108,15 +115,22 @@ def main(argv: list[str] | None = None) -> dict:
         algo = get_algorithm(name)
         c = cfg(name)
         torch.manual_seed(0)
-        model = algo.build(target, tokenizer, c, layer_ids).to(device)
+        model = algo.build(target, tokenizer, c, layer_ids, d2t=d2t).to(device)
         model.train()
         steps[name] = _step_fn(algo, model, batch, c, device)
         steps[name]()  # warm-up
     # the same DSpark step with the default per-tensor AdamW loop instead of the fused kernel
     torch.manual_seed(0)
-    model = get_algorithm("dspark").build(target, tokenizer, cfg("dspark"), layer_ids).to(device).train()
+    model = get_algorithm("dspark").build(target, tokenizer, cfg("dspark"), layer_ids, d2t=d2t).to(device).train()
     steps[UNFUSED] = _step_fn(get_algorithm("dspark"), model, batch, cfg("dspark"), device, fused=False)
     steps[UNFUSED]()
+    # the same Eagle3 step (same sampled chains, same loss) with the TTT forward over every row
+    torch.manual_seed(0)
+    model = get_algorithm("eagle3").build(target, tokenizer, cfg("eagle3"), layer_ids, d2t=d2t).to(device).train()
+    every_row = type(model).forward_train
+    model.forward_train = lambda ids, feats, steps=None, rows_BS=None: every_row(model, ids, feats, steps)
+    steps[EAGLE3_ALL_ROWS] = _step_fn(get_algorithm("eagle3"), model, batch, cfg("eagle3"), device)
+    steps[EAGLE3_ALL_ROWS]()
     times = {name: [] for name in steps}
     for _ in range(args.repeats):
         for name, step in steps.items():
@@ -127,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     # dense vs flex forward (DSpark), same inputs
     algo = get_algorithm("dspark")
     torch.manual_seed(0)
-    model = algo.build(target, tokenizer, cfg("dspark"), layer_ids).to(device).eval()
+    model = algo.build(target, tokenizer, cfg("dspark"), layer_ids, d2t=d2t).to(device).eval()
     prepared = algo.prepare(model, batch, torch.Generator().manual_seed(0), cfg("dspark"))
     attention: dict[str, list[float]] = {"dense": [], "flex": []}
 
@@ -162,9 +176,9 @@ def main(argv: list[str] | None = None) -> dict:
     _plot(result, out / "train_bench.png")
     print(f"{args.target} on {device}, {torch.get_num_threads()} threads; batch {args.batch_size} x {args.seq_len} "
           f"({num_tokens} real tokens), {args.num_anchors} anchors")
-    print(f"{'algorithm':<24}{'step s':>10}{'tok/s':>10}")
+    print(f"{'algorithm':<28}{'step s':>10}{'tok/s':>10}")
     for name, r in train.items():
-        print(f"{name:<24}{r['median_step_s']:>10.3f}{r['tok_per_s']:>10.1f}")
+        print(f"{name:<28}{r['median_step_s']:>10.3f}{r['tok_per_s']:>10.1f}")
     print(f"DSpark forward: dense {attention_median['dense']:.3f} s, flex {attention_median['flex']:.3f} s "
           f"(flex / dense {attention_median['flex'] / attention_median['dense']:.2f})")
     if qwen is not None:
@@ -174,6 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 UNFUSED = "dspark, unfused AdamW"
+EAGLE3_ALL_ROWS = "eagle3, TTT over every row"
 
 QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,

@@ -7,7 +7,7 @@
   deepspec export    a trained draft in a serving engine's layout     -> folder (vLLM, SGLang)
   deepspec demo      all of the above on the embedded default target
   deepspec estimate  target cache size per storage mode               -> a table
-  deepspec serve     the target behind an OpenAI-compatible HTTP API  -> a local server
+  deepspec serve     the target (+ --draft) over an OpenAI-compatible API -> a local server
 
 Drafting algorithms (deepspec train --algorithm): dspark (DSpark, the default), dflash (DFlash:
 DSpark's drafter without its heads), eagle3 (Eagle3).
@@ -41,7 +41,7 @@ _STAGES = {
     "estimate": ("deepspec.data.estimate", "EstimateConfig",
                  "target cache size per storage mode for a target config and dataset size"),
     "serve": ("deepspec.data.openai_server", "ServeConfig",
-              "serve the target over an OpenAI-compatible HTTP API (tests, CPU use)"),
+              "serve the target over an OpenAI-compatible HTTP API; speculative with --draft"),
 }
 
 

@@ -1,8 +1,11 @@
-"""A small OpenAI-compatible HTTP server over the local backend (``deepspec serve``).
+"""A small OpenAI-compatible HTTP server over the target (``deepspec serve``), speculative with ``--draft``.
 
-It exists to test :class:`deepspec.data.backends.OpenAIBackend` against real HTTP and to let a
-user point ``deepspec prepare --backend openai`` at a CPU target; production runs use vLLM or
-SGLang. Endpoints:
+``deepspec serve`` decodes every request through the speculative engine
+(:class:`deepspec.eval.serving.EngineDecoder`): with ``--draft`` (a ``deepspec train`` run) the
+draft proposes and the target verifies, losslessly; without it the same engine decodes target-only.
+The server object without a decoder answers through the local backend (Hugging Face ``generate``);
+the tests of :class:`deepspec.data.backends.OpenAIBackend` use it that way, with fault injection.
+Production serving uses vLLM or SGLang (``deepspec export``). Endpoints:
 
 - ``GET /v1/models``: one model, named by ``model_name``.
 - ``POST /v1/chat/completions``: ``messages``, ``max_tokens`` (or ``max_completion_tokens``),
@@ -15,9 +18,17 @@ SGLang. Endpoints:
   neutral values (0, 1, 0, 0) and refused (400) otherwise, never ignored. Generation stops on the
   one stop rule (:func:`deepspec.data.chat.target_stop_token_ids`). Answers with ``finish_reason``
   ``"length"`` when ``max_tokens`` cut the answer, else ``"stop"`` (``stop_reason``: the stop
-  token id, null for the tokenizer's eos, as vLLM), and ``usage.completion_tokens``. ``n > 1`` and
-  streaming are refused (400). A ``model`` other than ``model_name`` is refused with 404 ``"The
-  model `X` does not exist."``, as vLLM does (a missing ``model`` is refused with 400).
+  token id, null for the tokenizer's eos, as vLLM), and ``usage.completion_tokens``. ``n > 1`` is
+  refused (400). A ``model`` other than ``model_name`` is refused with 404 ``"The model `X` does
+  not exist."``, as vLLM does (a missing ``model`` is refused with 400); a prompt that does not fit
+  the target's positions is refused with 400.
+- With a decoder: ``stream: true`` answers as server-sent events in OpenAI's chunk format (a role
+  chunk, content chunks as the engine commits tokens, a last chunk with ``finish_reason``, a usage
+  chunk when ``stream_options.include_usage``, then ``data: [DONE]``); and every answer carries the
+  request's acceptance figures under ``deepspec``: ``draft``, ``num_speculative_tokens``,
+  ``num_verify_steps``, ``num_draft_tokens`` (proposed), ``num_accepted_tokens``, ``tau`` (mean over
+  verify steps of accepted + 1) and ``tok_per_s`` (in the last chunk when streamed). Without one,
+  streaming is refused (400).
 
 Requests are served one at a time through the model (a lock; ``ThreadingHTTPServer`` accepts
 connections concurrently). Test-only fault injection is set through the constructor, never through
@@ -39,6 +50,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from deepspec.data.backends import GenerationParams, LocalBackend
+from deepspec.data.chat import render_prompt
+from deepspec.device import check_dtype_name
+from deepspec.eval.few_row_linear import check_few_row_mode
+from deepspec.eval.serving import EngineDecoder
+from deepspec.eval.stage import draft_folder
 from deepspec.target import load  # called as load.load_target, where tests stub it
 from deepspec.target.decoding import NEUTRAL_SETTINGS, SamplingParams
 
@@ -65,8 +81,10 @@ class OpenAICompatServer:
     def __init__(self, model: Any, tokenizer: Any, *, host: str = "127.0.0.1", port: int = 0,
                  model_name: str = "deepspec-target", fail_first: int = 0,
                  delay_s: tuple[float, float] = (0.0, 0.0), delay_seed: int = 0,
-                 hold: threading.Event | None = None, hold_after: int = 0, token_ids: bool = True) -> None:
+                 hold: threading.Event | None = None, hold_after: int = 0, token_ids: bool = True,
+                 decoder: EngineDecoder | None = None) -> None:
         self.backend = LocalBackend(model, tokenizer, batch_size=1)
+        self.decoder = decoder
         self.token_ids = token_ids
         self.model_name = model_name
         self.fail_first, self.delay_s, self.hold, self.hold_after = fail_first, delay_s, hold, hold_after
@@ -105,7 +123,9 @@ class OpenAICompatServer:
             self._thread.join(timeout=10)
 
     # ----------------------------------------------------------------------------------- handling
-    def _chat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def _chat(self, body: dict[str, Any], stream: "_EventStream | None" = None) -> tuple[int, dict[str, Any]] | None:
+        """Answer one chat-completions request: ``(status, payload)``, or None when the answer was streamed
+        to ``stream`` (a request with ``stream: true`` served by :attr:`decoder`)."""
         with self._count_lock:
             self.num_chat_requests += 1
             number = self.num_chat_requests
@@ -129,12 +149,19 @@ class OpenAICompatServer:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return 400, {"error": {"message": "messages: expected a non-empty list", "type": "invalid_request_error"}}
-        if body.get("stream") or int(body.get("n", 1) or 1) != 1:
-            return 400, {"error": {"message": "stream and n > 1 are not supported", "type": "invalid_request_error"}}
+        if int(body.get("n", 1) or 1) != 1:
+            return 400, {"error": {"message": "n > 1 is not supported (one choice per request)",
+                                   "type": "invalid_request_error"}}
+        if body.get("stream") and self.decoder is None:
+            return 400, {"error": {"message": "stream is supported by `deepspec serve` (the engine's decoder) only",
+                                   "type": "invalid_request_error"}}
         try:
             generation, stop_ids = _request_generation(body)
         except ValueError as exc:
             return 400, {"error": {"message": str(exc), "type": "invalid_request_error"}}
+        if self.decoder is not None:
+            return self._engine_chat(body, number, messages, generation, stop_ids,
+                                     stream if body.get("stream") else None)
         try:
             with self._lock:
                 result, prompt = self.backend.answer_one(messages, generation, body.get("chat_template_kwargs"),
@@ -142,19 +169,105 @@ class OpenAICompatServer:
                 self.prompts.append(prompt)
         except Exception as exc:  # template errors etc. are the client's problem: 400 with the reason
             return 400, {"error": {"message": f"{type(exc).__name__}: {exc}", "type": "invalid_request_error"}}
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                                  "finish_reason": "length" if result.cut else "stop", "logprobs": None,
-                                  "stop_reason": None}
-        if not result.cut and result.token_ids and result.token_ids[-1] != self.backend.tokenizer.eos_token_id:
-            choice["stop_reason"] = result.token_ids[-1]
+        return 200, self._completion(body, number, prompt, result.text, result.token_ids or [], result.cut)
+
+    def _stop_reason(self, token_ids: list[int], cut: bool) -> int | None:
+        """vLLM's ``stop_reason``: the stop token id, None for the tokenizer's eos or a cut answer."""
+        if not cut and token_ids and token_ids[-1] != self.backend.tokenizer.eos_token_id:
+            return token_ids[-1]
+        return None
+
+    def _completion(self, body: dict[str, Any], number: int, prompt: list[int], text: str, token_ids: list[int],
+                    cut: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                  "finish_reason": "length" if cut else "stop", "logprobs": None,
+                                  "stop_reason": self._stop_reason(token_ids, cut)}
         if body.get("return_token_ids") and self.token_ids:
-            choice["token_ids"] = result.token_ids
-        return 200, {
+            choice["token_ids"] = token_ids
+        return {
             "id": f"chatcmpl-{number}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.model_name, "choices": [choice],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": result.num_tokens,
-                      "total_tokens": len(prompt) + result.num_tokens},
+            "model": self.model_name, "choices": [choice], "usage": _usage(prompt, token_ids),
         }
+
+    def _engine_chat(self, body: dict[str, Any], number: int, messages: list, generation: GenerationParams,
+                     stop_ids: list[int], stream: "_EventStream | None") -> tuple[int, dict[str, Any]] | None:
+        """A request decoded by :attr:`decoder` (speculatively with a draft). Non-streamed: ``(status,
+        payload)``; streamed (``stream`` given): the events are written to ``stream`` and None returned.
+        Both carry the request's acceptance figures under ``deepspec`` (:class:`ServeResult`)."""
+        tokenizer = self.backend.tokenizer
+        try:
+            prompt = render_prompt(tokenizer, messages, chat_template_kwargs=body.get("chat_template_kwargs"))
+        except Exception as exc:  # template errors are the client's problem: 400 with the reason
+            return 400, {"error": {"message": f"{type(exc).__name__}: {exc}", "type": "invalid_request_error"}}
+        limit = int(self.decoder.target_model.config.max_position_embeddings)
+        if len(prompt) >= limit:
+            return 400, {"error": {"message": f"the prompt has {len(prompt)} tokens; the target's context holds "
+                                              f"{limit} positions: shorten the conversation",
+                                   "type": "invalid_request_error"}}
+        stop_set = set(self.decoder.stop_token_ids) | set(stop_ids)
+
+        def decode(on_tokens=None):
+            return self.decoder.generate(prompt, max_new_tokens=generation.max_new_tokens,
+                                         sampling=generation.sampling, seed=generation.seed,
+                                         extra_stop_token_ids=stop_ids, on_tokens=on_tokens)
+
+        def answer_text(ids: list[int]) -> str:  # as the local backend: the stop token is not text
+            return tokenizer.decode(ids[:-1] if ids and ids[-1] in stop_set else ids, skip_special_tokens=True)
+
+        def acceptance(result) -> dict[str, Any]:
+            return {"draft": self.decoder.draft_name, "num_speculative_tokens": self.decoder.num_draft_tokens,
+                    **result.acceptance()}
+
+        if stream is None:
+            with self._lock:
+                result = decode()
+                self.prompts.append(prompt)
+            cut = result.finish_reason == "length"
+            payload = self._completion(body, number, prompt, answer_text(result.output_ids), result.output_ids, cut)
+            payload["deepspec"] = acceptance(result)
+            return 200, payload
+
+        options = body.get("stream_options") or {}
+        head = {"id": f"chatcmpl-{number}", "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": self.model_name}
+
+        def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+            return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+                                         **extra}]}
+
+        ids: list[int] = []
+        sent = ""
+
+        def send_text(final: bool) -> None:
+            # the text of the ids so far, less what was sent; held back while it ends in an incomplete
+            # character (a byte-level token can split one), or if decoding more ids rewrote earlier text
+            nonlocal sent
+            text = answer_text(ids)
+            if text.startswith(sent) and len(text) > len(sent) and (final or not text.endswith("\ufffd")):
+                stream.send(chunk({"content": text[len(sent):]}))
+                sent = text
+
+        def on_tokens(new: list[int]) -> None:
+            ids.extend(new)
+            send_text(final=False)
+
+        with self._lock:
+            stream.start()
+            stream.send(chunk({"role": "assistant", "content": ""}))
+            result = decode(on_tokens)
+            self.prompts.append(prompt)
+            send_text(final=True)
+            cut = result.finish_reason == "length"
+            extra = {"stop_reason": self._stop_reason(result.output_ids, cut)}
+            if body.get("return_token_ids") and self.token_ids:
+                extra["token_ids"] = result.output_ids
+            last = chunk({}, result.finish_reason, **extra)
+            last["deepspec"] = acceptance(result)
+            stream.send(last)
+            if options.get("include_usage"):
+                stream.send({**head, "choices": [], "usage": _usage(prompt, result.output_ids)})
+            stream.done()
+        return None
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         server = self
@@ -193,9 +306,41 @@ class OpenAICompatServer:
                     self._send(400, {"error": {"message": "body: expected a JSON object",
                                                "type": "invalid_request_error"}})
                     return
-                self._send(*server._chat(body))
+                answer = server._chat(body, _EventStream(self))
+                if answer is not None:
+                    self._send(*answer)
 
         return Handler
+
+
+class _EventStream:
+    """Server-sent events on one HTTP response (OpenAI's streaming format): ``data: <json>`` lines, then
+    ``data: [DONE]``; the connection closes after it (no Content-Length)."""
+
+    def __init__(self, handler: BaseHTTPRequestHandler) -> None:
+        self.handler = handler
+
+    def start(self) -> None:
+        h = self.handler
+        h.send_response(200)
+        h.send_header("Content-Type", "text/event-stream")
+        h.send_header("Cache-Control", "no-cache")
+        h.send_header("Connection", "close")
+        h.end_headers()
+        h.close_connection = True
+
+    def send(self, event: dict[str, Any]) -> None:
+        self.handler.wfile.write(b"data: " + json.dumps(event).encode("utf-8") + b"\n\n")
+        self.handler.wfile.flush()
+
+    def done(self) -> None:
+        self.handler.wfile.write(b"data: [DONE]\n\n")
+        self.handler.wfile.flush()
+
+
+def _usage(prompt: list[int], token_ids: list[int]) -> dict[str, int]:
+    return {"prompt_tokens": len(prompt), "completion_tokens": len(token_ids),
+            "total_tokens": len(prompt) + len(token_ids)}
 
 
 def _request_generation(body: dict[str, Any]) -> tuple[GenerationParams, list[int]]:
@@ -224,12 +369,27 @@ class ServeConfig:
     host: str = "127.0.0.1"  # interface to listen on (0.0.0.0: every interface)
     port: int = 8000  # TCP port
     model_name: str = ""  # served model name; "" = the target spec
+    # speculative decoding: a trained draft (a `deepspec train` run folder, a checkpoint or a draft folder);
+    # "" = target-only decoding through the same engine
+    draft: str = ""
+    num_draft_tokens: int | None = None  # tokens proposed per step at most (vLLM's num_speculative_tokens); none = K
+    # target and draft dtype: auto (bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else float32) | float32 | bfloat16
+    dtype: str = "auto"
+    few_row_linear: str = "auto"  # verify forwards' few-row linear path (deepspec.eval.few_row_linear): auto | on | off
+    allow_target_mismatch: bool = False  # serve a draft whose recorded target fingerprint differs (same shape)
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"ServeConfig.port={self.port!r}: expected an integer in [0, 65535] (0 = any free port).")
         if not self.host:
             raise ValueError("ServeConfig.host: expected a host name or address, e.g. 127.0.0.1.")
+        self.dtype = check_dtype_name(self.dtype, "serve.dtype")
+        self.few_row_linear = check_few_row_mode(self.few_row_linear, "serve.few_row_linear")
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
+            raise ValueError(f"serve.num_draft_tokens: expected an integer >= 1 or none (the draft's K), "
+                             f"got {self.num_draft_tokens}")
+        if self.num_draft_tokens is not None and not self.draft:
+            raise ValueError("serve.num_draft_tokens: set with no --draft; give the draft to speculate with, or drop it")
 
 
 def _port_unavailable(host: str, port: int, exc: OSError) -> ValueError:
@@ -256,15 +416,22 @@ def run_serve_stage(cfg: ServeConfig, *, target_model: Any = None, tokenizer: An
     Raises ValueError when ``cfg.host:cfg.port`` cannot be listened on (checked before the target
     loads, and again when the server binds), and what target loading raises."""
     check_listenable(cfg.host, cfg.port)
+    if cfg.draft:
+        draft_folder(cfg.draft)  # a wrong --draft fails before the target loads
     if target_model is None or tokenizer is None:
         target_model, tokenizer = load.load_target(cfg.target)
+    decoder = EngineDecoder(target_model, tokenizer, draft=cfg.draft or None, num_draft_tokens=cfg.num_draft_tokens,
+                            dtype=cfg.dtype, few_row_linear=cfg.few_row_linear,
+                            allow_target_mismatch=cfg.allow_target_mismatch)
     try:
-        server = OpenAICompatServer(target_model, tokenizer, host=cfg.host, port=cfg.port,
-                                    model_name=cfg.model_name or cfg.target)
+        server = OpenAICompatServer(decoder.target_model, tokenizer, host=cfg.host, port=cfg.port,
+                                    model_name=cfg.model_name or cfg.target, decoder=decoder)
     except OSError as exc:  # taken between the check and now
         raise _port_unavailable(cfg.host, cfg.port, exc) from None
-    print(f"serve: {server.model_name!r} at {server.base_url} (POST /chat/completions, GET /models); Ctrl-C stops",
-          flush=True)
+    mode = (f"speculative, draft {decoder.draft_name}, up to {decoder.num_draft_tokens} tokens per step"
+            if decoder.draft_name else "target-only")
+    print(f"serve: {server.model_name!r} at {server.base_url} (POST /chat/completions, GET /models; {mode}; "
+          f"{str(decoder.dtype).removeprefix('torch.')}); Ctrl-C stops", flush=True)
     try:
         server.serve_forever()
     finally:

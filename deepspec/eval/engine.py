@@ -213,6 +213,7 @@ class SpeculativeEngine:
         max_new_tokens: int,
         sampling: SamplingParams | None = None,
         generator: torch.Generator | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerationResult:
         """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` (see the module docstring).
 
@@ -222,6 +223,10 @@ class SpeculativeEngine:
             sampling: greedy when None (or temperature 0); else temperature / top-k / top-p sampling.
             generator: drives every random draw at T > 0 (first token, proposer, verify); None uses
                 the global RNG. Unused when greedy.
+            on_tokens: called with the output tokens each step commits (the first token, then every
+                step's committed tokens, cut at ``max_new_tokens``), in order, outside the step
+                timings: a streaming server sends them as they come. Their concatenation is
+                ``output_ids``.
 
         Returns a :class:`GenerationResult`. Raises ValueError for an empty prompt,
         ``max_new_tokens < 1``, a ``sampling`` that is not a SamplingParams or a prompt that does not
@@ -232,7 +237,8 @@ class SpeculativeEngine:
         kernels = (few_row_linear(self.target_model, *([draft] if isinstance(draft, torch.nn.Module) else []))
                    if self.few_row_linear else contextlib.nullcontext())
         with kernels:
-            return self._decode(prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, generator=generator)
+            return self._decode(prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, generator=generator,
+                                on_tokens=on_tokens)
 
     @torch.inference_mode()
     def _decode(
@@ -242,6 +248,7 @@ class SpeculativeEngine:
         max_new_tokens: int,
         sampling: SamplingParams | None,
         generator: torch.Generator | None,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerationResult:
         from transformers import DynamicCache
 
@@ -261,6 +268,15 @@ class SpeculativeEngine:
         proposer, can_propose, uses_features, sync = self.proposer, self.can_propose, self.uses_features, self._sync
         proposer.reset()
         result = GenerationResult(prompt_len=len(prompt_ids), output_ids=[])
+        num_emitted = 0
+
+        def emit() -> None:  # hand on_tokens what was committed since its last call, within max_new_tokens
+            nonlocal num_emitted
+            new = result.output_ids[num_emitted:max_new_tokens]
+            if on_tokens is not None and new:
+                on_tokens(new)
+            num_emitted += len(new)
+
         sync()
         t0 = time.perf_counter()
 
@@ -281,6 +297,7 @@ class SpeculativeEngine:
         result.output_ids.append(anchor)
         sync()
         result.ttft_s = time.perf_counter() - t0
+        emit()
 
         stop = "eos" if anchor in self.eos_token_ids else ""
         while not stop:
@@ -336,6 +353,7 @@ class SpeculativeEngine:
                     confidence=conf,
                 )
             )
+            emit()
             if res.hit_eos:
                 stop = "eos"
 

@@ -148,6 +148,38 @@ def test_training_forward_matches_inference_chain(target):
             assert torch.allclose(h, outs[k][0, t], atol=1e-5), (t, k)
 
 
+def test_chain_rows_forward_equals_the_all_rows_forward(target):
+    """forward_train(rows_BS=...) computes only the sampled chains' rows; their states at every step, the
+    loss and the gradients equal the all-rows forward's (two sequences of different lengths and chain
+    counts, chains near the end included); the other rows are 0."""
+    d = make_draft(target, steps=4)
+    (ids1, lm1, f1, l1), (ids2, lm2, f2, l2) = sample(target, S=20), sample(target, S=20, seed=5)
+    ids, lm, feats, last = (torch.cat(x) for x in ((ids1, ids2), (lm1, lm2), (f1, f2), (l1, l2)))
+    lm[1, 15:] = 0  # a shorter second sequence
+    rows = torch.zeros(2, 20, dtype=torch.bool)
+    rows[0, [4, 9, 16, 17]] = True
+    rows[1, [6, 13]] = True
+    with torch.no_grad():
+        dense, sparse = d.forward_train(ids, feats), d.forward_train(ids, feats, rows_BS=rows)
+    for k in range(4):
+        assert torch.allclose(sparse[k][rows], dense[k][rows], atol=1e-5), k
+        assert torch.count_nonzero(sparse[k][~rows]) == 0
+    grads = []
+    for use_rows in (False, True):
+        d.zero_grad(set_to_none=True)
+        if not use_rows:  # the loss with the all-rows forward under the same chain supervision
+            d.forward_train = lambda ids_, f_, steps=None, rows_BS=None: Eagle3DraftModel.forward_train(d, ids_, f_)
+        out = eagle3_loss(d, ids, lm, feats, last, rows_BS=rows)
+        vars(d).pop("forward_train", None)
+        out.loss.backward()
+        grads.append((out.loss.detach(), {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}))
+    (loss_all, g_all), (loss_rows, g_rows) = grads
+    assert torch.allclose(loss_all, loss_rows, atol=1e-6)
+    assert g_all.keys() == g_rows.keys() and "fc.weight" in g_all
+    for name in g_all:
+        assert torch.allclose(g_all[name], g_rows[name], atol=1e-5), name
+
+
 def test_save_load_round_trip_and_registry(target, tmp_path):
     d = make_draft(target, steps=3)
     with torch.no_grad():

@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from deepspec.cli import main
+from deepspec.eval.vllm_server import VllmServer
 from deepspec.target.load import ensure_embedded_target
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -37,71 +33,8 @@ VLLM_PYTHON = os.environ.get("DEEPSPEC_VLLM_PYTHON")
 MAX_TOKENS = 48
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class VllmServer:
-    """``vllm serve`` of ``model`` in a subprocess (float32, one sequence at a time), stopped on exit."""
-
-    def __init__(self, model: Path, log: Path, speculative_config: dict | None = None):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [VLLM_PYTHON, str(HERE / "vllm_cli.py"), "serve", str(model), "--host", "127.0.0.1",
-               "--port", str(self.port), "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "1",
-               "--served-model-name", "target", "--seed", "0"]
-        if speculative_config:
-            cmd += ["--speculative-config", json.dumps(speculative_config)]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "INFO"}
-        self.log = log
-        self._log_file = open(log, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self, timeout_s: float = 900.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=5):
-                    return
-            except OSError:
-                time.sleep(2)
-        pytest.fail(f"vllm serve was not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 40) -> str:
-        self._log_file.flush()
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-    def chat(self, prompt: str) -> str:
-        body = json.dumps({"model": "target", "messages": [{"role": "user", "content": prompt}],
-                           "max_tokens": MAX_TOKENS, "temperature": 0.0, "seed": 0}).encode()
-        request = urllib.request.Request(self.url + "/v1/chat/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=600) as response:
-            return json.loads(response.read())["choices"][0]["message"]["content"]
-
-    def counter(self, name: str) -> float:
-        """The sum of a Prometheus counter over its labels (``vllm:NAME_total``) from ``/metrics``."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as response:
-            text = response.read().decode()
-        values = re.findall(rf"^vllm:{name}_total(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, flags=re.M)
-        assert values, f"vLLM's /metrics has no vllm:{name}_total"
-        return sum(float(v) for v in values)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log_file.close()
+def _chat(server: VllmServer, prompt: str) -> str:
+    return server.chat([{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS)["choices"][0]["message"]["content"]
 
 
 @pytest.mark.skipif(not VLLM_PYTHON, reason="DEEPSPEC_VLLM_PYTHON is not set (make test builds .venv-vllm)")
@@ -120,9 +53,9 @@ def test_vllm_prepare_and_an_exported_eagle3_draft(tmp_path):
     prepare = ["prepare", "--input", str(PREPARED), "--max-new-tokens", "128", "--max-prompt-tokens", "256",
                "--max-turns", "1"]
     assert main([*prepare, "--output", str(tmp_path / "local.jsonl")]) == 0
-    with VllmServer(target_dir, tmp_path / "vllm-target.log") as server:
+    with VllmServer(VLLM_PYTHON, target_dir, tmp_path / "vllm-target.log") as server:
         server.wait_ready()
-        plain = [server.chat(p) for p in prompts]
+        plain = [_chat(server, p) for p in prompts]
         assert main([*prepare, "--output", str(tmp_path / "served.jsonl"), "--backend", "openai",
                      "--base-urls", server.url + "/v1"]) == 0
     # prepare through vLLM regenerates exactly what the local backend does: text and token ids
@@ -132,9 +65,9 @@ def test_vllm_prepare_and_an_exported_eagle3_draft(tmp_path):
     assert [r["generated_ids"] for r in served] == [r["generated_ids"] for r in local]
     assert all(ids is not None for r in served for ids in r["generated_ids"][1::2])  # vLLM returned the ids
     speculative = {"method": "eagle3", "model": str(exported), "num_speculative_tokens": 3}
-    with VllmServer(target_dir, tmp_path / "vllm-eagle3.log", speculative) as server:
+    with VllmServer(VLLM_PYTHON, target_dir, tmp_path / "vllm-eagle3.log", speculative) as server:
         server.wait_ready()
-        drafted = [server.chat(p) for p in prompts]
+        drafted = [_chat(server, p) for p in prompts]
         drafts = server.counter("spec_decode_num_drafts")
         accepted = server.counter("spec_decode_num_accepted_tokens")
     mean_acceptance_length = 1 + accepted / max(drafts, 1)

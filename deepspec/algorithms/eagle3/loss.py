@@ -115,7 +115,8 @@ def eagle3_loss(model: Eagle3DraftModel, input_ids_BS: Tensor, loss_mask_BS: Ten
     dev = model.fc.weight.device
 
     with autocast if autocast is not None else contextlib.nullcontext():
-        outs = model.forward_train(input_ids_BS.to(dev), target_hidden_BSF.to(dev))
+        outs = model.forward_train(input_ids_BS.to(dev), target_hidden_BSF.to(dev),
+                                   rows_BS=None if rows_BS is None else rows_BS.to(dev))
     valid_KBS, w_KBS = ttt_supervision(loss_mask_BS.to(dev), K, c.step_decay, rows_BS)
     local_ws = w_KBS.sum()
     norm = local_ws if weight_sum is None else torch.as_tensor(weight_sum, dtype=torch.float32, device=dev)

@@ -1,0 +1,133 @@
+"""The decoding behind ``deepspec serve``: the speculative engine (:mod:`deepspec.eval.engine`) for one
+request at a time, with a trained draft (``--draft``) or without one (target-only, the same code).
+
+:class:`EngineDecoder` loads and checks the draft exactly as ``deepspec eval`` does (a training run
+folder, a checkpoint or a draft folder; a draft made for another target is refused), casts target and
+draft to the decoding dtype (``auto``: :mod:`deepspec.device`) and decodes each request through a
+fresh :class:`~deepspec.eval.engine.SpeculativeEngine` whose stop set is the one stop rule
+(:func:`deepspec.data.chat.target_stop_token_ids`) plus the request's ``stop_token_ids``. Greedy
+requests give the target's own greedy answer (lossless, DESIGN s.6); sampled ones follow the target's
+distribution (rejection sampling), seeded by the request's ``seed``.
+
+Per-request acceptance (:class:`ServeResult`): verify steps, drafts proposed and accepted, and
+``tau`` = mean over verify steps of (accepted drafts + 1), the metric ``deepspec eval`` reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepspec.algorithms.protocol import NullProposer, cap_proposal_len
+from deepspec.algorithms.registry import algorithm_for_model, load_draft
+from deepspec.data.chat import target_stop_token_ids
+from deepspec.device import cast_for_decoding, resolve_dtype
+from deepspec.eval.engine import SpeculativeEngine
+from deepspec.eval.few_row_linear import few_row_linear_applies
+from deepspec.eval.stage import draft_folder
+from deepspec.target.decoding import SamplingParams
+from deepspec.target.load import target_fingerprint
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeResult:
+    """One answered request. ``output_ids``: the generated ids (prompt excluded), ending with the stop
+    token when one was produced; ``finish_reason``: ``"stop"`` (a stop token) or ``"length"``
+    (``max_tokens`` or the target's position limit cut the answer). Counts are over the request's verify
+    steps (none for a one-token answer); ``tau`` is None when there was no verify step."""
+
+    output_ids: list[int]
+    finish_reason: str
+    num_verify_steps: int
+    num_draft_tokens: int  # drafts proposed, summed over the verify steps
+    num_accepted_tokens: int  # drafts accepted, summed over the verify steps
+    time_s: float
+
+    @property
+    def tau(self) -> float | None:
+        """Acceptance length: mean over verify steps of (accepted drafts + 1); 1.0 for target-only."""
+        if not self.num_verify_steps:
+            return None
+        return (self.num_accepted_tokens + self.num_verify_steps) / self.num_verify_steps
+
+    def acceptance(self) -> dict[str, Any]:
+        """The per-request acceptance figures a response reports."""
+        return {"num_verify_steps": self.num_verify_steps, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens, "tau": self.tau,
+                "tok_per_s": len(self.output_ids) / self.time_s if self.time_s > 0 else None}
+
+
+class EngineDecoder:
+    """Target (+ optional draft) ready to decode requests one at a time.
+
+    Args:
+        target_model, tokenizer: the loaded target (any dtype; a cast copy decodes when ``dtype`` differs).
+        draft: a training run folder, checkpoint or draft folder (``deepspec train``'s output); None or
+            "" = target-only.
+        num_draft_tokens: cap on the tokens proposed per step (vLLM's ``num_speculative_tokens``); None
+            = the draft's own block size.
+        dtype: ``auto`` | ``float32`` | ``bfloat16`` (aliases fp32, bf16) for target and draft.
+        few_row_linear: ``auto`` | ``on`` | ``off`` (:mod:`deepspec.eval.few_row_linear`).
+        allow_target_mismatch: accept a draft whose recorded target fingerprint differs (same shape).
+
+    Raises:
+        FileNotFoundError: no draft at ``draft``.
+        ValueError: a bad dtype name, ``num_draft_tokens < 1``, or a draft made for another target.
+    """
+
+    def __init__(self, target_model: Any, tokenizer: Any, *, draft: str | Path | None = None,
+                 num_draft_tokens: int | None = None, dtype: str = "auto", few_row_linear: str = "auto",
+                 allow_target_mismatch: bool = False) -> None:
+        device = next(target_model.parameters()).device
+        decode_dtype = resolve_dtype(dtype, device)
+        folder = draft_folder(draft) if draft else None  # a wrong path fails before any work
+        fingerprint = target_fingerprint(target_model) if folder is not None else None
+        self.target_model = cast_for_decoding(target_model, decode_dtype).eval()
+        self.tokenizer = tokenizer
+        self.dtype = decode_dtype
+        self.draft_name = None
+        if folder is None:
+            self.proposer, self.target_layer_ids = NullProposer(), []
+        else:
+            algorithm, model = load_draft(folder, target_model=self.target_model, target_fingerprint=fingerprint,
+                                          allow_target_mismatch=allow_target_mismatch)
+            model = cast_for_decoding(model, decode_dtype).eval()
+            self.proposer = algorithm_for_model(model).proposer(
+                model, max_positions=self.target_model.config.max_position_embeddings)
+            self.target_layer_ids = list(model.config.target_layer_ids)
+            self.draft_name = f"{algorithm}:{folder}"
+        if num_draft_tokens is not None:
+            cap_proposal_len(self.proposer, num_draft_tokens)
+        self.stop_token_ids = target_stop_token_ids(self.target_model, tokenizer)
+        self.few_row_linear = few_row_linear_applies(few_row_linear, self.target_model)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Tokens proposed per step at most (0: target-only)."""
+        return int(self.proposer.max_proposal_len)
+
+    def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int, sampling: SamplingParams,
+                 seed: int | None = None, extra_stop_token_ids: Sequence[int] = (),
+                 on_tokens: Callable[[list[int]], None] | None = None) -> ServeResult:
+        """Decode one request (see the module docstring); ``on_tokens`` gets the committed tokens step by
+        step (:meth:`SpeculativeEngine.generate`). Raises ValueError for what the engine refuses (an empty
+        prompt, one that does not fit the target's positions, ``max_new_tokens < 1``)."""
+        stop = sorted(set(self.stop_token_ids) | {int(t) for t in extra_stop_token_ids})
+        engine = SpeculativeEngine(self.target_model, self.target_layer_ids, self.proposer, stop,
+                                   few_row_linear=self.few_row_linear)
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator(device=engine.device)
+            if seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(int(seed))
+        out = engine.generate(list(prompt_ids), max_new_tokens=max_new_tokens, sampling=sampling, generator=generator,
+                              on_tokens=on_tokens)
+        return ServeResult(output_ids=out.output_ids, finish_reason="stop" if out.stop_reason == "eos" else "length",
+                           num_verify_steps=len(out.steps), num_draft_tokens=sum(s.num_proposed for s in out.steps),
+                           num_accepted_tokens=sum(s.num_accepted for s in out.steps), time_s=out.total_time_s)

@@ -1,0 +1,201 @@
+"""``deepspec serve --draft``: speculative decoding behind the OpenAI-compatible server (issue 14, part 5).
+
+A tiny random Llama target (byte-level ChatML tokenizer, ``<repo_name>`` as the draft's mask token)
+is served by :class:`OpenAICompatServer` in a thread on a free port, decoding through
+:class:`EngineDecoder`: target-only, and with a saved DSpark / Eagle3 draft made for it. Requests go
+through the real ``openai`` client. Checked: greedy answers (text and ids) equal the local backend's
+(Hugging Face ``generate``) with every draft, streamed or not; the streamed chunks concatenate to
+the non-streamed text and end with ``[DONE]``; a seeded sampled request repeats exactly; usage and
+the per-request acceptance figures are consistent (``tau`` = (accepted + steps) / steps, at most
+``num_speculative_tokens`` drafts a step); unsupported requests get a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from deepspec.cli import main
+from deepspec.data.backends import GenerationParams, LocalBackend
+from deepspec.data.chat import render_prompt
+from deepspec.data.openai_server import OpenAICompatServer
+from deepspec.eval.serving import EngineDecoder
+from deepspec.target import load
+from deepspec.target.decoding import SamplingParams
+from tests.helpers import byte_level_tokenizer
+
+try:
+    from tests.unit.test_chat import CHATML
+except ImportError:  # pytest run from another folder
+    from test_chat import CHATML
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+openai = pytest.importorskip("openai")
+MESSAGES = [[{"role": "user", "content": "Say something about the sea."}],
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2 = ?"}]]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(target, tokenizer, {algorithm: saved draft folder})."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from deepspec.train.loop import TrainConfig, build_draft
+
+    tok = byte_level_tokenizer(CHATML, extra_specials=("<repo_name>",))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    target = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    with torch.no_grad():  # the end-of-turn token competes with a frequent byte: answers of varied length
+        target.lm_head.weight[tok.eos_token_id] = target.lm_head.weight[tok.convert_tokens_to_ids("e")] * 1.02
+    root = tmp_path_factory.mktemp("drafts")
+    folders = {}
+    for algorithm in ("dspark", "eagle3"):
+        train_cfg = TrainConfig(output_dir=str(root), cache_dir=str(root), algorithm=algorithm, markov_rank=8,
+                                block_size=4, mask_token="<repo_name>")
+        torch.manual_seed(0)
+        folders[algorithm] = build_draft(target, tok, train_cfg, [0, 2]).save_pretrained(root / algorithm)
+    return target, tok, folders
+
+
+@pytest.fixture
+def serve(setup):
+    target, tok, _ = setup
+    started = []
+
+    def start(draft=None, **kwargs):
+        decoder = EngineDecoder(target, tok, draft=draft, dtype="float32", **kwargs)
+        server = OpenAICompatServer(decoder.target_model, tok, model_name="tiny", decoder=decoder).start()
+        started.append(server)
+        return server, openai.OpenAI(base_url=server.base_url, api_key="EMPTY", max_retries=0)
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def _local_answers(setup, max_new_tokens: int):
+    target, tok, _ = setup
+    backend = LocalBackend(target, tok, batch_size=1)
+    return [backend.answer_one(m, GenerationParams(max_new_tokens=max_new_tokens))[0] for m in MESSAGES]
+
+
+def _create(client, messages, **kwargs):
+    extra = {"return_token_ids": True, **kwargs.pop("extra_body", {})}
+    return client.chat.completions.create(model="tiny", messages=messages, extra_body=extra, **kwargs)
+
+
+@pytest.mark.parametrize("draft", [None, "dspark", "eagle3"])
+def test_greedy_answers_equal_the_local_backends_streamed_or_not(setup, serve, draft):
+    _, _, folders = setup
+    server, client = serve(None if draft is None else folders[draft])
+    wanted = _local_answers(setup, 40)
+    for messages, want in zip(MESSAGES, wanted):
+        answer = _create(client, messages, max_tokens=40, temperature=0)
+        choice = answer.choices[0]
+        assert choice.message.content == want.text
+        assert choice.model_extra["token_ids"] == want.token_ids
+        assert choice.finish_reason == ("length" if want.cut else "stop")
+        assert answer.usage.completion_tokens == len(want.token_ids)
+        stats = answer.model_extra["deepspec"]
+        steps = stats["num_verify_steps"]
+        assert 1 <= steps <= len(want.token_ids) - 1
+        assert stats["tau"] == pytest.approx((stats["num_accepted_tokens"] + steps) / steps)
+        assert stats["num_draft_tokens"] <= steps * stats["num_speculative_tokens"]
+        if draft is None:
+            assert stats["draft"] is None and stats["num_draft_tokens"] == 0 and stats["tau"] == 1.0
+            assert steps == len(want.token_ids) - 1
+        else:
+            assert stats["draft"].startswith(f"{draft}:") and stats["num_speculative_tokens"] == 4
+
+        chunks = list(_create(client, messages, max_tokens=40, temperature=0, stream=True,
+                              stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == want.text
+        last = [c for c in chunks if c.choices][-1]
+        assert last.choices[0].finish_reason == choice.finish_reason
+        assert last.choices[0].model_extra["token_ids"] == want.token_ids
+        assert last.model_extra["deepspec"]["num_verify_steps"] == steps
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
+
+
+def test_the_stream_is_server_sent_events_ending_with_done(setup, serve):
+    server, _ = serve(setup[2]["dspark"])
+    body = json.dumps({"model": "tiny", "messages": MESSAGES[0], "max_tokens": 12, "stream": True}).encode()
+    request = urllib.request.Request(server.base_url + "/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.headers["Content-Type"] == "text/event-stream"
+        lines = [line for line in response.read().decode().split("\n") if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert {e["object"] for e in events} == {"chat.completion.chunk"}
+    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_a_seeded_sampled_request_repeats_and_the_cap_holds(setup, serve):
+    server, client = serve(setup[2]["dspark"], num_draft_tokens=2)
+    kw = dict(max_tokens=30, temperature=1.0, seed=7)
+    first, second = (_create(client, MESSAGES[0], **kw) for _ in range(2))
+    assert first.choices[0].model_extra["token_ids"] == second.choices[0].model_extra["token_ids"]
+    streamed = "".join(c.choices[0].delta.content or "" for c in _create(client, MESSAGES[0], stream=True, **kw)
+                       if c.choices)
+    assert streamed == first.choices[0].message.content
+    stats = first.model_extra["deepspec"]
+    assert stats["num_speculative_tokens"] == 2
+    assert stats["num_draft_tokens"] <= 2 * stats["num_verify_steps"]
+
+
+def _post(server, payload) -> tuple[int, dict]:
+    request = urllib.request.Request(server.base_url + "/chat/completions", data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.mark.parametrize("payload,needle", [
+    ({"n": 2}, "n > 1"),
+    ({"repetition_penalty": 1.3}, "repetition_penalty"),
+    ({"stop_token_ids": "x"}, "stop_token_ids"),
+    ({"messages": [{"role": "user", "content": "x" * 300}]}, "shorten the conversation"),
+])
+def test_unsupported_requests_are_refused_naming_the_field(setup, serve, payload, needle):
+    server, _ = serve(setup[2]["dspark"])
+    status, body = _post(server, {"model": "tiny", "messages": MESSAGES[0], "max_tokens": 4, **payload})
+    assert status == 400 and needle in body["error"]["message"]
+
+
+def test_the_engine_decoder_refuses_a_draft_for_another_target(setup):
+    target, tok, folders = setup
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)).eval()
+    with pytest.raises(ValueError, match="target"):
+        EngineDecoder(other, tok, draft=folders["dspark"])
+    decoder = EngineDecoder(target, tok, draft=folders["dspark"], num_draft_tokens=1)
+    result = decoder.generate(render_prompt(tok, MESSAGES[0]), max_new_tokens=5, sampling=SamplingParams())
+    assert len(result.output_ids) <= 5 and result.num_draft_tokens <= result.num_verify_steps
+
+
+def test_serve_with_a_missing_draft_fails_before_loading_the_target(tmp_path, capsys, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the target was loaded before the error")
+
+    monkeypatch.setattr(load, "load_target", refuse)
+    assert main(["serve", "--port", "0", "--draft", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert "no draft found" in err and "Traceback" not in err
+    assert main(["serve", "--port", "0", "--num-draft-tokens", "2"]) == 2
+    assert "no --draft" in capsys.readouterr().err
