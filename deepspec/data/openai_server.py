@@ -199,6 +199,9 @@ class OpenAICompatServer:
             prompt = render_prompt(tokenizer, messages, chat_template_kwargs=body.get("chat_template_kwargs"))
         except Exception as exc:  # template errors are the client's problem: 400 with the reason
             return 400, {"error": {"message": f"{type(exc).__name__}: {exc}", "type": "invalid_request_error"}}
+        if generation.max_new_tokens < 1:
+            return 400, {"error": {"message": f"max_tokens={generation.max_new_tokens}: expected an integer >= 1",
+                                   "type": "invalid_request_error"}}
         limit = int(self.decoder.target_model.config.max_position_embeddings)
         if len(prompt) >= limit:
             return 400, {"error": {"message": f"the prompt has {len(prompt)} tokens; the target's context holds "

@@ -169,6 +169,7 @@ def _post(server, payload) -> tuple[int, dict]:
     ({"repetition_penalty": 1.3}, "repetition_penalty"),
     ({"stop_token_ids": "x"}, "stop_token_ids"),
     ({"messages": [{"role": "user", "content": "x" * 300}]}, "shorten the conversation"),
+    ({"max_tokens": -3}, "max_tokens=-3"),
 ])
 def test_unsupported_requests_are_refused_naming_the_field(setup, serve, payload, needle):
     server, _ = serve(setup[2]["dspark"])
