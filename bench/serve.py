@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+import openai
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from deepspec.data.openai_server import OpenAICompatServer  # noqa: E402
@@ -34,10 +36,8 @@ from deepspec.target.load import ensure_embedded_target, load_target  # noqa: E4
 from deepspec.utils import atomic_path, atomic_write_json  # noqa: E402
 
 
-def _ours(server: OpenAICompatServer, messages: list[dict], max_tokens: int) -> dict:
-    import openai
-
-    client = openai.OpenAI(base_url=server.base_url, api_key="EMPTY", max_retries=0)
+def _ours(client, messages: list[dict], max_tokens: int) -> dict:
+    """One greedy request to one of our servers through the ``openai`` client, timed."""
     t0 = time.perf_counter()
     answer = client.chat.completions.create(model="target", messages=messages, max_tokens=max_tokens, temperature=0)
     return {"time_s": time.perf_counter() - t0, "text": answer.choices[0].message.content,
@@ -101,13 +101,15 @@ def main(argv: list[str] | None = None) -> dict:
                                               num_draft_tokens=args.num_draft_tokens)}
     servers = {name: OpenAICompatServer(d.target_model, tokenizer, model_name="target", decoder=d).start()
                for name, d in decoders.items()}
+    clients = {name: openai.OpenAI(base_url=server.base_url, api_key="EMPTY", max_retries=0)
+               for name, server in servers.items()}
     rows: dict[str, list[dict]] = {name: [] for name in servers}
     try:
-        for server in servers.values():  # warm-up (first-call costs), then the timed pass, interleaved
-            _ours(server, prompts[0], 4)
+        for client in clients.values():  # warm-up (first-call costs), then the timed pass, interleaved
+            _ours(client, prompts[0], 4)
         for messages in prompts:
-            for name, server in servers.items():
-                rows[name].append(_ours(server, messages, args.max_new_tokens))
+            for name, client in clients.items():
+                rows[name].append(_ours(client, messages, args.max_new_tokens))
     finally:
         for server in servers.values():
             server.stop()

@@ -53,6 +53,7 @@ from deepspec.data.backends import GenerationParams, LocalBackend
 from deepspec.data.chat import render_prompt
 from deepspec.device import check_dtype_name
 from deepspec.eval.few_row_linear import check_few_row_mode
+from deepspec.eval.run import answer_text
 from deepspec.eval.serving import EngineDecoder
 from deepspec.eval.stage import draft_folder
 from deepspec.target import load  # called as load.load_target, where tests stub it
@@ -141,24 +142,21 @@ class OpenAICompatServer:
             return 500, {"error": {"message": f"injected failure {number}/{self.fail_first}", "type": "server_error"}}
         model = body.get("model")
         if not isinstance(model, str) or not model:
-            return 400, {"error": {"message": "model: expected the served model name (see GET /v1/models)",
-                                   "type": "invalid_request_error"}}
+            return _invalid("model: expected the served model name (see GET /v1/models)")
         if model != self.model_name:
             return 404, {"error": {"message": f"The model `{model}` does not exist.", "type": "NotFoundError",
                                    "param": None, "code": 404}}
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            return 400, {"error": {"message": "messages: expected a non-empty list", "type": "invalid_request_error"}}
+            return _invalid("messages: expected a non-empty list")
         if int(body.get("n", 1) or 1) != 1:
-            return 400, {"error": {"message": "n > 1 is not supported (one choice per request)",
-                                   "type": "invalid_request_error"}}
+            return _invalid("n > 1 is not supported (one choice per request)")
         if body.get("stream") and self.decoder is None:
-            return 400, {"error": {"message": "stream is supported by `deepspec serve` (the engine's decoder) only",
-                                   "type": "invalid_request_error"}}
+            return _invalid("stream is supported by `deepspec serve` (the engine's decoder) only")
         try:
             generation, stop_ids = _request_generation(body)
         except ValueError as exc:
-            return 400, {"error": {"message": str(exc), "type": "invalid_request_error"}}
+            return _invalid(str(exc))
         if self.decoder is not None:
             return self._engine_chat(body, number, messages, generation, stop_ids,
                                      stream if body.get("stream") else None)
@@ -168,7 +166,7 @@ class OpenAICompatServer:
                                                          extra_stop_token_ids=stop_ids)
                 self.prompts.append(prompt)
         except Exception as exc:  # template errors etc. are the client's problem: 400 with the reason
-            return 400, {"error": {"message": f"{type(exc).__name__}: {exc}", "type": "invalid_request_error"}}
+            return _invalid(f"{type(exc).__name__}: {exc}")
         return 200, self._completion(body, number, prompt, result.text, result.token_ids or [], result.cut)
 
     def _stop_reason(self, token_ids: list[int], cut: bool) -> int | None:
@@ -198,24 +196,19 @@ class OpenAICompatServer:
         try:
             prompt = render_prompt(tokenizer, messages, chat_template_kwargs=body.get("chat_template_kwargs"))
         except Exception as exc:  # template errors are the client's problem: 400 with the reason
-            return 400, {"error": {"message": f"{type(exc).__name__}: {exc}", "type": "invalid_request_error"}}
+            return _invalid(f"{type(exc).__name__}: {exc}")
         if generation.max_new_tokens < 1:
-            return 400, {"error": {"message": f"max_tokens={generation.max_new_tokens}: expected an integer >= 1",
-                                   "type": "invalid_request_error"}}
+            return _invalid(f"max_tokens={generation.max_new_tokens}: expected an integer >= 1")
         limit = int(self.decoder.target_model.config.max_position_embeddings)
         if len(prompt) >= limit:
-            return 400, {"error": {"message": f"the prompt has {len(prompt)} tokens; the target's context holds "
-                                              f"{limit} positions: shorten the conversation",
-                                   "type": "invalid_request_error"}}
-        stop_set = set(self.decoder.stop_token_ids) | set(stop_ids)
+            return _invalid(f"the prompt has {len(prompt)} tokens; the target's context holds {limit} positions: "
+                            "shorten the conversation")
+        stop_set = self.decoder.stop_token_ids_for(stop_ids)
 
         def decode(on_tokens=None):
             return self.decoder.generate(prompt, max_new_tokens=generation.max_new_tokens,
                                          sampling=generation.sampling, seed=generation.seed,
                                          extra_stop_token_ids=stop_ids, on_tokens=on_tokens)
-
-        def answer_text(ids: list[int]) -> str:  # as the local backend: the stop token is not text
-            return tokenizer.decode(ids[:-1] if ids and ids[-1] in stop_set else ids, skip_special_tokens=True)
 
         def acceptance(result) -> dict[str, Any]:
             return {"draft": self.decoder.draft_name, "num_speculative_tokens": self.decoder.num_draft_tokens,
@@ -226,7 +219,8 @@ class OpenAICompatServer:
                 result = decode()
                 self.prompts.append(prompt)
             cut = result.finish_reason == "length"
-            payload = self._completion(body, number, prompt, answer_text(result.output_ids), result.output_ids, cut)
+            text = answer_text(tokenizer, result.output_ids, stop_set)
+            payload = self._completion(body, number, prompt, text, result.output_ids, cut)
             payload["deepspec"] = acceptance(result)
             return 200, payload
 
@@ -245,7 +239,7 @@ class OpenAICompatServer:
             # the text of the ids so far, less what was sent; held back while it ends in an incomplete
             # character (a byte-level token can split one), or if decoding more ids rewrote earlier text
             nonlocal sent
-            text = answer_text(ids)
+            text = answer_text(tokenizer, ids, stop_set)  # as the local backend: the stop token is not text
             if text.startswith(sent) and len(text) > len(sent) and (final or not text.endswith("\ufffd")):
                 stream.send(chunk({"content": text[len(sent):]}))
                 sent = text
@@ -306,8 +300,7 @@ class OpenAICompatServer:
                     body = json.loads(raw)
                     assert isinstance(body, dict)
                 except (ValueError, AssertionError):
-                    self._send(400, {"error": {"message": "body: expected a JSON object",
-                                               "type": "invalid_request_error"}})
+                    self._send(*_invalid("body: expected a JSON object"))
                     return
                 answer = server._chat(body, _EventStream(self))
                 if answer is not None:
@@ -339,6 +332,11 @@ class _EventStream:
     def done(self) -> None:
         self.handler.wfile.write(b"data: [DONE]\n\n")
         self.handler.wfile.flush()
+
+
+def _invalid(message: str) -> tuple[int, dict[str, Any]]:
+    """A 400 answer in OpenAI's error format."""
+    return 400, {"error": {"message": message, "type": "invalid_request_error"}}
 
 
 def _usage(prompt: list[int], token_ids: list[int]) -> dict[str, int]:

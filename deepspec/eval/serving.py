@@ -87,7 +87,6 @@ class EngineDecoder:
         folder = draft_folder(draft) if draft else None  # a wrong path fails before any work
         fingerprint = target_fingerprint(target_model) if folder is not None else None
         self.target_model = cast_for_decoding(target_model, decode_dtype).eval()
-        self.tokenizer = tokenizer
         self.dtype = decode_dtype
         self.draft_name = None
         if folder is None:
@@ -110,14 +109,18 @@ class EngineDecoder:
         """Tokens proposed per step at most (0: target-only)."""
         return int(self.proposer.max_proposal_len)
 
+    def stop_token_ids_for(self, extra_stop_token_ids: Sequence[int] = ()) -> frozenset[int]:
+        """The ids that end a request: the one stop rule plus the request's own ``stop_token_ids``."""
+        return frozenset(self.stop_token_ids) | {int(t) for t in extra_stop_token_ids}
+
     def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int, sampling: SamplingParams,
                  seed: int | None = None, extra_stop_token_ids: Sequence[int] = (),
                  on_tokens: Callable[[list[int]], None] | None = None) -> ServeResult:
         """Decode one request (see the module docstring); ``on_tokens`` gets the committed tokens step by
         step (:meth:`SpeculativeEngine.generate`). Raises ValueError for what the engine refuses (an empty
         prompt, one that does not fit the target's positions, ``max_new_tokens < 1``)."""
-        stop = sorted(set(self.stop_token_ids) | {int(t) for t in extra_stop_token_ids})
-        engine = SpeculativeEngine(self.target_model, self.target_layer_ids, self.proposer, stop,
+        engine = SpeculativeEngine(self.target_model, self.target_layer_ids, self.proposer,
+                                   self.stop_token_ids_for(extra_stop_token_ids),
                                    few_row_linear=self.few_row_linear)
         generator = None
         if not sampling.greedy:
