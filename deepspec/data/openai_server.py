@@ -18,10 +18,13 @@ Production serving uses vLLM or SGLang (``deepspec export``). Endpoints:
   neutral values (0, 1, 0, 0) and refused (400) otherwise, never ignored. Generation stops on the
   one stop rule (:func:`deepspec.data.chat.target_stop_token_ids`). Answers with ``finish_reason``
   ``"length"`` when ``max_tokens`` cut the answer, else ``"stop"`` (``stop_reason``: the stop
-  token id, null for the tokenizer's eos, as vLLM), and ``usage.completion_tokens``. ``n > 1`` is
-  refused (400). A ``model`` other than ``model_name`` is refused with 404 ``"The model `X` does
-  not exist."``, as vLLM does (a missing ``model`` is refused with 400); a prompt that does not fit
-  the target's positions is refused with 400.
+  token id, null for the tokenizer's eos, as vLLM), and ``usage.completion_tokens``. Every field is
+  checked (:func:`request_messages`, :func:`request_generation`): a bad value, ``n > 1``, or a
+  feature this server does not implement (stop strings, logprobs, tools, ``logit_bias``, ...) is
+  refused with 400 in OpenAI's error format, whose ``param`` names the field; nothing is ignored.
+  A ``model`` other than ``model_name`` is refused with 404 ``"The model `X` does not exist."``, as
+  vLLM does (a missing ``model`` is refused with 400); a prompt that does not fit the target's
+  positions is refused with 400.
 - With a decoder: ``stream: true`` answers as server-sent events in OpenAI's chunk format (a role
   chunk, content chunks as the engine commits tokens, a last chunk with ``finish_reason``, a usage
   chunk when ``stream_options.include_usage``, then ``data: [DONE]``); and every answer carries the
@@ -31,7 +34,8 @@ Production serving uses vLLM or SGLang (``deepspec export``). Endpoints:
   streaming is refused (400).
 
 Requests are served one at a time through the model (a lock; ``ThreadingHTTPServer`` accepts
-connections concurrently). Test-only fault injection is set through the constructor, never through
+connections concurrently). With a decoder, a client that closes its connection stops its request at
+the next decoding step, so an abandoned request does not hold the queue. Test-only fault injection is set through the constructor, never through
 the environment: ``fail_first`` answers the first k chat requests with HTTP 500, ``delay_s`` adds a
 random delay (seeded), ``hold`` (a ``threading.Event``) blocks chat requests after ``hold_after``
 of them until the event is set, and ``token_ids=False`` never returns generated ids (a server that
@@ -41,7 +45,9 @@ returns only text).
 from __future__ import annotations
 
 import json
+import math
 import random
+import select
 import socket
 import threading
 import time
@@ -94,6 +100,7 @@ class OpenAICompatServer:
         self._count_lock = threading.Lock()
         self.num_chat_requests = 0
         self.num_failed_injected = 0
+        self.num_abandoned = 0  # requests whose client went away while they were decoded
         self.received: list[dict[str, Any]] = []
         self.prompts: list[list[int]] = []
         self.httpd = _QuietHTTPServer((host, port), self._handler())
@@ -124,9 +131,10 @@ class OpenAICompatServer:
             self._thread.join(timeout=10)
 
     # ----------------------------------------------------------------------------------- handling
-    def _chat(self, body: dict[str, Any], stream: "_EventStream | None" = None) -> tuple[int, dict[str, Any]] | None:
+    def _chat(self, body: dict[str, Any], client: "_Client") -> tuple[int, dict[str, Any]] | None:
         """Answer one chat-completions request: ``(status, payload)``, or None when the answer was streamed
-        to ``stream`` (a request with ``stream: true`` served by :attr:`decoder`)."""
+        to ``client`` (a request with ``stream: true`` served by :attr:`decoder`) or the client went away
+        while it was decoded (the decoding stops at the next step)."""
         with self._count_lock:
             self.num_chat_requests += 1
             number = self.num_chat_requests
@@ -142,24 +150,22 @@ class OpenAICompatServer:
             return 500, {"error": {"message": f"injected failure {number}/{self.fail_first}", "type": "server_error"}}
         model = body.get("model")
         if not isinstance(model, str) or not model:
-            return _invalid("model: expected the served model name (see GET /v1/models)")
-        if model != self.model_name:
-            return 404, {"error": {"message": f"The model `{model}` does not exist.", "type": "NotFoundError",
-                                   "param": None, "code": 404}}
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            return _invalid("messages: expected a non-empty list")
-        if int(body.get("n", 1) or 1) != 1:
-            return _invalid("n > 1 is not supported (one choice per request)")
-        if body.get("stream") and self.decoder is None:
-            return _invalid("stream is supported by `deepspec serve` (the engine's decoder) only")
+            return _invalid("model: expected the served model name (see GET /v1/models)", "model")
+        if model != self.model_name:  # vLLM's message and status
+            return _error(404, f"The model `{model}` does not exist.", param="model", type_="NotFoundError",
+                          code=404)
+        stream = body.get("stream")
+        if stream not in (None, False, True):
+            return _invalid(f"stream={stream!r}: expected true or false", "stream")
+        if stream and self.decoder is None:
+            return _invalid("stream is supported by `deepspec serve` (the engine's decoder) only", "stream")
         try:
-            generation, stop_ids = _request_generation(body)
-        except ValueError as exc:
-            return _invalid(str(exc))
+            messages = request_messages(body)
+            generation, stop_ids = request_generation(body, vocab_size=int(self.backend.model.config.vocab_size))
+        except RequestError as exc:
+            return _invalid(str(exc), exc.param)
         if self.decoder is not None:
-            return self._engine_chat(body, number, messages, generation, stop_ids,
-                                     stream if body.get("stream") else None)
+            return self._engine_chat(body, number, messages, generation, stop_ids, client, bool(stream))
         try:
             with self._lock:
                 result, prompt = self.backend.answer_one(messages, generation, body.get("chat_template_kwargs"),
@@ -188,36 +194,49 @@ class OpenAICompatServer:
         }
 
     def _engine_chat(self, body: dict[str, Any], number: int, messages: list, generation: GenerationParams,
-                     stop_ids: list[int], stream: "_EventStream | None") -> tuple[int, dict[str, Any]] | None:
+                     stop_ids: list[int], client: "_Client", stream: bool) -> tuple[int, dict[str, Any]] | None:
         """A request decoded by :attr:`decoder` (speculatively with a draft). Non-streamed: ``(status,
-        payload)``; streamed (``stream`` given): the events are written to ``stream`` and None returned.
-        Both carry the request's acceptance figures under ``deepspec`` (:class:`ServeResult`)."""
+        payload)``; streamed: the events are written to ``client`` and None returned. Both carry the
+        request's acceptance figures under ``deepspec`` (:class:`ServeResult`). A client that goes away
+        stops the decoding at the next step (None; nothing is sent)."""
         tokenizer = self.backend.tokenizer
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            return _invalid(f"chat_template_kwargs={kwargs!r:.80}: expected an object", "chat_template_kwargs")
         try:
-            prompt = render_prompt(tokenizer, messages, chat_template_kwargs=body.get("chat_template_kwargs"))
+            prompt = render_prompt(tokenizer, messages, chat_template_kwargs=kwargs)
         except Exception as exc:  # template errors are the client's problem: 400 with the reason
-            return _invalid(f"{type(exc).__name__}: {exc}")
-        if generation.max_new_tokens < 1:
-            return _invalid(f"max_tokens={generation.max_new_tokens}: expected an integer >= 1")
+            return _invalid(f"messages: the chat template refused the conversation ({type(exc).__name__}: {exc})",
+                            "messages")
         limit = int(self.decoder.target_model.config.max_position_embeddings)
         if len(prompt) >= limit:
             return _invalid(f"the prompt has {len(prompt)} tokens; the target's context holds {limit} positions: "
-                            "shorten the conversation")
+                            "shorten the conversation", "messages")
         stop_set = self.decoder.stop_token_ids_for(stop_ids)
 
-        def decode(on_tokens=None):
-            return self.decoder.generate(prompt, max_new_tokens=generation.max_new_tokens,
-                                         sampling=generation.sampling, seed=generation.seed,
-                                         extra_stop_token_ids=stop_ids, on_tokens=on_tokens)
+        def decode(on_tokens):
+            def checked(new: list[int]) -> None:
+                if client.gone():
+                    raise _ClientGone
+                on_tokens(new)
+            try:
+                return self.decoder.generate(prompt, max_new_tokens=generation.max_new_tokens,
+                                             sampling=generation.sampling, seed=generation.seed,
+                                             extra_stop_token_ids=stop_ids, on_tokens=checked)
+            finally:
+                self.prompts.append(prompt)
 
         def acceptance(result) -> dict[str, Any]:
             return {"draft": self.decoder.draft_name, "num_speculative_tokens": self.decoder.num_draft_tokens,
                     **result.acceptance()}
 
-        if stream is None:
+        if not stream:
             with self._lock:
-                result = decode()
-                self.prompts.append(prompt)
+                try:
+                    result = decode(lambda new: None)
+                except _ClientGone:
+                    self.num_abandoned += 1
+                    return None
             cut = result.finish_reason == "length"
             text = answer_text(tokenizer, result.output_ids, stop_set)
             payload = self._completion(body, number, prompt, text, result.output_ids, cut)
@@ -241,7 +260,7 @@ class OpenAICompatServer:
             nonlocal sent
             text = answer_text(tokenizer, ids, stop_set)  # as the local backend: the stop token is not text
             if text.startswith(sent) and len(text) > len(sent) and (final or not text.endswith("\ufffd")):
-                stream.send(chunk({"content": text[len(sent):]}))
+                client.send(chunk({"content": text[len(sent):]}))
                 sent = text
 
         def on_tokens(new: list[int]) -> None:
@@ -249,10 +268,13 @@ class OpenAICompatServer:
             send_text(final=False)
 
         with self._lock:
-            stream.start()
-            stream.send(chunk({"role": "assistant", "content": ""}))
-            result = decode(on_tokens)
-            self.prompts.append(prompt)
+            try:
+                client.start()
+                client.send(chunk({"role": "assistant", "content": ""}))
+                result = decode(on_tokens)
+            except _ClientGone:
+                self.num_abandoned += 1
+                return None
             send_text(final=True)
             cut = result.finish_reason == "length"
             extra = {"stop_reason": self._stop_reason(result.output_ids, cut)}
@@ -260,10 +282,10 @@ class OpenAICompatServer:
                 extra["token_ids"] = result.output_ids
             last = chunk({}, result.finish_reason, **extra)
             last["deepspec"] = acceptance(result)
-            stream.send(last)
+            client.send(last)
             if options.get("include_usage"):
-                stream.send({**head, "choices": [], "usage": _usage(prompt, result.output_ids)})
-            stream.done()
+                client.send({**head, "choices": [], "usage": _usage(prompt, result.output_ids)})
+            client.done()
         return None
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
@@ -291,7 +313,14 @@ class OpenAICompatServer:
                     self._send(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
 
             def do_POST(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    length = -1
+                if length < 0:
+                    self.close_connection = True
+                    self._send(*_invalid("Content-Length: expected a number of bytes >= 0"))
+                    return
                 raw = self.rfile.read(length)
                 if self.path.rstrip("/") != "/v1/chat/completions":
                     self._send(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
@@ -302,19 +331,45 @@ class OpenAICompatServer:
                 except (ValueError, AssertionError):
                     self._send(*_invalid("body: expected a JSON object"))
                     return
-                answer = server._chat(body, _EventStream(self))
-                if answer is not None:
+                answer = server._chat(body, _Client(self))
+                if answer is None:  # streamed, or the client went away
+                    self.close_connection = True
+                else:
                     self._send(*answer)
 
         return Handler
 
 
-class _EventStream:
-    """Server-sent events on one HTTP response (OpenAI's streaming format): ``data: <json>`` lines, then
-    ``data: [DONE]``; the connection closes after it (no Content-Length)."""
+class _ClientGone(Exception):
+    """The client closed its connection while its request was decoded."""
+
+
+class _Client:
+    """The connection of one request: :meth:`gone` tells whether the client closed it; :meth:`start`,
+    :meth:`send` and :meth:`done` write server-sent events (OpenAI's streaming format: ``data: <json>``
+    lines, then ``data: [DONE]``; the connection closes after it, no Content-Length). A write to a
+    closed connection raises :class:`_ClientGone`."""
 
     def __init__(self, handler: BaseHTTPRequestHandler) -> None:
         self.handler = handler
+
+    def gone(self) -> bool:
+        """True when the peer has closed the connection (readable, and a peek reads end of file). A client
+        waiting for its answer sends nothing, so readable bytes mean a close (or a pipelined request)."""
+        sock = self.handler.connection
+        try:
+            if not select.select([sock], [], [], 0)[0]:
+                return False
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def _write(self, data: bytes) -> None:
+        try:
+            self.handler.wfile.write(data)
+            self.handler.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise _ClientGone from exc
 
     def start(self) -> None:
         h = self.handler
@@ -326,17 +381,29 @@ class _EventStream:
         h.close_connection = True
 
     def send(self, event: dict[str, Any]) -> None:
-        self.handler.wfile.write(b"data: " + json.dumps(event).encode("utf-8") + b"\n\n")
-        self.handler.wfile.flush()
+        self._write(b"data: " + json.dumps(event).encode("utf-8") + b"\n\n")
 
     def done(self) -> None:
-        self.handler.wfile.write(b"data: [DONE]\n\n")
-        self.handler.wfile.flush()
+        self._write(b"data: [DONE]\n\n")
 
 
-def _invalid(message: str) -> tuple[int, dict[str, Any]]:
+class RequestError(ValueError):
+    """A request this server refuses with 400; ``param`` names the offending field (OpenAI's ``param``)."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _error(status: int, message: str, *, param: str | None = None, type_: str = "invalid_request_error",
+           code: Any = None) -> tuple[int, dict[str, Any]]:
+    """An error answer in OpenAI's format: ``{"error": {"message", "type", "param", "code"}}``."""
+    return status, {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _invalid(message: str, param: str | None = None) -> tuple[int, dict[str, Any]]:
     """A 400 answer in OpenAI's error format."""
-    return 400, {"error": {"message": message, "type": "invalid_request_error"}}
+    return _error(400, message, param=param)
 
 
 def _usage(prompt: list[int], token_ids: list[int]) -> dict[str, int]:
@@ -344,22 +411,105 @@ def _usage(prompt: list[int], token_ids: list[int]) -> dict[str, int]:
             "total_tokens": len(prompt) + len(token_ids)}
 
 
-def _request_generation(body: dict[str, Any]) -> tuple[GenerationParams, list[int]]:
-    """The pinned generation settings of a request and its extra stop ids. Raises ValueError (a 400) for a
-    penalty or filter this server does not implement set away from its neutral value."""
+_INT64 = (-(2 ** 63), 2 ** 63 - 1)  # the range of a request seed, as vLLM's schema
+# OpenAI request features this server does not implement, with the value that means "not used": a request
+# that uses one is refused (400), never answered as if the field were absent.
+_UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "stop": ((None, "", []), "stop strings are not supported; send stop_token_ids (token ids) instead"),
+    "logprobs": ((None, False), "logprobs are not returned; send return_token_ids for the generated ids"),
+    "top_logprobs": ((None, 0), "logprobs are not returned"),
+    "logit_bias": ((None, {}), "logit_bias would change the target's distribution; decoding is pinned"),
+    "tools": ((None, []), "tool calling is not supported"),
+    "functions": ((None, []), "function calling is not supported"),
+    "response_format": ((None, {"type": "text"}), "structured output is not supported"),
+    "best_of": ((None, 1), "best_of > 1 is not supported (one choice per request)"),
+    "use_beam_search": ((None, False), "beam search is not supported"),
+}
+
+
+def _integer(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int | None = None,
+             hint: str = "") -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise RequestError(name, f"{name}={value!r}: expected an integer {bound}{hint}")
+    return value
+
+
+def _number(body: dict[str, Any], name: str, default: float, ok: Any, expected: str) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+        raise RequestError(name, f"{name}={value!r}: expected {expected}")
+    return float(value)
+
+
+def request_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    """The request's ``messages`` as ``[{"role", "content"}]`` with string contents: a content given as
+    OpenAI content parts keeps its text parts, joined by newlines (as vLLM). Raises :class:`RequestError`
+    naming the message (``messages[i].role`` / ``.content``) and what to send instead."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages", "messages: expected a non-empty list of {\"role\", \"content\"} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise RequestError("messages", f"messages[{i}]: expected an object with role and content")
+        role, content = m.get("role"), m.get("content")
+        if role not in ("system", "user", "assistant"):
+            raise RequestError("messages", f"messages[{i}].role={role!r}: expected system, user or assistant")
+        if isinstance(content, list):
+            parts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in content]
+            if not all(isinstance(t, str) for t in parts):
+                raise RequestError("messages", f"messages[{i}].content: only text parts "
+                                               "({\"type\": \"text\", \"text\": ...}) are supported")
+            content = "\n".join(parts)
+        if not isinstance(content, str):
+            raise RequestError("messages", f"messages[{i}].content: expected a string or a list of text parts, "
+                                           f"received {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def request_generation(body: dict[str, Any], *, vocab_size: int) -> tuple[GenerationParams, list[int]]:
+    """The pinned generation settings of a chat-completions request and its extra stop ids.
+
+    Fields: ``max_tokens`` (or ``max_completion_tokens``; an integer >= 1, default 256), ``temperature``
+    (>= 0, default 0 = greedy), ``top_p`` (in (0, 1], default 1), ``top_k`` (an integer; 0 or -1 = off),
+    ``seed`` (an int64), ``stop_token_ids`` (ids in ``[0, vocab_size)``), ``n`` (1). Penalties and
+    ``min_p`` are accepted at their neutral values only (decoding is pinned, :mod:`deepspec.target.decoding`);
+    the features in ``_UNSUPPORTED`` (stop strings, logprobs, tools, ...) are refused when used.
+
+    Raises:
+        RequestError: (a 400) naming the field, the value received and what is accepted.
+    """
     for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-        value = body.get(name)
-        if value is not None and float(value) != float(NEUTRAL_SETTINGS[name]):
-            raise ValueError(f"{name}={value!r}: deepspec serve decodes with {name}={NEUTRAL_SETTINGS[name]} only "
-                             f"(pinned decoding); drop the field or send {NEUTRAL_SETTINGS[name]}")
-    top_k = int(body.get("top_k") or 0)
-    max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 256
+        neutral = NEUTRAL_SETTINGS[name]
+        if _number(body, name, neutral, lambda v: True, "a number") != float(neutral):
+            raise RequestError(name, f"{name}={body[name]!r}: deepspec serve decodes with {name}={neutral} only "
+                                     f"(pinned decoding); drop the field or send {neutral}")
+    for name, (unused, reason) in _UNSUPPORTED.items():
+        if body.get(name) not in unused:
+            raise RequestError(name, f"{name}={body[name]!r:.80}: {reason}")
+    _integer(body, "n", 1, 1, 1, " (one choice per request: n > 1 is not supported)")
+    max_tokens = _integer(body, "max_tokens", None, 1)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_completion_tokens", 256, 1)
+    top_k = _integer(body, "top_k", 0, -1, hint=" (0 or -1 = off)")
+    seed = _integer(body, "seed", None, *_INT64)
     stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise ValueError(f"stop_token_ids={stop_ids!r}: expected a list of token ids")
-    sampling = SamplingParams(temperature=float(body.get("temperature") or 0.0), top_k=max(top_k, 0),
-                              top_p=float(body.get("top_p") or 1.0))
-    return GenerationParams(max_new_tokens=int(max_tokens), sampling=sampling, seed=body.get("seed")), stop_ids
+    if not isinstance(stop_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in stop_ids):
+        raise RequestError("stop_token_ids", f"stop_token_ids={stop_ids!r:.80}: expected a list of token ids "
+                                             f"in [0, {vocab_size})")
+    sampling = SamplingParams(
+        temperature=_number(body, "temperature", 0.0, lambda v: v >= 0, "a number >= 0 (0 = greedy)"),
+        top_k=max(top_k, 0),
+        top_p=_number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "a number in (0, 1] (1 = off)"))
+    return GenerationParams(max_new_tokens=max_tokens, sampling=sampling, seed=seed), stop_ids
 
 
 @dataclass(kw_only=True)

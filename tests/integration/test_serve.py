@@ -7,12 +7,16 @@ through the real ``openai`` client. Checked: greedy answers (text and ids) equal
 (Hugging Face ``generate``) with every draft, streamed or not; the streamed chunks concatenate to
 the non-streamed text and end with ``[DONE]``; a seeded sampled request repeats exactly; usage and
 the per-request acceptance figures are consistent (``tau`` = (accepted + steps) / steps, at most
-``num_speculative_tokens`` drafts a step); unsupported requests get a 400 naming the field.
+``num_speculative_tokens`` drafts a step); bad or unsupported requests get a 400 naming the field,
+before any decoding; a client that closes its connection stops its request at the next step.
 """
 
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -164,17 +168,80 @@ def _post(server, payload) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
-@pytest.mark.parametrize("payload,needle", [
-    ({"n": 2}, "n > 1"),
-    ({"repetition_penalty": 1.3}, "repetition_penalty"),
-    ({"stop_token_ids": "x"}, "stop_token_ids"),
-    ({"messages": [{"role": "user", "content": "x" * 300}]}, "shorten the conversation"),
-    ({"max_tokens": -3}, "max_tokens=-3"),
+@pytest.mark.parametrize("payload,needle,param", [
+    ({"n": 2}, "n=2", "n"),
+    ({"repetition_penalty": 1.3}, "repetition_penalty=1.3", "repetition_penalty"),
+    ({"stop_token_ids": "x"}, "stop_token_ids", "stop_token_ids"),
+    ({"stop_token_ids": [10 ** 6]}, "stop_token_ids=[1000000]", "stop_token_ids"),
+    ({"messages": [{"role": "user", "content": "x" * 300}]}, "shorten the conversation", "messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role='robot'", "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts", "messages"),
+    ({"max_tokens": -3}, "max_tokens=-3", "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens=0", "max_tokens"),
+    ({"max_tokens": 2.5}, "max_tokens=2.5", "max_tokens"),
+    ({"max_tokens": True}, "max_tokens=True", "max_tokens"),
+    ({"seed": "abc"}, "seed='abc'", "seed"),
+    ({"seed": 2 ** 70}, "seed=", "seed"),
+    ({"temperature": "hot"}, "temperature='hot'", "temperature"),
+    ({"top_p": 0}, "top_p=0", "top_p"),
+    ({"top_k": -5}, "top_k=-5", "top_k"),
+    ({"stream": "yes"}, "stream='yes'", "stream"),
+    ({"stop": ["\n"]}, "stop strings are not supported", "stop"),
+    ({"logprobs": True}, "logprobs", "logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool calling", "tools"),
+    ({"chat_template_kwargs": [1]}, "chat_template_kwargs", "chat_template_kwargs"),
 ])
-def test_unsupported_requests_are_refused_naming_the_field(setup, serve, payload, needle):
+def test_unsupported_requests_are_refused_naming_the_field(setup, serve, payload, needle, param):
     server, _ = serve(setup[2]["dspark"])
     status, body = _post(server, {"model": "tiny", "messages": MESSAGES[0], "max_tokens": 4, **payload})
-    assert status == 400 and needle in body["error"]["message"]
+    assert status == 400, body
+    assert needle in body["error"]["message"] and body["error"]["param"] == param
+    assert server.num_chat_requests == 1 and not server.prompts  # refused before any decoding
+
+
+def test_text_content_parts_are_the_joined_string(setup, serve):
+    server, _ = serve()
+    parts = [{"type": "text", "text": "Say something"}, {"type": "text", "text": "about the sea."}]
+    as_parts = _post(server, {"model": "tiny", "max_tokens": 6, "messages": [{"role": "user", "content": parts}]})
+    as_text = _post(server, {"model": "tiny", "max_tokens": 6,
+                             "messages": [{"role": "user", "content": "Say something\nabout the sea."}]})
+    assert as_parts[0] == 200 and as_parts[1]["choices"] == as_text[1]["choices"]
+    assert server.prompts[0] == server.prompts[1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_goes_away_stops_its_request_at_the_next_step(setup, serve, stream):
+    """The request is held until its client has closed the connection; then it decodes one step at most
+    (the engine hands on_tokens the first token and the check finds the closed socket; a stream may fail
+    earlier, writing its headers) and frees the queue (the answer runs for many steps otherwise)."""
+    target, tok, folders = setup
+    hold = threading.Event()
+    decoder = EngineDecoder(target, tok, draft=folders["dspark"], dtype="float32")
+    server = OpenAICompatServer(decoder.target_model, tok, model_name="tiny", decoder=decoder, hold=hold).start()
+    steps = []
+    generate = decoder.generate
+
+    def counting(*args, on_tokens, **kwargs):
+        return generate(*args, on_tokens=lambda new: (steps.append(new), on_tokens(new)), **kwargs)
+
+    decoder.generate = counting
+    try:
+        payload = json.dumps({"model": "tiny", "messages": MESSAGES[0], "max_tokens": 200, "stream": stream}).encode()
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+            deadline = time.monotonic() + 60
+            while not server.received and time.monotonic() < deadline:  # the request is read and held
+                time.sleep(0.01)
+        hold.set()
+        while not server.num_abandoned and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.num_abandoned == 1 and len(steps) <= 1
+        status, body = _post(server, {"model": "tiny", "messages": MESSAGES[0], "max_tokens": 4})
+        assert status == 200 and body["usage"]["completion_tokens"] >= 1
+    finally:
+        server.stop()
 
 
 def test_the_engine_decoder_refuses_a_draft_for_another_target(setup):
