@@ -2,9 +2,9 @@
 
 Formats (docs/export.md has each one's keys, weight names and sources):
 
-- ``vllm-eagle3``: vLLM's EAGLE-3 drafter (``method: eagle3``). A Llama-family draft becomes
-  ``LlamaForCausalLMEagle3`` (no q/k norm), a Qwen3-family one ``Qwen3ForCausalLM`` (vLLM's Qwen3
-  EAGLE-3 head, with q/k norm). vLLM reads ``eagle_aux_hidden_state_layer_ids`` as hidden-state
+- ``vllm-eagle3``: vLLM's EAGLE-3 drafter (``method: eagle3``). A draft without q/k norm becomes
+  ``LlamaForCausalLMEagle3``, one with q/k norm (a Qwen3 target, or ``--draft-backbone qwen3``)
+  ``Qwen3ForCausalLM`` (vLLM's Qwen3 EAGLE-3 head). vLLM reads ``eagle_aux_hidden_state_layer_ids`` as hidden-state
   indices (``hidden_states[i]``, 0 = the embeddings), so DeepSpec's layer ids (the output of decoder
   layer ``i`` = ``hidden_states[i + 1]``, DESIGN s.2) are written plus one.
 - ``sglang-eagle3``: SGLang's ``LlamaForCausalLMEagle3``. SGLang adds one to
@@ -14,7 +14,14 @@ Formats (docs/export.md has each one's keys, weight names and sources):
   anchor slot and each mask slot propose the next token, as DeepSpec's DSpark and DFlash do). A DFlash
   draft is written as a DSpark draft whose Markov head is zero (rank 1), which leaves its logits
   unchanged. vLLM builds Qwen3 layers with q/k RMSNorm whatever the target, so a draft without q/k norm
-  (Llama, Qwen2 and Mistral targets) is refused: an RMSNorm of weight 1 still normalises.
+  (``train --draft-backbone target`` for a Llama, Qwen2 or Mistral target) is refused: an RMSNorm of
+  weight 1 still normalises. DSpark and DFlash drafts have Qwen3-style layers by default.
+- ``speculators``: the vllm-project/speculators layout (``speculators_model_type`` ``eagle3`` or
+  ``dspark``, the draft's layer config under ``transformer_layer_config``, and
+  ``speculators_config`` naming the verifier, i.e. the target, and the number of speculative
+  tokens), which vLLM serves with ``vllm serve DIR`` alone. The weights are the vLLM formats'. Eagle3
+  drafts keep vLLM's hidden-state layer ids (DeepSpec's + 1) under ``eagle_aux_hidden_state_layer_ids``;
+  DSpark and DFlash drafts write ``aux_hidden_state_layer_ids`` = DeepSpec's + 1 (vLLM subtracts one).
 - ``vllm-dflash`` is refused for DeepSpec's drafts, with the reason: vLLM's DFlash method (z-lab's
   layout) reads a block ``[bonus, mask x K]`` whose mask slots predict their own position, while
   DeepSpec's DFlash proposes from the anchor slot on (the layout vLLM calls DSpark); ``vllm-dspark``
@@ -44,7 +51,7 @@ from deepspec.eval.stage import draft_folder
 from deepspec.models.vocab import d2t_to_offsets
 from deepspec.utils import atomic_path
 
-FORMATS = ("vllm-eagle3", "sglang-eagle3", "vllm-dspark", "vllm-dflash")
+FORMATS = ("vllm-eagle3", "sglang-eagle3", "vllm-dspark", "speculators", "vllm-dflash")
 WEIGHTS_NAME = "model.safetensors"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,10 +61,13 @@ class ExportConfig:
     """What to export, where, and in which engine's layout."""
 
     draft: str  # a training run (its latest checkpoint), a checkpoint folder or its draft/ folder
-    format: str  # vllm-eagle3 | sglang-eagle3 | vllm-dspark (vllm-dflash: refused, with the reason)
+    format: str  # vllm-eagle3 | sglang-eagle3 | vllm-dspark | speculators (vllm-dflash: refused, with the reason)
     output_dir: str  # the export folder (config.json, model.safetensors)
     dtype: str = "bfloat16"  # weight dtype written: float32 | bfloat16 | float16 (engines cast to theirs)
     overwrite: bool = False  # replace an existing output_dir
+    # speculators only: the target the draft serves with, written as speculators_config.verifier.name_or_path:
+    # "default" (the embedded SmolLM2's converted folder), a model folder (checked against the draft) or a hub id
+    verifier: str | None = None
 
     def __post_init__(self) -> None:
         if not str(self.output_dir).strip() or Path(self.output_dir).resolve() == Path.cwd().resolve():
@@ -67,6 +77,10 @@ class ExportConfig:
             raise ValueError(f"export.format: expected one of {', '.join(FORMATS)}, got {self.format!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"export.dtype: expected one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if (self.format == "speculators") != bool(self.verifier):
+            raise ValueError("export.verifier: the speculators format names the target it serves with (--verifier "
+                             "default | a model folder | a hub id); the other formats take the target on the engine's "
+                             f"command line, so drop --verifier (format {self.format!r}, verifier {self.verifier!r})")
 
 
 class ExportError(ValueError):
@@ -117,11 +131,9 @@ def _eagle3_config(c: Any, fmt: str) -> dict[str, Any]:
     if fmt == "sglang-eagle3" and c.qk_norm:
         raise ExportError("sglang-eagle3: SGLang's EAGLE-3 head (LlamaForCausalLMEagle3) has no q/k norm and skips "
                           "weights it does not know without an error, so this draft (q/k norm, a "
-                          f"{c.family} target) would load and mispredict; export it as vllm-eagle3")
-    qwen3_head = fmt == "vllm-eagle3" and c.qk_norm
-    if c.qk_norm and c.family != "qwen3":
-        raise ExportError(f"{fmt}: the draft has q/k norm on a {c.family} target; only Qwen3-family q/k norm "
-                          "layers have an EAGLE-3 head in the engines")
+                          f"{c.family} target) would load and mispredict; export it as vllm-eagle3, or for a "
+                          "target without q/k norm train it with --draft-backbone target")
+    qwen3_head = fmt == "vllm-eagle3" and c.qk_norm  # vLLM's Qwen3 EAGLE-3 head, whatever the target family
     out = _backbone(c, model_type="qwen3" if qwen3_head else "llama", num_layers=1)
     out["architectures"] = ["Qwen3ForCausalLM" if qwen3_head else "LlamaForCausalLMEagle3"]
     n = len(c.target_layer_ids)
@@ -139,8 +151,9 @@ def _eagle3_config(c: Any, fmt: str) -> dict[str, Any]:
 def _dspark_config(c: Any, algorithm: str, markov_rank: int, confidence_with_markov: bool | None) -> dict[str, Any]:
     if not c.qk_norm:
         raise ExportError(f"vllm-dspark: vLLM's Qwen3DSparkModel builds Qwen3 layers with q/k RMSNorm; this draft's "
-                          f"layers ({c.family} target) have none, and an RMSNorm of weight 1 still normalises, so "
-                          "the engine would compute another draft. Only drafts for Qwen3-family targets export to it")
+                          f"layers ({c.family} target, --draft-backbone target) have none, and an RMSNorm of weight "
+                          "1 still normalises, so the engine would compute another draft. Train the draft with "
+                          "--draft-backbone qwen3 (the default for dspark and dflash) to export it")
     if getattr(c, "markov_head_type", "vanilla") != "vanilla" and algorithm == "dspark":
         raise ExportError(f"vllm-dspark: vLLM implements only the vanilla Markov head; this draft's is "
                           f"{c.markov_head_type!r}")
@@ -155,6 +168,58 @@ def _dspark_config(c: Any, algorithm: str, markov_rank: int, confidence_with_mar
                enable_confidence_head=confidence_with_markov is not None,
                confidence_head_with_markov=bool(confidence_with_markov))
     return out
+
+
+def _verifier(name: str, c: Any) -> dict[str, Any]:
+    """speculators_config.verifier for ``--verifier NAME``: a local folder (or ``default``, the embedded
+    target's) must hold a config.json of the draft's target shape; anything else is a hub id, as given."""
+    if name == "default":
+        from deepspec.target.load import ensure_embedded_target
+
+        name = str(ensure_embedded_target())
+    folder = Path(name).expanduser()
+    if not folder.exists():
+        return {"name_or_path": name, "architectures": []}
+    try:
+        target = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"export.verifier: {folder} has no readable config.json ({exc}); name the target's model "
+                          "folder, default (the embedded SmolLM2) or a hub id") from exc
+    want = {"hidden_size": c.target_hidden_size, "num_hidden_layers": c.target_num_hidden_layers,
+            "vocab_size": c.vocab_size}
+    got = {k: target.get(k, target.get("text_config", {}).get(k)) for k in want}
+    if got != want:
+        raise ExportError(f"export.verifier: {folder} has {got}; the draft was made for a target with {want}. Name the "
+                          "target the draft was trained for")
+    return {"name_or_path": str(folder.resolve()), "architectures": list(target.get("architectures") or [])}
+
+
+def _speculators_config(base: dict[str, Any], c: Any, algorithm: str, verifier: dict[str, Any],
+                        num_tokens: int) -> dict[str, Any]:
+    """The speculators-layout config.json from a vLLM format's ``base`` config (vllm-eagle3 or vllm-dspark):
+    the decoder keys move under ``transformer_layer_config``; the algorithm keys stay at the top."""
+    layer_keys = set(_backbone(c, model_type="", num_layers=1))
+    layer = {k: v for k, v in base.items() if k in layer_keys}
+    top = {k: v for k, v in base.items() if k not in layer_keys and k != "architectures"}
+    if algorithm == "eagle3":
+        kind = "eagle3"
+        layer["num_aux_hidden_states"] = top.pop("num_aux_hidden_states")  # vLLM sizes fc from the layer config
+        architectures = ["Eagle3Speculator"]
+    else:
+        kind = "dspark"
+        # vLLM's speculators reader: target_layer_ids = aux - 1 (DeepSpec's ids name the output of layer i)
+        top["aux_hidden_state_layer_ids"] = [i + 1 for i in top.pop("dflash_config")["target_layer_ids"]]
+        architectures = list(base["architectures"])  # Qwen3DSparkModel: the loader vLLM keeps
+    return {
+        "architectures": architectures, "speculators_model_type": kind, "transformer_layer_config": layer, **top,
+        "speculators_config": {
+            "algorithm": kind,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": verifier,
+        },
+    }
 
 
 # ----------------------------------------------------------------------------------------------- weights
@@ -235,11 +300,12 @@ def check_export(fmt: str, config: dict[str, Any], weights: dict[str, torch.Tens
         raise ExportError(f"{fmt}: the export does not match what the engine loads ({details}); nothing was written")
 
 
-def build_export(draft_path: str | Path, fmt: str, *, dtype: torch.dtype = torch.bfloat16
-                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], str]:
+def build_export(draft_path: str | Path, fmt: str, *, dtype: torch.dtype = torch.bfloat16,
+                 verifier: str | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor], str]:
     """``(config.json dict, weights, serve hint)`` of the draft at ``draft_path`` in format ``fmt``.
 
-    Weights are cast to ``dtype`` (``d2t`` stays int64, as offsets). Nothing is written.
+    Weights are cast to ``dtype`` (``d2t`` stays int64, as offsets). ``verifier``: the target named in a
+    ``speculators`` export (:class:`ExportConfig`; default: the embedded target). Nothing is written.
 
     Raises:
         ExportError: the draft cannot be expressed in ``fmt`` (the message names the limit).
@@ -247,6 +313,25 @@ def build_export(draft_path: str | Path, fmt: str, *, dtype: torch.dtype = torch
     """
     folder = draft_folder(draft_path)
     algorithm, model = load_draft(folder)
+    c = model.config
+    if fmt != "speculators":
+        config, weights, hint = _engine_layout(fmt, algorithm, model, dtype)
+    else:  # the vLLM layout of the algorithm, restructured
+        layout = "vllm-eagle3" if algorithm == "eagle3" else "vllm-dspark"
+        try:
+            config, weights, _ = _engine_layout(layout, algorithm, model, dtype)
+        except ExportError as exc:
+            raise ExportError(f"speculators (the weights and keys of {exc})") from exc
+        k = c.ttt_steps if algorithm == "eagle3" else c.block_size
+        config = _speculators_config(config, c, algorithm, _verifier(verifier or "default", c), k)
+        hint = "vllm serve DIR  (the target is the config's speculators_config.verifier)"
+    config["deepspec"] = _deepspec_record(algorithm, c, folder)
+    return config, weights, hint
+
+
+def _engine_layout(fmt: str, algorithm: str, model: Any, dtype: torch.dtype
+                   ) -> tuple[dict[str, Any], dict[str, torch.Tensor], str]:
+    """``(config, checked weights, serve hint)`` of ``model`` in one of the engines' own formats."""
     c = model.config
     state = model.state_dict()
     if fmt == "vllm-dflash":
@@ -281,7 +366,6 @@ def build_export(draft_path: str | Path, fmt: str, *, dtype: torch.dtype = torch
         weights["lm_head.weight"] = state["lm_head.weight"]
         weights["d2t"] = d2t_to_offsets(model.d2t)
     weights = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu() for k, v in weights.items()}
-    config["deepspec"] = _deepspec_record(algorithm, c, folder)
     check_export(fmt, config, weights)
     return config, weights, hint
 
@@ -332,7 +416,7 @@ def run_export(cfg: ExportConfig) -> Path:
     """
     out = Path(cfg.output_dir)
     _check_output_dir(out, cfg)
-    config, weights, hint = build_export(cfg.draft, cfg.format, dtype=_DTYPES[cfg.dtype])
+    config, weights, hint = build_export(cfg.draft, cfg.format, dtype=_DTYPES[cfg.dtype], verifier=cfg.verifier)
     with atomic_path(out) as tmp:
         tmp.mkdir()
         save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})

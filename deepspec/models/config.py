@@ -1,8 +1,10 @@
 """What every draft's config copies from its target, and the draft folder's files.
 
-A draft is a small stack of decoder layers of the target's own family (same width, heads, KV
-heads, head dim, MLP, RoPE, norm eps, q/k-norm) conditioned on concatenated target features
-(DESIGN s.5). :class:`TargetShapeConfig` holds everything shape-related, copied from the target config
+A draft is a small stack of decoder layers with the target's shape (same width, heads, KV heads,
+head dim, MLP, RoPE, norm eps) conditioned on concatenated target features (DESIGN s.5). Their
+attention is either the target family's own (``backbone="target"``: q/k norm for Qwen3, q/k/v biases
+for Qwen2) or Qwen3-style for any family (``backbone="qwen3"``: per-head q/k RMSNorm, no biases), the
+layer vLLM's and SGLang's DFlash / DSpark loaders build whatever the target is (:data:`BACKBONES`). :class:`TargetShapeConfig` holds everything shape-related, copied from the target config
 (:func:`target_shape_fields`); each algorithm's config adds its own knobs
 (:class:`deepspec.algorithms.dspark.config.DraftConfig`, :class:`deepspec.algorithms.eagle3.config.Eagle3Config`).
 :func:`config_from_dict` reads a saved config back; :func:`save_draft_folder` writes a draft folder.
@@ -36,6 +38,23 @@ def save_draft_folder(out_dir: Any, state: dict[str, Any], config: dict[str, Any
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return out_dir
+
+# the draft's decoder-layer attention: the target family's own, or Qwen3-style (q/k norm, no bias) for any family
+BACKBONES = ("target", "qwen3")
+
+
+def draft_backbone(name: str, algorithm: str, *, init_from_target: bool = False) -> str:
+    """The backbone ``train --draft-backbone NAME`` gives a draft of ``algorithm``: ``auto`` is ``qwen3``
+    for DSpark / DFlash (the layer vLLM's ``Qwen3DSparkModel`` builds, so the draft exports to vLLM for
+    any target family; docs/export.md), except with ``--init-from-target`` (a copy of the target's
+    layers needs the family's own layer), and ``target`` for Eagle3 (whose engine heads exist for
+    Llama layers too, and SGLang's has no q/k norm). Raises ValueError naming ``train.draft_backbone``."""
+    if name == "auto":
+        return "target" if algorithm == "eagle3" or init_from_target else "qwen3"
+    if name not in BACKBONES:
+        raise ValueError(f"train.draft_backbone: expected auto, {' or '.join(BACKBONES)}, got {name!r}")
+    return name
+
 
 # family -> (transformers model module, config class name, rms norm class, mlp class, rotary class)
 _FAMILIES: dict[str, tuple[str, str, str]] = {
@@ -242,6 +261,7 @@ def target_shape_fields(
     pad_token_id: int | None = None,
     eos_token_ids: list[int] | int | None = None,
     eos_token_id: list[int] | int | None = None,
+    backbone: str = "target",
 ) -> dict[str, Any]:
     """The :class:`TargetShapeConfig` fields of a draft for ``target_config`` (DESIGN s.5 "Draft shape").
 
@@ -252,10 +272,15 @@ def target_shape_fields(
         pad_token_id / eos_token_ids: the tokenizer's ids (default: the target config's
             ``pad_token_id`` / ``eos_token_id``). ``eos_token_id`` (int or list, tokenizer spelling) is
             accepted too; both are merged.
+        backbone: ``"target"``: the family's own attention (q/k norm for Qwen3, q/k/v bias for Qwen2,
+            ``attention_bias`` / ``mlp_bias`` as the config says); ``"qwen3"``: Qwen3-style for any
+            family, per-head q/k RMSNorm and no biases (:data:`BACKBONES`).
 
     Raises:
-        ValueError: an unsupported family.
+        ValueError: an unsupported family or backbone.
     """
+    if backbone not in BACKBONES:
+        raise ValueError(f"backbone: expected one of {BACKBONES}, received {backbone!r}")
     family = getattr(target_config, "model_type", None)
     if family not in _FAMILIES:
         raise ValueError(f"target_config.model_type: expected one of {SUPPORTED_FAMILIES}, received {family!r}. "
@@ -271,10 +296,13 @@ def target_shape_fields(
             rope.update(target_config.rope_scaling)
             rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
     attn_bias = bool(getattr(target_config, "attention_bias", False))
-    if family == "qwen2":
-        qkv_bias, o_bias = True, False
+    if backbone == "qwen3":
+        qkv_bias = o_bias = mlp_bias = False
+        qk_norm = True
     else:
-        qkv_bias = o_bias = attn_bias
+        qkv_bias, o_bias = (True, False) if family == "qwen2" else (attn_bias, attn_bias)
+        mlp_bias = bool(getattr(target_config, "mlp_bias", False))
+        qk_norm = family == "qwen3"
     if pad_token_id is None:
         pad_token_id = getattr(target_config, "pad_token_id", None)
     eos_all = token_id_list(eos_token_ids) + token_id_list(eos_token_id)
@@ -294,8 +322,8 @@ def target_shape_fields(
         vocab_size=int(target_config.vocab_size),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
-        mlp_bias=bool(getattr(target_config, "mlp_bias", False)),
-        qk_norm=family == "qwen3",
+        mlp_bias=mlp_bias,
+        qk_norm=qk_norm,
         target_hidden_size=H,
         target_num_hidden_layers=int(target_config.num_hidden_layers),
         target_layer_ids=list(target_layer_ids),

@@ -34,8 +34,9 @@ def init_layers_from_target(draft: nn.Module, target_model: nn.Module,
 
     Raises:
         ValueError: ``train.init_from_target_layers`` of the wrong length or out of range; a target
-            layer that lacks one of the draft layer's tensors or has it in another shape (another
-            family or width: the message names the tensor and both shapes).
+            layer that lacks one of the draft layer's tensors, has one the draft's lacks (a Qwen3-style
+            draft layer, ``--draft-backbone qwen3``, on a target without q/k norm or with biases), or has
+            it in another shape (another family or width: the message names the tensor and both shapes).
     """
     decoder = target_model.get_decoder()
     target_layers = decoder.layers
@@ -63,7 +64,16 @@ def init_layers_from_target(draft: nn.Module, target_model: nn.Module,
 
 def _check_tensors(dst: nn.Module, src: nn.Module, what: str) -> None:
     src_state = src.state_dict()
+    extra = sorted(set(src_state) - set(dst.state_dict()))
+    if extra:  # e.g. Qwen2's q/k/v biases under a Qwen3-style draft layer: a copy without them is another layer
+        raise ValueError(f"train.init_from_target: {what}: the target's layer has tensors the draft's lacks "
+                         f"({extra}), so a copy would compute another layer; add --draft-backbone target (the "
+                         "target family's own layer) to start from the target's layers")
     for name, tensor in dst.state_dict().items():
+        if name not in src_state and name.endswith(("q_norm.weight", "k_norm.weight")):
+            raise ValueError(f"train.init_from_target: {what}: the draft's layers have Qwen3-style q/k norms and the "
+                             f"target's have none, so a copy would compute another layer; add --draft-backbone "
+                             "target (the target family's own layer) to start from the target's layers")
         if name not in src_state:
             raise ValueError(f"train.init_from_target: {what}: the target has no tensor {name!r} (it has "
                              f"{sorted(src_state)}); expected a target of the draft's family. Drop --init-from-target.")

@@ -46,6 +46,7 @@ from deepspec.data.chat import render_prompt, target_stop_token_ids
 from deepspec.data.online import OnlineTargetFeatures
 from deepspec.eval.benchmarks import BENCHMARKS, load_benchmark
 from deepspec.models.acceptance import AcceptanceCounts
+from deepspec.models.config import draft_backbone
 from deepspec.models.mask_token import check_mask_token_absent
 from deepspec.models.vocab import count_supervised_tokens, select_draft_vocab
 from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
@@ -86,6 +87,10 @@ class TrainConfig:
     # algorithm of deepspec.algorithms.registry.ALGORITHMS)
     algorithm: str = "dspark"  # the drafting algorithm: dspark | dflash | eagle3 (deepspec.algorithms.registry)
     num_draft_layers: int = 1  # decoder layers of the draft
+    # the draft layers' attention: qwen3 (per-head q/k RMSNorm, no bias, for any target family: the layer vLLM's
+    # DSpark loader builds) | target (the target family's own) | auto (qwen3 for dspark/dflash, target for eagle3
+    # and with --init-from-target)
+    draft_backbone: str = "auto"
     # dspark/dflash: slots per draft block (the anchor + block_size - 1 mask slots, each proposes one token);
     # eagle3: the number of unrolled training-time-test steps (tokens proposed per step)
     block_size: int = 7
@@ -182,6 +187,7 @@ class TrainConfig:
             if value < 0 or (name == "loss_decay_gamma" and value == 0):
                 raise ValueError(f"train.{name}: expected a value {'> 0' if name == 'loss_decay_gamma' else '>= 0'}, "
                                  f"got {value}")
+        draft_backbone(self.draft_backbone, self.algorithm)  # a bad name fails here, naming the field
         if self.init_from_target_layers is not None and not self.init_from_target:
             raise ValueError(f"train.init_from_target_layers: names the target layers to copy with --init-from-target, "
                              f"got {self.init_from_target_layers} without it; add --init-from-target or drop the list")

@@ -102,7 +102,9 @@ def test_init_from_target_refusals(setup, tmp_path):
                          LAYER_IDS)
     with pytest.raises(ValueError, match="train.init_from_target: Eagle3's decoder layer"):
         loop.build_draft(model, tok, _cfg(cache, tmp_path, algorithm="eagle3", init_from_target=True), LAYER_IDS)
-    draft = loop.build_draft(model, tok, _cfg(cache, tmp_path), LAYER_IDS)
+    with pytest.raises(ValueError, match="Qwen3-style q/k norms and the target's have none.*--draft-backbone target"):
+        loop.build_draft(model, tok, _cfg(cache, tmp_path, init_from_target=True, draft_backbone="qwen3"), LAYER_IDS)
+    draft = loop.build_draft(model, tok, _cfg(cache, tmp_path, draft_backbone="target"), LAYER_IDS)
     c = model.config
     other = LlamaForCausalLM(LlamaConfig(vocab_size=c.vocab_size, hidden_size=32, intermediate_size=48,
                                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,

@@ -57,8 +57,9 @@ def setup(tmp_path_factory):
                           mask_token="<repo_name>")
         model = build_draft(targets["A"], tok, cfg, LAYER_IDS)
         folders[algorithm] = model.save_pretrained(root / algorithm)
-        if algorithm == "dspark":
-            folders["original"] = save_original_dspark(model, root / "original")
+        if algorithm == "dspark":  # the original layout holds the target family's own layers only
+            cfg.draft_backbone = "target"
+            folders["original"] = save_original_dspark(build_draft(targets["A"], tok, cfg, LAYER_IDS), root / "original")
     return tok, targets, folders
 
 

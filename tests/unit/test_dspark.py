@@ -74,6 +74,34 @@ def test_config_from_llama_and_qwen3():
         assert DraftConfig.from_dict(cfg.to_dict()) == cfg
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_qwen3_backbone_for_every_family(family):
+    """--draft-backbone qwen3: per-head q/k RMSNorm and no bias whatever the family (the layer vLLM's
+    DSpark loader builds); target: the family's own (q/k norm for Qwen3 only, q/k/v bias for Qwen2)."""
+    t = tiny_target(family)
+    own = draft_config_from_target(t.config, num_draft_layers=1, target_layer_ids=LAYER_IDS, mask_token_id=MASK)
+    qwen3 = draft_config_from_target(t.config, num_draft_layers=1, target_layer_ids=LAYER_IDS, mask_token_id=MASK,
+                                     backbone="qwen3")
+    assert (own.qk_norm, own.qkv_bias, own.o_bias) == (family == "qwen3", family == "qwen2", False)
+    assert (qwen3.qk_norm, qwen3.qkv_bias, qwen3.o_bias, qwen3.mlp_bias) == (True, False, False, False)
+    assert qwen3.family == family and DraftConfig.from_dict(qwen3.to_dict()) == qwen3
+    attn = DSparkDraftModel(qwen3).layers[0].self_attn
+    assert attn.q_norm is not None and attn.q_proj.bias is None and attn.q_norm.weight.shape == (8,)
+    with pytest.raises(ValueError, match="backbone: expected one of"):
+        draft_config_from_target(t.config, num_draft_layers=1, target_layer_ids=LAYER_IDS, mask_token_id=MASK,
+                                 backbone="llama")
+
+
+def test_auto_backbone_per_algorithm():
+    from deepspec.models.config import draft_backbone
+
+    assert [draft_backbone("auto", a) for a in ("dspark", "dflash", "eagle3")] == ["qwen3", "qwen3", "target"]
+    assert draft_backbone("auto", "dspark", init_from_target=True) == "target"  # a copy needs the family's layer
+    assert draft_backbone("qwen3", "eagle3") == "qwen3"
+    with pytest.raises(ValueError, match="train.draft_backbone: expected auto, target or qwen3, got 'gemma'"):
+        draft_backbone("gemma", "dspark")
+
+
 def test_config_qwen3_4b_from_config_alone():
     tc = Qwen3Config(hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      intermediate_size=9728, num_hidden_layers=36, vocab_size=151936, max_position_embeddings=40960,
@@ -163,10 +191,10 @@ def test_block_never_sees_context_at_or_after_anchor(family, use_flex):
     assert not torch.allclose(out3.logits_BAKV[:, 2], base.logits_BAKV[:, 2])  # block at 15 sees position 9
 
 
-@pytest.mark.parametrize("markov", MARKOV_HEAD_TYPES)
+@pytest.mark.parametrize("markov, backbone", [(m, "target") for m in MARKOV_HEAD_TYPES] + [("vanilla", "qwen3")])
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral"])
-def test_training_and_inference_paths_agree(family, markov):
-    target, draft = make_draft(family, markov_head_type=markov)
+def test_training_and_inference_paths_agree(family, markov, backbone):
+    target, draft = make_draft(family, markov_head_type=markov, backbone=backbone)
     ids, lm = batch(B=2, S=24)
     feats, _ = capture(target, ids)
     ap = torch.tensor([[4, 6, 20], [0, 11, 0]])  # overlapping, near the end, padding

@@ -34,21 +34,21 @@ def tiny_target(family):
 D2T = torch.tensor([7, 1, 3, 2, 9, 40, 63, 12, 11, 10, 20, 30])  # absolute target ids, not sorted
 
 
-def saved_draft(tmp_path, algorithm, family, *, reduced=False):
+def saved_draft(tmp_path, algorithm, family, *, reduced=False, backbone="target"):
     target = tiny_target(family)
     d2t = D2T if reduced else None
     torch.manual_seed(1)
     if algorithm == "eagle3":
         cfg = eagle3_config_from_target(target.config, target_layer_ids=LAYER_IDS, ttt_steps=3,
-                                        draft_vocab_size=len(D2T) if reduced else None)
+                                        draft_vocab_size=len(D2T) if reduced else None, backbone=backbone)
         draft = Eagle3DraftModel.from_target(target, cfg, d2t=d2t)
     else:
         knobs = {} if algorithm == "dspark" else dflash_knobs()
         cfg = draft_config_from_target(target.config, num_draft_layers=2, target_layer_ids=LAYER_IDS,
                                        mask_token_id=MASK, markov_rank=4, block_size=4,
-                                       draft_vocab_size=len(D2T) if reduced else None, **knobs)
+                                       draft_vocab_size=len(D2T) if reduced else None, backbone=backbone, **knobs)
         draft = DSparkDraftModel.from_target(target, cfg, d2t=d2t)
-    folder = tmp_path / f"{algorithm}-{family}-{reduced}"
+    folder = tmp_path / f"{algorithm}-{family}-{reduced}-{backbone}"
     draft.save_pretrained(folder)
     return folder, draft
 
@@ -124,6 +124,22 @@ def test_vllm_dspark(tmp_path):
                                rtol=0, atol=0)
 
 
+def test_qwen3_style_drafts_for_a_llama_target_export_to_vllm(tmp_path):
+    """--draft-backbone qwen3 (the default for dspark and dflash): vLLM's Qwen3DSparkModel builds exactly
+    these layers for a Llama target; an Eagle3 draft so built gets vLLM's Qwen3 EAGLE-3 head."""
+    folder, draft = saved_draft(tmp_path, "dspark", "llama", backbone="qwen3")
+    config, weights = export(tmp_path, folder, "vllm-dspark", dtype="float32")
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["model_type"] == "qwen3"
+    assert config["attention_bias"] is False and config["deepspec"]["config"]["family"] == "llama"
+    torch.testing.assert_close(weights["layers.1.self_attn.k_norm.weight"], draft.layers[1].self_attn.k_norm.weight,
+                               rtol=0, atol=0)
+    folder, _ = saved_draft(tmp_path, "eagle3", "llama", backbone="qwen3")
+    config, weights = export(tmp_path, folder, "vllm-eagle3")
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and "layers.0.self_attn.q_norm.weight" in weights
+    with pytest.raises(ExportError, match="train it with --draft-backbone target"):
+        build_export(folder, "sglang-eagle3")
+
+
 def test_dflash_exports_as_dspark_with_a_zero_markov_head(tmp_path):
     folder, _ = saved_draft(tmp_path, "dflash", "qwen3")
     config, weights = export(tmp_path, folder, "vllm-dspark")
@@ -133,7 +149,8 @@ def test_dflash_exports_as_dspark_with_a_zero_markov_head(tmp_path):
 
 
 @pytest.mark.parametrize("algorithm, family, fmt, message", [
-    ("dspark", "llama", "vllm-dspark", "builds Qwen3 layers with q/k RMSNorm; this draft's layers .llama target"),
+    ("dspark", "llama", "vllm-dspark", "builds Qwen3 layers with q/k RMSNorm; this draft's layers .llama target, "
+                                       "--draft-backbone target. have none.*Train the draft with --draft-backbone qwen3"),
     ("dspark", "qwen3", "vllm-dflash", "mask slots predict their own position"),
     ("dspark", "qwen3", "vllm-eagle3", "EAGLE-3 formats take eagle3 drafts"),
     ("eagle3", "llama", "vllm-dflash", "eagle3 draft; use --format vllm-eagle3 or sglang-eagle3"),
@@ -206,3 +223,68 @@ def test_export_files_are_readable_by_the_serving_user(tmp_path):
     assert out.stat().st_mode & 0o777 == 0o755
     assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {"config.json": 0o644,
                                                                         "model.safetensors": 0o644}
+
+
+# ----------------------------------------------------------------------------------------------- speculators
+def _verifier_folder(tmp_path, family="llama", **changes):
+    folder = tmp_path / f"verifier-{family}"
+    folder.mkdir(exist_ok=True)
+    target = tiny_target(family)
+    target.config.architectures = [type(target).__name__]
+    (folder / "config.json").write_text(json.dumps({**target.config.to_dict(), **changes}))
+    return folder
+
+
+def test_speculators_eagle3_is_the_vllm_layout_with_the_decoder_keys_nested(tmp_path):
+    folder, _ = saved_draft(tmp_path, "eagle3", "llama", reduced=True)
+    verifier = _verifier_folder(tmp_path)
+    vllm, vllm_weights, _ = build_export(folder, "vllm-eagle3")
+    config, weights, hint = build_export(folder, "speculators", verifier=str(verifier))
+    assert config["speculators_model_type"] == "eagle3" and config["architectures"] == ["Eagle3Speculator"]
+    layer = config["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1 and layer["hidden_size"] == H
+    assert layer["num_aux_hidden_states"] == 2  # vLLM sizes fc from the layer config (3 when absent)
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3] and config["draft_vocab_size"] == len(D2T)
+    assert config["norm_before_residual"] is False and config["target_hidden_size"] == H
+    assert "hidden_size" not in config and "num_aux_hidden_states" not in config
+    spec = config["speculators_config"]
+    assert spec["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1,
+                                         "accept_tolerance": 0.0}]
+    assert spec["verifier"] == {"name_or_path": str(verifier.resolve()), "architectures": ["LlamaForCausalLM"]}
+    assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
+    assert set(weights) == set(vllm_weights) and all(torch.equal(weights[k], vllm_weights[k]) for k in weights)
+    assert hint.startswith("vllm serve DIR")
+
+
+def test_speculators_dspark_writes_vllms_aux_layer_ids(tmp_path):
+    folder, _ = saved_draft(tmp_path, "dspark", "llama", backbone="qwen3")
+    config, weights, _ = build_export(folder, "speculators", verifier=str(_verifier_folder(tmp_path)))
+    assert config["speculators_model_type"] == "dspark" and config["architectures"] == ["Qwen3DSparkModel"]
+    assert config["aux_hidden_state_layer_ids"] == [1, 3]  # vLLM: target_layer_ids = aux - 1 = DeepSpec's ids
+    assert "dflash_config" not in config and config["mask_token_id"] == MASK and config["sample_from_anchor"] is True
+    assert (config["block_size"], config["markov_rank"]) == (4, 4)
+    assert config["transformer_layer_config"]["model_type"] == "qwen3"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert "layers.1.self_attn.q_norm.weight" in weights
+
+
+def test_speculators_refusals(tmp_path):
+    folder, _ = saved_draft(tmp_path, "eagle3", "llama")
+    kw = dict(draft=str(folder), output_dir=str(tmp_path / "out"))
+    with pytest.raises(ValueError, match="export.verifier: the speculators format names the target"):
+        ExportConfig(**kw, format="speculators")
+    with pytest.raises(ValueError, match="drop --verifier"):
+        ExportConfig(**kw, format="vllm-eagle3", verifier="default")
+    other = _verifier_folder(tmp_path, hidden_size=64)
+    with pytest.raises(ExportError, match="export.verifier: .* has .*'hidden_size': 64.*made for a target with"):
+        run_export(ExportConfig(**kw, format="speculators", verifier=str(other)))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ExportError, match="has no readable config.json"):
+        run_export(ExportConfig(**kw, format="speculators", verifier=str(empty)))
+    assert not (tmp_path / "out").exists()
+    config, _, _ = build_export(folder, "speculators", verifier="org/some-model")  # a hub id, written as given
+    assert config["speculators_config"]["verifier"] == {"name_or_path": "org/some-model", "architectures": []}
+    dspark, _ = saved_draft(tmp_path, "dspark", "llama")  # the family's own layers: no vLLM DSpark loader
+    with pytest.raises(ExportError, match="--draft-backbone qwen3"):
+        build_export(dspark, "speculators", verifier="org/some-model")

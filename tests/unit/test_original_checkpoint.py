@@ -207,6 +207,23 @@ def test_saver_refuses_a_reduced_vocabulary_draft(target, tmp_path):
     assert not (tmp_path / "exported").exists()
 
 
+def test_saver_refuses_layers_the_original_would_build_otherwise(tmp_path):
+    """The original builds the layers from model_type: a Qwen3-style draft for a Llama target
+    (--draft-backbone qwen3) would load there without its q/k norms."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN,
+                                         num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                         num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=128,
+                                         eos_token_id=EOS, pad_token_id=PAD)).eval()
+    config = draft_config_from_target(llama.config, num_draft_layers=1, target_layer_ids=LAYER_IDS,
+                                      mask_token_id=MASK, block_size=K, markov_rank=RANK, backbone="qwen3")
+    with pytest.raises(ValueError, match="original layout: the original builds the draft's layers from model_type "
+                                         "'llama'.*--draft-backbone target"):
+        save_original_dspark(DSparkDraftModel.from_target(llama, config), tmp_path / "exported")
+    assert not (tmp_path / "exported").exists()
+
+
 def test_missing_embeddings_come_from_the_target(target, tmp_path):
     config = draft_config_from_target(target.config, num_draft_layers=DRAFT_LAYERS, target_layer_ids=LAYER_IDS,
                                       mask_token_id=MASK, block_size=K, markov_rank=RANK)

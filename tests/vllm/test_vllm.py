@@ -1,6 +1,8 @@
 """A trained draft in a real serving engine: vLLM (CPU build) serves the embedded SmolLM2 target with a
-DeepSpec Eagle3 draft exported by ``deepspec export --format vllm-eagle3``; and ``deepspec prepare
---backend openai`` against that vLLM server regenerates exactly the local backend's answers and ids.
+DeepSpec Eagle3 draft exported by ``deepspec export --format vllm-eagle3`` and, as ``vllm serve DIR``
+alone, with the same draft in the speculators layout (``--format speculators``); ``deepspec prepare
+--backend openai`` against that vLLM server regenerates exactly the local backend's answers and ids;
+and vLLM's own reader of the speculators layout gives it the meaning of the direct vLLM formats.
 
 The draft memorises 8 conversations the target answered (``tests/fixtures/memorise8.prepared.jsonl``)
 for a short run with the demo recipe's sizes (a reduced 8,192-token draft vocabulary, so ``d2t`` and
@@ -75,3 +77,63 @@ def test_vllm_prepare_and_an_exported_eagle3_draft(tmp_path):
           f"mean acceptance length {mean_acceptance_length:.2f}", file=sys.stderr)
     assert drafted == plain, "vLLM's greedy output with the exported draft differs from its output without it"
     assert drafts > 0 and mean_acceptance_length > 1.0
+
+    # the same draft in the speculators layout, served as `vllm serve DIR` alone: vLLM finds the target (the
+    # verifier) and the speculative settings in the config, and runs exactly the same draft
+    speculators = tmp_path / "eagle3-speculators"
+    assert main(["export", "--draft", str(train), "--format", "speculators", "--verifier", "default",
+                 "--output-dir", str(speculators), "--dtype", "float32"]) == 0
+    with VllmServer(VLLM_PYTHON, speculators, tmp_path / "vllm-speculators.log") as server:
+        server.wait_ready()
+        assert [_chat(server, p) for p in prompts] == plain
+        assert (server.counter("spec_decode_num_drafts"), server.counter("spec_decode_num_accepted_tokens")) == (
+            drafts, accepted)
+
+
+_READ_SPECULATORS = """
+import json, sys
+from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+config = json.load(open(sys.argv[1]))
+print(json.dumps({"layer": SpeculatorsConfig.extract_transformers_pre_trained_config(config),
+                  "speculative": SpeculatorsConfig.extract_vllm_speculative_config(config)}))
+"""
+
+
+@pytest.mark.skipif(not VLLM_PYTHON, reason="DEEPSPEC_VLLM_PYTHON is not set (make test builds .venv-vllm)")
+@pytest.mark.parametrize("algorithm", ["eagle3", "dspark"])
+def test_vllms_speculators_reader_gives_a_speculators_export_the_vllm_formats_meaning(tmp_path, algorithm):
+    """vLLM's own reader of the speculators layout (its config conversion, run in vLLM's environment) turns
+    `deepspec export --format speculators` into the keys `--format vllm-eagle3` / `vllm-dspark` write: the
+    same layer ids, fc width, vocabulary, mask token and block layout. (DSpark cannot run on vLLM's CPU
+    build, so its config is checked through this reader.)"""
+    import subprocess
+
+    from tests.unit.test_export import _verifier_folder, build_export, saved_draft
+
+    folder, _ = saved_draft(tmp_path, algorithm, "llama", reduced=True, backbone="qwen3")
+    direct, _, _ = build_export(folder, "vllm-eagle3" if algorithm == "eagle3" else "vllm-dspark")
+    config, _, _ = build_export(folder, "speculators", verifier=str(_verifier_folder(tmp_path)))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = subprocess.run([VLLM_PYTHON, "-c", _READ_SPECULATORS, str(tmp_path / "config.json")], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    read = json.loads(out.stdout.strip().splitlines()[-1])
+    layer, speculative = read["layer"], read["speculative"]
+    for key in ("hidden_size", "num_hidden_layers", "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size",
+                "model_type"):
+        assert layer[key] == direct[key], key
+    if algorithm == "eagle3":
+        assert layer["architectures"] == ["Eagle3Qwen3ForCausalLM"]  # vLLM's Qwen3 EAGLE-3 head (q/k norm)
+        assert layer["eagle_aux_hidden_state_layer_ids"] == direct["eagle_aux_hidden_state_layer_ids"]
+        assert layer["num_aux_hidden_states"] == direct["num_aux_hidden_states"]
+        assert layer["norm_before_residual"] is False
+        assert speculative == {"method": "eagle3", "num_speculative_tokens": direct["deepspec"]["config"]["ttt_steps"]}
+    else:
+        assert layer["architectures"] == ["Qwen3DSparkModel"]
+        assert layer["target_layer_ids"] == direct["dflash_config"]["target_layer_ids"]  # DeepSpec's own ids
+        assert layer["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in direct["dflash_config"]["target_layer_ids"]]
+        assert layer["sample_from_anchor"] is True and layer["dspark_bonus_anchor"] is False
+        for key in ("mask_token_id", "block_size", "markov_rank", "markov_head_type", "enable_confidence_head",
+                    "confidence_head_with_markov"):
+            assert layer[key] == direct[key], key
+        assert speculative == {"method": "dspark", "num_speculative_tokens": direct["block_size"]}

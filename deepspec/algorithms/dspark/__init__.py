@@ -24,6 +24,7 @@ from deepspec.algorithms.dspark.model import DSparkDraftModel
 from deepspec.algorithms.dspark.proposer import DSparkProposer
 from deepspec.algorithms.protocol import TrainBatch
 from deepspec.models.anchors import sample_anchors
+from deepspec.models.config import draft_backbone
 from deepspec.models.mask_token import choose_mask_token_id
 from deepspec.models.target_init import init_layers_from_target
 
@@ -59,6 +60,8 @@ class DSparkAlgorithm:
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
             draft_vocab_size=draft_vocab_size,
+            backbone=draft_backbone(getattr(cfg, "draft_backbone", "auto"), self.name,
+                                    init_from_target=getattr(cfg, "init_from_target", False)),
             # the algorithm's own knobs, then the loss settings given to train over them
             **{**({} if self.heads else dflash_knobs()), **cfg.loss_knobs()},
         )

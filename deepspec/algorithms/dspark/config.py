@@ -142,6 +142,7 @@ def draft_config_from_target(
     pad_token_id: int | None = None,
     eos_token_ids: list[int] | int | None = None,
     eos_token_id: list[int] | int | None = None,
+    backbone: str = "target",
     **knobs: Any,
 ) -> DraftConfig:
     """Derive a :class:`DraftConfig` from a transformers target config (DESIGN s.5 "Draft shape").
@@ -153,6 +154,8 @@ def draft_config_from_target(
         pad_token_id / eos_token_ids: ids the mask token must differ from (tokenizer's; defaults
             to the target config's ``pad_token_id`` / ``eos_token_id``). ``eos_token_id`` (int or
             list, tokenizer spelling) is accepted too; both are merged.
+        backbone: the draft layers' attention, ``"target"`` (the family's) or ``"qwen3"`` (q/k norm, no
+            bias, for any family; :func:`deepspec.models.config.target_shape_fields`).
         **knobs: any other DraftConfig field (loss weights, gamma, ...). Unknown -> ValueError.
     Raises:
         ValueError: unsupported family, missing config fields, or any DraftConfig validation error.
@@ -164,7 +167,7 @@ def draft_config_from_target(
                          "Fix the spelling.")
     return DraftConfig(
         **target_shape_fields(target_config, target_layer_ids=target_layer_ids, pad_token_id=pad_token_id,
-                              eos_token_ids=eos_token_ids, eos_token_id=eos_token_id),
+                              eos_token_ids=eos_token_ids, eos_token_id=eos_token_id, backbone=backbone),
         num_draft_layers=num_draft_layers,
         block_size=block_size,
         mask_token_id=mask_token_id,

@@ -233,6 +233,11 @@ def original_config_dict(config: DraftConfig, *, num_anchors: int = 512) -> dict
     """The original-layout ``config.json`` of a draft with ``config`` (inverse of
     :func:`draft_config_from_original`; ``num_anchors`` is a training knob the original requires)."""
     c = config
+    if c.qk_norm != (c.family == "qwen3"):
+        raise ValueError(f"original layout: the original builds the draft's layers from model_type {c.family!r} "
+                         f"(q/k norm for qwen3 only), and this draft's {'have' if c.qk_norm else 'lack'} it "
+                         "(--draft-backbone); train with --draft-backbone target to write this layout, or keep "
+                         "DeepSpec's own layout")
     cfg: dict[str, Any] = {
         "architectures": [c.architecture],
         "model_type": c.family,

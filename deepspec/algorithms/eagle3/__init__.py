@@ -20,6 +20,7 @@ from deepspec.algorithms.eagle3.loss import eagle3_loss, ttt_supervision
 from deepspec.algorithms.eagle3.model import Eagle3DraftModel
 from deepspec.algorithms.eagle3.proposer import Eagle3Proposer
 from deepspec.algorithms.protocol import TrainBatch
+from deepspec.models.config import draft_backbone
 
 
 @dataclass
@@ -48,7 +49,8 @@ class Eagle3Algorithm:
         config = eagle3_config_from_target(target_model.config, target_layer_ids=list(target_layer_ids),
                                            ttt_steps=int(steps), pad_token_id=getattr(tokenizer, "pad_token_id", None),
                                            eos_token_id=getattr(tokenizer, "eos_token_id", None),
-                                           draft_vocab_size=None if d2t is None else int(d2t.shape[0]))
+                                           draft_vocab_size=None if d2t is None else int(d2t.shape[0]),
+                                           backbone=draft_backbone(getattr(cfg, "draft_backbone", "auto"), self.name))
         return Eagle3DraftModel.from_target(target_model, config, d2t=d2t)
 
     def load(self, path):

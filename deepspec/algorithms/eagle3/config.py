@@ -54,9 +54,10 @@ class Eagle3Config(TargetShapeConfig):
 def eagle3_config_from_target(target_config: Any, *, target_layer_ids: list[int], ttt_steps: int = 7,
                               step_decay: float = 0.8, pad_token_id: int | None = None,
                               eos_token_id: list[int] | int | None = None,
-                              draft_vocab_size: int | None = None) -> Eagle3Config:
-    """Derive an :class:`Eagle3Config` from a transformers target config (same family rules as DSpark's
-    :func:`deepspec.algorithms.dspark.config.draft_config_from_target`)."""
+                              draft_vocab_size: int | None = None, backbone: str = "target") -> Eagle3Config:
+    """Derive an :class:`Eagle3Config` from a transformers target config (same family and ``backbone``
+    rules as DSpark's :func:`deepspec.algorithms.dspark.config.draft_config_from_target`)."""
     return Eagle3Config(**target_shape_fields(target_config, target_layer_ids=target_layer_ids,
-                                              pad_token_id=pad_token_id, eos_token_id=eos_token_id),
+                                              pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+                                              backbone=backbone),
                         ttt_steps=ttt_steps, step_decay=step_decay, draft_vocab_size=draft_vocab_size)
