@@ -19,7 +19,7 @@ from deepspec.data.prepare import PrepareConfig, run_prepare
 from deepspec.device import cast_for_decoding, resolve_dtype
 from deepspec.models.config import unsupported_family_note
 from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
-from deepspec.target.load import load_target, recorded_target_name
+from deepspec.target.load import load_target, recorded_target_name, require_chat_template
 from deepspec.train.loop import train
 from deepspec.utils import format_bytes, torchrun_env
 
@@ -32,7 +32,9 @@ class CacheConfig:
 
     input: str | None = None  # prepared JSONL (required unless verify)
     output_dir: str  # cache folder (a rerun with the same settings resumes, or does nothing if complete)
-    target: str = "default"  # "default" (embedded SmolLM2), a Hugging Face model folder or hub id
+    target: str = "default"  # "default" (embedded SmolLM2), a Hugging Face model folder or a GGUF file
+    # a Jinja chat template file replacing the target's (GGUF files often carry none; docs: README, "Targets")
+    chat_template: str | None = None
     target_layer_ids: list[int] | None = None  # None: evenly spaced from 1 to L-3 (DESIGN s.2)
     num_target_layers: int = 5  # layers captured when target_layer_ids is None
     max_seq_len: int = 1024  # samples are cut to this many tokens (prefix kept, counted)
@@ -56,7 +58,7 @@ def run_prepare_stage(cfg: PrepareConfig, *, target_model=None, tokenizer=None):
         device = next(target_model.parameters()).device if target_model is not None else "cpu"
         dtype = resolve_dtype(cfg.dtype, device)
         if target_model is None:
-            target_model, tokenizer = load_target(cfg.target, dtype=dtype)
+            target_model, tokenizer = load_target(cfg.target, dtype=dtype, chat_template=cfg.chat_template)
         target_model = cast_for_decoding(target_model, dtype)  # a copy when the caller's target has another dtype
         note = unsupported_family_note(getattr(target_model, "config", None), "prepare")
         if note:
@@ -99,9 +101,10 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
             created_group = True
     try:
         if target_model is None:
-            target_model, tokenizer = load_target(cfg.target)
+            target_model, tokenizer = load_target(cfg.target, chat_template=cfg.chat_template)
             if torch.cuda.is_available():
                 target_model.to(f"cuda:{local_rank}")
+        require_chat_template(tokenizer, cfg.target)
         note = unsupported_family_note(target_model.config, "cache")
         if note and rank == 0:
             print(note, flush=True)
@@ -119,7 +122,7 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
             storage_dtype=cfg.storage_dtype,
             rank=rank,
             world_size=world_size,
-            target=recorded_target_name(cfg.target),
+            target=recorded_target_name(cfg.target, cfg.chat_template),
         )
     finally:
         if created_group:

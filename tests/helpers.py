@@ -65,3 +65,63 @@ def sharp_tiny_llama(vocab_size: int = 64, *, max_position_embeddings: int = 128
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     return model
+
+
+def write_tiny_gguf(path, *, seed: int = 0, chat_template: str | None = None, architecture: str = "llama",
+                    tensors: bool = True):
+    """A tiny random Llama target as a GGUF file (float32 tensors, 2 layers, width 32) with a byte-level
+    tokenizer of 259 tokens (``<|endoftext|>``, ``<|im_start|>`` bos, ``<|im_end|>`` eos/pad, the 256 byte
+    symbols), and ``chat_template`` when given. ``architecture`` / ``tensors=False`` write a header-only
+    file declaring another architecture. Returns ``path``."""
+    import gguf
+    import numpy as np
+    from tokenizers import pre_tokenizers
+
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + sorted(pre_tokenizers.ByteLevel.alphabet())
+    V, H, I, L, NH, NKV, D = len(tokens), 32, 64, 2, 4, 2, 8
+    w = gguf.GGUFWriter(str(path), architecture)
+    w.add_block_count(L)
+    w.add_context_length(128)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(I)
+    w.add_head_count(NH)
+    w.add_head_count_kv(NKV)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(V)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * 256)
+    w.add_token_scores([0.0] * V)
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(2)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    if tensors:
+        rng = np.random.default_rng(seed)
+
+        def add(name, *shape):
+            w.add_tensor(name, (rng.standard_normal(shape) * 0.05).astype(np.float32))
+
+        add("token_embd.weight", V, H)
+        add("output_norm.weight", H)
+        add("output.weight", V, H)
+        for i in range(L):
+            p = f"blk.{i}."
+            add(p + "attn_norm.weight", H)
+            add(p + "ffn_norm.weight", H)
+            add(p + "attn_q.weight", NH * D, H)
+            add(p + "attn_k.weight", NKV * D, H)
+            add(p + "attn_v.weight", NKV * D, H)
+            add(p + "attn_output.weight", H, NH * D)
+            add(p + "ffn_gate.weight", I, H)
+            add(p + "ffn_up.weight", I, H)
+            add(p + "ffn_down.weight", H, I)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

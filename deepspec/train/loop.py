@@ -80,8 +80,10 @@ class TrainConfig:
     max_seq_len: int = 1024  # online only (a cache records its own)
     online_feature_dtype: str = "float32"  # online only: the cache storage dtype to reproduce (or fp8)
     # none: the target the cache records (`deepspec cache --target`; online mode and older caches: the embedded
-    # SmolLM2) | "default": the embedded SmolLM2 | a Hugging Face model folder
+    # SmolLM2) | "default": the embedded SmolLM2 | a Hugging Face model folder | a GGUF file
     target: str | None = None
+    # with --target: a Jinja chat template file replacing the target's (a cache records the target with its template)
+    chat_template: str | None = None
     # -- Draft --
     # (the --help text is the trailing comment; tests/integration/test_train_resume.py checks that it lists every
     # algorithm of deepspec.algorithms.registry.ALGORITHMS)
@@ -663,7 +665,7 @@ def resolve_train_target(cfg: TrainConfig, cache: TargetCache | None, *, log=pri
     recorded = None if cache is None else cache.manifest.get("target")
     if recorded is None:
         return EMBEDDED_DEFAULT
-    if recorded != EMBEDDED_DEFAULT and not Path(recorded).is_dir():
+    if recorded != EMBEDDED_DEFAULT and not Path(recorded).exists():
         raise FileNotFoundError(f"train.target: the target cache {cfg.cache_dir} was built with --target {recorded}, "
                                 "which no longer exists; pass --target with that model folder (or its new place)")
     log(f"train: --target not given; using the target the cache records: {recorded} ({cfg.cache_dir})")
@@ -776,7 +778,7 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
             return resume_from
     if target_model is None:
         cfg = replace(cfg, target=resolve_train_target(cfg, cache, log=print if ctx.is_main else lambda _: None))
-        target_model, tokenizer = load_target(cfg.target)
+        target_model, tokenizer = load_target(cfg.target, chat_template=cfg.chat_template)
     cache = open_training_data(cfg, target_model, tokenizer)
     target_layer_ids = cache.target_layer_ids
     algorithm = get_algorithm(cfg.algorithm)
