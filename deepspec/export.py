@@ -77,10 +77,12 @@ class ExportConfig:
             raise ValueError(f"export.format: expected one of {', '.join(FORMATS)}, got {self.format!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"export.dtype: expected one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        if (self.format == "speculators") != bool(self.verifier):
-            raise ValueError("export.verifier: the speculators format names the target it serves with (--verifier "
-                             "default | a model folder | a hub id); the other formats take the target on the engine's "
-                             f"command line, so drop --verifier (format {self.format!r}, verifier {self.verifier!r})")
+        if self.format == "speculators" and not self.verifier:
+            raise ValueError("export.verifier: the speculators format names the target it serves with; pass --verifier "
+                             "default (the embedded SmolLM2), a model folder or a hub id (org/name)")
+        if self.format != "speculators" and self.verifier:
+            raise ValueError(f"export.verifier: only the speculators format names its target; {self.format} takes the "
+                             "target on the engine's command line, so drop --verifier")
 
 
 class ExportError(ValueError):
@@ -171,15 +173,23 @@ def _dspark_config(c: Any, algorithm: str, markov_rank: int, confidence_with_mar
 
 
 def _verifier(name: str, c: Any) -> dict[str, Any]:
-    """speculators_config.verifier for ``--verifier NAME``: a local folder (or ``default``, the embedded
-    target's) must hold a config.json of the draft's target shape; anything else is a hub id, as given."""
-    if name == "default":
-        from deepspec.target.load import ensure_embedded_target
+    """speculators_config.verifier for ``--verifier NAME``: ``default`` (the embedded target's converted
+    folder), a GGUF target (its converted folder) or a local folder, which must hold a config.json of the
+    draft's target shape; ``org/name`` is a hub id, written as given. A local path is written absolute,
+    so the export serves on this machine (or where the same path holds the target)."""
+    import re
 
-        name = str(ensure_embedded_target())
+    from deepspec.target.load import resolve_target_dir
+
     folder = Path(name).expanduser()
-    if not folder.exists():
-        return {"name_or_path": name, "architectures": []}
+    if name == "default" or folder.is_file() or (folder.is_dir() and not (folder / "config.json").exists()
+                                                 and any(folder.glob("*.gguf"))):
+        folder = resolve_target_dir(name)  # the embedded default, or a GGUF target's converted folder
+    elif not folder.exists():
+        if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) and not name.startswith(("./", "../")):
+            return {"name_or_path": name, "architectures": []}
+        raise ExportError(f"export.verifier: {name!r} is neither an existing model folder nor a hub id (org/name); "
+                          "name the target the draft was trained for")
     try:
         target = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:

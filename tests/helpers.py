@@ -68,11 +68,11 @@ def sharp_tiny_llama(vocab_size: int = 64, *, max_position_embeddings: int = 128
 
 
 def write_tiny_gguf(path, *, seed: int = 0, chat_template: str | None = None, architecture: str = "llama",
-                    tensors: bool = True):
+                    tensors: bool = True, skip: tuple[str, ...] = ()):
     """A tiny random Llama target as a GGUF file (float32 tensors, 2 layers, width 32) with a byte-level
     tokenizer of 259 tokens (``<|endoftext|>``, ``<|im_start|>`` bos, ``<|im_end|>`` eos/pad, the 256 byte
     symbols), and ``chat_template`` when given. ``architecture`` / ``tensors=False`` write a header-only
-    file declaring another architecture. Returns ``path``."""
+    file declaring another architecture; ``skip`` leaves the named GGUF tensors out. Returns ``path``."""
     import gguf
     import numpy as np
     from tokenizers import pre_tokenizers
@@ -104,7 +104,9 @@ def write_tiny_gguf(path, *, seed: int = 0, chat_template: str | None = None, ar
         rng = np.random.default_rng(seed)
 
         def add(name, *shape):
-            w.add_tensor(name, (rng.standard_normal(shape) * 0.05).astype(np.float32))
+            values = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+            if name not in skip:
+                w.add_tensor(name, values)
 
         add("token_embd.weight", V, H)
         add("output_norm.weight", H)

@@ -18,8 +18,8 @@ Production serving uses vLLM or SGLang (``deepspec export``). Endpoints:
   neutral values (0, 1, 0, 0) and refused (400) otherwise, never ignored. Generation stops on the
   one stop rule (:func:`deepspec.data.chat.target_stop_token_ids`). Answers with ``finish_reason``
   ``"length"`` when ``max_tokens`` cut the answer, else ``"stop"`` (``stop_reason``: the stop
-  token id, null for the tokenizer's eos, as vLLM), and ``usage.completion_tokens``. Every field is
-  checked (:func:`request_messages`, :func:`request_generation`): a bad value, ``n > 1``, or a
+  token id, null for the tokenizer's eos, as vLLM), and ``usage.completion_tokens``. Every field it
+  reads is checked (unknown ones are ignored, as vLLM does) (:func:`request_messages`, :func:`request_generation`): a bad value, ``n > 1``, or a
   feature this server does not implement (stop strings, logprobs, tools, ``logit_bias``, ...) is
   refused with 400 in OpenAI's error format, whose ``param`` names the field; nothing is ignored.
   A ``model`` other than ``model_name`` is refused with 404 ``"The model `X` does not exist."``, as

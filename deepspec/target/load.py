@@ -92,8 +92,8 @@ def ensure_embedded_target() -> Path:
     return folder
 
 
-def gguf_architecture(path: Path) -> str:
-    """The ``general.architecture`` a GGUF file declares (read from its header, no tensors loaded).
+def gguf_header(path: Path) -> tuple[str, int]:
+    """``(general.architecture, number of tensors)`` of a GGUF file (read from its header, no tensor loaded).
 
     Raises:
         ValueError: not a readable GGUF file, or no architecture field.
@@ -101,12 +101,13 @@ def gguf_architecture(path: Path) -> str:
     from gguf import GGUFReader
 
     try:
-        field = GGUFReader(str(path)).fields.get("general.architecture")
+        reader = GGUFReader(str(path))
+        field = reader.fields.get("general.architecture")
     except Exception as exc:  # noqa: BLE001 - the reader raises ValueError/IndexError/struct.error on bad files
         raise ValueError(f"target={str(path)!r}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
     if field is None:
         raise ValueError(f"target={str(path)!r}: the GGUF header has no general.architecture field")
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
+    return bytes(field.parts[field.data[0]]).decode("utf-8"), len(reader.tensors)
 
 
 def _sha256(path: Path) -> str:
@@ -131,18 +132,21 @@ def ensure_gguf_target(path: Path) -> Path:
     The weights are dequantised to float32 by transformers (``gguf_file=``), as for the embedded default.
 
     Raises:
-        ValueError: not a GGUF file, or an architecture transformers cannot read from GGUF (the message
-            names it and lists those it can).
+        ValueError: not a GGUF file, an architecture transformers cannot read from GGUF (the message
+            names it and lists those it can), or a file without (all) the model's weights.
     """
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     path = Path(path).expanduser().resolve()
-    arch = gguf_architecture(path)
+    arch, num_tensors = gguf_header(path)
     readable = sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer"))
     if arch not in readable:
         raise ValueError(f"target={str(path)!r}: the GGUF architecture {arch!r} is not one transformers can read from "
                          f"GGUF ({', '.join(readable)}); convert the model to a Hugging Face folder another way and "
                          "pass that folder")
+    if not num_tensors:
+        raise ValueError(f"target={str(path)!r}: the GGUF file ({arch}) holds no tensors (a vocabulary-only or "
+                         "header-only file); pass the model's weights")
     digest = _sha256(path)
     folder = deepspec_home() / "targets" / f"gguf-{digest[:16]}"  # by content: a renamed copy is the same target
     if not _is_converted(folder):
@@ -155,7 +159,13 @@ def _convert_gguf(gguf: Path, folder: Path, source: dict[str, Any]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"target: converting {gguf} to a safetensors folder {folder} (once)", flush=True)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model, info = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                       output_loading_info=True)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:  # transformers initialises them at random: a target must be the file's weights, all of them
+        raise ValueError(f"target={str(gguf)!r}: the GGUF file lacks {len(missing)} of the model's weights "
+                         f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}); transformers would "
+                         "initialise them at random. Pass a complete model file")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # The weights are dequantised on load; drop the quantisation markers so the saved folder is a
     # plain float checkpoint (otherwise transformers would look for a quantiser on reload).
@@ -196,12 +206,22 @@ def with_chat_template(folder: Path, chat_template: str | Path) -> Path:
         FileNotFoundError: no such template file. ValueError: an empty one.
     """
     path = Path(chat_template).expanduser()
+    if path.is_dir():
+        raise ValueError(f"chat_template={str(chat_template)!r}: is a folder; pass the template file itself (e.g. "
+                         f"{path / 'chat_template.jinja'})")
     if not path.is_file():
         raise FileNotFoundError(f"chat_template={str(chat_template)!r}: no such file; pass a Jinja chat template file "
                                 "(e.g. a model's chat_template.jinja)")
     text = path.read_text(encoding="utf-8")
     if not text.strip():
         raise ValueError(f"chat_template={str(chat_template)!r}: the file is empty; pass a Jinja chat template")
+    import jinja2
+
+    try:  # the syntax, once, before any row (transformers renders templates with jinja2)
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat_template={str(chat_template)!r}: line {exc.lineno}: {exc.message}; fix the "
+                         "template") from exc
     folder = Path(folder).resolve()
     out = deepspec_home() / "targets" / f"{folder.name}-template-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     if out.is_dir():

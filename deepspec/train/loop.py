@@ -957,10 +957,14 @@ class _HeldoutCurve:
                             target_layer_ids=target_layer_ids, max_new_tokens=cfg.heldout_max_new_tokens,
                             block_size=cfg.block_size, eos_token_ids=self.eos)
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        self.refs = load_or_make_reference(
-            Path(cfg.output_dir) / REFERENCE_NAME, key,
-            lambda: make_reference(target_model, prompts, target_layer_ids, self.eos,
-                                   max_new_tokens=cfg.heldout_max_new_tokens, block_size=cfg.block_size))
+
+        def make():
+            print(f"train: learning curve: the target answers {len(prompts)} held-out prompts once (up to "
+                  f"{cfg.heldout_max_new_tokens} tokens each; --heldout-every 0 turns the curve off)", flush=True)
+            return make_reference(target_model, prompts, target_layer_ids, self.eos,
+                                  max_new_tokens=cfg.heldout_max_new_tokens, block_size=cfg.block_size)
+
+        self.refs = load_or_make_reference(Path(cfg.output_dir) / REFERENCE_NAME, key, make)
 
     def evaluate(self, model: torch.nn.Module, template: torch.nn.Module | None) -> dict[str, float]:
         """Greedy held-out tau of the current weights (rank 0; other ranks only help gather: ``{}``)."""

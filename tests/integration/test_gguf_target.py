@@ -73,6 +73,12 @@ def test_unreadable_gguf_targets_are_refused_naming_why(tmp_path, home):
         write_tiny_gguf(tmp_path / "two" / name, tensors=False)
     with pytest.raises(ValueError, match="several GGUF files \\(a.gguf, b.gguf\\)"):
         resolve_target_dir(str(tmp_path / "two"))
+    empty = write_tiny_gguf(tmp_path / "empty.gguf", tensors=False)
+    with pytest.raises(ValueError, match="holds no tensors"):
+        resolve_target_dir(str(empty))
+    partial = write_tiny_gguf(tmp_path / "partial.gguf", skip=("blk.1.ffn_down.weight",))
+    with pytest.raises(ValueError, match=r"lacks 1 of the model's weights \(model.layers.1.mlp.down_proj.weight\)"):
+        resolve_target_dir(str(partial))
     (tmp_path / "model.bin").write_bytes(b"x")
     with pytest.raises(FileNotFoundError, match="a file that is not a GGUF"):
         resolve_target_dir(str(tmp_path / "model.bin"))
@@ -107,6 +113,14 @@ def test_a_target_without_chat_template_is_refused_at_prepare_and_the_flag_fixes
     assert main(["train", "--cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / "train"),
                  "--max-steps", "1", "--block-size", "2", "--num-anchors", "2", "--batch-size", "1",
                  "--mask-token", "<|endoftext|>"]) == 0
-    missing = tmp_path / "nope.jinja"
-    assert main([*argv, "--output", str(tmp_path / "p2.jsonl"), "--chat-template", str(missing)]) == 2
-    assert "no such file" in capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["train", "--cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / "train2"),
+                 "--target", str(gguf), "--max-steps", "1", "--mask-token", "<|endoftext|>"]) == 2
+    assert "pass the same --chat-template" in capsys.readouterr().err  # the template left out at train time
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m['content'] }}")
+    for template, needle in ((tmp_path / "nope.jinja", "no such file"), (tmp_path, "is a folder"),
+                             (broken, "line 2: Unexpected end of template")):
+        assert main([*argv, "--output", str(tmp_path / "p2.jsonl"), "--chat-template", str(template)]) == 2
+        assert needle in capsys.readouterr().err
+    assert not (tmp_path / "p2.jsonl").exists()

@@ -271,7 +271,8 @@ def test_speculators_dspark_writes_vllms_aux_layer_ids(tmp_path):
 def test_speculators_refusals(tmp_path):
     folder, _ = saved_draft(tmp_path, "eagle3", "llama")
     kw = dict(draft=str(folder), output_dir=str(tmp_path / "out"))
-    with pytest.raises(ValueError, match="export.verifier: the speculators format names the target"):
+    with pytest.raises(ValueError, match="export.verifier: the speculators format names the target it serves with; "
+                                         "pass --verifier"):
         ExportConfig(**kw, format="speculators")
     with pytest.raises(ValueError, match="drop --verifier"):
         ExportConfig(**kw, format="vllm-eagle3", verifier="default")
@@ -283,6 +284,9 @@ def test_speculators_refusals(tmp_path):
     with pytest.raises(ExportError, match="has no readable config.json"):
         run_export(ExportConfig(**kw, format="speculators", verifier=str(empty)))
     assert not (tmp_path / "out").exists()
+    for typo in (str(tmp_path / "nonexist"), "./relative/dir"):
+        with pytest.raises(ExportError, match="neither an existing model folder nor a hub id"):
+            build_export(folder, "speculators", verifier=typo)
     config, _, _ = build_export(folder, "speculators", verifier="org/some-model")  # a hub id, written as given
     assert config["speculators_config"]["verifier"] == {"name_or_path": "org/some-model", "architectures": []}
     dspark, _ = saved_draft(tmp_path, "dspark", "llama")  # the family's own layers: no vLLM DSpark loader

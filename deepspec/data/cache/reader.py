@@ -158,7 +158,10 @@ def check_compatible(
          "rebuild the cache with this target (`deepspec cache`) or train against the target it was built with"
          + built_with),
         ("tokenizer_fingerprint", m.get("tokenizer_fingerprint"), tokenizer_fingerprint,
-         "rebuild the cache with this target's tokenizer (`deepspec cache`)"),
+         "rebuild the cache with this target's tokenizer (`deepspec cache`), or use the tokenizer it was built with"
+         + built_with + (" (a target with a chat template given by --chat-template: pass the same --chat-template, "
+                         "or drop --target to use the folder the cache records)"
+                         if "-template-" in str(m.get("target") or "") else "")),
         ("target_layer_ids", list(m.get("target_layer_ids", [])), list(target_layer_ids),
          "rebuild the cache with these target_layer_ids, or set the draft's target_layer_ids to the cache's"),
     ]
