@@ -19,9 +19,10 @@ Production serving uses vLLM or SGLang (``deepspec export``). Endpoints:
   one stop rule (:func:`deepspec.data.chat.target_stop_token_ids`). Answers with ``finish_reason``
   ``"length"`` when ``max_tokens`` cut the answer, else ``"stop"`` (``stop_reason``: the stop
   token id, null for the tokenizer's eos, as vLLM), and ``usage.completion_tokens``. Every field it
-  reads is checked (unknown ones are ignored, as vLLM does) (:func:`request_messages`, :func:`request_generation`): a bad value, ``n > 1``, or a
-  feature this server does not implement (stop strings, logprobs, tools, ``logit_bias``, ...) is
-  refused with 400 in OpenAI's error format, whose ``param`` names the field; nothing is ignored.
+  reads is checked (:func:`request_messages`, :func:`request_generation`): a bad value, ``n > 1``,
+  or a feature this server does not implement (stop strings, logprobs, tools, ``logit_bias``, ...)
+  is refused with 400 in OpenAI's error format, whose ``param`` names the field, never answered as
+  if absent; fields it does not know are ignored, as vLLM does.
   A ``model`` other than ``model_name`` is refused with 404 ``"The model `X` does not exist."``, as
   vLLM does (a missing ``model`` is refused with 400); a prompt that does not fit the target's
   positions is refused with 400.
@@ -35,11 +36,11 @@ Production serving uses vLLM or SGLang (``deepspec export``). Endpoints:
 
 Requests are served one at a time through the model (a lock; ``ThreadingHTTPServer`` accepts
 connections concurrently). With a decoder, a client that closes its connection stops its request at
-the next decoding step, so an abandoned request does not hold the queue. Test-only fault injection is set through the constructor, never through
-the environment: ``fail_first`` answers the first k chat requests with HTTP 500, ``delay_s`` adds a
-random delay (seeded), ``hold`` (a ``threading.Event``) blocks chat requests after ``hold_after``
-of them until the event is set, and ``token_ids=False`` never returns generated ids (a server that
-returns only text).
+the next decoding step, so an abandoned request does not hold the queue. Test-only fault injection
+is set through the constructor, never through the environment: ``fail_first`` answers the first
+k chat requests with HTTP 500, ``delay_s`` adds a random delay (seeded), ``hold`` (a
+``threading.Event``) blocks chat requests after ``hold_after`` of them until the event is set, and
+``token_ids=False`` never returns generated ids (a server that returns only text).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ A draft is a small stack of decoder layers with the target's shape (same width, 
 head dim, MLP, RoPE, norm eps) conditioned on concatenated target features (DESIGN s.5). Their
 attention is either the target family's own (``backbone="target"``: q/k norm for Qwen3, q/k/v biases
 for Qwen2) or Qwen3-style for any family (``backbone="qwen3"``: per-head q/k RMSNorm, no biases), the
-layer vLLM's and SGLang's DFlash / DSpark loaders build whatever the target is (:data:`BACKBONES`). :class:`TargetShapeConfig` holds everything shape-related, copied from the target config
+layer vLLM's and SGLang's DFlash / DSpark loaders build whatever the target is (:data:`BACKBONES`).
+:class:`TargetShapeConfig` holds everything shape-related, copied from the target config
 (:func:`target_shape_fields`); each algorithm's config adds its own knobs
 (:class:`deepspec.algorithms.dspark.config.DraftConfig`, :class:`deepspec.algorithms.eagle3.config.Eagle3Config`).
 :func:`config_from_dict` reads a saved config back; :func:`save_draft_folder` writes a draft folder.
