@@ -50,6 +50,7 @@ from deepspec.target.capture import (  # noqa: E402
     validate_target_layer_ids,
 )
 from deepspec.target.load import load_target, target_fingerprint, tokenizer_fingerprint  # noqa: E402
+from deepspec.utils import pyplot, save_png  # noqa: E402
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -137,10 +138,7 @@ def _write(prepared: Path, out_dir: Path, model, tokenizer, *, layer_ids, args, 
 
 
 def _plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(10, 4))
     modes = list(result["tok_per_s"])
@@ -153,8 +151,7 @@ def _plot(result: dict, path: Path) -> None:
     ax_b.set_ylabel("bytes per token (on disk)")
     ax_b.set_title(f"{result['target']}, {result['num_target_layers']} layers")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -58,7 +58,7 @@ from deepspec.algorithms.protocol import NullProposer  # noqa: E402
 from deepspec.eval.engine import GenerationResult, SpeculativeEngine  # noqa: E402
 from deepspec.eval.run import hf_generate, eos_token_ids_of  # noqa: E402
 from deepspec.eval.verify import SamplingParams  # noqa: E402
-from deepspec.utils import atomic_path, atomic_write_json  # noqa: E402
+from deepspec.utils import atomic_write_json, pyplot, save_png  # noqa: E402
 
 SPEEDUP_GOAL = 2.0  # speculative / target-only tokens/s at greedy
 BASELINE_GOAL = 0.95  # target-only tokens/s / HF generate() tokens/s (within 5 %)
@@ -213,10 +213,7 @@ def goals(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def plot(results: dict[str, Any], path: Path) -> None:
     """Bars: tok/s per method and setting (left); the speculative step breakdown vs the target-only
     per-token forward (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     settings = list(results["settings"])
     methods = list(next(iter(results["settings"].values()))["methods"])
@@ -253,9 +250,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax_b.set_title("speculative step breakdown vs target-only step")
     ax_b.legend(fontsize=8)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=100, format="png")
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def untrained_draft(model, tokenizer) -> torch.nn.Module:

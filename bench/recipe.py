@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from deepspec.target.load import load_target  # noqa: E402
 from deepspec.train.heldout import REFERENCE_NAME  # noqa: E402
 from deepspec.train.loop import TrainConfig, heldout_prompt_ids, train  # noqa: E402
-from deepspec.utils import atomic_path, atomic_write_json  # noqa: E402
+from deepspec.utils import atomic_write_json, pyplot, save_png  # noqa: E402
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
@@ -52,10 +52,7 @@ def parse_setting(text: str) -> tuple[str, dict]:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_s, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, r in results.items():
@@ -72,9 +69,7 @@ def plot(results: dict, path: Path) -> None:
         ax.legend(fontsize=8)
     fig.suptitle("held-out greedy tau of each training setting (same cache, same prompts)")
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:

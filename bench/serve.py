@@ -33,7 +33,7 @@ from deepspec.eval.benchmarks import load_benchmark  # noqa: E402
 from deepspec.eval.serving import EngineDecoder  # noqa: E402
 from deepspec.eval.vllm_server import VllmServer  # noqa: E402
 from deepspec.target.load import ensure_embedded_target, load_target  # noqa: E402
-from deepspec.utils import atomic_path, atomic_write_json  # noqa: E402
+from deepspec.utils import atomic_write_json, pyplot, save_png  # noqa: E402
 
 
 def _ours(client, messages: list[dict], max_tokens: int) -> dict:
@@ -57,10 +57,7 @@ def _summary(rows: list[dict]) -> dict:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(results)
     fig, (ax_t, ax_a) = plt.subplots(1, 2, figsize=(11, 4))
@@ -73,9 +70,7 @@ def plot(results: dict, path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle("serving the embedded target: ours vs vLLM CPU, with and without a draft (same prompts)")
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:

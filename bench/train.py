@@ -36,6 +36,7 @@ from deepspec.algorithms.protocol import TrainBatch  # noqa: E402
 from deepspec.algorithms.registry import ALGORITHMS, get_algorithm  # noqa: E402
 from deepspec.target.capture import default_target_layer_ids  # noqa: E402
 from deepspec.train.loop import TrainConfig, build_optimizer  # noqa: E402
+from deepspec.utils import pyplot, save_png  # noqa: E402
 
 
 def _batch(vocab: int, hidden: int, n: int, batch_size: int, seq_len: int, device, generator) -> TrainBatch:
@@ -229,10 +230,7 @@ def _qwen3_shaped_step(args, device, shape: dict, *, seq_len: int = 4096, num_an
 
 
 def _plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_t, ax_a) = plt.subplots(1, 2, figsize=(10, 4))
     names = list(result["train"])
@@ -244,8 +242,7 @@ def _plot(result: dict, path: Path) -> None:
     ax_a.set_ylabel("DSpark forward s (median)")
     ax_a.set_title("block attention: dense SDPA vs flex")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from deepspec.device import check_dtype_name, decoding_device, dtype_name, resolve_dtype  # noqa: E402
 from deepspec.eval.few_row_linear import few_row_linear  # noqa: E402
 from deepspec.target.capture import target_forward  # noqa: E402
-from deepspec.utils import atomic_path, atomic_write_json  # noqa: E402
+from deepspec.utils import atomic_write_json, pyplot, save_png  # noqa: E402
 
 PATHS = ("off", "on")
 
@@ -68,10 +68,7 @@ def measure(model, *, context: int, num_tokens: list[int], rounds: int, seed: in
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for p, label in (("off", "F.linear"), ("on", "few-row (W @ x^T)^T")):
@@ -83,9 +80,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_title(f"{results['target']}, {results['dtype']}, context {results['context']}", fontsize=9)
     ax.legend()
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=100, format="png")
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -76,6 +76,23 @@ def atomic_path(final: str | os.PathLike[str]) -> Iterator[Path]:
             tmp.unlink()
 
 
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend (headless machines, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_png(fig: Any, path: str | os.PathLike[str], *, dpi: int = 100) -> None:
+    """Write matplotlib figure ``fig`` as a PNG at ``path`` atomically (:func:`atomic_path`) and close it."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=dpi)
+    pyplot().close(fig)
+
+
 def atomic_write_text(final: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` (UTF-8) to ``final`` atomically."""
     with atomic_path(final) as tmp:

@@ -23,7 +23,7 @@ from typing import Any
 
 import deepspec
 from deepspec.eval.metrics import METRIC_DEFINITIONS
-from deepspec.utils import atomic_path, atomic_write_json, atomic_write_text
+from deepspec.utils import atomic_write_json, atomic_write_text, pyplot, save_png
 
 BASELINE = "target-only"
 HF_GENERATE = "hf-generate"
@@ -300,20 +300,8 @@ def markdown_report(results: dict[str, Any], figures: Mapping[str, str] | None =
     return "\n".join(lines) + "\n"
 
 
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _save(fig: Any, path: str | os.PathLike[str]) -> None:
-    plt = _pyplot()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_png(fig, path, dpi=110)
 
 
 MAX_PANEL_COLUMNS = 5  # benchmarks per row of a figure (ten benchmarks make two rows)
@@ -347,7 +335,7 @@ def _method_colors(results: Mapping[str, Any]) -> dict[str, Any]:
 
 def plot_acceptance(results: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """PNG: prefix-survival acceptance per draft position, one panel per benchmark, one line per proposer."""
-    plt = _pyplot()
+    plt = pyplot()
     benches = list(results.get("benchmarks", {}))
     colors = _method_colors(results)
     fig, panels = _panel_grid(plt, len(benches), width=4.0, height=3.2)
@@ -376,7 +364,7 @@ def plot_tau_histogram(results: dict[str, Any], path: str | os.PathLike[str]) ->
     Bars are fractions of the method's verify steps (the counts are in the JSON / Markdown), so
     methods with different step counts compare; target-only (always tau = 1) is left out.
     """
-    plt = _pyplot()
+    plt = pyplot()
     benches = list(results.get("benchmarks", {}))
     colors = _method_colors(results)
     fig, panels = _panel_grid(plt, len(benches), width=4.5, height=3.2)
@@ -412,7 +400,7 @@ def plot_reliability(results: dict[str, Any], path: str | os.PathLike[str]) -> N
                if any(m.get("calibration") for m in methods.values())]
     if not benches:
         raise ValueError("results: no method carries confidence-calibration figures; nothing to plot.")
-    plt = _pyplot()
+    plt = pyplot()
     colors = _method_colors(results)
     fig, panels = _panel_grid(plt, len(benches), width=4.5, height=6.0, height_ratios=(3, 1.4))
     for (top, bottom), bench in zip(panels, benches):

@@ -59,7 +59,7 @@ from deepspec.train.heldout import (
     make_reference,
     reference_key,
 )
-from deepspec.utils import atomic_path, atomic_write_json, atomic_write_text, torchrun_env
+from deepspec.utils import atomic_path, atomic_write_json, atomic_write_text, pyplot, save_png, torchrun_env
 
 TRAINER_STATE = "trainer_state.pt"
 LATEST = "latest"
@@ -1044,10 +1044,7 @@ def _plot_log(rows: list[dict], path: Path) -> None:
     exponential moving average on top."""
     if not rows:
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     heldout = [r for r in rows if "heldout_tau" in r]
     fig, axes = plt.subplots(1, 3 if heldout else 2, figsize=(15 if heldout else 10, 4))
@@ -1088,6 +1085,4 @@ def _plot_log(rows: list[dict], path: Path) -> None:
         ax.set_title("learning curve (held-out prompts)")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
+    save_png(fig, path)
