@@ -48,6 +48,7 @@ from safetensors.torch import save_file
 
 from deepspec.algorithms.registry import load_draft
 from deepspec.eval.stage import draft_folder
+from deepspec.models.config import family_rules
 from deepspec.models.vocab import d2t_to_offsets
 from deepspec.utils import atomic_path
 
@@ -324,6 +325,12 @@ def build_export(draft_path: str | Path, fmt: str, *, dtype: torch.dtype = torch
     folder = draft_folder(draft_path)
     algorithm, model = load_draft(folder)
     c = model.config
+    rules = family_rules(c.family)
+    if rules.embed_scale:
+        raise ExportError(f"{fmt}: this draft is for a {c.family} target, whose RMSNorms are (1 + w) and whose token "
+                          "embeddings are scaled by sqrt(hidden); the engines' draft layers (Qwen3 / Llama RMSNorm, "
+                          "unscaled embeddings) would load it and compute another draft. Gemma drafts run in "
+                          "DeepSpec's own engine (deepspec eval / serve --draft); no export format carries them yet")
     if fmt != "speculators":
         config, weights, hint = _engine_layout(fmt, algorithm, model, dtype)
     else:  # the vLLM layout of the algorithm, restructured

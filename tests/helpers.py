@@ -67,18 +67,36 @@ def sharp_tiny_llama(vocab_size: int = 64, *, max_position_embeddings: int = 128
     return model
 
 
+GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>")
+
+
 def write_tiny_gguf(path, *, seed: int = 0, chat_template: str | None = None, architecture: str = "llama",
                     tensors: bool = True, skip: tuple[str, ...] = ()):
-    """A tiny random Llama target as a GGUF file (float32 tensors, 2 layers, width 32) with a byte-level
-    tokenizer of 259 tokens (``<|endoftext|>``, ``<|im_start|>`` bos, ``<|im_end|>`` eos/pad, the 256 byte
-    symbols), and ``chat_template`` when given. ``architecture`` / ``tensors=False`` write a header-only
-    file declaring another architecture; ``skip`` leaves the named GGUF tensors out. Returns ``path``."""
+    """A tiny random target as a GGUF file (float32 tensors, width 32), and ``chat_template`` when given.
+
+    ``architecture="llama"`` (2 layers): a byte-level tokenizer of 259 tokens (``<|endoftext|>``,
+    ``<|im_start|>`` bos, ``<|im_end|>`` eos/pad, the 256 byte symbols). ``"gemma3"`` (3 layers, sliding
+    window 4, llama.cpp's Gemma 3 tensor names with its (1 + w) norms stored as 1 + w): a SentencePiece
+    tokenizer with :data:`GEMMA_SPECIALS` (pad 0, eos 1, bos 2), the 256 byte-fallback tokens and
+    lower-case pieces, as Gemma GGUF files carry, and no chat template unless given. Any other
+    ``architecture`` / ``tensors=False`` write a header-only file declaring it; ``skip`` leaves the
+    named GGUF tensors out. Returns ``path``."""
     import gguf
     import numpy as np
     from tokenizers import pre_tokenizers
 
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + sorted(pre_tokenizers.ByteLevel.alphabet())
-    V, H, I, L, NH, NKV, D = len(tokens), 32, 64, 2, 4, 2, 8
+    gemma = architecture == "gemma3"
+    if gemma:
+        letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+        pieces = ["\u2581", *letters, *("\u2581" + c for c in letters)]
+        tokens = [*GEMMA_SPECIALS, *(f"<0x{i:02X}>" for i in range(256)), *pieces]
+        types = [3, 3, 3, 2, 3, 3, 3] + [6] * 256 + [1] * len(pieces)
+        scores = [0.0] * (len(GEMMA_SPECIALS) + 256) + [-float(i) for i in range(len(pieces))]
+        L = 3
+    else:
+        tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + sorted(pre_tokenizers.ByteLevel.alphabet())
+        types, scores, L = [3, 3, 3] + [1] * 256, [0.0] * len(tokens), 2
+    V, H, I, NH, NKV, D = len(tokens), 32, 64, 4, 2, 8
     w = gguf.GGUFWriter(str(path), architecture)
     w.add_block_count(L)
     w.add_context_length(128)
@@ -89,32 +107,51 @@ def write_tiny_gguf(path, *, seed: int = 0, chat_template: str | None = None, ar
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(V)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_model("llama" if gemma else "gpt2")
+    if gemma:
+        w.add_key_length(D)
+        w.add_value_length(D)
+        w.add_sliding_window(4)
+    else:
+        w.add_tokenizer_pre("default")
+        w.add_token_merges([])
     w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3] + [1] * 256)
-    w.add_token_scores([0.0] * V)
-    w.add_token_merges([])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(2)
+    w.add_token_types(types)
+    w.add_token_scores(scores)
+    if gemma:
+        w.add_bos_token_id(2)
+        w.add_eos_token_id(1)
+        w.add_pad_token_id(0)
+        w.add_unk_token_id(3)
+    else:
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_pad_token_id(2)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     if tensors:
         rng = np.random.default_rng(seed)
 
-        def add(name, *shape):
-            values = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+        def add(name, *shape, norm=False):
+            values = (rng.standard_normal(shape) * (0.05 if norm or not gemma else 0.3)).astype(np.float32)
+            if norm and gemma:
+                values += 1.0  # llama.cpp stores Gemma's (1 + w) norm weights as 1 + w
             if name not in skip:
                 w.add_tensor(name, values)
 
         add("token_embd.weight", V, H)
-        add("output_norm.weight", H)
-        add("output.weight", V, H)
+        add("output_norm.weight", H, norm=True)
+        if not gemma:
+            add("output.weight", V, H)
         for i in range(L):
             p = f"blk.{i}."
-            add(p + "attn_norm.weight", H)
-            add(p + "ffn_norm.weight", H)
+            add(p + "attn_norm.weight", H, norm=True)
+            add(p + "ffn_norm.weight", H, norm=True)
+            if gemma:
+                for name in ("post_attention_norm", "post_ffw_norm"):
+                    add(p + name + ".weight", H, norm=True)
+                add(p + "attn_q_norm.weight", D, norm=True)
+                add(p + "attn_k_norm.weight", D, norm=True)
             add(p + "attn_q.weight", NH * D, H)
             add(p + "attn_k.weight", NKV * D, H)
             add(p + "attn_v.weight", NKV * D, H)

@@ -39,7 +39,8 @@ Scope and choices:
   committed token ids through ``extend_context`` with ``target_hidden_TF=None``, and the target
   again runs without capture hooks. Without the attribute a proposer needs features.
 - The prefill computes logits only for the last prompt position (``lm_head`` on the final-norm
-  hidden state), not ``[P, V]``; a family with logit soft-capping would need it here as well.
+  hidden state, soft-capped where the target's config says so, as every verify forward's:
+  :func:`deepspec.target.capture.target_logits`), not ``[P, V]``.
 - ``few_row_linear`` (default False): the target's and the proposer's linear layers compute inputs
   of 2-16 rows as ``(W @ x^T)^T`` during :meth:`SpeculativeEngine.generate`
   (:mod:`deepspec.eval.few_row_linear`: on CPUs where the row-major GEMM over 2-8 rows costs far more
@@ -64,7 +65,7 @@ import torch
 from deepspec.algorithms.protocol import Proposer, draw_token
 from deepspec.eval.few_row_linear import few_row_linear
 from deepspec.eval.verify import verify
-from deepspec.target.capture import target_forward
+from deepspec.target.capture import target_forward, target_logits
 from deepspec.target.decoding import SamplingParams
 
 GREEDY = SamplingParams()
@@ -186,7 +187,6 @@ class SpeculativeEngine:
         self.can_propose = int(proposer.max_proposal_len) > 0
         self.uses_features = self.can_propose and bool(getattr(proposer, "needs_features", True))
         self._feature_layer_ids = self.target_layer_ids if self.uses_features else []
-        self._lm_head = target_model.get_output_embeddings()
         self.few_row_linear = bool(few_row_linear)
 
     def _sync(self) -> None:
@@ -289,7 +289,7 @@ class SpeculativeEngine:
         cache = out.past_key_values
         if can_propose:
             _check_croppable(cache)  # fail before the first rejection, not at it
-        logits_V = self._lm_head(out.target_last_hidden_BTH[0, -1])
+        logits_V = target_logits(self.target_model, out.target_last_hidden_BTH[0, -1])
         anchor = int(draw_token(logits_V, sampling, generator)[0])  # the first output token
         anchor_pos = len(prompt_ids)
         if can_propose:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from deepspec.target.capture import target_forward
+from deepspec.target.capture import target_forward, target_logits
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +68,6 @@ def chunked_argmax(target_model: Any, prompt_ids: Sequence[int], output_ids: Seq
     if chunk_len < 1:
         raise ValueError(f"chunked_argmax.chunk_len: expected >= 1 (the verify size K + 1), received {chunk_len}.")
     device = next(target_model.parameters()).device
-    lm_head = target_model.get_output_embeddings()
 
     def forward(ids: Sequence[int], start: int, cache: Any, *, compute_logits: bool) -> Any:
         ids_BT = torch.tensor([list(ids)], dtype=torch.long, device=device)
@@ -78,7 +77,7 @@ def chunked_argmax(target_model: Any, prompt_ids: Sequence[int], output_ids: Seq
 
     # The prefill exactly as the engine runs it: logits of the last prompt position only.
     out = forward(prompt_ids, 0, DynamicCache(), compute_logits=False)
-    rows = [lm_head(out.target_last_hidden_BTH[0, -1:])]
+    rows = [target_logits(target_model, out.target_last_hidden_BTH[0, -1:])]
     cache, pos = out.past_key_values, len(prompt_ids)
     fed = list(output_ids[:-1])
     for start in range(0, len(fed), chunk_len):

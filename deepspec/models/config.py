@@ -17,6 +17,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from torch import nn
+
+from deepspec.target.capture import final_logit_softcap
 from deepspec.utils import atomic_path, token_id_list
 
 WEIGHTS_NAME = "model.safetensors"  # a draft folder's weights (every algorithm, and the original's layout)
@@ -57,14 +60,64 @@ def draft_backbone(name: str, algorithm: str, *, init_from_target: bool = False)
     return name
 
 
-# family -> (transformers model module, config class name, rms norm class, mlp class, rotary class)
-_FAMILIES: dict[str, tuple[str, str, str]] = {
-    "llama": ("transformers.models.llama.modeling_llama", "LlamaConfig", "Llama"),
-    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3Config", "Qwen3"),
-    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2Config", "Qwen2"),
-    "mistral": ("transformers.models.mistral.modeling_mistral", "MistralConfig", "Mistral"),
+@dataclass(frozen=True)
+class FamilyRules:
+    """What differs between target families for a draft (all read by :func:`target_shape_fields` and the
+    draft models).
+
+    ``module`` / ``config_class`` / ``prefix``: the transformers modeling module, config class and class
+    prefix whose RMSNorm, MLP, rotary embedding and ``apply_rotary_pos_emb`` the draft layers use (so
+    Gemma's norm is its own ``(1 + w)`` RMSNorm, initialised at w = 0). ``qk_norm``: the family's own
+    attention has per-head q/k RMSNorm (Qwen3, Gemma 3). ``act_key``: the config key of the MLP
+    activation (Gemma: ``hidden_activation``). ``embed_scale``: token embeddings are multiplied by
+    sqrt(hidden_size) before the first layer (Gemma, ``Gemma3TextScaledWordEmbedding``), so the draft
+    embeds its own tokens the same way. ``rope_layer_type``: the family keeps one RoPE set per attention
+    type (Gemma 3: ``rope_parameters = {"sliding_attention": ..., "full_attention": ...}``); the draft's
+    layers attend to the whole context, so they take this type's (the global layers' RoPE).
+    ``layer_copyable``: a target decoder layer computes what a draft layer of the same tensors computes,
+    so ``--init-from-target`` may copy it (not Gemma 3: its layers have four norms, pre/post attention
+    and pre/post MLP, and scale queries by ``query_pre_attn_scalar``).
+    """
+
+    module: str
+    config_class: str
+    prefix: str
+    qk_norm: bool = False
+    act_key: str = "hidden_act"
+    embed_scale: bool = False
+    rope_layer_type: str | None = None
+    layer_copyable: bool = True
+
+
+# model_type -> rules. Gemma 4 (gemma4_text) needs more than these rules (per-layer head_dim, per-layer
+# input embeddings, KV-shared layers, proportional RoPE) and is not listed.
+_FAMILIES: dict[str, FamilyRules] = {
+    "llama": FamilyRules("transformers.models.llama.modeling_llama", "LlamaConfig", "Llama"),
+    "qwen3": FamilyRules("transformers.models.qwen3.modeling_qwen3", "Qwen3Config", "Qwen3", qk_norm=True),
+    "qwen2": FamilyRules("transformers.models.qwen2.modeling_qwen2", "Qwen2Config", "Qwen2"),
+    "mistral": FamilyRules("transformers.models.mistral.modeling_mistral", "MistralConfig", "Mistral"),
+    "gemma3_text": FamilyRules("transformers.models.gemma3.modeling_gemma3", "Gemma3TextConfig", "Gemma3",
+                               qk_norm=True, act_key="hidden_activation", embed_scale=True,
+                               rope_layer_type="full_attention", layer_copyable=False),
 }
 SUPPORTED_FAMILIES = tuple(_FAMILIES)
+
+
+def family_rules(family: str) -> FamilyRules:
+    """The :class:`FamilyRules` of ``family`` (a target ``model_type``); KeyError when unsupported."""
+    return _FAMILIES[family]
+
+
+class _LayerTypeRotary(nn.Module):
+    """A family rotary embedding that keeps one RoPE per attention type (Gemma 3), called as every other
+    family's: ``(x, position_ids) -> (cos, sin)`` for ``layer_type``."""
+
+    def __init__(self, inner: nn.Module, layer_type: str):
+        super().__init__()
+        self.inner, self.layer_type = inner, layer_type
+
+    def forward(self, x: Any, position_ids: Any) -> Any:
+        return self.inner(x, position_ids, self.layer_type)
 
 
 def unsupported_family_note(target_config: Any, stage: str) -> str | None:
@@ -132,7 +185,8 @@ class TargetShapeConfig:
 
     # Keys a saved config may lack (config_from_dict): they do not change the forward pass.
     OPTIONAL_ON_LOAD: ClassVar[tuple[str, ...]] = ("pad_token_id", "eos_token_ids", "target_fingerprint",
-                                                   "draft_vocab_size")
+                                                   "draft_vocab_size", "embed_scale",
+                                                   "final_logit_softcapping")
 
     # --- family and backbone shape (copied from the target) ---
     family: str
@@ -154,6 +208,11 @@ class TargetShapeConfig:
     target_hidden_size: int
     target_num_hidden_layers: int
     target_layer_ids: list[int]
+    # token embeddings times this before the first layer (Gemma: sqrt(hidden_size)); the target's rule
+    embed_scale: float = 1.0
+    # the target's final-logit soft-capping (Gemma 2: 30.0; None: none): the training loss scores the
+    # target distribution with it (deepspec.target.capture.soft_cap); the draft's own logits are uncapped
+    final_logit_softcapping: float | None = None
     pad_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     target_fingerprint: str | None = None  # content hash of the target the draft was made for (metadata)
@@ -198,6 +257,15 @@ class TargetShapeConfig:
                                    self.target_layer_ids, "Pick layers strictly below the last decoder layer.", cls)
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
             raise config_error("target_layer_ids", "distinct ids", self.target_layer_ids, "Remove duplicates.", cls)
+        if isinstance(self.embed_scale, bool) or not isinstance(self.embed_scale, (int, float)) \
+                or not 0 < self.embed_scale < float("inf"):
+            raise config_error("embed_scale", "a positive number (1.0, or sqrt(hidden_size) for Gemma)", self.embed_scale,
+                               "Build the config from the target config (target_shape_fields).", cls)
+        self.embed_scale = float(self.embed_scale)
+        cap = self.final_logit_softcapping
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+            raise config_error("final_logit_softcapping", "None or a positive number (the target config's)", cap,
+                               "Build the config from the target config (target_shape_fields).", cls)
         n = self.draft_vocab_size
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.vocab_size):
             raise config_error("draft_vocab_size",
@@ -223,36 +291,47 @@ class TargetShapeConfig:
         """The transformers modeling module of this family (source of RMSNorm/MLP/RoPE blocks)."""
         import importlib
 
-        return importlib.import_module(_FAMILIES[self.family][0])
+        return importlib.import_module(_FAMILIES[self.family].module)
 
     def family_class(self, suffix: str):
         """E.g. ``family_class("RMSNorm")`` -> ``LlamaRMSNorm`` for the llama family."""
-        return getattr(self.family_module(), _FAMILIES[self.family][2] + suffix)
+        return getattr(self.family_module(), _FAMILIES[self.family].prefix + suffix)
+
+    def rotary_embedding(self, hf_config: Any = None) -> nn.Module:
+        """The family's rotary embedding for the draft layers (``hf_config`` defaults to
+        :meth:`to_hf_config`): a module ``(x, position_ids [B, T]) -> (cos, sin)`` each ``[B, T, d]``,
+        transformers' own code, so RoPE scaling is the target's exactly (Gemma 3: its global layers')."""
+        rotary = self.family_class("RotaryEmbedding")(hf_config or self.to_hf_config())
+        layer_type = _FAMILIES[self.family].rope_layer_type
+        return rotary if layer_type is None else _LayerTypeRotary(rotary, layer_type)
 
     def to_hf_config(self):
         """A transformers config of the target family describing the draft layers (used to build
         the library's RMSNorm / MLP / rotary embedding; never a full model)."""
         import importlib
 
-        mod_name, cfg_name, _ = _FAMILIES[self.family]
-        cfg_mod = importlib.import_module(mod_name.replace("modeling_", "configuration_"))
+        rules = _FAMILIES[self.family]
+        cfg_mod = importlib.import_module(rules.module.replace("modeling_", "configuration_"))
+        rope = dict(self.rope_parameters)
         kwargs = dict(
             hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
             head_dim=self.head_dim,
             intermediate_size=self.intermediate_size,
-            hidden_act=self.hidden_act,
             rms_norm_eps=self.rms_norm_eps,
-            rope_parameters=dict(self.rope_parameters),
+            rope_parameters=rope if rules.rope_layer_type is None else {rules.rope_layer_type: rope},
             max_position_embeddings=self.max_position_embeddings,
             vocab_size=self.vocab_size,
             num_hidden_layers=self.num_decoder_layers,
         )
+        kwargs[rules.act_key] = self.hidden_act
+        if rules.rope_layer_type is not None:  # every draft layer attends to the whole context
+            kwargs["layer_types"] = [rules.rope_layer_type] * self.num_decoder_layers
         if self.family in ("llama",):
             kwargs["mlp_bias"] = self.mlp_bias
             kwargs["attention_bias"] = self.qkv_bias
-        return getattr(cfg_mod, cfg_name)(**kwargs)
+        return getattr(cfg_mod, rules.config_class)(**kwargs)
 
 
 def target_shape_fields(
@@ -268,12 +347,14 @@ def target_shape_fields(
 
     Args:
         target_config: the target's ``PretrainedConfig`` (or anything with the same attributes).
-            Family from ``model_type`` (llama, qwen3, qwen2, mistral).
+            Family from ``model_type`` (:data:`SUPPORTED_FAMILIES`: llama, qwen3, qwen2, mistral,
+            gemma3_text); its :class:`FamilyRules` say where the activation and RoPE are read from and
+            whether embeddings are scaled.
         target_layer_ids: the target layers whose features the draft reads.
         pad_token_id / eos_token_ids: the tokenizer's ids (default: the target config's
             ``pad_token_id`` / ``eos_token_id``). ``eos_token_id`` (int or list, tokenizer spelling) is
             accepted too; both are merged.
-        backbone: ``"target"``: the family's own attention (q/k norm for Qwen3, q/k/v bias for Qwen2,
+        backbone: ``"target"``: the family's own attention (q/k norm for Qwen3 and Gemma 3, q/k/v bias for Qwen2,
             ``attention_bias`` / ``mlp_bias`` as the config says); ``"qwen3"``: Qwen3-style for any
             family, per-head q/k RMSNorm and no biases (:data:`BACKBONES`).
 
@@ -290,7 +371,10 @@ def target_shape_fields(
     n_heads = int(target_config.num_attention_heads)
     n_kv = int(getattr(target_config, "num_key_value_heads", None) or n_heads)
     head_dim = int(getattr(target_config, "head_dim", None) or H // n_heads)
+    rules = _FAMILIES[family]
     rope = getattr(target_config, "rope_parameters", None)
+    if rope is not None and rules.rope_layer_type is not None and rules.rope_layer_type in rope:
+        rope = rope[rules.rope_layer_type]  # one RoPE per attention type: the global layers'
     if rope is None:  # older layout
         rope = {"rope_type": "default", "rope_theta": float(getattr(target_config, "rope_theta", 10000.0))}
         if getattr(target_config, "rope_scaling", None):
@@ -303,7 +387,7 @@ def target_shape_fields(
     else:
         qkv_bias, o_bias = (True, False) if family == "qwen2" else (attn_bias, attn_bias)
         mlp_bias = bool(getattr(target_config, "mlp_bias", False))
-        qk_norm = family == "qwen3"
+        qk_norm = rules.qk_norm
     if pad_token_id is None:
         pad_token_id = getattr(target_config, "pad_token_id", None)
     eos_all = token_id_list(eos_token_ids) + token_id_list(eos_token_id)
@@ -316,7 +400,7 @@ def target_shape_fields(
         num_key_value_heads=n_kv,
         head_dim=head_dim,
         intermediate_size=int(target_config.intermediate_size),
-        hidden_act=str(getattr(target_config, "hidden_act", "silu")),
+        hidden_act=str(getattr(target_config, rules.act_key, None) or "silu"),
         rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-6)),
         rope_parameters=dict(rope),
         max_position_embeddings=int(target_config.max_position_embeddings),
@@ -328,6 +412,8 @@ def target_shape_fields(
         target_hidden_size=H,
         target_num_hidden_layers=int(target_config.num_hidden_layers),
         target_layer_ids=list(target_layer_ids),
+        embed_scale=float(H) ** 0.5 if rules.embed_scale else 1.0,
+        final_logit_softcapping=final_logit_softcap(target_config),
         pad_token_id=None if pad_token_id is None else int(pad_token_id),
         eos_token_ids=sorted(set(eos_all)),
     )

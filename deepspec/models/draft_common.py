@@ -48,9 +48,10 @@ def copy_target_embeddings(model: nn.Module, target_model: nn.Module, config_bui
 
 
 class DraftVocabMixin:
-    """Reduced draft vocabulary plumbing shared by the DSpark/DFlash and Eagle3 drafts (an ``nn.Module``
-    with ``config.draft_vocab_size`` and an ``lm_head``): the ``d2t`` buffer (int64 ``[N]``, saved),
-    the full target ``lm_head`` for the training loss (``target_lm_weight``, not saved), and the id map."""
+    """Token-side plumbing shared by the DSpark/DFlash and Eagle3 drafts (an ``nn.Module`` with a
+    ``config``, ``embed_tokens`` and an ``lm_head``): the family's input embedding rule (:meth:`embed`),
+    and the reduced draft vocabulary: the ``d2t`` buffer (int64 ``[N]``, saved), the full target
+    ``lm_head`` for the training loss (``target_lm_weight``, not saved), and the id map."""
 
     def _init_draft_vocab(self, config) -> None:
         """Call in ``__init__``: registers ``d2t`` (identity placeholder; set by :func:`draft_from_target`
@@ -60,6 +61,14 @@ class DraftVocabMixin:
         else:
             self.d2t = None
         self.register_buffer("target_lm_weight", None, persistent=False)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """The draft's input embedding of target ids (any shape ``[...]`` -> ``[..., D]``, the embedding's
+        dtype): ``embed_tokens`` times ``config.embed_scale``, the target family's rule (Gemma scales by
+        sqrt(D), in the weight's dtype, as ``Gemma3TextScaledWordEmbedding``; 1 elsewhere)."""
+        e = self.embed_tokens(ids)
+        scale = self.config.embed_scale
+        return e if scale == 1.0 else e * torch.tensor(scale, dtype=e.dtype, device=e.device)
 
     def target_ids(self, draft_ids: Tensor) -> Tensor:
         """Draft ids (indices into the logits) -> target ids (int64, same shape); the identity without
@@ -128,7 +137,8 @@ def check_saved_d2t(state: dict[str, Tensor], config, source: str) -> dict[str, 
 
 
 def qk_norms(c) -> tuple[nn.Module | None, nn.Module | None]:
-    """The family's per-head q/k RMSNorms when the target has them (Qwen3), else ``(None, None)``."""
+    """The family's per-head q/k RMSNorms when the draft has them (``c.qk_norm``: Qwen3 and Gemma 3
+    targets, or ``--draft-backbone qwen3``), else ``(None, None)``."""
     if not c.qk_norm:
         return None, None
     Norm = c.family_class("RMSNorm")

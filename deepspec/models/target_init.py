@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepspec.models.config import family_rules
+
 
 def default_init_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """The target's last ``num_draft_layers`` layers, in order: draft layer ``j`` <- target layer
@@ -36,8 +38,14 @@ def init_layers_from_target(draft: nn.Module, target_model: nn.Module,
         ValueError: ``train.init_from_target_layers`` of the wrong length or out of range; a target
             layer that lacks one of the draft layer's tensors, has one the draft's lacks (a Qwen3-style
             draft layer, ``--draft-backbone qwen3``, on a target without q/k norm or with biases), or has
-            it in another shape (another family or width: the message names the tensor and both shapes).
+            it in another shape (another family or width: the message names the tensor and both shapes);
+            a family whose layers compute something else than the draft's (Gemma 3, ``FamilyRules.layer_copyable``).
     """
+    family = draft.config.family
+    if not family_rules(family).layer_copyable:
+        raise ValueError(f"train.init_from_target: a {family} target's decoder layers have four norms (before and "
+                         "after attention and MLP) and their own query scaling, while a draft layer has two norms, so "
+                         "a copy would compute another layer; drop --init-from-target (random initialisation)")
     decoder = target_model.get_decoder()
     target_layers = decoder.layers
     L, n = len(target_layers), len(draft.layers)

@@ -26,7 +26,8 @@ activations, about 7x more for 5 of 36 layers), does not depend on the transform
 specific tie/selection behaviour of ``hidden_states``, and works the same for every HF
 decoder-only family whose base model exposes ``.layers`` and ``.norm``. The target's final
 hidden state is the base model's ``last_hidden_state`` (post final norm), and logits, when asked
-for, are ``lm_head(last_hidden_state)``, so they are computed only when needed.
+for, are ``lm_head(last_hidden_state)`` (soft-capped where the config says so: :func:`target_logits`),
+so they are computed only when needed.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class TargetOutput:
     target_hidden_BTF: features of ``target_layer_ids`` concatenated on the last axis, model dtype
         (None when no layer ids were asked for).
     target_last_hidden_BTH: final-norm output (``logits = lm_head(target_last_hidden)``).
-    logits_BTV: ``lm_head(target_last_hidden_BTH)`` if ``compute_logits`` else None.
+    logits_BTV: :func:`target_logits` of ``target_last_hidden_BTH`` if ``compute_logits`` else None.
     past_key_values: the KV cache after this call (the object passed in, updated), or None.
     """
 
@@ -150,6 +151,29 @@ def _lm_head(model: nn.Module) -> nn.Module:
     if head is None:
         raise ValueError(f"target model {type(model).__name__}: compute_logits=True needs an lm_head; none found")
     return head
+
+
+def final_logit_softcap(model_or_config: Any) -> float | None:
+    """The target's final-logit soft-capping constant ``c`` (``final_logit_softcapping`` of its text
+    config: Gemma 2 writes 30.0; Gemma 3 None), or None when it has none."""
+    cfg = getattr(model_or_config, "config", model_or_config)
+    if hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(logits / cap)`` (Gemma 2 paper, s.2; transformers' Gemma ``*ForCausalLM`` in the
+    same operation order, so the values are its own), or ``logits`` unchanged when ``cap`` is None.
+    Monotone: argmax and so greedy decoding are unchanged; sampling is not."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def target_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's logits ``[..., V]`` of final-norm hidden states ``[..., H]``: ``lm_head``, then the
+    soft-capping its config asks for (:func:`soft_cap`), as the model's own forward computes them."""
+    return soft_cap(_lm_head(model)(hidden), final_logit_softcap(model))
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,7 +223,8 @@ def target_forward(
             default (``past_len + arange(T)``).
         past_key_values: a transformers ``Cache`` (e.g. ``DynamicCache``) to read and extend.
         use_cache: create/extend a KV cache (a new ``DynamicCache`` if none is passed).
-        compute_logits: also return ``lm_head(target_last_hidden)`` [B, T, V].
+        compute_logits: also return the logits ``[B, T, V]`` (:func:`target_logits`: ``lm_head`` and any
+            soft-capping).
 
     Returns :class:`TargetOutput` with tensors in the model's dtype and device. Runs under
     ``torch.no_grad`` (the target is frozen in every DeepSpec stage); not ``inference_mode``,
@@ -254,7 +279,7 @@ def target_forward(
     cache = out.get(name)
     if cache is None:
         cache = past_key_values
-    logits_BTV = _lm_head(model)(target_last_hidden_BTH) if compute_logits else None
+    logits_BTV = target_logits(model, target_last_hidden_BTH) if compute_logits else None
     return TargetOutput(
         target_hidden_BTF=target_hidden_BTF,
         target_last_hidden_BTH=target_last_hidden_BTH,

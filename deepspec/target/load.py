@@ -196,22 +196,40 @@ def _gguf_in(path: Path) -> Path | None:
     return found[0] if found else None
 
 
+# Chat templates shipped with DeepSpec, by name (``--chat-template NAME``): for targets whose files carry
+# none (Gemma GGUF files). A name is used only when no file of that name exists.
+BUILTIN_CHAT_TEMPLATES = {"gemma3": "gemma3.jinja"}
+
+
+def chat_template_path(chat_template: str | Path) -> Path:
+    """The file ``--chat-template`` names: an existing path, else a built-in template's file
+    (:data:`BUILTIN_CHAT_TEMPLATES`: ``gemma3`` is Gemma 3's format), else the path as given (the
+    caller reports it missing)."""
+    path = Path(chat_template).expanduser()
+    name = str(chat_template)
+    if not path.exists() and name in BUILTIN_CHAT_TEMPLATES:
+        return Path(__file__).resolve().parents[1] / "data" / "chat_templates" / BUILTIN_CHAT_TEMPLATES[name]
+    return path
+
+
 def with_chat_template(folder: Path, chat_template: str | Path) -> Path:
-    """The target folder ``folder`` with the chat template in file ``chat_template`` (``--chat-template``):
-    a sibling folder ``<folder>-template-<sha256[:12] of the template>`` under ``deepspec_home()/targets``
-    whose files link to ``folder``'s, except the tokenizer's template (``chat_template.jinja``; any
-    template in ``tokenizer_config.json`` is dropped). Written atomically, once.
+    """The target folder ``folder`` with the chat template in file ``chat_template`` (``--chat-template``;
+    or a built-in template's name, :func:`chat_template_path`): a sibling folder
+    ``<folder>-template-<sha256[:12] of the template>`` under ``deepspec_home()/targets`` whose files link
+    to ``folder``'s, except the tokenizer's template (``chat_template.jinja``; any template in
+    ``tokenizer_config.json`` is dropped). Written atomically, once.
 
     Raises:
         FileNotFoundError: no such template file. ValueError: an empty one.
     """
-    path = Path(chat_template).expanduser()
+    path = chat_template_path(chat_template)
     if path.is_dir():
         raise ValueError(f"chat_template={str(chat_template)!r}: is a folder; pass the template file itself (e.g. "
                          f"{path / 'chat_template.jinja'})")
     if not path.is_file():
         raise FileNotFoundError(f"chat_template={str(chat_template)!r}: no such file; pass a Jinja chat template file "
-                                "(e.g. a model's chat_template.jinja)")
+                                "(e.g. a model's chat_template.jinja) or the name of a built-in one "
+                                f"({', '.join(BUILTIN_CHAT_TEMPLATES)})")
     text = path.read_text(encoding="utf-8")
     if not text.strip():
         raise ValueError(f"chat_template={str(chat_template)!r}: the file is empty; pass a Jinja chat template")
@@ -319,7 +337,8 @@ def require_chat_template(tokenizer: Any, target: str) -> None:
         raise ValueError(f"target={target!r}: its tokenizer has no chat template (GGUF files often carry none), and "
                          "DeepSpec renders every conversation through the target's own template. Give one with "
                          "--chat-template FILE (a Jinja template, e.g. the chat_template.jinja of the model's "
-                         "Hugging Face repository)")
+                         "Hugging Face repository), or --chat-template gemma3 for a Gemma 3 target (DeepSpec's "
+                         "copy of Gemma 3's format)")
 
 
 def load_tokenizer(target: str = EMBEDDED_DEFAULT, *, chat_template: str | Path | None = None) -> Any:

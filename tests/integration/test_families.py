@@ -1,7 +1,9 @@
 """Every target family x every registered drafting algorithm: train a few steps, then decode losslessly.
 
 For each family (Llama, SmolLM2-style tied Llama, Llama with llama3 RoPE scaling, Qwen2, Qwen3 with
-q/k-norm, Mistral, Llama with linear RoPE scaling and a spare embedding row) a tiny random target
+q/k-norm, Mistral, Llama with linear RoPE scaling and a spare embedding row, Gemma 3 with sliding-window
+layers of window 4 beside a global one and scaled embeddings, and Gemma 3 with final-logit
+soft-capping and a linearly scaled global RoPE) a tiny random target
 (hidden 32, 2-3 layers) and the byte-level ChatML tokenizer; each algorithm of
 ``deepspec.algorithms.registry.ALGORITHMS`` (whatever is registered) is trained online for 3 steps
 through ``deepspec.train.loop.train``, loaded back from its checkpoint with ``load_draft``, and
@@ -17,8 +19,8 @@ import json
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from deepspec.algorithms.protocol import NullProposer
 from deepspec.algorithms.registry import ALGORITHMS, algorithm_for_model, load_draft
@@ -34,6 +36,9 @@ COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_att
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+# Gemma 3: window 4 (so every prompt crosses it and every rollback is beyond it), one global layer
+GEMMA3 = dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=4,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"])
 
 # name -> (config class, model class, extra config kwargs, extra vocab rows, DSpark Markov head)
 FAMILIES = {
@@ -45,6 +50,11 @@ FAMILIES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(num_hidden_layers=2), 0, "gated"),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=8), 0, "rnn"),
     "mistral": (MistralConfig, MistralForCausalLM, dict(head_dim=8, sliding_window=None), 0, "vanilla"),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, GEMMA3, 0, "gated"),
+    "gemma3-softcap": (Gemma3TextConfig, Gemma3ForCausalLM,
+                       dict(GEMMA3, final_logit_softcapping=2.0,
+                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                             "full_attention": LINEAR_ROPE}), 0, "vanilla"),
 }
 
 
@@ -94,17 +104,27 @@ def test_family_trains_and_decodes_losslessly(family, algorithm, tmp_path):
     assert algo.name == algorithm
     if algorithm == "dspark":
         assert draft.config.markov_head_type == markov
-    if name == "qwen3" and hasattr(draft, "layers"):
+    if name.startswith(("qwen3", "gemma3")) and hasattr(draft, "layers"):
         assert all(layer.self_attn.q_norm is not None for layer in draft.layers)
 
     rotary = getattr(draft, "rotary_emb", None)
     if rotary is not None:  # RoPE (and its scaling) identical to the target's, from transformers' own code
         x = torch.zeros(1, 1, 32)
         pos_1T = torch.arange(model.config.max_position_embeddings)[None]
-        cos_t, sin_t = model.model.rotary_emb(x, pos_1T)
+        rope = dict(model.config.rope_parameters)
+        if name.startswith("gemma3"):  # one RoPE per attention type: the draft takes the global layers'
+            cos_t, sin_t = model.model.rotary_emb(x, pos_1T, "full_attention")
+            rope = rope["full_attention"]
+        else:
+            cos_t, sin_t = model.model.rotary_emb(x, pos_1T)
         cos_d, sin_d = rotary(x, pos_1T)
         assert torch.equal(cos_t, cos_d) and torch.equal(sin_t, sin_d)
-        assert draft.config.rope_parameters == dict(model.config.rope_parameters)
+        assert draft.config.rope_parameters == rope
+    if name.startswith("gemma3"):  # the target's embedding scale and soft-capping, recorded with the draft
+        assert draft.config.embed_scale == pytest.approx(32 ** 0.5)
+        assert draft.config.final_logit_softcapping == model.config.final_logit_softcapping
+        ids = torch.tensor([[3, 5, 7]])
+        assert torch.equal(draft.embed(ids), model.model.embed_tokens(ids))
 
     assert list(getattr(draft.config, "target_layer_ids", layer_ids)) == layer_ids
     eos = [tok.eos_token_id]

@@ -1,7 +1,8 @@
 """GGUF files as targets (issue 15, part 1) and ``--chat-template``, on a tiny random Llama GGUF written by
 :func:`tests.helpers.write_tiny_gguf`.
 
-Checked: a GGUF file (or a folder holding one) converts once into a safetensors folder keyed by the file's
+Checked (and for a tiny random Gemma 3 GGUF with no chat template, the whole pipeline with
+``--chat-template gemma3``): a GGUF file (or a folder holding one) converts once into a safetensors folder keyed by the file's
 content hash, and the converted target is the GGUF's model; a renamed copy reuses it and a changed file
 converts anew; unreadable files, architectures transformers cannot read and folders with several GGUFs are
 refused naming why; a target without a chat template is refused by ``prepare`` before any row, naming
@@ -17,7 +18,9 @@ import shutil
 import pytest
 import torch
 
+from deepspec.algorithms.registry import load_draft
 from deepspec.cli import main
+from deepspec.eval.stage import draft_folder
 from deepspec.target import load
 from deepspec.target.load import load_target, resolve_target_dir, tokenizer_fingerprint
 from tests.helpers import write_tiny_gguf
@@ -85,15 +88,21 @@ def test_unreadable_gguf_targets_are_refused_naming_why(tmp_path, home):
     assert not (home / "targets").exists() or not any((home / "targets").iterdir())  # nothing half-converted
 
 
-def test_a_target_without_chat_template_is_refused_at_prepare_and_the_flag_fixes_it(tmp_path, home, capsys):
-    gguf = write_tiny_gguf(tmp_path / "plain.gguf")  # no chat template, as many GGUF files
-    rows = [{"id": str(i), "messages": [{"role": "user", "content": f"Count to {i}."},
-                                         {"role": "assistant", "content": "(regenerated)"}]} for i in range(3)]
+def _prepare_argv(tmp_path, gguf, prompts, *, max_new_tokens):
+    """``(prepared path, prepare argv)`` regenerating one answer to each message list of ``prompts``."""
+    rows = [{"id": str(i), "messages": [*msgs, {"role": "assistant", "content": "(regenerated)"}]}
+            for i, msgs in enumerate(prompts)]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     prepared = tmp_path / "prepared.jsonl"
-    argv = ["prepare", "--input", str(source), "--output", str(prepared), "--target", str(gguf),
-            "--max-new-tokens", "4", "--dtype", "float32"]
+    return prepared, ["prepare", "--input", str(source), "--output", str(prepared), "--target", str(gguf),
+                      "--max-new-tokens", str(max_new_tokens), "--dtype", "float32"]
+
+
+def test_a_target_without_chat_template_is_refused_at_prepare_and_the_flag_fixes_it(tmp_path, home, capsys):
+    gguf = write_tiny_gguf(tmp_path / "plain.gguf")  # no chat template, as many GGUF files
+    prepared, argv = _prepare_argv(tmp_path, gguf, [[{"role": "user", "content": f"Count to {i}."}] for i in range(3)],
+                                   max_new_tokens=4)
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "has no chat template" in err and "--chat-template FILE" in err and "Traceback" not in err
@@ -124,3 +133,46 @@ def test_a_target_without_chat_template_is_refused_at_prepare_and_the_flag_fixes
         assert main([*argv, "--output", str(tmp_path / "p2.jsonl"), "--chat-template", str(template)]) == 2
         assert needle in capsys.readouterr().err
     assert not (tmp_path / "p2.jsonl").exists()
+
+
+def test_a_gemma3_gguf_runs_prepare_cache_train_eval_with_identical_outputs(tmp_path, home, capsys):
+    """Issue 15's "done when": a Gemma 3 GGUF (no chat template, as Gemma's files) as ``--target`` through
+    prepare -> cache -> train -> eval on CPU with ``--chat-template gemma3``; the draft knows the target's
+    embedding scale, and every speculative output equals the target's own."""
+    gguf = write_tiny_gguf(tmp_path / "gemma.gguf", architecture="gemma3")
+    prepared, argv = _prepare_argv(tmp_path, gguf, [[{"role": "system", "content": "Be brief."},
+                                                     {"role": "user", "content": f"count to {i} please"}]
+                                                    for i in range(4)], max_new_tokens=12)
+    assert main(argv) == 2
+    assert "--chat-template gemma3" in capsys.readouterr().err  # the refusal names the built-in template
+    assert main([*argv, "--chat-template", "gemma3"]) == 0
+    first = json.loads(prepared.open().readline())
+    assert first["messages"][0]["role"] == "system"
+    assert main(["cache", "--input", str(prepared), "--output-dir", str(tmp_path / "cache"), "--target", str(gguf),
+                 "--chat-template", "gemma3", "--target-layer-ids", "0", "1", "--storage-dtype", "float32"]) == 0
+    _, tok = load_target(json.loads((tmp_path / "cache" / "manifest.json").read_text())["target"])
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True) == "<bos><start_of_turn>user\nhi<end_of_turn>\n" \
+                                                                  "<start_of_turn>model\n"
+    for algorithm in ("dspark", "eagle3"):
+        assert main(["train", "--cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / algorithm),
+                     "--algorithm", algorithm, "--max-steps", "2", "--block-size", "3", "--num-anchors", "4",
+                     "--batch-size", "2", "--mask-token", "<mask>"]) == 0
+    _, draft = load_draft(draft_folder(str(tmp_path / "dspark")))
+    assert draft.config.family == "gemma3_text" and draft.config.embed_scale == pytest.approx(32 ** 0.5)
+    assert json.loads((draft_folder(str(tmp_path / "dspark")) / "config.json").read_text())["architectures"] == [
+        "Gemma3DSparkModel"]
+    capsys.readouterr()
+    bench = tmp_path / "gsm8k.jsonl"
+    bench.write_text("".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n"
+                             for q in ("count to three", "name a letter")))
+    out = tmp_path / "eval"
+    assert main(["eval", "--draft", str(tmp_path / "dspark"), str(tmp_path / "eagle3"), "--target", str(gguf),
+                 "--chat-template", "gemma3", "--benchmarks", "gsm8k", "--benchmark-files", f"gsm8k={bench}",
+                 "--num-prompts", "2", "--max-new-tokens", "16", "--dtype", "float32", "--output-dir", str(out),
+                 "--compare-hf-generate", "false"]) == 0
+    results = json.loads((out / "eval_results.json").read_text())
+    records = results["samples"]["gsm8k"]
+    assert len(records) == 4 and all(len(r) == 2 for r in records.values())  # 2 drafts, n-gram, target-only
+    assert all(r["identical_to_baseline"] for rs in records.values() for r in rs)
+    assert all(r["num_new_tokens"] > 0 for rs in records.values() for r in rs)

@@ -10,7 +10,11 @@ every committed token follow the target's distribution whatever the draft propos
   of output tokens 1 and 2 (token 1 comes from the prefill, token 2 is the first token a verify
   step commits) and the marginal of token 3 match the target's own, computed exactly from its
   logits over every 1- and 2-token continuation, with and without top-k / top-p;
-- power: a deliberately broken acceptance rule (always accept, or no residual) fails the same test.
+- the same on a tiny random Gemma 3 target (sliding-window layers of window 2 beside a global one,
+  scaled embeddings, final-logit soft-capping at 3) with an untrained DSpark draft of it: the
+  prefill's and every verify step's logits must be soft-capped as the model's own forward;
+- power: a deliberately broken acceptance rule (always accept, or no residual) fails the same test,
+  and so does an engine whose prefill drops the soft-capping.
 
 The p-values come from the chi-square distribution (cells with expected count < 5 pooled); a
 token with target probability 0 (filtered out) must never appear. Everything is seeded.
@@ -130,6 +134,34 @@ def target():
     return model
 
 
+@pytest.fixture(scope="module")
+def gemma3_target():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=8, query_pre_attn_scalar=8,
+                           sliding_window=2, layer_types=["sliding_attention", "full_attention"],
+                           final_logit_softcapping=3.0, tie_word_embeddings=False, max_position_embeddings=32,
+                           bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    model = Gemma3ForCausalLM(cfg).float().eval().requires_grad_(False)
+    with torch.no_grad():  # logits far beyond the cap before capping: the cap changes p visibly
+        model.lm_head.weight.mul_(60.0)
+    return model
+
+
+def untrained_dspark_proposer(model, seed: int = 3):
+    """An untrained DSpark drafter of ``model`` (target layer 0's features, full vocabulary)."""
+    from deepspec.algorithms.dspark.config import draft_config_from_target
+    from deepspec.algorithms.dspark.model import DSparkDraftModel
+    from deepspec.algorithms.dspark.proposer import DSparkProposer
+
+    cfg = draft_config_from_target(model.config, num_draft_layers=1, target_layer_ids=[0], mask_token_id=V - 1,
+                                   block_size=3, markov_rank=4)
+    torch.manual_seed(seed)
+    return DSparkProposer(DSparkDraftModel.from_target(model, cfg).eval(), max_positions=32)
+
+
 class BigramProposer:
     """An untrained stand-in drafter: slot logits are a fixed random table row of the previous token
     (the anchor, then the token just drafted), so ``q`` has nothing to do with the target's ``p``.
@@ -201,6 +233,27 @@ def test_engine_sampling_follows_target_distribution(target, params):
     p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
     p_third = chi_square_pvalue(counts_V, third_V)
     assert p_joint > PASS_P and p_third > PASS_P, (p_joint, p_third)
+
+
+@pytest.mark.parametrize("params", [PLAIN, FILTERED], ids=["plain", "topk_topp"])
+def test_gemma3_engine_sampling_follows_target_distribution(gemma3_target, params):
+    joint_VV, third_V = exact_target_distributions(gemma3_target, params)
+    trials = 1200
+    counts_VV, counts_V, accepted = engine_samples(gemma3_target, params, trials, seed=0,
+                                                   proposer=untrained_dspark_proposer(gemma3_target))
+    assert 0.05 * trials < accepted < 1.9 * trials  # drafts are accepted and rejected
+    p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
+    p_third = chi_square_pvalue(counts_V, third_V)
+    assert p_joint > PASS_P and p_third > PASS_P, (p_joint, p_third)
+
+
+def test_gemma3_engine_without_soft_capping_is_rejected(gemma3_target, monkeypatch):
+    import deepspec.eval.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "target_logits", lambda model, h: model.get_output_embeddings()(h))
+    joint_VV, _ = exact_target_distributions(gemma3_target, PLAIN)
+    counts_VV, _, _ = engine_samples(gemma3_target, PLAIN, trials=1200, seed=0, max_new_tokens=2)
+    assert chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten()) < FAIL_P
 
 
 @pytest.mark.parametrize("broken", sorted(BROKEN_RULES))

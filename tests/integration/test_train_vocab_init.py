@@ -106,6 +106,15 @@ def test_init_from_target_refusals(setup, tmp_path):
         loop.build_draft(model, tok, _cfg(cache, tmp_path, init_from_target=True, draft_backbone="qwen3"), LAYER_IDS)
     draft = loop.build_draft(model, tok, _cfg(cache, tmp_path, draft_backbone="target"), LAYER_IDS)
     c = model.config
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    gemma = Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=c.vocab_size, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                               head_dim=8, max_position_embeddings=256))
+    with pytest.raises(ValueError, match="train.init_from_target: a gemma3_text target's decoder layers have four "
+                                         "norms.*drop --init-from-target"):
+        loop.build_draft(gemma, tok, _cfg(cache, tmp_path, init_from_target=True, draft_backbone="target"),
+                         LAYER_IDS)
     other = LlamaForCausalLM(LlamaConfig(vocab_size=c.vocab_size, hidden_size=32, intermediate_size=48,
                                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                                          max_position_embeddings=256))

@@ -745,10 +745,10 @@ def test_cache_stage_warns_at_once_about_a_family_train_will_refuse(model, tmp_p
     run_cache_stage(CacheConfig(input=str(src), output_dir=str(tmp_path / "llama"), target_layer_ids=LAYER_IDS),
                     target_model=model, tokenizer=_StandInTokenizer())
     assert "warning" not in capsys.readouterr().out
-    monkeypatch.setattr(model.config, "model_type", "gemma3_text")
+    monkeypatch.setattr(model.config, "model_type", "gemma4_text")
     run_cache_stage(CacheConfig(input=str(src), output_dir=str(tmp_path / "gemma"), target_layer_ids=LAYER_IDS),
                     target_model=model, tokenizer=_StandInTokenizer())
     out = capsys.readouterr().out
-    assert out.startswith("cache: warning: the target's model_type 'gemma3_text' is not a family DeepSpec builds "
-                          "drafts for (llama, qwen3, qwen2, mistral)")
+    assert out.startswith("cache: warning: the target's model_type 'gemma4_text' is not a family DeepSpec builds "
+                          "drafts for (llama, qwen3, qwen2, mistral, gemma3_text)")
     assert "cache: wrote" in out

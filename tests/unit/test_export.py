@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 from deepspec.algorithms.dspark.config import dflash_knobs, draft_config_from_target
 from deepspec.algorithms.dspark.model import DSparkDraftModel
@@ -27,7 +28,8 @@ def tiny_target(family):
     torch.manual_seed(0)
     kw = dict(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD, intermediate_size=I,
               num_hidden_layers=5, vocab_size=V, pad_token_id=0, eos_token_id=1, max_position_embeddings=128)
-    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                          "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}[family]
     return model_cls(cfg_cls(**kw)).eval()
 
 
@@ -155,11 +157,15 @@ def test_dflash_exports_as_dspark_with_a_zero_markov_head(tmp_path):
     ("dspark", "qwen3", "vllm-eagle3", "EAGLE-3 formats take eagle3 drafts"),
     ("eagle3", "llama", "vllm-dflash", "eagle3 draft; use --format vllm-eagle3 or sglang-eagle3"),
     ("eagle3", "llama", "vllm-dspark", "vllm-dspark takes dspark and dflash drafts"),
+    *((algorithm, "gemma3", fmt, r"gemma3_text target, whose RMSNorms are \(1 \+ w\).*no export format carries them")
+      for algorithm, fmt in (("dspark", "vllm-dspark"), ("dspark", "speculators"), ("eagle3", "vllm-eagle3"),
+                             ("eagle3", "sglang-eagle3"))),
 ])
 def test_formats_that_cannot_express_the_draft_are_refused(tmp_path, algorithm, family, fmt, message):
     folder, _ = saved_draft(tmp_path, algorithm, family)
+    verifier = {"verifier": "default"} if fmt == "speculators" else {}
     with pytest.raises(ExportError, match=message):
-        run_export(ExportConfig(draft=str(folder), format=fmt, output_dir=str(tmp_path / "out")))
+        run_export(ExportConfig(draft=str(folder), format=fmt, output_dir=str(tmp_path / "out"), **verifier))
     assert not (tmp_path / "out").exists()
 
 

@@ -328,3 +328,32 @@ def test_qwen3_4b_original_config_maps_without_weights():
     assert (c.eos_token_ids, c.markov_dim, c.qk_norm, c.qkv_bias) == ([151645], 256, True, False)
     dflash = draft_config_from_original(dict(cfg, markov_rank=0, enable_confidence_head=False))
     assert not dflash.use_markov_head and not dflash.use_confidence_head and dflash.ce_weight == 1.0
+
+
+def test_gemma3_draft_round_trips_as_gemma3dsparkmodel(tmp_path):
+    """A Gemma 3 draft in the original layout: ``Gemma3DSparkModel`` with Gemma's own config keys
+    (``hidden_activation``), read back to the same config (embedding scale, soft-capping, the global
+    layers' RoPE) and weights."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    gemma = Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=128, eos_token_id=EOS,
+        pad_token_id=PAD, final_logit_softcapping=30.0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}})).eval()
+    config = draft_config_from_target(gemma.config, num_draft_layers=1, target_layer_ids=LAYER_IDS,
+                                      mask_token_id=MASK, block_size=K, markov_rank=RANK)
+    assert config.embed_scale == pytest.approx(H ** 0.5) and config.final_logit_softcapping == 30.0
+    assert config.rope_parameters == {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}
+    assert config.hidden_act == "gelu_pytorch_tanh" and config.qk_norm
+    model = DSparkDraftModel.from_target(gemma, config)
+    folder = save_original_dspark(model, tmp_path / "exported")
+    saved = json.loads((folder / "config.json").read_text())
+    assert saved["architectures"] == ["Gemma3DSparkModel"] and saved["model_type"] == "gemma3_text"
+    assert saved["hidden_activation"] == "gelu_pytorch_tanh" and "hidden_act" not in saved
+    _, loaded = load_draft(folder)
+    assert loaded.config.to_dict() == model.config.to_dict()
+    want, got = params(model), params(loaded)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)

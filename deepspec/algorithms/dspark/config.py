@@ -31,6 +31,9 @@ ARCHITECTURES = {
     "qwen3": "Qwen3DSparkModel",
     "qwen2": "Qwen2DSparkModel",
     "mistral": "MistralDSparkModel",
+    # The original has Qwen3DSparkModel and Gemma4DSparkModel only; Gemma 3 gets the same pattern (the
+    # original's Gemma 4 class cannot read it: Gemma 4 layers differ).
+    "gemma3_text": "Gemma3DSparkModel",
 }
 
 
@@ -149,7 +152,7 @@ def draft_config_from_target(
 
     Args:
         target_config: the target's ``PretrainedConfig`` (or anything with the same attributes).
-            Family from ``model_type`` (llama, qwen3, qwen2, mistral).
+            Family from ``model_type`` (:data:`deepspec.models.config.SUPPORTED_FAMILIES`).
         markov_head_type: DSpark Markov head variant, one of :data:`MARKOV_HEAD_TYPES`.
         pad_token_id / eos_token_ids: ids the mask token must differ from (tokenizer's; defaults
             to the target config's ``pad_token_id`` / ``eos_token_id``). ``eos_token_id`` (int or

@@ -10,7 +10,8 @@ is valid, ``a+k+1 < S`` and ``loss_mask[a+k+1]``, followed by a cumulative produ
 
 Per valid slot:
   CE   = -log softmax(draft)[x_{a+k+1}]
-  L1   = || softmax(draft) - softmax(lm_head(target_last_hidden[a+k])) ||_1   (= 2 * total variation)
+  L1   = || softmax(draft) - softmax(target logits) ||_1   (= 2 * total variation; target logits =
+         lm_head(target_last_hidden[a+k]), soft-capped when the target is: config.final_logit_softcapping)
   conf = BCE-with-logits(confidence_logit, 1 - L1/2 (detached))
 Each term = sum(w * term) / weight_sum, ``weight_sum`` being the sum of ``w`` over the valid slots of
 the whole *global* batch (the trainer computes it with :func:`supervision_weights` before the
@@ -43,6 +44,7 @@ from torch import Tensor, nn
 from deepspec.algorithms.dspark.config import DraftConfig
 from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance
 from deepspec.models.vocab import t2d_table
+from deepspec.target.capture import soft_cap
 
 
 def supervision_mask(loss_mask_BS: Tensor, anchor_pos_BA: Tensor, block_valid_BA: Tensor, block_size: int) -> Tensor:
@@ -208,7 +210,7 @@ def dspark_loss(
             with torch.no_grad():
                 th = target_last_hidden_BSH[b_N[s:e].to(target_last_hidden_BSH.device),
                                             slot_pos_N[s:e].to(target_last_hidden_BSH.device)]
-                tlogits_CV = F.linear(th.to(dev, lm_w.dtype), lm_w).float()
+                tlogits_CV = soft_cap(F.linear(th.to(dev, lm_w.dtype), lm_w).float(), config.final_logit_softcapping)
                 tprob_CV = torch.softmax(tlogits_CV, dim=-1)
                 tgt_arg_parts.append(tlogits_CV.argmax(-1))
                 if d2t_W is None:

@@ -260,7 +260,7 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
         self.hidden_norm = Norm(c.hidden_size, eps=c.rms_norm_eps)
         self.layers = nn.ModuleList([DSparkDecoderLayer(c, hf) for _ in range(c.num_draft_layers)])
         self.norm = Norm(c.hidden_size, eps=c.rms_norm_eps)
-        self.rotary_emb = c.family_class("RotaryEmbedding")(hf)
+        self.rotary_emb = c.rotary_embedding(hf)
         self.lm_head = nn.Linear(c.hidden_size, c.output_vocab_size, bias=False)
         self.markov_head = (MARKOV_HEADS[c.markov_head_type](c.vocab_size, c.markov_rank, c.hidden_size,
                                                              out_size=c.output_vocab_size)
@@ -374,7 +374,7 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
         block_ids_BAK[:, :, 0] = prev_ids_BAK[:, :, 0]
 
         ctx_BSD = self.context_features(target_hidden_BSF)
-        h_BQD = self.embed_tokens(block_ids_BAK.view(B, A * K)).to(ctx_BSD.dtype)
+        h_BQD = self.embed(block_ids_BAK.view(B, A * K)).to(ctx_BSD.dtype)
         pos_ctx_1S = torch.arange(S, device=dev).unsqueeze(0)
         pos_blk_BQ = (anchor_pos_BA.unsqueeze(-1) + offs_K).view(B, A * K)
         cos_ctx, sin_ctx = self._rope(h_BQD, pos_ctx_1S)
@@ -438,7 +438,7 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
         dev = self.fc.weight.device
         ids_1K = torch.full((1, K), c.mask_token_id, dtype=torch.long, device=dev)
         ids_1K[0, 0] = int(anchor_token)
-        h = self.embed_tokens(ids_1K).to(self.fc.weight.dtype)
+        h = self.embed(ids_1K).to(self.fc.weight.dtype)
         cos, sin = self._rope(h, torch.arange(anchor_pos, anchor_pos + K, device=dev).unsqueeze(0))
         for i, layer in enumerate(self.layers):
             if cache.length:

@@ -25,9 +25,10 @@ These are exactly :class:`~deepspec.algorithms.dspark.model.DSparkDraftModel`'s 
 so loading is a checked rename-free copy. A ``model.`` or ``_orig_mod.`` (torch.compile) prefix on
 every key is stripped. ``embed_tokens`` / ``lm_head`` are frozen copies of the target's: when a
 checkpoint omits them they are taken from ``target_model``. ``LlamaDSparkModel`` / ``Qwen2DSparkModel``
-/ ``MistralDSparkModel`` (same layout, DeepSpec's other families; see
+/ ``MistralDSparkModel`` / ``Gemma3DSparkModel`` (same layout, DeepSpec's other families; see
 :data:`deepspec.algorithms.dspark.config.ARCHITECTURES`) are accepted too; the original only has Qwen3 (and
-Gemma4, unsupported here).
+Gemma4, whose targets DeepSpec does not support). A Gemma 3 draft's config names its activation
+``hidden_activation``, as Gemma's configs do.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from torch import nn
 
 from deepspec.algorithms.dspark.config import ARCHITECTURES, MARKOV_HEAD_TYPES, DraftConfig, dflash_knobs
 from deepspec.algorithms.dspark.model import DSparkDraftModel
-from deepspec.models.config import CONFIG_NAME, WEIGHTS_NAME, save_draft_folder, target_shape_fields
+from deepspec.models.config import CONFIG_NAME, WEIGHTS_NAME, family_rules, save_draft_folder, target_shape_fields
 
 
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -99,8 +100,8 @@ def _family(cfg: dict[str, Any], source: str) -> str:
     if len(archs) != 1 or archs[0] not in _FAMILY_OF_ARCHITECTURE:
         raise _cfg_error(source, "architectures", f"exactly one of {known} (the original writes "
                          f"[{ORIGINAL_ARCHITECTURE!r}])", cfg.get("architectures"),
-                         "DeepSpec loads DSpark drafts of the llama, qwen2, qwen3 and mistral families only "
-                         "(the original's Gemma4DSparkModel is not supported).")
+                         "DeepSpec loads DSpark drafts of the llama, qwen2, qwen3, mistral and gemma3_text "
+                         "families only (the original's Gemma4DSparkModel is not supported: Gemma 4 targets are not).")
     family = _FAMILY_OF_ARCHITECTURE[archs[0]]
     model_type = cfg.get("model_type", family)
     if model_type != family:
@@ -159,7 +160,7 @@ def draft_config_from_original(cfg: dict[str, Any], *, target_config: Any = None
     for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size", "max_position_embeddings",
                 "block_size", "mask_token_id"):
         _int(cfg, key, source, minimum=1 if key != "mask_token_id" else 0)
-    for key in ("hidden_act", "rms_norm_eps"):  # the forward pass depends on them: never defaulted
+    for key in (family_rules(family).act_key, "rms_norm_eps"):  # the forward pass depends on them: never defaulted
         if cfg.get(key) is None:
             raise _cfg_error(source, key, "a value (missing)", None,
                              "The original copies it from the target's config; copy it from there.")
@@ -233,9 +234,9 @@ def original_config_dict(config: DraftConfig, *, num_anchors: int = 512) -> dict
     """The original-layout ``config.json`` of a draft with ``config`` (inverse of
     :func:`draft_config_from_original`; ``num_anchors`` is a training knob the original requires)."""
     c = config
-    if c.qk_norm != (c.family == "qwen3"):
+    if c.qk_norm != family_rules(c.family).qk_norm:
         raise ValueError(f"original layout: the original builds the draft's layers from model_type {c.family!r} "
-                         f"(q/k norm for qwen3 only), and this draft's {'have' if c.qk_norm else 'lack'} it "
+                         f"(q/k norm for qwen3 and gemma3_text only), and this draft's {'have' if c.qk_norm else 'lack'} it "
                          "(--draft-backbone); train with --draft-backbone target to write this layout, or keep "
                          "DeepSpec's own layout")
     cfg: dict[str, Any] = {
@@ -249,7 +250,7 @@ def original_config_dict(config: DraftConfig, *, num_anchors: int = 512) -> dict
         "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.num_key_value_heads,
         "head_dim": c.head_dim,
-        "hidden_act": c.hidden_act,
+        family_rules(c.family).act_key: c.hidden_act,  # hidden_act (Gemma: hidden_activation)
         "attention_dropout": 0.0,
         "rms_norm_eps": c.rms_norm_eps,
         "rope_parameters": dict(c.rope_parameters),
@@ -272,6 +273,8 @@ def original_config_dict(config: DraftConfig, *, num_anchors: int = 512) -> dict
         cfg["attention_bias"] = c.qkv_bias
     if c.family == "llama":
         cfg["mlp_bias"] = c.mlp_bias
+    if c.final_logit_softcapping is not None:  # a key of the target's config the original copies (Gemma 2)
+        cfg["final_logit_softcapping"] = c.final_logit_softcapping
     if c.use_confidence_head:
         cfg["confidence_head_with_markov"] = c.use_markov_head
     if c.use_markov_head:

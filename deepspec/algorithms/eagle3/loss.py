@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from deepspec.algorithms.eagle3.model import Eagle3DraftModel
 from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance
+from deepspec.target.capture import soft_cap
 
 
 def ttt_supervision(loss_mask_BS: Tensor, steps: int, decay: float,
@@ -81,14 +82,16 @@ class Eagle3LossOutput:
 
 
 def _soft_ce_chunk(hidden_NH: Tensor, target_hidden_NH: Tensor, w_N: Tensor, final_norm: nn.Module,
-                   lm_w: Tensor, target_lm_w: Tensor, d2t_W: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                   lm_w: Tensor, target_lm_w: Tensor, d2t_W: Tensor | None,
+                   softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Weighted soft-CE sum of a chunk, and (detached) argmax matches and T = 1 acceptance
     probabilities ``1 - TV`` (in target id space); recomputed in backward. ``lm_w`` ``[W, H]``: the
-    draft's output rows; ``target_lm_w`` ``[V, H]``: the target's."""
+    draft's output rows; ``target_lm_w`` ``[V, H]``: the target's; ``softcap``: the target's final-logit
+    soft-capping (:func:`deepspec.target.capture.soft_cap`)."""
     logits_NW = F.linear(final_norm(hidden_NH), lm_w).float()
     logp_NW = F.log_softmax(logits_NW, dim=-1)
     with torch.no_grad():
-        tlogits_NV = F.linear(target_hidden_NH.to(target_lm_w.dtype), target_lm_w).float()
+        tlogits_NV = soft_cap(F.linear(target_hidden_NH.to(target_lm_w.dtype), target_lm_w).float(), softcap)
         tprob_NV = torch.softmax(tlogits_NV, dim=-1)
         drafted_N = logits_NW.argmax(-1)
         if d2t_W is None:
@@ -141,7 +144,7 @@ def eagle3_loss(model: Eagle3DraftModel, input_ids_BS: Tensor, loss_mask_BS: Ten
             e = min(N, s + chunk_rows)
             part, match, accept = checkpoint(_soft_ce_chunk, h_NH[s:e], th_NH[s:e], w_N[s:e], model.norm,
                                              model.lm_head.weight, model.target_lm_head_weight, model.d2t,
-                                             use_reentrant=False)
+                                             model.config.final_logit_softcapping, use_reentrant=False)
             loss = loss + part / norm
             matches.append(match)
             accepts.append(accept)

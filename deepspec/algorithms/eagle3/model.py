@@ -127,7 +127,7 @@ class Eagle3DraftModel(DraftVocabMixin, nn.Module):
         self.fc = nn.Linear(c.feature_width, c.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(c, hf)
         self.norm = c.family_class("RMSNorm")(c.hidden_size, eps=c.rms_norm_eps)
-        self.rotary_emb = c.family_class("RotaryEmbedding")(hf)
+        self.rotary_emb = c.rotary_embedding(hf)
         self.lm_head = nn.Linear(c.hidden_size, c.output_vocab_size, bias=False)
         self._init_draft_vocab(c)
         for m in self.modules():
@@ -177,7 +177,7 @@ class Eagle3DraftModel(DraftVocabMixin, nn.Module):
             tok = torch.zeros_like(ids)
             if k + 1 < S:
                 tok[:, : S - 1 - k] = ids[:, k + 1:]
-            emb = self.embed_tokens(tok).to(hid.dtype)
+            emb = self.embed(tok).to(hid.dtype)
             cos, sin = self.rotary_emb(hid, (torch.arange(S, device=dev) + k).unsqueeze(0))
             prev_k = torch.cat(ks, dim=2) if ks else None
             prev_v = torch.cat(vs, dim=2) if vs else None
@@ -202,7 +202,7 @@ class Eagle3DraftModel(DraftVocabMixin, nn.Module):
         hid_BSH = self.fc(target_hidden_BSF.to(self.fc.weight.dtype))
         next_BS = torch.zeros_like(ids)  # row t's step-0 token x_{t+1} (past the end: 0)
         next_BS[:, : S - 1] = ids[:, 1:]
-        x0 = torch.cat([layer.input_layernorm(self.embed_tokens(next_BS).to(hid_BSH.dtype)),
+        x0 = torch.cat([layer.input_layernorm(self.embed(next_BS).to(hid_BSH.dtype)),
                         layer.hidden_norm(hid_BSH)], dim=-1)
         cos0, sin0 = self.rotary_emb(hid_BSH, torch.arange(S, device=dev).unsqueeze(0))
         k0 = attn._split(attn.k_proj(x0), attn.num_kv_heads, attn.k_norm)
@@ -224,7 +224,7 @@ class Eagle3DraftModel(DraftVocabMixin, nn.Module):
             pos_BR = t_BR + 1 + k  # token x_{t+1+k} (past the end: 0, an unsupervised row)
             tok_BR = torch.where(pos_BR < S, ids[b_BR, pos_BR.clamp(max=S - 1)], torch.zeros_like(pos_BR))
             x = x0[b_BR, t_BR] if k == 0 else torch.cat(
-                [layer.input_layernorm(self.embed_tokens(tok_BR).to(hid.dtype)), layer.hidden_norm(hid)], dim=-1)
+                [layer.input_layernorm(self.embed(tok_BR).to(hid.dtype)), layer.hidden_norm(hid)], dim=-1)
             cos, sin = self.rotary_emb(hid, t_BR + k)
             q = attn._split(attn.q_proj(x), attn.num_heads, attn.q_norm)
             if k == 0:
@@ -256,7 +256,7 @@ class Eagle3DraftModel(DraftVocabMixin, nn.Module):
         T = int(next_token_ids_T.shape[0])
         dev = self.fc.weight.device
         hid = self.fc(target_hidden_TF.to(dev, self.fc.weight.dtype)).unsqueeze(0)
-        emb = self.embed_tokens(next_token_ids_T.to(dev).long().view(1, T)).to(hid.dtype)
+        emb = self.embed(next_token_ids_T.to(dev).long().view(1, T)).to(hid.dtype)
         L = cache.length
         cos, sin = self.rotary_emb(hid, torch.arange(L, L + T, device=dev).unsqueeze(0))
         mask = torch.ones(T, L + T, dtype=torch.bool, device=dev)
@@ -275,7 +275,7 @@ class Eagle3DraftModel(DraftVocabMixin, nn.Module):
         lists. Returns the pre-norm output ``[H]``."""
         dev = self.fc.weight.device
         hid = hidden_H.view(1, 1, -1)
-        emb = self.embed_tokens(token_id.to(dev).long().view(1, 1)).to(hid.dtype)
+        emb = self.embed(token_id.to(dev).long().view(1, 1)).to(hid.dtype)
         cos, sin = self.rotary_emb(hid, torch.tensor([[pos]], device=dev))
         prev_k = torch.cat([cache.k, *chain_k], dim=2)
         prev_v = torch.cat([cache.v, *chain_v], dim=2)
