@@ -22,10 +22,12 @@ Formats (docs/export.md has each one's keys, weight names and sources):
   tokens), which vLLM serves with ``vllm serve DIR`` alone. The weights are the vLLM formats'. Eagle3
   drafts keep vLLM's hidden-state layer ids (DeepSpec's + 1) under ``eagle_aux_hidden_state_layer_ids``;
   DSpark and DFlash drafts write ``aux_hidden_state_layer_ids`` = DeepSpec's + 1 (vLLM subtracts one).
-- ``vllm-dflash`` is refused for DeepSpec's drafts, with the reason: vLLM's DFlash method (z-lab's
-  layout) reads a block ``[bonus, mask x K]`` whose mask slots predict their own position, while
-  DeepSpec's DFlash proposes from the anchor slot on (the layout vLLM calls DSpark); ``vllm-dspark``
-  carries such a draft exactly.
+- ``vllm-dflash``: vLLM's ``DFlashDraftModel`` (``method: dflash``, z-lab's layout): a block
+  ``[bonus, mask x K]`` whose mask slots predict the token at their own position. DFlash drafts
+  trained in that layout (``train --algorithm dflash --sample-from-anchor false``) export to it, with
+  ``num_speculative_tokens`` = block_size - 1; a draft that proposes from the anchor slot on
+  (DeepSpec's DSpark and default DFlash, the layout vLLM calls DSpark) is refused, naming
+  ``vllm-dspark``, which carries it, and the other way round.
 
 Common rules: weight names without a ``model.`` prefix; the target's embedding is never shipped (every
 engine shares the target's); ``lm_head`` and ``d2t`` (int64 offsets, ``target id = i + d2t[i]``) are
@@ -62,7 +64,7 @@ class ExportConfig:
     """What to export, where, and in which engine's layout."""
 
     draft: str  # a training run (its latest checkpoint), a checkpoint folder or its draft/ folder
-    format: str  # vllm-eagle3 | sglang-eagle3 | vllm-dspark | speculators (vllm-dflash: refused, with the reason)
+    format: str  # vllm-eagle3 | sglang-eagle3 | vllm-dspark | vllm-dflash (z-lab layout drafts) | speculators
     output_dir: str  # the export folder (config.json, model.safetensors)
     dtype: str = "bfloat16"  # weight dtype written: float32 | bfloat16 | float16 (engines cast to theirs)
     overwrite: bool = False  # replace an existing output_dir
@@ -170,6 +172,22 @@ def _dspark_config(c: Any, algorithm: str, markov_rank: int, confidence_with_mar
                markov_rank=markov_rank, markov_head_type="vanilla",
                enable_confidence_head=confidence_with_markov is not None,
                confidence_head_with_markov=bool(confidence_with_markov))
+    return out
+
+
+def _dflash_config(c: Any) -> dict[str, Any]:
+    """vLLM's ``DFlashDraftModel`` config (``model_executor/models/qwen3_dflash.py``): Qwen3 layers, the
+    block [bonus, mask x (block_size - 1)], its ``dflash_config`` (mask token, DeepSpec's layer ids:
+    vLLM adds one)."""
+    if not c.qk_norm:
+        raise ExportError(f"vllm-dflash: vLLM's DFlashDraftModel builds Qwen3 layers with q/k RMSNorm; this draft's "
+                          f"layers ({c.family} target, --draft-backbone target) have none. Train the draft with "
+                          "--draft-backbone qwen3 (the default for dflash) to export it")
+    out = _backbone(c, model_type="qwen3", num_layers=c.num_draft_layers)
+    out["architectures"] = ["DFlashDraftModel"]
+    out.update(_vocab_keys(c), target_hidden_size=c.target_hidden_size, block_size=c.block_size,
+               num_target_layers=c.target_num_hidden_layers,
+               dflash_config={"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids)})
     return out
 
 
@@ -286,9 +304,10 @@ def expected_tensors(fmt: str, config: dict[str, Any]) -> dict[str, tuple[int, .
         if eagle3:
             out[p + "hidden_norm.weight"] = (H,)
     if not eagle3:
+        out["hidden_norm.weight"] = (H,)
+    if fmt == "vllm-dspark":
         r = config["markov_rank"]
-        out.update({"hidden_norm.weight": (H,), "markov_head.markov_w1.weight": (V, r),
-                    "markov_head.markov_w2.weight": (Vd, r)})
+        out.update({"markov_head.markov_w1.weight": (V, r), "markov_head.markov_w2.weight": (Vd, r)})
         if config["enable_confidence_head"]:
             out.update({"confidence_head.proj.weight": (1, H + (r if config["confidence_head_with_markov"] else 0)),
                         "confidence_head.proj.bias": (1,)})
@@ -354,12 +373,17 @@ def _engine_layout(fmt: str, algorithm: str, model: Any, dtype: torch.dtype
     if fmt == "vllm-dflash":
         if algorithm == "eagle3":
             raise ExportError("vllm-dflash: the draft is an eagle3 draft; use --format vllm-eagle3 or sglang-eagle3")
-        raise ExportError(
-            "vllm-dflash: vLLM's DFlash method (z-lab's layout) reads a block [bonus, mask x K] whose mask slots "
-            f"predict their own position; DeepSpec's {algorithm} drafts propose from the anchor slot on (each slot "
-            "predicts the next token), which is vLLM's DSpark layout. Use --format vllm-dspark: it carries DSpark "
-            "drafts, and DFlash drafts with a zero Markov head")
-    if fmt.endswith("eagle3"):
+        if c.sample_from_anchor:
+            raise ExportError(
+                "vllm-dflash: vLLM's DFlash method (z-lab's layout) reads a block [bonus, mask x K] whose mask slots "
+                f"predict their own position; this {algorithm} draft proposes from the anchor slot on (each slot "
+                "predicts the next token), which is vLLM's DSpark layout. Use --format vllm-dspark, or train a DFlash "
+                "draft with --sample-from-anchor false for this format")
+        config = _dflash_config(c)
+        weights = {k: v for k, v in state.items() if k.startswith(("fc.", "hidden_norm.", "norm.", "layers."))}
+        hint = (f"vllm serve TARGET --speculative-config '{{\"method\": \"dflash\", \"model\": \"DIR\", "
+                f"\"num_speculative_tokens\": {c.num_draft_slots}}}'")
+    elif fmt.endswith("eagle3"):
         if algorithm != "eagle3":
             raise ExportError(f"{fmt}: the draft is a {algorithm} draft; EAGLE-3 formats take eagle3 drafts "
                               "(use --format vllm-dspark for dspark and dflash)")
@@ -375,6 +399,10 @@ def _engine_layout(fmt: str, algorithm: str, model: Any, dtype: torch.dtype
         if algorithm not in ("dspark", "dflash"):
             raise ExportError(f"{fmt}: the draft is a {algorithm} draft; vllm-dspark takes dspark and dflash drafts "
                               "(use --format vllm-eagle3 or sglang-eagle3 for eagle3)")
+        if not c.sample_from_anchor:
+            raise ExportError(f"{fmt}: this DFlash draft has z-lab's layout (sample_from_anchor false: each mask slot "
+                              "predicts its own position), and vLLM's DSpark reads the anchor slot's prediction too; "
+                              "export it with --format vllm-dflash")
         weights, rank, confidence = _dspark_weights(state, c)
         config = _dspark_config(c, algorithm, rank, confidence)
         hint = (f"vllm serve TARGET --speculative-config '{{\"method\": \"dspark\", \"model\": \"DIR\", "

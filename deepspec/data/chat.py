@@ -213,7 +213,7 @@ def render_prompt(tokenizer: Any, messages: Sequence[Mapping[str, str]], *,
 
     Raises:
         ValueError: empty ``messages``, the last message is an assistant turn, a malformed message,
-            no chat template, or a doubled BOS.
+            no chat template, a doubled BOS, or an empty render.
     """
     _check_messages(messages)
     if not messages:
@@ -221,7 +221,11 @@ def render_prompt(tokenizer: Any, messages: Sequence[Mapping[str, str]], *,
     if messages[-1]["role"] == "assistant":
         raise ValueError("the last message is an assistant turn: a prompt must end with a user (or system) "
                          "message; drop the final assistant turn to build the prompt that produced it.")
-    return _template_ids(tokenizer, messages, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs)
+    ids = _template_ids(tokenizer, messages, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs)
+    if not ids:
+        raise ValueError("the chat template renders this conversation as an empty prompt; the target needs at least "
+                         "one token to answer. Fix the template (--chat-template) so that it writes the messages.")
+    return ids
 
 
 @dataclass(frozen=True)

@@ -85,8 +85,11 @@ def chunked_argmax(target_model: Any, prompt_ids: Sequence[int], output_ids: Seq
         out = forward(chunk, pos, cache, compute_logits=True)
         cache, pos = out.past_key_values, pos + len(chunk)
         rows.append(out.logits_BTV[0])
-    top_T2 = torch.cat(rows).float().topk(2, dim=-1)
-    return ChunkPass(argmax=top_T2.indices[:, 0].tolist(), second=top_T2.indices[:, 1].tolist(),
+    logits_TV = torch.cat(rows).float()
+    argmax_T = logits_TV.argmax(-1)  # decoding's rule (the first of tied maxima); topk may order ties otherwise
+    top_T2 = logits_TV.topk(2, dim=-1)
+    second_T = torch.where(top_T2.indices[:, 0] == argmax_T, top_T2.indices[:, 1], top_T2.indices[:, 0])
+    return ChunkPass(argmax=argmax_T.tolist(), second=second_T.tolist(),
                      margin=(top_T2.values[:, 0] - top_T2.values[:, 1]).tolist())
 
 

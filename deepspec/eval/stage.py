@@ -33,7 +33,8 @@ class EvalConfig:
     draft: list[str]  # checkpoint folders (a training run, a checkpoint, its draft/ folder, or an original DeepSpec draft)
     output_dir: str  # report folder (eval_report.md / .json, acceptance, tau histogram and reliability PNGs)
     target: str = "default"  # "default" (embedded SmolLM2), a Hugging Face model folder or a GGUF file
-    # a Jinja chat template file replacing the target's, or a built-in name (gemma3); GGUF files often carry none (README, "Targets")
+    # a Jinja chat template file replacing the target's, or a built-in name (gemma3);
+    # GGUF files often carry none (README, "--target takes")
     chat_template: str | None = None
     # benchmark names (deepspec.eval.benchmarks), or "all": every benchmark whose data is found (others listed, skipped)
     benchmarks: list[str] = field(default_factory=lambda: ["all"])

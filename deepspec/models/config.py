@@ -257,10 +257,15 @@ class TargetShapeConfig:
                                    self.target_layer_ids, "Pick layers strictly below the last decoder layer.", cls)
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
             raise config_error("target_layer_ids", "distinct ids", self.target_layer_ids, "Remove duplicates.", cls)
+        from transformers.activations import ACT2FN
+
+        if self.hidden_act not in ACT2FN:
+            raise config_error("hidden_act", "an activation transformers knows (e.g. silu, gelu_pytorch_tanh)",
+                               self.hidden_act, f"Copy the target config's {_FAMILIES[self.family].act_key}.", cls)
         if isinstance(self.embed_scale, bool) or not isinstance(self.embed_scale, (int, float)) \
                 or not 0 < self.embed_scale < float("inf"):
-            raise config_error("embed_scale", "a positive number (1.0, or sqrt(hidden_size) for Gemma)", self.embed_scale,
-                               "Build the config from the target config (target_shape_fields).", cls)
+            raise config_error("embed_scale", "a positive number (1.0, or sqrt(hidden_size) for Gemma)",
+                               self.embed_scale, "Build the config from the target config (target_shape_fields).", cls)
         self.embed_scale = float(self.embed_scale)
         cap = self.final_logit_softcapping
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):

@@ -13,9 +13,9 @@ Accepted targets (DESIGN.md s.2):
   file converts again and a renamed copy does not; ``DEEPSPEC_SOURCE.json`` there names the file).
 
 Any of them with a chat template given as a file (``--chat-template FILE``; GGUF files often carry
-none): the target then resolves to ``<folder>-template-<sha256 prefix of the template>`` beside the
-converted targets, the same files with that template (:func:`with_chat_template`), so every later
-stage that names the same target and template, or the folder a cache records, renders alike.
+none; or ``--chat-template gemma3``, a built-in one): the target then resolves to
+``<folder>-template-<sha256 prefix of the folder's path and the template>`` beside the converted
+targets, the same files with that template (:func:`with_chat_template`), so every later that names the same target and template, or the folder a cache records, renders alike.
 
 The fingerprints identify *content*, not paths: a target cache built for one target/tokenizer is
 refused for another (DESIGN.md s.4).
@@ -214,13 +214,14 @@ def chat_template_path(chat_template: str | Path) -> Path:
 
 def with_chat_template(folder: Path, chat_template: str | Path) -> Path:
     """The target folder ``folder`` with the chat template in file ``chat_template`` (``--chat-template``;
-    or a built-in template's name, :func:`chat_template_path`): a sibling folder
-    ``<folder>-template-<sha256[:12] of the template>`` under ``deepspec_home()/targets`` whose files link
-    to ``folder``'s, except the tokenizer's template (``chat_template.jinja``; any template in
+    or a built-in template's name, :func:`chat_template_path`): a folder
+    ``<folder name>-template-<sha256[:12] of the folder's absolute path and the template>`` under
+    ``deepspec_home()/targets`` whose files link to ``folder``'s, except the tokenizer's template (``chat_template.jinja``; any template in
     ``tokenizer_config.json`` is dropped). Written atomically, once.
 
     Raises:
-        FileNotFoundError: no such template file. ValueError: an empty one.
+        FileNotFoundError: no such template file. ValueError: an empty or binary file, a Jinja syntax
+            error (naming the line), or a template that never reads ``messages``.
     """
     path = chat_template_path(chat_template)
     if path.is_dir():
@@ -230,18 +231,29 @@ def with_chat_template(folder: Path, chat_template: str | Path) -> Path:
         raise FileNotFoundError(f"chat_template={str(chat_template)!r}: no such file; pass a Jinja chat template file "
                                 "(e.g. a model's chat_template.jinja) or the name of a built-in one "
                                 f"({', '.join(BUILTIN_CHAT_TEMPLATES)})")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"chat_template={str(chat_template)!r}: not a UTF-8 text file ({exc.reason} at byte "
+                         f"{exc.start}); pass a Jinja chat template file") from exc
     if not text.strip():
         raise ValueError(f"chat_template={str(chat_template)!r}: the file is empty; pass a Jinja chat template")
     import jinja2
+    import jinja2.meta
 
     try:  # the syntax, once, before any row (transformers renders templates with jinja2)
-        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+        ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"chat_template={str(chat_template)!r}: line {exc.lineno}: {exc.message}; fix the "
                          "template") from exc
+    if "messages" not in jinja2.meta.find_undeclared_variables(ast):
+        raise ValueError(f"chat_template={str(chat_template)!r}: the template never reads `messages`, so every "
+                         "conversation would render alike; pass a Jinja chat template (a tokenizer's "
+                         "chat_template.jinja; a chat_template.json holds one as its \"chat_template\" string)")
     folder = Path(folder).resolve()
-    out = deepspec_home() / "targets" / f"{folder.name}-template-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    # keyed by the folder's full path and the template: two folders of one name never share a target
+    key = hashlib.sha256(f"{folder}\0{text}".encode()).hexdigest()[:12]
+    out = deepspec_home() / "targets" / f"{folder.name}-template-{key}"
     if out.is_dir():
         return out
     own = {"tokenizer_config.json", "chat_template.jinja", "chat_template.json"}
@@ -374,7 +386,8 @@ def load_target(target: str = EMBEDDED_DEFAULT, *, dtype: torch.dtype = torch.fl
 
     Raises:
         FileNotFoundError: missing folder / missing embedded package (message says what was looked for).
-        ValueError: the folder's config still declares a ``quantization_config``; an unreadable GGUF file.
+        ValueError: the folder's config still declares a ``quantization_config``, or is a multimodal
+            model's (a ``text_config`` and no decoder depth of its own); an unreadable GGUF file.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -385,6 +398,13 @@ def load_target(target: str = EMBEDDED_DEFAULT, *, dtype: torch.dtype = torch.fl
             f"target={target!r}: {folder / 'config.json'} declares a quantization_config "
             f"({cfg['quantization_config'].get('quant_method', '?')}); DeepSpec needs a float checkpoint "
             f"(target features must be exact). Dequantise it, or delete {folder} to reconvert the default."
+        )
+    if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:
+        raise ValueError(
+            f"target={target!r}: {folder / 'config.json'} is a multimodal model ({cfg.get('model_type')!r}, its "
+            f"language model under text_config: {cfg['text_config'].get('model_type')!r}); DeepSpec drafts for "
+            "decoder-only text models. Use the text-only model (for Gemma 3: a gemma3_text checkpoint, such as "
+            "google/gemma-3-1b-it, or the model's GGUF file), or extract the language model into its own folder."
         )
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))

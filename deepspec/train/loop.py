@@ -82,7 +82,8 @@ class TrainConfig:
     # none: the target the cache records (`deepspec cache --target`; online mode and older caches: the embedded
     # SmolLM2) | "default": the embedded SmolLM2 | a Hugging Face model folder | a GGUF file
     target: str | None = None
-    # with --target: a Jinja chat template file (or a built-in name: gemma3) replacing the target's (a cache records the target with its template)
+    # with --target: a Jinja chat template file (or a built-in name: gemma3) replacing the
+    # target's (a cache records the target with its template)
     chat_template: str | None = None
     # -- Draft --
     # (the --help text is the trailing comment; tests/integration/test_train_resume.py checks that it lists every
@@ -96,6 +97,10 @@ class TrainConfig:
     # dspark/dflash: slots per draft block (the anchor + block_size - 1 mask slots, each proposes one token);
     # eagle3: the number of unrolled training-time-test steps (tokens proposed per step)
     block_size: int = 7
+    # dflash: false = z-lab's DFlash layout (each mask slot predicts the token at its own position, the anchor
+    # slot nothing: block_size - 1 tokens per block), the one vLLM's method "dflash" runs (export --format
+    # vllm-dflash); true = DeepSpec's (the anchor slot proposes too, as DSpark)
+    sample_from_anchor: bool = True
     num_anchors: int = 32  # anchor positions sampled per sequence per step (DESIGN s.5)
     markov_rank: int = 256  # rank of the DSpark Markov head's low-rank bigram factorisation (dspark only)
     markov_head: str = "vanilla"  # DSpark Markov head variant: vanilla | gated | rnn (dspark only)
@@ -155,6 +160,9 @@ class TrainConfig:
         if self.algorithm != "eagle3" and self.block_size < 2:
             raise ValueError(f"train.block_size: expected an integer >= 2 for {self.algorithm} (the anchor slot and at "
                              f"least one mask slot), got {self.block_size}")
+        if not self.sample_from_anchor and self.algorithm != "dflash":
+            raise ValueError(f"train.sample_from_anchor: false is z-lab's DFlash layout, for --algorithm dflash only, "
+                             f"got it with {self.algorithm!r}; drop --sample-from-anchor false or train dflash")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"train.dtype: expected 'fp32' or 'bf16', got {self.dtype!r}")
         if not 0.0 <= self.warmup_frac < 1.0:

@@ -139,3 +139,22 @@ def test_family_trains_and_decodes_losslessly(family, algorithm, tmp_path):
         assert got.output_ids == ref.output_ids, (name, algorithm)
         proposed += sum(s.num_proposed for s in got.steps)
     assert proposed > 0  # the drafter really drafted
+
+
+def test_zlab_layout_dflash_trains_and_decodes_losslessly(family, tmp_path):
+    """DFlash in z-lab's layout (``--sample-from-anchor false``: each mask slot predicts its own position,
+    K - 1 drafts per block) through the trainer, its checkpoint and the engine: greedy output equals
+    target-only decoding, and no proposal is longer than K - 1."""
+    name, model, tok, prepared, _, layer_ids = family
+    cfg = TrainConfig(online_data=str(prepared), output_dir=str(tmp_path / "run"), algorithm="dflash",
+                      sample_from_anchor=False, target_layer_ids=layer_ids, max_seq_len=128, batch_size=2,
+                      num_anchors=4, block_size=4, max_steps=3, lr=1e-2, warmup_frac=0.0, seed=0)
+    _, draft = load_draft(train(cfg, target_model=model, tokenizer=tok) / "draft")
+    assert draft.config.sample_from_anchor is False and draft.config.num_draft_slots == 3
+    eos = [tok.eos_token_id]
+    spec = SpeculativeEngine(model, layer_ids, algorithm_for_model(draft).proposer(draft.eval()), eos)
+    plain = SpeculativeEngine(model, layer_ids, NullProposer(), eos)
+    prompt = render_prompt(tok, [{"role": "user", "content": "Question 1: why?"}])
+    got = _generate(spec, prompt)
+    assert got.output_ids == _generate(plain, prompt).output_ids, name
+    assert got.steps and max(s.num_proposed for s in got.steps) == 3

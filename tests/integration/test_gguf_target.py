@@ -2,9 +2,9 @@
 :func:`tests.helpers.write_tiny_gguf`.
 
 Checked (and for a tiny random Gemma 3 GGUF with no chat template, the whole pipeline with
-``--chat-template gemma3``): a GGUF file (or a folder holding one) converts once into a safetensors folder keyed by the file's
-content hash, and the converted target is the GGUF's model; a renamed copy reuses it and a changed file
-converts anew; unreadable files, architectures transformers cannot read and folders with several GGUFs are
+``--chat-template gemma3``): a GGUF file (or a folder holding one) converts once into a safetensors
+folder keyed by the file's content hash, and the converted target is the GGUF's model; a renamed copy
+reuses it and a changed file converts anew; unreadable files, architectures transformers cannot read and folders with several GGUFs are
 refused naming why; a target without a chat template is refused by ``prepare`` before any row, naming
 ``--chat-template FILE``, which then gives every stage the same tokenizer (the cache records the target
 folder with that template, so ``train`` finds it).

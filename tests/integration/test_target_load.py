@@ -70,6 +70,33 @@ def test_load_local_dir_roundtrip_and_quantized_refused(tmp_path):
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="quantization_config"):
         load_target(str(tmp_path / "m"))
+    # a multimodal folder (Gemma 3 4B+ on the hub: model_type gemma3, the language model in text_config)
+    del cfg["quantization_config"]
+    num_layers = cfg.pop("num_hidden_layers")
+    cfg_path.write_text(json.dumps({**cfg, "model_type": "gemma3",
+                                    "text_config": {"model_type": "gemma3_text", "num_hidden_layers": num_layers}}))
+    with pytest.raises(ValueError, match="is a multimodal model \\('gemma3'.*'gemma3_text'\\).*text-only model"):
+        load_target(str(tmp_path / "m"))
+
+
+def test_chat_templates_name_one_folder_each_and_must_be_templates(tmp_path, monkeypatch):
+    """Two target folders of one name given the same template stay two targets; a file that is not a
+    Jinja chat template (binary, or one that never reads ``messages``) is refused before any row."""
+    from deepspec.target.load import with_chat_template
+
+    monkeypatch.setenv("DEEPSPEC_HOME", str(tmp_path / "home"))
+    for parent in ("a", "b"):
+        (tmp_path / parent / "model").mkdir(parents=True)
+        (tmp_path / parent / "model" / "config.json").write_text(json.dumps({"origin": parent}))
+    one, two = (with_chat_template(tmp_path / p / "model", "gemma3") for p in ("a", "b"))
+    assert one != two and one.name.startswith("model-template-")
+    assert json.loads((two / "config.json").read_text()) == {"origin": "b"}
+    assert with_chat_template(tmp_path / "a" / "model", "gemma3") == one  # the same pair: the same target
+    (tmp_path / "t.bin").write_bytes(b"\x80\x81 not text")
+    (tmp_path / "plain.jinja").write_text("{# a comment #}Hello, user.")
+    for path, needle in (("t.bin", "not a UTF-8 text file"), ("plain.jinja", "never reads `messages`")):
+        with pytest.raises(ValueError, match=needle):
+            with_chat_template(tmp_path / "a" / "model", tmp_path / path)
 
 
 @pytest.mark.slow

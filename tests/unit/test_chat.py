@@ -247,3 +247,10 @@ def test_template_without_assistant_spans_raises(tiny_tok):
                                   "{{ m['content'] + '<|im_end|>' }}{% endfor %}")
     with pytest.raises(ValueError, match="supervises"):
         render_training_samples(only_answers, THREE_TURNS[:2])
+
+
+def test_a_template_that_renders_an_empty_prompt_is_refused():
+    tok = tiny_chatml_tokenizer()
+    tok.chat_template = "{% for m in messages %}{% endfor %}"
+    with pytest.raises(ValueError, match="renders this conversation as an empty prompt"):
+        render_prompt(tok, [{"role": "user", "content": "hi"}])

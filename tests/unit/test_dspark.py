@@ -528,3 +528,67 @@ def test_padding_blocks_carry_no_loss_and_no_gradient():
     # only padding blocks: zero loss, zero gradient, no NaN
     lo3, g3 = loss_and_grads(torch.tensor([[0, 23]]), torch.zeros(1, 2, dtype=torch.bool))
     assert float(lo3.loss.detach()) == 0.0 and all(torch.all(g == 0) for g in g3.values())
+
+
+# ------------------------------------------------------------------ z-lab's DFlash layout (sample_from_anchor=False)
+
+
+def test_zlab_layout_reads_out_the_mask_slots_of_the_same_block():
+    """The same weights in both layouts: z-lab's draft slot j is block slot j + 1, which DeepSpec's layout
+    reads as its slot j + 1 (one position further). Training forward, inference block and the
+    proposal length all agree with that, and the config refuses the layout with heads."""
+    _, dflash = make_draft("qwen3", **dflash_knobs())
+    zlab_cfg = DraftConfig.from_dict({**dflash.config.to_dict(), "sample_from_anchor": False})
+    zlab = DSparkDraftModel(zlab_cfg)
+    zlab.load_state_dict(dflash.state_dict())
+    assert (zlab_cfg.first_draft_slot, zlab_cfg.num_draft_slots) == (1, zlab_cfg.block_size - 1)
+    target, _ = make_draft("qwen3")
+    ids, lm = batch(B=2, S=24)
+    feats, _ = capture(target, ids)
+    ap = torch.tensor([[4, 6, 20], [0, 11, 0]])
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    both = dflash.forward_train(ids, feats, ap, valid)
+    own = zlab.forward_train(ids, feats, ap, valid)
+    torch.testing.assert_close(own.logits_BAKV, both.logits_BAKV[:, :, 1:])
+    cache = zlab.new_context_cache()
+    zlab.append_context(cache, feats[0, :6])
+    hidden_JD, logits_JV = zlab.block_hidden(cache, int(ids[0, 6]), 6)
+    torch.testing.assert_close(logits_JV, own.logits_BAKV[0, 1], atol=1e-5, rtol=1e-5)
+    assert hidden_JD.shape[0] == zlab_cfg.block_size - 1
+    proposer = DSparkProposer(zlab)
+    assert proposer.max_proposal_len == zlab_cfg.block_size - 1
+    proposer.extend_context(feats[0, :6], ids[0, :6].tolist())
+    proposal = proposer.propose(int(ids[0, 6]), 6, sampling=SamplingParams(), generator=None)
+    assert proposal.draft_ids_N.tolist() == logits_JV.argmax(-1).tolist()
+    with pytest.raises(ValueError, match="DraftConfig.sample_from_anchor: expected true for a draft with a Markov"):
+        DraftConfig.from_dict({**make_draft("qwen3")[1].config.to_dict(), "sample_from_anchor": False})
+
+
+def test_zlab_layout_loss_supervises_each_mask_slot_with_its_own_position():
+    """Draft slot j of the block at a (block slot j + 1, position a + j + 1) is scored against x_{a+j+1}:
+    logits that put all mass on exactly those labels give CE 0 and every slot valid."""
+    _, dflash = make_draft("qwen3", **dflash_knobs())
+    cfg = DraftConfig.from_dict({**dflash.config.to_dict(), "sample_from_anchor": False})
+    ids, lm = batch(B=1, S=24)
+    ap = torch.tensor([[5, 9]])
+    valid = torch.ones(1, 2, dtype=torch.bool)
+    J = cfg.num_draft_slots
+    labels_BAJ = ids[0, (ap[0, :, None] + torch.arange(1, J + 1))][None]
+    logits = torch.full((1, 2, J, V), -1e4)
+    logits.scatter_(-1, labels_BAJ[..., None], 1e4)
+    from deepspec.algorithms.dspark.model import DraftTrainOutput
+
+    D = cfg.hidden_size
+    out = DraftTrainOutput(logits_BAKV=logits, confidence_logits_BAK=None, hidden_BAKD=torch.zeros(1, 2, J, D))
+    loss = dspark_loss(out, ids, lm, ap, valid, None, torch.zeros(V, D), cfg)
+    assert loss.num_valid_slots == 2 * J and float(loss.ce) == 0.0
+    shifted = torch.roll(logits, 1, dims=2)  # each slot predicting its neighbour's label: a real loss
+    assert float(dspark_loss(DraftTrainOutput(shifted, None, out.hidden_BAKD), ids, lm, ap, valid, None,
+                             torch.zeros(V, D), cfg).ce) > 100
+
+
+def test_an_unknown_activation_is_a_config_error_naming_the_field():
+    cfg = make_draft("qwen3")[1].config.to_dict()
+    with pytest.raises(ValueError, match="DraftConfig.hidden_act: expected an activation transformers knows.*"
+                                         "'nonsense'.*hidden_act"):
+        DraftConfig.from_dict({**cfg, "hidden_act": "nonsense"})

@@ -36,7 +36,7 @@ def tiny_target(family):
 D2T = torch.tensor([7, 1, 3, 2, 9, 40, 63, 12, 11, 10, 20, 30])  # absolute target ids, not sorted
 
 
-def saved_draft(tmp_path, algorithm, family, *, reduced=False, backbone="target"):
+def saved_draft(tmp_path, algorithm, family, *, reduced=False, backbone="target", sample_from_anchor=True):
     target = tiny_target(family)
     d2t = D2T if reduced else None
     torch.manual_seed(1)
@@ -45,12 +45,12 @@ def saved_draft(tmp_path, algorithm, family, *, reduced=False, backbone="target"
                                         draft_vocab_size=len(D2T) if reduced else None, backbone=backbone)
         draft = Eagle3DraftModel.from_target(target, cfg, d2t=d2t)
     else:
-        knobs = {} if algorithm == "dspark" else dflash_knobs()
+        knobs = {} if algorithm == "dspark" else dict(dflash_knobs(), sample_from_anchor=sample_from_anchor)
         cfg = draft_config_from_target(target.config, num_draft_layers=2, target_layer_ids=LAYER_IDS,
                                        mask_token_id=MASK, markov_rank=4, block_size=4,
                                        draft_vocab_size=len(D2T) if reduced else None, backbone=backbone, **knobs)
         draft = DSparkDraftModel.from_target(target, cfg, d2t=d2t)
-    folder = tmp_path / f"{algorithm}-{family}-{reduced}-{backbone}"
+    folder = tmp_path / f"{algorithm}-{family}-{reduced}-{backbone}-{sample_from_anchor}"
     draft.save_pretrained(folder)
     return folder, draft
 
@@ -142,6 +142,27 @@ def test_qwen3_style_drafts_for_a_llama_target_export_to_vllm(tmp_path):
         build_export(folder, "sglang-eagle3")
 
 
+def test_zlab_layout_dflash_exports_to_vllm_dflash(tmp_path):
+    """A DFlash draft trained in z-lab's layout is vLLM's DFlashDraftModel: Qwen3 layers, fc, hidden_norm,
+    norm (no Markov or confidence head), block_size = K and K - 1 speculative tokens; with a reduced
+    vocabulary lm_head and d2t offsets. vLLM's DSpark (which reads the anchor slot) refuses it."""
+    folder, draft = saved_draft(tmp_path, "dflash", "qwen3", reduced=True, sample_from_anchor=False)
+    out = run_export(ExportConfig(draft=str(folder), format="vllm-dflash", output_dir=str(tmp_path / "o"),
+                                  dtype="float32"))
+    config, weights = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": LAYER_IDS}  # vLLM adds 1 itself
+    assert (config["block_size"], config["num_hidden_layers"], config["draft_vocab_size"]) == (4, 2, len(D2T))
+    assert not any(k.startswith(("markov_head", "confidence_head", "embed_tokens")) for k in weights)
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight", "lm_head.weight",
+            "d2t"} <= set(weights)
+    torch.testing.assert_close(weights["fc.weight"], draft.fc.weight, rtol=0, atol=0)
+    assert '"num_speculative_tokens": 3' in build_export(folder, "vllm-dflash")[2]
+    for fmt in ("vllm-dspark", "speculators"):
+        with pytest.raises(ExportError, match="z-lab's layout.*--format vllm-dflash"):
+            build_export(folder, fmt, verifier="default")
+
+
 def test_dflash_exports_as_dspark_with_a_zero_markov_head(tmp_path):
     folder, _ = saved_draft(tmp_path, "dflash", "qwen3")
     config, weights = export(tmp_path, folder, "vllm-dspark")
@@ -153,7 +174,8 @@ def test_dflash_exports_as_dspark_with_a_zero_markov_head(tmp_path):
 @pytest.mark.parametrize("algorithm, family, fmt, message", [
     ("dspark", "llama", "vllm-dspark", "builds Qwen3 layers with q/k RMSNorm; this draft's layers .llama target, "
                                        "--draft-backbone target. have none.*Train the draft with --draft-backbone qwen3"),
-    ("dspark", "qwen3", "vllm-dflash", "mask slots predict their own position"),
+    ("dspark", "qwen3", "vllm-dflash", "mask slots predict their own position.*--sample-from-anchor false"),
+    ("dflash", "qwen3", "vllm-dflash", "this dflash draft proposes from the anchor slot on.*--format vllm-dspark"),
     ("dspark", "qwen3", "vllm-eagle3", "EAGLE-3 formats take eagle3 drafts"),
     ("eagle3", "llama", "vllm-dflash", "eagle3 draft; use --format vllm-eagle3 or sglang-eagle3"),
     ("eagle3", "llama", "vllm-dspark", "vllm-dspark takes dspark and dflash drafts"),

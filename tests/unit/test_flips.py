@@ -69,6 +69,19 @@ def test_float32_target_has_no_flips(target, chunk_len):
         chunked_argmax(target, PROMPT, base.output_ids, chunk_len=0)
 
 
+def test_exact_ties_take_decodings_argmax_not_topks_order():
+    """Every logit tied (all lm_head rows equal, as a saturated soft-cap can make them): decoding takes
+    the first maximum, id 0, and so must the chunked pass, or every position would count as a flip."""
+    tied = sharp_tiny_llama(VOCAB)
+    with torch.no_grad():
+        tied.lm_head.weight.copy_(tied.lm_head.weight[:1].expand_as(tied.lm_head.weight))
+    base = SpeculativeEngine(tied, [0], NullProposer(), [VOCAB + 1]).generate(PROMPT, max_new_tokens=12)
+    assert base.output_ids == [0] * 12
+    chunk = chunked_argmax(tied, PROMPT, base.output_ids, chunk_len=4)
+    assert chunk.argmax == base.output_ids and argmax_flip_positions(chunk.argmax, base.output_ids) == []
+    assert all(s != 0 for s in chunk.second) and chunk.margin == [0.0] * 12
+
+
 class _Tokenizer:
     chat_template = "fake"
     eos_token_id = VOCAB + 1

@@ -207,6 +207,14 @@ def test_saver_refuses_a_reduced_vocabulary_draft(target, tmp_path):
     assert not (tmp_path / "exported").exists()
 
 
+def test_saver_refuses_zlab_layout_dflash(target, tmp_path):
+    config = draft_config_from_target(target.config, num_draft_layers=1, target_layer_ids=LAYER_IDS,
+                                      mask_token_id=MASK, block_size=K, sample_from_anchor=False, **dflash_knobs())
+    with pytest.raises(ValueError, match="z-lab's DFlash layout.*--format vllm-dflash"):
+        save_original_dspark(DSparkDraftModel.from_target(target, config), tmp_path / "exported")
+    assert not (tmp_path / "exported").exists()
+
+
 def test_saver_refuses_layers_the_original_would_build_otherwise(tmp_path):
     """The original builds the layers from model_type: a Qwen3-style draft for a Llama target
     (--draft-backbone qwen3) would load there without its q/k norms."""

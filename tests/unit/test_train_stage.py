@@ -119,3 +119,11 @@ def test_optimizer_is_fused_adamw_with_the_same_update_as_the_loop():
         steps[fused] = [p.detach().clone() for p in params]
     for a, b in zip(steps[True], steps[False]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("algorithm", ["dspark", "eagle3"])
+def test_zlab_layout_is_for_dflash_only(algorithm):
+    with pytest.raises(ValueError, match="train.sample_from_anchor: false is z-lab's DFlash layout, for --algorithm "
+                                         "dflash only"):
+        TrainConfig(cache_dir="c", output_dir="o", algorithm=algorithm, sample_from_anchor=False)
+    assert TrainConfig(cache_dir="c", output_dir="o", algorithm="dflash", sample_from_anchor=False).block_size == 7

@@ -2,7 +2,8 @@
 DeepSpec Eagle3 draft exported by ``deepspec export --format vllm-eagle3`` and, as ``vllm serve DIR``
 alone, with the same draft in the speculators layout (``--format speculators``); ``deepspec prepare
 --backend openai`` against that vLLM server regenerates exactly the local backend's answers and ids;
-and vLLM's own reader of the speculators layout gives it the meaning of the direct vLLM formats.
+vLLM's own reader of the speculators layout gives it the meaning of the direct vLLM formats; and
+vLLM's ``method: dflash`` serves a DFlash draft trained in z-lab's layout (``--format vllm-dflash``).
 
 The draft memorises 8 conversations the target answered (``tests/fixtures/memorise8.prepared.jsonl``)
 for a short run with the demo recipe's sizes (a reduced 8,192-token draft vocabulary, so ``d2t`` and
@@ -39,6 +40,20 @@ def _chat(server: VllmServer, prompt: str) -> str:
     return server.chat([{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS)["choices"][0]["message"]["content"]
 
 
+def _serve_drafted(target_dir: Path, log: Path, speculative: dict, prompts: list[str]):
+    """vLLM's greedy answers to ``prompts`` with the draft ``speculative`` names, its draft and accepted-token
+    counters, and the mean acceptance length they give (printed)."""
+    with VllmServer(VLLM_PYTHON, target_dir, log, speculative) as server:
+        server.wait_ready()
+        answers = [_chat(server, p) for p in prompts]
+        drafts = server.counter("spec_decode_num_drafts")
+        accepted = server.counter("spec_decode_num_accepted_tokens")
+    mean_acceptance_length = 1 + accepted / max(drafts, 1)
+    print(f"vLLM {speculative['method']}: {drafts:.0f} drafts, {accepted:.0f} accepted tokens, "
+          f"mean acceptance length {mean_acceptance_length:.2f}", file=sys.stderr)
+    return answers, drafts, accepted, mean_acceptance_length
+
+
 @pytest.mark.skipif(not VLLM_PYTHON, reason="DEEPSPEC_VLLM_PYTHON is not set (make test builds .venv-vllm)")
 def test_vllm_prepare_and_an_exported_eagle3_draft(tmp_path):
     target_dir = ensure_embedded_target()
@@ -67,14 +82,8 @@ def test_vllm_prepare_and_an_exported_eagle3_draft(tmp_path):
     assert [r["generated_ids"] for r in served] == [r["generated_ids"] for r in local]
     assert all(ids is not None for r in served for ids in r["generated_ids"][1::2])  # vLLM returned the ids
     speculative = {"method": "eagle3", "model": str(exported), "num_speculative_tokens": 3}
-    with VllmServer(VLLM_PYTHON, target_dir, tmp_path / "vllm-eagle3.log", speculative) as server:
-        server.wait_ready()
-        drafted = [_chat(server, p) for p in prompts]
-        drafts = server.counter("spec_decode_num_drafts")
-        accepted = server.counter("spec_decode_num_accepted_tokens")
-    mean_acceptance_length = 1 + accepted / max(drafts, 1)
-    print(f"vLLM eagle3: {drafts:.0f} drafts, {accepted:.0f} accepted tokens, "
-          f"mean acceptance length {mean_acceptance_length:.2f}", file=sys.stderr)
+    drafted, drafts, accepted, mean_acceptance_length = _serve_drafted(target_dir, tmp_path / "vllm-eagle3.log",
+                                                                       speculative, prompts)
     assert drafted == plain, "vLLM's greedy output with the exported draft differs from its output without it"
     assert drafts > 0 and mean_acceptance_length > 1.0
 
@@ -137,3 +146,29 @@ def test_vllms_speculators_reader_gives_a_speculators_export_the_vllm_formats_me
                     "confidence_head_with_markov"):
             assert layer[key] == direct[key], key
         assert speculative == {"method": "dspark", "num_speculative_tokens": direct["block_size"]}
+
+
+@pytest.mark.skipif(not VLLM_PYTHON, reason="DEEPSPEC_VLLM_PYTHON is not set (make test builds .venv-vllm)")
+def test_vllm_serves_a_zlab_layout_dflash_draft(tmp_path):
+    """vLLM's ``method: dflash`` (z-lab's layout: each mask slot predicts its own position) with a DFlash
+    draft trained in that layout (``--sample-from-anchor false``) and exported by ``--format vllm-dflash``:
+    greedy output equals vLLM's own without the draft, and vLLM counts a mean acceptance length > 1."""
+    target_dir = ensure_embedded_target()
+    cache, train, exported = tmp_path / "cache", tmp_path / "train", tmp_path / "dflash-vllm"
+    assert main(["cache", "--recipe", "demo", "--input", str(PREPARED), "--output-dir", str(cache)]) == 0
+    assert main(["train", "--recipe", "demo", "--algorithm", "dflash", "--sample-from-anchor", "false",
+                 "--block-size", "4", "--cache-dir", str(cache), "--output-dir", str(train), "--max-steps", "200",
+                 "--heldout-every", "0"]) == 0
+    assert main(["export", "--draft", str(train), "--format", "vllm-dflash", "--output-dir", str(exported),
+                 "--dtype", "float32"]) == 0
+    config = json.loads((exported / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["draft_vocab_size"] == 8192
+    prompts = [json.loads(line)["messages"][0]["content"] for line in PREPARED.read_text().splitlines()]
+    with VllmServer(VLLM_PYTHON, target_dir, tmp_path / "vllm-target.log") as server:
+        server.wait_ready()
+        plain = [_chat(server, p) for p in prompts]
+    speculative = {"method": "dflash", "model": str(exported), "num_speculative_tokens": 3}
+    drafted, drafts, _, mean_acceptance_length = _serve_drafted(target_dir, tmp_path / "vllm-dflash.log",
+                                                                speculative, prompts)
+    assert drafted == plain, "vLLM's greedy output with the exported DFlash draft differs from its output without it"
+    assert drafts > 0 and mean_acceptance_length > 1.0

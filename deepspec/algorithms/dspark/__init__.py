@@ -62,6 +62,7 @@ class DSparkAlgorithm:
             draft_vocab_size=draft_vocab_size,
             backbone=draft_backbone(getattr(cfg, "draft_backbone", "auto"), self.name,
                                     init_from_target=getattr(cfg, "init_from_target", False)),
+            sample_from_anchor=getattr(cfg, "sample_from_anchor", True),
             # the algorithm's own knobs, then the loss settings given to train over them
             **{**({} if self.heads else dflash_knobs()), **cfg.loss_knobs()},
         )

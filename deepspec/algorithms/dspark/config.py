@@ -6,6 +6,14 @@ are chosen.
 
 DFlash is the same config with ``use_markov_head=False, use_confidence_head=False`` and loss
 weights ``ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0`` (see :func:`dflash_knobs`).
+
+Block layout (``sample_from_anchor``). A block is ``[anchor, mask x (K-1)]`` at positions
+``a .. a+K-1`` either way. DeepSpec's and the original's layout (True, vLLM's DSpark
+``sample_from_anchor``): slot ``k`` predicts ``x_{a+k+1}``, so a block proposes K tokens. z-lab's DFlash
+layout (False, what vLLM's ``method: dflash`` runs): slot ``k`` predicts the token at its own position
+``x_{a+k}``, the anchor slot predicts nothing, so a block proposes K-1 tokens (vLLM's
+``num_speculative_tokens`` = K-1). Both are the same model; only which slot reads out which label
+differs (:attr:`DraftConfig.num_draft_slots`, :attr:`DraftConfig.first_draft_slot`).
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ class DraftConfig(TargetShapeConfig):
 
     # Loss knobs (training only) and markov_head_type (drafts saved before it existed are "vanilla").
     OPTIONAL_ON_LOAD: ClassVar[tuple[str, ...]] = TargetShapeConfig.OPTIONAL_ON_LOAD + (
-        "markov_head_type", "loss_decay_gamma", "ce_weight", "l1_weight", "confidence_weight")
+        "markov_head_type", "loss_decay_gamma", "ce_weight", "l1_weight", "confidence_weight", "sample_from_anchor")
 
     # --- draft knobs ---
     num_draft_layers: int
@@ -61,6 +69,9 @@ class DraftConfig(TargetShapeConfig):
     markov_head_type: str = "vanilla"  # one of MARKOV_HEAD_TYPES
     use_markov_head: bool = True
     use_confidence_head: bool = True
+    # True: slot k predicts x_{a+k+1} (K drafts per block); False: z-lab's DFlash layout, slot k predicts
+    # x_{a+k} (K-1 drafts, the anchor slot reads out nothing): see the module docstring
+    sample_from_anchor: bool = True
     # --- loss (DESIGN s.5) ---
     loss_decay_gamma: float = 4.0
     ce_weight: float = 0.1
@@ -100,8 +111,26 @@ class DraftConfig(TargetShapeConfig):
                        "Set confidence_weight=0.0 or enable the confidence head.")
         if self.ce_weight + self.l1_weight + self.confidence_weight <= 0:
             raise _err("ce_weight", "a positive total loss weight", 0.0, "Set ce_weight=1.0 (DFlash).")
+        if not isinstance(self.sample_from_anchor, bool):
+            raise _err("sample_from_anchor", "true or false", self.sample_from_anchor, "Fix config.json.")
+        if not self.sample_from_anchor and (self.use_markov_head or self.use_confidence_head):
+            raise _err("sample_from_anchor", "true for a draft with a Markov or confidence head (z-lab's "
+                       "own-position layout is DFlash's, which has neither)", self.sample_from_anchor,
+                       "Train --algorithm dflash for that layout, or keep sample_from_anchor true.")
 
     # ------------------------------------------------------------------ derived
+    @property
+    def first_draft_slot(self) -> int:
+        """The first block slot that proposes a token: 0 (``sample_from_anchor``), else 1."""
+        return 0 if self.sample_from_anchor else 1
+
+    @property
+    def num_draft_slots(self) -> int:
+        """Tokens a block proposes (the proposal length and the supervised slots per block):
+        ``block_size``, or ``block_size - 1`` in z-lab's layout. Draft slot ``j`` is block slot
+        ``first_draft_slot + j`` and predicts ``x_{a+j+1}`` in both layouts."""
+        return self.block_size - self.first_draft_slot
+
     @property
     def markov_dim(self) -> int:
         """Width of W1[prev] fed to the confidence head (0 without a Markov head)."""

@@ -4,7 +4,9 @@ Legend: B batch, S sequence length, A anchors, K block_size, V target vocab, W d
 width of the draft logits: V, or N = ``draft_vocab_size`` with a reduced vocabulary), H target
 hidden, N number of valid (supervised) slots in the batch, C a chunk of slots.
 
-Slot ``k`` of the block anchored at ``a`` predicts token ``x_{a+k+1}``. It is *valid* iff the block
+Draft slot ``k`` of the block anchored at ``a`` predicts token ``x_{a+k+1}`` (K here is the block's
+``num_draft_slots``: ``block_size``, or ``block_size - 1`` in z-lab's DFlash layout, whose mask slot
+``k + 1`` predicts the token at its own position ``a+k+1``: the same label, so one rule serves both). It is *valid* iff the block
 is valid, ``a+k+1 < S`` and ``loss_mask[a+k+1]``, followed by a cumulative product along ``k``
 (supervision stops at the first invalid slot). Weight ``w_k = exp(-k / gamma)``.
 
@@ -73,7 +75,7 @@ def supervision_weights(loss_mask_BS: Tensor, anchor_pos_BA: Tensor, block_valid
     micro-batches of a global batch is the ``weight_sum`` to pass to :func:`dspark_loss`.
     """
     if config is not None:
-        block_size = config.block_size if block_size is None else block_size
+        block_size = config.num_draft_slots if block_size is None else block_size
         gamma = config.loss_decay_gamma if gamma is None else gamma
     if block_size is None or gamma is None:
         raise ValueError("supervision_weights: expected a DraftConfig or block_size= and gamma=, received neither.")
@@ -154,8 +156,8 @@ def dspark_loss(
     Raises:
         ValueError: a needed ``target_last_hidden_BSH`` / confidence logits is missing.
     """
-    K = config.block_size
-    logits_BAKV = out.logits_BAKV  # [B, A, K, W]
+    K = config.num_draft_slots
+    logits_BAKV = out.logits_BAKV  # [B, A, K, W] over the draft slots
     B, S = input_ids_BS.shape
     dev = logits_BAKV.device
     lm_w = lm_head.weight if isinstance(lm_head, nn.Module) else lm_head  # [V, D]

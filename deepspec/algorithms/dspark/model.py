@@ -355,9 +355,11 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
             anchor_pos_BA: int64 ``[B, A]``; block_valid_BA: bool ``[B, A]`` (from sample_anchors).
             use_flex: flex_attention BlockMask (default: on CUDA) instead of a dense SDPA mask.
         Returns:
-            DraftTrainOutput(logits_BAKV (with Markov bias from the true previous tokens
-            ``[x_a .. x_{a+K-1}]``, gathered indices clamped at S-1), confidence_logits_BAK | None,
-            hidden_BAKD).
+            DraftTrainOutput over the block's ``J = config.num_draft_slots`` draft slots (all K, or the
+            K-1 mask slots of z-lab's layout; draft slot j predicts ``x_{a+j+1}`` either way):
+            logits_BAKV ``[B, A, J, N]`` (with Markov bias from the true previous tokens
+            ``[x_a .. x_{a+J-1}]``, gathered indices clamped at S-1), confidence_logits_BAK | None,
+            hidden_BAKD ``[B, A, J, D]``.
         """
         c = self.config
         K = c.block_size
@@ -388,8 +390,9 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
         for layer in self.layers:
             ctx_k, ctx_v = layer.self_attn.context_kv(ctx_BSD, cos_ctx, sin_ctx)
             h_BQD = layer(h_BQD, cos_blk, sin_blk, ctx_k, ctx_v, mask)
-        hidden_BAKD = self.norm(h_BQD).view(B, A, K, -1)
-        logits_BAKV, conf_BAK = self.heads(hidden_BAKD, prev_ids_BAK)
+        J = c.num_draft_slots  # the slots that propose: all K, or the K-1 mask slots (z-lab's layout)
+        hidden_BAKD = self.norm(h_BQD).view(B, A, K, -1)[:, :, c.first_draft_slot:]
+        logits_BAKV, conf_BAK = self.heads(hidden_BAKD, prev_ids_BAK[:, :, :J])
         return DraftTrainOutput(logits_BAKV=logits_BAKV, confidence_logits_BAK=conf_BAK, hidden_BAKD=hidden_BAKD)
 
     # ------------------------------------------------------------------ inference API
@@ -425,10 +428,12 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
         """Run ``[anchor, m, .., m]`` at positions ``anchor_pos .. anchor_pos+K-1`` attending to all
         cached context (which must hold exactly positions ``0..anchor_pos-1``) and to the whole block.
 
-        Returns (final hidden ``[K, D]``, base logits ``[S, N]`` over draft ids for the first
-        ``S = num_slots`` slots (None: all K), without the Markov bias). The whole block runs through
-        the layers either way (every slot attends to the others); only the output layer, the
-        costliest product of a proposal, is cut to the slots a capped proposal uses.
+        Returns (final hidden of the block's draft slots ``[J, D]``, base logits ``[S, N]`` over draft
+        ids for the first ``S = num_slots`` of them (None: all J), without the Markov bias). The draft
+        slots are ``config.first_draft_slot ..`` (J = ``config.num_draft_slots``: all K slots, or the K-1
+        mask slots of z-lab's layout). The whole block runs through the layers either way (every slot
+        attends to the others); only the output layer, the costliest product of a proposal, is cut to
+        the slots a capped proposal uses.
         """
         if cache.length != anchor_pos:
             raise ValueError(f"block_hidden: expected the context cache to hold positions 0..anchor_pos-1 "
@@ -447,8 +452,8 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
                 empty = h.new_zeros(1, c.num_key_value_heads, 0, c.head_dim)
                 ctx_k, ctx_v = empty, empty
             h = layer(h, cos, sin, ctx_k, ctx_v, None)
-        hidden_KD = self.norm(h)[0]
-        return hidden_KD, self.lm_head(hidden_KD if num_slots is None else hidden_KD[:num_slots])
+        hidden_JD = self.norm(h)[0, c.first_draft_slot:]
+        return hidden_JD, self.lm_head(hidden_JD if num_slots is None else hidden_JD[:num_slots])
 
     # ------------------------------------------------------------------ save / load
     def save_pretrained(self, out_dir: str | Path) -> Path:

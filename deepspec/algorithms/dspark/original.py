@@ -236,7 +236,8 @@ def original_config_dict(config: DraftConfig, *, num_anchors: int = 512) -> dict
     c = config
     if c.qk_norm != family_rules(c.family).qk_norm:
         raise ValueError(f"original layout: the original builds the draft's layers from model_type {c.family!r} "
-                         f"(q/k norm for qwen3 and gemma3_text only), and this draft's {'have' if c.qk_norm else 'lack'} it "
+                         f"(q/k norm for qwen3 and gemma3_text only), and this draft's "
+                         f"{'have' if c.qk_norm else 'lack'} it "
                          "(--draft-backbone); train with --draft-backbone target to write this layout, or keep "
                          "DeepSpec's own layout")
     cfg: dict[str, Any] = {
@@ -401,6 +402,11 @@ def save_original_dspark(model: DSparkDraftModel, folder: str | Path, *, include
         raise ValueError(f"save_original_dspark.model: expected a full-vocabulary draft (the original layout has no "
                          f"draft -> target id map), received draft_vocab_size={model.config.draft_vocab_size}. Save it "
                          "with model.save_pretrained (DeepSpec's layout keeps d2t), or train without --draft-vocab-size.")
+    if not model.config.sample_from_anchor:
+        raise ValueError("save_original_dspark.model: the original's drafts propose from the anchor slot on; this "
+                         "draft has z-lab's DFlash layout (sample_from_anchor false: each mask slot predicts its own "
+                         "position), which the original would read as another draft. Export it with --format "
+                         "vllm-dflash, or keep DeepSpec's layout.")
     state = {k: v for k, v in model.state_dict().items()
              if k not in _DERIVED_BUFFERS and (include_embeddings or k not in _EMBEDDINGS)}
     cfg = original_config_dict(model.config, num_anchors=num_anchors)

@@ -18,7 +18,8 @@ class DSparkProposer:
     """DSpark / DFlash drafter behind the :class:`~deepspec.algorithms.protocol.Proposer` protocol.
 
     One block forward ``[anchor, m, .., m]`` at positions ``anchor_pos .. anchor_pos+K-1`` attending
-    to the cached context K/V (``DSparkDraftModel.block_hidden``), then a cheap serial pass: slot
+    to the cached context K/V (``DSparkDraftModel.block_hidden``; its draft slots: all K, or the K-1
+    mask slots of z-lab's DFlash layout, ``DraftConfig.sample_from_anchor``), then a cheap serial pass: slot
     ``k``'s logits are ``base_k`` + the Markov head's bias (``DSparkDraftModel.slot_step``: vanilla
     ``markov_w2(markov_w1[prev])``, or the gated / rnn variant) with ``prev`` = the anchor for k=0 and
     the token just drafted afterwards (DSpark paper, "parallel backbone + sequential correction").
@@ -45,7 +46,7 @@ class DSparkProposer:
             raise ValueError("DSparkProposer.confidence_threshold: expected None for a draft without a confidence "
                              f"head, received {confidence_threshold}. Drop the threshold or load a DSpark draft.")
         self.model = model.eval()
-        self.max_proposal_len = int(model.config.block_size)
+        self.max_proposal_len = int(model.config.num_draft_slots)
         self.confidence_threshold = confidence_threshold
         self.max_positions = int(max_positions if max_positions is not None
                                  else model.config.max_position_embeddings)
