@@ -160,8 +160,9 @@ def test_a_gemma3_gguf_runs_prepare_cache_train_eval_with_identical_outputs(tmp_
                      "--batch-size", "2", "--mask-token", "<mask>"]) == 0
     _, draft = load_draft(draft_folder(str(tmp_path / "dspark")))
     assert draft.config.family == "gemma3_text" and draft.config.embed_scale == pytest.approx(32 ** 0.5)
-    assert json.loads((draft_folder(str(tmp_path / "dspark")) / "config.json").read_text())["architectures"] == [
-        "Gemma3DSparkModel"]
+    saved = json.loads((draft_folder(str(tmp_path / "dspark")) / "config.json").read_text())
+    assert saved["architectures"] == ["Gemma3DSparkModel"]
+    assert saved["layer_types"] == ["full_attention"]  # the draft's own attention: no sliding window
     capsys.readouterr()
     bench = tmp_path / "gsm8k.jsonl"
     bench.write_text("".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n"

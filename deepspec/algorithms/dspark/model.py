@@ -458,14 +458,16 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
     # ------------------------------------------------------------------ save / load
     def save_pretrained(self, out_dir: str | Path) -> Path:
         """Write ``model.safetensors`` (all weights incl. frozen embed/lm_head: self-contained, as the
-        original) and ``config.json`` (DraftConfig + ``architectures`` + ``deepspec_algorithm``),
-        atomically as a folder."""
+        original) and ``config.json`` (DraftConfig + ``architectures`` + ``deepspec_algorithm``, and
+        ``layer_types``: the draft layers' own attention, always ``full_attention``, whatever sliding
+        windows the target has), atomically as a folder."""
 
         # deepspec_algorithm: the registry's name (deepspec.algorithms.registry.algorithm_of_draft); DFlash is
         # this model with both heads off.
         heads = self.config.use_markov_head or self.config.use_confidence_head
         cfg = {"architectures": [self.config.architecture], "model_type": "dspark",
-               "deepspec_algorithm": "dspark" if heads else "dflash", "draft_config": self.config.to_dict()}
+               "deepspec_algorithm": "dspark" if heads else "dflash",
+               "layer_types": ["full_attention"] * self.config.num_draft_layers, "draft_config": self.config.to_dict()}
         return save_draft_folder(out_dir, self.state_dict(), cfg)
 
     @classmethod

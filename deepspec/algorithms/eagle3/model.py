@@ -291,10 +291,11 @@ class Eagle3DraftModel(DraftVocabMixin, nn.Module):
     # ------------------------------------------------------------------ save / load
     def save_pretrained(self, out_dir: str | Path) -> Path:
         """``model.safetensors`` (all weights, self-contained) + ``config.json`` with
-        ``deepspec_algorithm: eagle3``, written atomically as a folder."""
+        ``deepspec_algorithm: eagle3`` and ``layer_types`` (the draft layer's own attention, always
+        ``full_attention``), written atomically as a folder."""
 
         cfg = {"architectures": ["Eagle3DraftModel"], "model_type": "eagle3", "deepspec_algorithm": ALGORITHM_NAME,
-               "eagle3_config": self.config.to_dict()}
+               "layer_types": ["full_attention"], "eagle3_config": self.config.to_dict()}
         return save_draft_folder(out_dir, self.state_dict(), cfg)
 
     @classmethod
