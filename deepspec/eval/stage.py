@@ -302,7 +302,7 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
         for folder in folders:
             algorithm, model = load_draft(folder, target_model=target_model, target_fingerprint=fingerprint,
                                           allow_target_mismatch=cfg.allow_target_mismatch)
-            checkpoint = folder.parent if folder.name == "draft" else folder
+            checkpoint = (folder.parent if folder.name == "draft" else folder).resolve()  # a parent even for "x"
             name = _unique_name(f"{algorithm}:{checkpoint.parent.name}/{checkpoint.name}", drafts)
             drafts[name] = model
     target_check = {}

@@ -102,7 +102,7 @@ def test_same_shape_other_weights_is_refused_unless_allowed(setup, kind):
     assert record["target_fingerprint"] == fb and "WARNING" in record["message"]
 
 
-def test_eval_stage_refuses_or_reports_a_target_mismatch(setup, tmp_path, capsys):
+def test_eval_stage_refuses_or_reports_a_target_mismatch(setup, tmp_path, capsys, monkeypatch):
     from deepspec.eval.stage import EvalConfig, run_eval_stage
 
     tok, targets, folders = setup
@@ -126,6 +126,11 @@ def test_eval_stage_refuses_or_reports_a_target_mismatch(setup, tmp_path, capsys
     assert "TRAINED AGAINST ANOTHER TARGET" in (tmp_path / "allowed" / "eval_report.md").read_text()
     res = run_eval_stage(EvalConfig(output_dir=str(tmp_path / "ok"), **kw), target_model=targets["A"], tokenizer=tok)
     assert {c["status"] for c in res["config"]["target_check"].values()} == {"match"}
+    # a draft named by a bare relative folder is labelled by its parent and name, never "dspark:/dspark"
+    monkeypatch.chdir(folders["dspark"].parent)
+    res = run_eval_stage(EvalConfig(output_dir=str(tmp_path / "rel"), **{**kw, "draft": ["dspark"]}),
+                         target_model=targets["A"], tokenizer=tok)
+    assert list(res["config"]["target_check"]) == [f"dspark:{folders['dspark'].parent.name}/dspark"]
 
 
 @pytest.mark.parametrize("kind,section", [("dspark", "draft_config"), ("eagle3", "eagle3_config")])
