@@ -344,8 +344,7 @@ def build_export(draft_path: str | Path, fmt: str, *, dtype: torch.dtype = torch
     folder = draft_folder(draft_path)
     algorithm, model = load_draft(folder)
     c = model.config
-    rules = family_rules(c.family)
-    if rules.embed_scale:
+    if family_rules(c.family).embed_scale:
         raise ExportError(f"{fmt}: this draft is for a {c.family} target, whose RMSNorms are (1 + w) and whose token "
                           "embeddings are scaled by sqrt(hidden); the engines' draft layers (Qwen3 / Llama RMSNorm, "
                           "unscaled embeddings) would load it and compute another draft. Gemma drafts run in "

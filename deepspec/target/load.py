@@ -15,7 +15,8 @@ Accepted targets (DESIGN.md s.2):
 Any of them with a chat template given as a file (``--chat-template FILE``; GGUF files often carry
 none; or ``--chat-template gemma3``, a built-in one): the target then resolves to
 ``<folder>-template-<sha256 prefix of the folder's path and the template>`` beside the converted
-targets, the same files with that template (:func:`with_chat_template`), so every later that names the same target and template, or the folder a cache records, renders alike.
+targets, the same files with that template (:func:`with_chat_template`), so every later stage that
+names the same target and template, or the folder a cache records, renders alike.
 
 The fingerprints identify *content*, not paths: a target cache built for one target/tokenizer is
 refused for another (DESIGN.md s.4).
@@ -216,8 +217,9 @@ def with_chat_template(folder: Path, chat_template: str | Path) -> Path:
     """The target folder ``folder`` with the chat template in file ``chat_template`` (``--chat-template``;
     or a built-in template's name, :func:`chat_template_path`): a folder
     ``<folder name>-template-<sha256[:12] of the folder's absolute path and the template>`` under
-    ``deepspec_home()/targets`` whose files link to ``folder``'s, except the tokenizer's template (``chat_template.jinja``; any template in
-    ``tokenizer_config.json`` is dropped). Written atomically, once.
+    ``deepspec_home()/targets`` whose files link to ``folder``'s, except the tokenizer's template
+    (``chat_template.jinja``; any template in ``tokenizer_config.json`` is dropped). Written atomically,
+    once.
 
     Raises:
         FileNotFoundError: no such template file. ValueError: an empty or binary file, a Jinja syntax

@@ -6,9 +6,9 @@ hidden, N number of valid (supervised) slots in the batch, C a chunk of slots.
 
 Draft slot ``k`` of the block anchored at ``a`` predicts token ``x_{a+k+1}`` (K here is the block's
 ``num_draft_slots``: ``block_size``, or ``block_size - 1`` in z-lab's DFlash layout, whose mask slot
-``k + 1`` predicts the token at its own position ``a+k+1``: the same label, so one rule serves both). It is *valid* iff the block
-is valid, ``a+k+1 < S`` and ``loss_mask[a+k+1]``, followed by a cumulative product along ``k``
-(supervision stops at the first invalid slot). Weight ``w_k = exp(-k / gamma)``.
+``k + 1`` predicts the token at its own position ``a+k+1``: the same label, so one rule serves both).
+It is *valid* iff the block is valid, ``a+k+1 < S`` and ``loss_mask[a+k+1]``, followed by a
+cumulative product along ``k`` (supervision stops at the first invalid slot). Weight ``w_k = exp(-k / gamma)``.
 
 Per valid slot:
   CE   = -log softmax(draft)[x_{a+k+1}]
