@@ -6,8 +6,10 @@ target's shapes with random target features (speed does not depend on their valu
 1. ``train``: one optimizer step (prepare, weight, loss, backward, AdamW as the training loop builds
    it: fused) of every registered algorithm (``deepspec.algorithms.registry``) on the same batch, the
    DSpark step once more with the default per-tensor AdamW loop, and the Eagle3 step once more with its
-   TTT forward over every row instead of the sampled chains' rows only; tokens/s counts the batch's real
-   (unpadded) tokens. Eagle3 unrolls ``ttt_steps`` forwards per step, DSpark/DFlash run one
+   TTT forward over every row instead of the sampled chains' rows only; with ``--draft-vocab-size``, the
+   DSpark and Eagle3 steps once more without the cache's target-logit statistics (a format-2 cache or
+   online mode: the target side computes V logits per supervised slot instead of W); tokens/s counts
+   the batch's real (unpadded) tokens. Eagle3 unrolls ``ttt_steps`` forwards per step, DSpark/DFlash run one
    block-parallel forward over ``num_anchors`` blocks, so the figures price a step, not quality.
 2. ``attention``: DSpark's ``forward_train`` with the dense SDPA mask against the flex_attention
    BlockMask (forward only; flex has no CPU backward), same inputs.
@@ -22,6 +24,7 @@ Writes ``train_bench.json`` and ``train_bench.png`` under ``--output-dir``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -34,13 +37,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from deepspec.algorithms.protocol import TrainBatch  # noqa: E402
 from deepspec.algorithms.registry import ALGORITHMS, get_algorithm  # noqa: E402
-from deepspec.target.capture import default_target_layer_ids  # noqa: E402
+from deepspec.target.capture import default_target_layer_ids, target_logit_stats  # noqa: E402
 from deepspec.train.loop import TrainConfig, build_optimizer  # noqa: E402
 from deepspec.utils import pyplot, save_png  # noqa: E402
 
 
-def _batch(vocab: int, hidden: int, n: int, batch_size: int, seq_len: int, device, generator) -> TrainBatch:
-    """A right-padded batch: lengths from seq_len/2 to seq_len, the first quarter of each sample unsupervised."""
+def _batch(target, n: int, batch_size: int, seq_len: int, device, generator) -> TrainBatch:
+    """A right-padded batch: lengths from seq_len/2 to seq_len, the first quarter of each sample
+    unsupervised, with the target-logit statistics a format-3 cache stores (of the random final hidden
+    states, :func:`deepspec.target.capture.target_logit_stats`)."""
+    vocab, hidden = target.config.vocab_size, target.config.hidden_size
     lengths = torch.linspace(seq_len // 2, seq_len, batch_size).long().tolist()
     ids = torch.randint(0, vocab, (batch_size, seq_len), generator=generator)
     mask = torch.zeros(batch_size, seq_len, dtype=torch.long)
@@ -49,7 +55,11 @@ def _batch(vocab: int, hidden: int, n: int, batch_size: int, seq_len: int, devic
         ids[b, length:] = 0
     feats = torch.randn(batch_size, seq_len, n * hidden, generator=generator)
     last = torch.randn(batch_size, seq_len, hidden, generator=generator)
-    return TrainBatch(ids.to(device), mask.to(device), feats.to(device), last.to(device), list(range(batch_size)))
+    stats = [target_logit_stats(target, last[b], mask[b]) for b in range(batch_size)]
+    lse = torch.stack([lse_T for lse_T, _ in stats])
+    argmax = torch.stack([argmax_T for _, argmax_T in stats]).long()
+    return TrainBatch(ids.to(device), mask.to(device), feats.to(device), last.to(device), list(range(batch_size)),
+                      lse.to(device), argmax.to(device))
 
 
 def _sync(device) -> None:
@@ -102,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     L, H, V = target.config.num_hidden_layers, target.config.hidden_size, target.config.vocab_size
     layer_ids = default_target_layer_ids(L)
     generator = torch.Generator().manual_seed(0)
-    batch = _batch(V, H, len(layer_ids), args.batch_size, args.seq_len, device, generator)
+    batch = _batch(target, len(layer_ids), args.batch_size, args.seq_len, device, generator)
     num_tokens = int((batch.input_ids_BS != 0).sum())  # real tokens (padding is id 0 here)
     d2t_size = args.draft_vocab_size or None
     d2t = None if d2t_size is None else torch.randperm(V, generator=generator)[:d2t_size].sort().values
@@ -132,6 +142,13 @@ def main(argv: list[str] | None = None) -> dict:
     model.forward_train = lambda ids, feats, steps=None, rows_BS=None: every_row(model, ids, feats, steps)
     steps[EAGLE3_ALL_ROWS] = _step_fn(get_algorithm("eagle3"), model, batch, cfg("eagle3"), device)
     steps[EAGLE3_ALL_ROWS]()
+    if d2t is not None:  # the same steps when the batch has no target-logit statistics (V-way target logits)
+        no_stats = dataclasses.replace(batch, target_logsumexp_BS=None, target_argmax_BS=None)
+        for name in ("dspark", "eagle3"):
+            torch.manual_seed(0)
+            model = get_algorithm(name).build(target, tokenizer, cfg(name), layer_ids, d2t=d2t).to(device).train()
+            steps[NO_STATS.format(name)] = _step_fn(get_algorithm(name), model, no_stats, cfg(name), device)
+            steps[NO_STATS.format(name)]()
     times = {name: [] for name in steps}
     for _ in range(args.repeats):
         for name, step in steps.items():
@@ -190,6 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 UNFUSED = "dspark, unfused AdamW"
 EAGLE3_ALL_ROWS = "eagle3, TTT over every row"
+NO_STATS = "{}, V-way target logits"
 
 QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
@@ -216,9 +234,8 @@ def _qwen3_shaped_step(args, device, shape: dict, *, seq_len: int = 4096, num_an
                     dtype="bf16" if device.type == "cuda" else "fp32")
     torch.manual_seed(0)
     model = algo.build(target, tokenizer, c, layer_ids).to(device).train()
+    batch = _batch(target, len(layer_ids), 1, seq_len, device, torch.Generator().manual_seed(0))
     del target
-    batch = _batch(shape["vocab_size"], shape["hidden_size"], len(layer_ids), 1, seq_len, device,
-                   torch.Generator().manual_seed(0))
     step = _step_fn(algo, model, batch, c, device)
     step()
     if device.type == "cuda":

@@ -62,6 +62,10 @@ class TrainBatch:
     target_hidden_BSF: torch.Tensor  # float32
     target_last_hidden_BSH: torch.Tensor  # float32
     sample_indices: list[int]
+    # the target logits' logsumexp (float32, NaN where no loss reads) and argmax (int64, -1 there) at each
+    # position, from a format-3 cache (deepspec.target.capture.target_logit_stats); None: compute them
+    target_logsumexp_BS: torch.Tensor | None = None
+    target_argmax_BS: torch.Tensor | None = None
 
 
 class LossLike(Protocol):

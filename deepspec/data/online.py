@@ -76,7 +76,7 @@ class OnlineTargetFeatures:
             features are not finite (the cache writer refuses such a sample).
     """
 
-    FIELDS = FIELDS
+    FIELDS = fields = FIELDS  # no target_logsumexp / target_argmax: losses compute the full logits
 
     def __init__(
         self,

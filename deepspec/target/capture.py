@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -318,3 +319,87 @@ def capture_sample_features(
     device = next(model.parameters()).device
     out = target_forward(model, ids_T.to(device)[None, :], target_layer_ids)
     return out.target_hidden_BTF[0], out.target_last_hidden_BTH[0]
+
+
+@torch.no_grad()
+def target_logit_stats(
+    model: nn.Module, last_hidden_TH: torch.Tensor, loss_mask_T: Any, *, chunk_rows: int = 512
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target distribution's normaliser and mode at the positions a training loss reads.
+
+    Position ``p`` of a sample is read iff ``loss_mask[p + 1]`` (DSpark's slot at ``p`` and Eagle3's
+    step target at ``p`` both predict token ``p + 1``). There the target logits are
+    :func:`target_logits` of ``last_hidden_TH[p]`` (soft-capped where the target is), over the full
+    vocabulary V; their ``logsumexp`` and ``argmax`` let a loss with a reduced draft vocabulary of W
+    tokens compute the target's probabilities on those tokens from W logits,
+    ``p_t[v] = exp(logit[v] - logsumexp)``, instead of V (:mod:`deepspec.algorithms.dspark.loss`).
+
+    Args:
+        model: the target (``*ForCausalLM``); its lm_head's device and dtype are used.
+        last_hidden_TH: final-norm hidden states ``[T, H]`` as the cache stores them (pass the stored,
+            rounded values, so the stats agree with logits a loss computes from the same tensor).
+        loss_mask_T: ``[T]`` 0/1 (tensor or sequence).
+        chunk_rows: rows per lm_head product (memory ``chunk_rows x V`` float32).
+
+    Returns:
+        ``(logsumexp_T float32, argmax_T int32)`` on the CPU; NaN and -1 at positions no loss reads.
+    """
+    head = _lm_head(model)
+    cap = final_logit_softcap(model)
+    mask_T = torch.as_tensor(loss_mask_T).bool()
+    T = int(last_hidden_TH.shape[0])
+    if mask_T.shape != (T,):
+        raise ValueError(f"loss_mask_T: expected shape ({T},), received {tuple(mask_T.shape)}")
+    lse_T = torch.full((T,), float("nan"), dtype=torch.float32)
+    argmax_T = torch.full((T,), -1, dtype=torch.int32)
+    rows = mask_T[1:].nonzero(as_tuple=True)[0]  # p with loss_mask[p + 1]
+    weight = head.weight
+    for s in range(0, int(rows.numel()), chunk_rows):
+        r = rows[s:s + chunk_rows]
+        logits = soft_cap(head(last_hidden_TH[r].to(weight.device, weight.dtype)).float(), cap)
+        lse_T[r] = torch.logsumexp(logits, dim=-1).cpu()
+        argmax_T[r] = logits.argmax(-1).to(torch.int32).cpu()
+    return lse_T, argmax_T
+
+
+@torch.no_grad()
+def target_draft_probs(
+    target_last_hidden_NH: torch.Tensor,
+    lm_head_weight_VH: torch.Tensor,
+    d2t_W: torch.Tensor | None,
+    softcap: float | None,
+    *,
+    logsumexp_N: torch.Tensor | None = None,
+    argmax_N: torch.Tensor | None = None,
+    lm_head_rows_WH: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The target distribution of N positions as a draft with vocabulary ``d2t_W`` is trained on it.
+
+    Returns ``(p_NW, outside_N, argmax_N)``: float32 target probabilities of the W draft tokens
+    (``softmax`` over the full vocabulary, then the columns ``d2t_W``; all V columns when ``d2t_W`` is
+    None), the target mass on the other tokens (float32 ``[N]``, None when W = V) and the target
+    argmax in target ids (int64 ``[N]``).
+
+    With ``logsumexp_N`` / ``argmax_N`` (:func:`target_logit_stats` of the same hidden states) and a
+    reduced vocabulary, only the W logits are computed (``lm_head_rows_WH``, the lm_head's rows
+    ``d2t_W``; gathered when None): ``p[d] = exp(logit[d] - logsumexp)``, ``outside = 1 - sum p``
+    (clamped at 0). Same values as the full path up to float rounding; V / W times fewer FLOPs.
+
+    Args:
+        target_last_hidden_NH: final-norm target hidden states, any float dtype; cast to the weight's.
+        lm_head_weight_VH: the target's lm_head weight ``[V, H]``.
+        d2t_W: int64 draft -> target ids, or None (W = V).
+        softcap: the target's final-logit soft-capping (:func:`soft_cap`), or None.
+    """
+    if d2t_W is not None and logsumexp_N is not None and argmax_N is not None:
+        rows = lm_head_weight_VH.index_select(0, d2t_W) if lm_head_rows_WH is None else lm_head_rows_WH
+        logits_NW = soft_cap(F.linear(target_last_hidden_NH.to(rows.dtype), rows).float(), softcap)
+        p_NW = torch.exp(logits_NW - logsumexp_N.float()[:, None])
+        return p_NW, (1.0 - p_NW.sum(-1)).clamp_min(0.0), argmax_N.long()
+    logits_NV = soft_cap(F.linear(target_last_hidden_NH.to(lm_head_weight_VH.dtype), lm_head_weight_VH).float(),
+                         softcap)
+    p_NV = torch.softmax(logits_NV, dim=-1)
+    if d2t_W is None:
+        return p_NV, None, logits_NV.argmax(-1)
+    p_NW = p_NV[:, d2t_W]
+    return p_NW, (p_NV.sum(-1) - p_NW.sum(-1)).clamp_min(0.0), logits_NV.argmax(-1)

@@ -92,7 +92,9 @@ def collate(samples: list[dict[str, torch.Tensor]], sample_indices: list[int]) -
     :class:`deepspec.data.online.OnlineTargetFeatures` (``input_ids`` [T], ``loss_mask`` [T],
     ``target_hidden`` [T, F], ``target_last_hidden`` [T, H], any dtypes). Ids and mask become
     int64, features float32; each sample's rows are copied unchanged, so a sample's tensors do not
-    depend on its batch position or on its neighbours' lengths."""
+    depend on its batch position or on its neighbours' lengths. ``target_logsumexp`` / ``target_argmax``
+    (a format-3 cache) become float32 (NaN padded) / int64 (-1 padded) ``[B, S]`` when every sample
+    has them, else None."""
     seq_len = max(int(s["input_ids"].shape[0]) for s in samples)
     batch_size = len(samples)
     feat_dim = samples[0]["target_hidden"].shape[-1]
@@ -101,10 +103,17 @@ def collate(samples: list[dict[str, torch.Tensor]], sample_indices: list[int]) -
     loss_mask_BS = torch.zeros(batch_size, seq_len, dtype=torch.long)
     target_hidden_BSF = torch.zeros(batch_size, seq_len, feat_dim, dtype=torch.float32)
     target_last_hidden_BSH = torch.zeros(batch_size, seq_len, hidden, dtype=torch.float32)
+    stats = all("target_logsumexp" in s and "target_argmax" in s for s in samples)
+    lse_BS = torch.full((batch_size, seq_len), float("nan")) if stats else None
+    argmax_BS = torch.full((batch_size, seq_len), -1, dtype=torch.long) if stats else None
     for b, sample in enumerate(samples):
         length = int(sample["input_ids"].shape[0])
         input_ids_BS[b, :length] = sample["input_ids"].long()
         loss_mask_BS[b, :length] = sample["loss_mask"].long()
         target_hidden_BSF[b, :length] = sample["target_hidden"].float()
         target_last_hidden_BSH[b, :length] = sample["target_last_hidden"].float()
-    return TrainBatch(input_ids_BS, loss_mask_BS, target_hidden_BSF, target_last_hidden_BSH, sample_indices)
+        if stats:
+            lse_BS[b, :length] = sample["target_logsumexp"].float()
+            argmax_BS[b, :length] = sample["target_argmax"].long()
+    return TrainBatch(input_ids_BS, loss_mask_BS, target_hidden_BSF, target_last_hidden_BSH, sample_indices,
+                      lse_BS, argmax_BS)

@@ -98,12 +98,12 @@ def test_manifest_counts_and_shard_format(model, tmp_path):
     samples.insert(7, ("long", list(range(3, 33)), [1] * 30))  # truncated to 20
     summary = _write(samples, tmp_path, model, max_seq_len=20)
     m = json.loads((tmp_path / "manifest.json").read_text())
-    assert m["format"] == FORMAT_VERSION == "deepspec-target-cache/2"
+    assert m["format"] == FORMAT_VERSION == "deepspec-target-cache/3"
     assert m["target_fingerprint"] == "tgt-A" and m["tokenizer_fingerprint"] == "tok-A"
     assert m["target_layer_ids"] == LAYER_IDS and m["hidden_size"] == H and m["num_hidden_layers"] == 3
     assert m["storage_dtype"] == "bfloat16"
     assert m["dtypes"] == {"input_ids": "int32", "loss_mask": "uint8", "target_hidden": "bfloat16",
-                           "target_last_hidden": "bfloat16"}
+                           "target_last_hidden": "bfloat16", "target_logsumexp": "float32", "target_argmax": "int32"}
     assert m["chat_template"] == "chatml" and m["max_seq_len"] == 20
     kept = [s for s in samples if s[0] != "empty-mask"]
     assert m["num_inputs"] == 13 and m["num_samples"] == summary.num_samples == 12
@@ -124,7 +124,8 @@ def test_manifest_counts_and_shard_format(model, tmp_path):
         "manifest.json", "progress-rank0.json", *[f"shard-0000{k}.safetensors" for k in range(4)]]
     # a standard safetensors file
     with safe_open(str(tmp_path / "shard-00001.safetensors"), framework="pt") as f:
-        assert set(f.keys()) == {"offsets", "input_ids", "loss_mask", "target_hidden", "target_last_hidden"}
+        assert set(f.keys()) == {"offsets", "input_ids", "loss_mask", "target_hidden", "target_last_hidden",
+                                 "target_logsumexp", "target_argmax"}
         offsets = f.get_tensor("offsets")
         assert offsets.dtype == torch.int64 and offsets[0] == 0 and len(offsets) == 4
         assert f.get_slice("target_hidden").get_shape() == [int(offsets[-1]), 2 * H]
@@ -134,10 +135,10 @@ def test_manifest_counts_and_shard_format(model, tmp_path):
 
 
 def test_cache_bytes_per_token():
-    assert cache_bytes_per_token(H, 2, "bfloat16") == 5 + 2 * H * 3
-    assert cache_bytes_per_token(H, 2, "float32") == 5 + 4 * H * 3
-    assert cache_bytes_per_token(H, 2, "fp8") == 5 + 2 * H + 4 * 2 + 2 * H
-    assert cache_bytes_per_token(2560, 5, "bfloat16") == 30725
+    assert cache_bytes_per_token(H, 2, "bfloat16") == 13 + 2 * H * 3
+    assert cache_bytes_per_token(H, 2, "float32") == 13 + 4 * H * 3
+    assert cache_bytes_per_token(H, 2, "fp8") == 13 + 2 * H + 4 * 2 + 2 * H
+    assert cache_bytes_per_token(2560, 5, "bfloat16") == 30733
     assert cache_bytes_per_token(2560, 5, "bfloat16", layout="original") == 30726  # DESIGN.md s.4
     with pytest.raises(ValueError, match="layout"):
         cache_bytes_per_token(2560, 5, "bfloat16", layout="other")
@@ -170,9 +171,9 @@ def test_estimate_reproduces_qwen3_4b(capsys):
     assert rep.num_target_layers == 5 and rep.num_tokens == 1_236_000_000
     assert rows["bfloat16", "original"].bytes_per_token == 30726
     assert round(rows["bfloat16", "original"].total_bytes / 1e12) == 38
-    assert rows["bfloat16", "deepspec"].bytes_per_token == 30725
-    assert rows["float32", "deepspec"].bytes_per_token == 61445
-    assert rows["fp8", "deepspec"].bytes_per_token == 17945
+    assert rows["bfloat16", "deepspec"].bytes_per_token == 30733
+    assert rows["float32", "deepspec"].bytes_per_token == 61453
+    assert rows["fp8", "deepspec"].bytes_per_token == 17953
     assert main(["estimate", "--target", str(FIXTURES / "qwen3-4b-config.json"), "--num-tokens", "1000"]) == 0
     out = capsys.readouterr().out
     assert "30,726" in out and "original DeepSpec layout" in out and "fp8" in out and "float32" in out
@@ -204,7 +205,7 @@ def test_estimate_measures_prepared_jsonl(tmp_path, monkeypatch):
     want = sum(min(len(s.input_ids), 11) for r in rows if r.get("split") != "heldout"
                for s in _fake_render_training_samples(None, r["messages"]) if any(s.loss_mask[:11]))
     assert rep.num_tokens == want and rep.num_target_layers == 2
-    assert rep.rows[1].total_bytes == want * (5 + 2 * 8 * 3)
+    assert rep.rows[1].total_bytes == want * (13 + 2 * 8 * 3)
 
 
 def test_reader_uses_get_slice_never_whole_shard(model, tmp_path, monkeypatch):
@@ -241,10 +242,12 @@ def test_reader_uses_get_slice_never_whole_shard(model, tmp_path, monkeypatch):
     monkeypatch.setattr(safetensors, "safe_open", Spy)
     item = cache[6]  # middle shard (samples 4..7), its 3rd sample
     assert set(calls["get_tensor"]) <= {"offsets"}  # only the [N+1] offsets are ever read whole
-    assert set(calls["get_slice"]) == {"input_ids", "loss_mask", "target_hidden", "target_last_hidden"}
+    assert set(calls["get_slice"]) == set(cache.fields) == {"input_ids", "loss_mask", "target_hidden",
+                                                            "target_last_hidden", "target_logsumexp",
+                                                            "target_argmax"}
     a, b = offsets[2], offsets[3]
-    for k in ("input_ids", "loss_mask", "target_hidden", "target_last_hidden"):
-        assert torch.equal(item[k], full[k][a:b])
+    for k in cache.fields:  # bitwise (the logsumexp is NaN where no loss reads it)
+        torch.testing.assert_close(item[k], full[k][a:b], rtol=0, atol=0, equal_nan=True)
     calls["get_slice"].clear()
     only_ids = cache.read(6, ("input_ids",))
     assert list(only_ids) == ["input_ids"] and calls["get_slice"] == ["input_ids"]

@@ -95,7 +95,9 @@ class DSparkAlgorithm:
                                          prepared.block_valid_BA)
         return dspark_loss(output, b.input_ids_BS, b.loss_mask_BS, prepared.anchor_pos_BA, prepared.block_valid_BA,
                            b.target_last_hidden_BSH, model.target_lm_head_weight, model.config, weight_sum=weight_sum,
-                           d2t_W=model.d2t)
+                           d2t_W=model.d2t, target_logsumexp_BS=b.target_logsumexp_BS,
+                           target_argmax_BS=b.target_argmax_BS,
+                           lm_head_rows_WH=None if model.d2t is None else model.lm_head.weight)
 
     def proposer(self, model, *, confidence_threshold=None, max_positions=None):
         return DSparkProposer(model, confidence_threshold=confidence_threshold, max_positions=max_positions)

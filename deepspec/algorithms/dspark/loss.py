@@ -20,7 +20,9 @@ the whole *global* batch (the trainer computes it with :func:`supervision_weight
 backward passes; ``None`` = this batch's own sum). Total = ce_w*CE + l1_w*L1 + conf_w*conf.
 
 Only the N valid slots are materialised as ``[N, W]``; the target logits are computed in chunks of
-slots from ``target_last_hidden`` gathered at the slot positions (never ``[B, S, V]``).
+slots from ``target_last_hidden`` gathered at the slot positions (never ``[B, S, V]``). With a reduced
+vocabulary and a format-3 cache's per-position logsumexp and argmax, only the W target logits of the
+draft tokens are computed (:func:`deepspec.target.capture.target_draft_probs`): the same values.
 
 Reduced draft vocabulary (``d2t_W``: draft id -> target id, :mod:`deepspec.models.vocab`). The draft
 distribution ``p_d`` lives on the W draft tokens and is 0 on every other target token, so in target
@@ -46,7 +48,7 @@ from torch import Tensor, nn
 from deepspec.algorithms.dspark.config import DraftConfig
 from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance
 from deepspec.models.vocab import t2d_table
-from deepspec.target.capture import soft_cap
+from deepspec.target.capture import target_draft_probs
 
 
 def supervision_mask(loss_mask_BS: Tensor, anchor_pos_BA: Tensor, block_valid_BA: Tensor, block_size: int) -> Tensor:
@@ -140,6 +142,9 @@ def dspark_loss(
     weight_sum: Tensor | float | None = None,
     *,
     d2t_W: Tensor | None = None,
+    target_logsumexp_BS: Tensor | None = None,
+    target_argmax_BS: Tensor | None = None,
+    lm_head_rows_WH: Tensor | None = None,
     chunk_slots: int = 1024,
 ) -> LossOutput:
     """DSpark loss (DFlash: config with l1/confidence weights 0). See the module docstring.
@@ -152,6 +157,12 @@ def dspark_loss(
             with a full vocabulary, ``DSparkDraftModel.target_lm_head_weight`` with a reduced one.
         d2t_W: int64 ``[W]`` draft -> target ids of a reduced draft vocabulary (None: W = V, identity).
         weight_sum: global normaliser (sum of :func:`supervision_weights` over the global batch).
+        target_logsumexp_BS, target_argmax_BS: the target logits' full-vocabulary logsumexp and argmax
+            per position (a format-3 cache, :func:`deepspec.target.capture.target_logit_stats`). With a
+            reduced vocabulary they replace the ``[N, V]`` target logits by ``[N, W]`` ones
+            (``p_t[d2t[d]] = exp(logit[d2t[d]] - logsumexp)``; the same values up to rounding); ignored
+            when W = V, where the full softmax is needed anyway.
+        lm_head_rows_WH: ``lm_head``'s rows ``d2t_W`` (the draft's frozen ``lm_head``); gathered when None.
         chunk_slots: slots per chunk for the target softmax (memory bound ``chunk_slots x V`` fp32).
     Raises:
         ValueError: a needed ``target_last_hidden_BSH`` / confidence logits is missing.
@@ -200,6 +211,15 @@ def dspark_loss(
     else:
         draft_labels_N, in_vocab_N = labels_N, None
 
+    stats = d2t_W is not None and target_logsumexp_BS is not None and target_argmax_BS is not None
+    if stats and target_last_hidden_BSH is not None:
+        at = (b_N.to(target_logsumexp_BS.device), slot_pos_N.to(target_logsumexp_BS.device))
+        lse_N, tgt_argmax_N = target_logsumexp_BS[at].to(dev), target_argmax_BS[at].to(dev)
+        if lm_head_rows_WH is None:
+            lm_head_rows_WH = lm_w.index_select(0, d2t_W.to(lm_w.device))
+        if bool(torch.isnan(lse_N).any() or (tgt_argmax_N < 0).any()):
+            raise ValueError("dspark_loss: target_logsumexp_BS is NaN (or target_argmax_BS -1) at a supervised "
+                             "slot; the cache's statistics must cover every position p with loss_mask[p + 1]")
     ce_parts, l1_parts, tgt_arg_parts, drf_arg_parts = [], [], [], []
     for s in range(0, N, chunk_slots):
         e = min(N, s + chunk_slots)
@@ -209,17 +229,12 @@ def dspark_loss(
         drf_arg_C = logp_CW.detach().argmax(-1)
         drf_arg_parts.append(drf_arg_C if d2t_W is None else d2t_W[drf_arg_C])  # in target ids
         if target_last_hidden_BSH is not None:
-            with torch.no_grad():
-                th = target_last_hidden_BSH[b_N[s:e].to(target_last_hidden_BSH.device),
-                                            slot_pos_N[s:e].to(target_last_hidden_BSH.device)]
-                tlogits_CV = soft_cap(F.linear(th.to(dev, lm_w.dtype), lm_w).float(), config.final_logit_softcapping)
-                tprob_CV = torch.softmax(tlogits_CV, dim=-1)
-                tgt_arg_parts.append(tlogits_CV.argmax(-1))
-                if d2t_W is None:
-                    tprob_CW, outside_C = tprob_CV, None
-                else:  # the target's mass on the draft tokens, and outside them (a draft can never cover it)
-                    tprob_CW = tprob_CV[:, d2t_W]
-                    outside_C = (tprob_CV.sum(-1) - tprob_CW.sum(-1)).clamp_min(0.0)
+            th = target_last_hidden_BSH[b_N[s:e].to(target_last_hidden_BSH.device),
+                                        slot_pos_N[s:e].to(target_last_hidden_BSH.device)].to(dev)
+            tprob_CW, outside_C, tgt_arg_C = target_draft_probs(
+                th, lm_w, d2t_W, config.final_logit_softcapping, logsumexp_N=lse_N[s:e] if stats else None,
+                argmax_N=tgt_argmax_N[s:e] if stats else None, lm_head_rows_WH=lm_head_rows_WH)
+            tgt_arg_parts.append(tgt_arg_C)
             with contextlib.nullcontext() if need_target else torch.no_grad():
                 l1_C = (logp_CW.exp() - tprob_CW).abs().sum(-1)
                 l1_parts.append(l1_C if outside_C is None else l1_C + outside_C)

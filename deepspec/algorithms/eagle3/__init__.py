@@ -81,7 +81,8 @@ class Eagle3Algorithm:
     def loss(self, model, prepared, *, weight_sum, autocast):
         b = prepared.batch
         return eagle3_loss(model, b.input_ids_BS, b.loss_mask_BS, b.target_hidden_BSF, b.target_last_hidden_BSH,
-                           weight_sum=weight_sum, autocast=autocast, rows_BS=prepared.rows_BS)
+                           weight_sum=weight_sum, autocast=autocast, rows_BS=prepared.rows_BS,
+                           target_logsumexp_BS=b.target_logsumexp_BS, target_argmax_BS=b.target_argmax_BS)
 
     def proposer(self, model, *, confidence_threshold=None, max_positions=None):
         return Eagle3Proposer(model, max_positions=max_positions)

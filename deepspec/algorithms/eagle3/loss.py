@@ -18,7 +18,9 @@ renormalised): the target mass outside the draft vocabulary contributes nothing 
 the row stays in the normaliser (as DSpark's CE with a label outside the vocabulary; EAGLE-3 instead
 renormalises ``p_t`` over the draft tokens and drops rows whose target argmax is outside them). The
 minimiser is the same, ``p_d`` proportional to ``p_t`` on the draft tokens. Accuracy compares
-``d2t[argmax p_d]`` with the target argmax over V.
+``d2t[argmax p_d]`` with the target argmax over V. With a format-3 cache's per-position logsumexp and
+argmax the target side computes W logits instead of V
+(:func:`deepspec.target.capture.target_draft_probs`: the same values).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from deepspec.algorithms.eagle3.model import Eagle3DraftModel
 from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance
-from deepspec.target.capture import soft_cap
+from deepspec.target.capture import target_draft_probs
 
 
 def ttt_supervision(loss_mask_BS: Tensor, steps: int, decay: float,
@@ -83,24 +85,26 @@ class Eagle3LossOutput:
 
 def _soft_ce_chunk(hidden_NH: Tensor, target_hidden_NH: Tensor, w_N: Tensor, final_norm: nn.Module,
                    lm_w: Tensor, target_lm_w: Tensor, d2t_W: Tensor | None,
-                   softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                   softcap: float | None = None, lse_N: Tensor | None = None, target_argmax_N: Tensor | None = None,
+                   target_rows_WH: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Weighted soft-CE sum of a chunk, and (detached) argmax matches and T = 1 acceptance
     probabilities ``1 - TV`` (in target id space); recomputed in backward. ``lm_w`` ``[W, H]``: the
     draft's output rows; ``target_lm_w`` ``[V, H]``: the target's; ``softcap``: the target's final-logit
-    soft-capping (:func:`deepspec.target.capture.soft_cap`)."""
+    soft-capping (:func:`deepspec.target.capture.soft_cap`); ``lse_N`` / ``target_argmax_N`` /
+    ``target_rows_WH``: a format-3 cache's statistics and the target's rows ``d2t_W``
+    (:func:`deepspec.target.capture.target_draft_probs`)."""
     logits_NW = F.linear(final_norm(hidden_NH), lm_w).float()
     logp_NW = F.log_softmax(logits_NW, dim=-1)
     with torch.no_grad():
-        tlogits_NV = soft_cap(F.linear(target_hidden_NH.to(target_lm_w.dtype), target_lm_w).float(), softcap)
-        tprob_NV = torch.softmax(tlogits_NV, dim=-1)
+        tprob_NW, outside_N, target_arg_N = target_draft_probs(
+            target_hidden_NH, target_lm_w, d2t_W, softcap, logsumexp_N=lse_N, argmax_N=target_argmax_N,
+            lm_head_rows_WH=target_rows_WH)
         drafted_N = logits_NW.argmax(-1)
-        if d2t_W is None:
-            tprob_NW = tprob_NV
-        else:
-            tprob_NW, drafted_N = tprob_NV[:, d2t_W], d2t_W[drafted_N]
-        match = (drafted_N == tlogits_NV.argmax(-1)).float()
-        # L1 over V: the draft tokens, plus the target's mass outside the draft vocabulary (0 when W = V)
-        l1_N = (logp_NW.exp() - tprob_NW).abs().sum(-1) + (1.0 - tprob_NW.sum(-1)).clamp_min(0.0)
+        if d2t_W is not None:
+            drafted_N = d2t_W[drafted_N]
+        match = (drafted_N == target_arg_N).float()
+        # L1 over V: the draft tokens, plus the target's mass outside the draft vocabulary (none when W = V)
+        l1_N = (logp_NW.exp() - tprob_NW).abs().sum(-1) + (0.0 if outside_N is None else outside_N)
         accept = (1.0 - 0.5 * l1_N).clamp(0.0, 1.0)
     ce = -(tprob_NW * logp_NW).sum(-1)
     return (w_N * ce).sum(), match, accept
@@ -108,11 +112,16 @@ def _soft_ce_chunk(hidden_NH: Tensor, target_hidden_NH: Tensor, w_N: Tensor, fin
 
 def eagle3_loss(model: Eagle3DraftModel, input_ids_BS: Tensor, loss_mask_BS: Tensor, target_hidden_BSF: Tensor,
                 target_last_hidden_BSH: Tensor, *, weight_sum: Tensor | float | None = None,
-                autocast: Any = None, chunk_rows: int = 1024, rows_BS: Tensor | None = None) -> Eagle3LossOutput:
+                autocast: Any = None, chunk_rows: int = 1024, rows_BS: Tensor | None = None,
+                target_logsumexp_BS: Tensor | None = None,
+                target_argmax_BS: Tensor | None = None) -> Eagle3LossOutput:
     """TTT loss of one micro-batch (module docstring). ``weight_sum``: the global batch's
     :func:`ttt_supervision` weight sum (None = this micro-batch's own). ``rows_BS``: supervise only
     the chains starting at these rows (None = every row). Only supervised rows are
-    projected to the vocabulary, in checkpointed chunks of ``chunk_rows`` (memory ``chunk x V``)."""
+    projected to the vocabulary, in checkpointed chunks of ``chunk_rows`` (memory ``chunk x V``).
+    ``target_logsumexp_BS`` / ``target_argmax_BS``: a format-3 cache's per-position statistics; with a
+    reduced draft vocabulary the target side then computes W logits instead of V (same values).
+    Raises ValueError when they are NaN / -1 at a supervised position."""
     c = model.config
     K = c.ttt_steps
     dev = model.fc.weight.device
@@ -126,6 +135,10 @@ def eagle3_loss(model: Eagle3DraftModel, input_ids_BS: Tensor, loss_mask_BS: Ten
     norm = norm.clamp_min(1e-12)
     loss = sum(o.sum() for o in outs) * 0.0  # keeps the graph when nothing is supervised
     tl = target_last_hidden_BSH.to(dev)
+    stats = model.d2t is not None and target_logsumexp_BS is not None and target_argmax_BS is not None
+    lse_BS = target_logsumexp_BS.to(dev) if stats else None
+    argmax_BS = target_argmax_BS.to(dev) if stats else None
+    target_rows_WH = model.target_lm_head_weight.index_select(0, model.d2t) if stats else None
     counts, accs = [], []
     match_KBS = torch.zeros(valid_KBS.shape, dtype=torch.bool, device=dev)
     accept_KBS = torch.zeros(valid_KBS.shape, device=dev)
@@ -138,13 +151,21 @@ def eagle3_loss(model: Eagle3DraftModel, input_ids_BS: Tensor, loss_mask_BS: Ten
             continue
         h_NH = outs[k][b_N, t_N]
         th_NH = tl[b_N, t_N + k + 1]
+        lse_N = lse_BS[b_N, t_N + k + 1] if stats else None
+        targ_N = argmax_BS[b_N, t_N + k + 1] if stats else None
+        if stats and bool(torch.isnan(lse_N).any() or (targ_N < 0).any()):
+            raise ValueError("eagle3_loss: target_logsumexp_BS is NaN (or target_argmax_BS -1) at a supervised "
+                             "position; the cache's statistics must cover every position p with loss_mask[p + 1]")
         w_N = w_KBS[k][b_N, t_N]
         matches, accepts = [], []
         for s in range(0, N, chunk_rows):
             e = min(N, s + chunk_rows)
             part, match, accept = checkpoint(_soft_ce_chunk, h_NH[s:e], th_NH[s:e], w_N[s:e], model.norm,
                                              model.lm_head.weight, model.target_lm_head_weight, model.d2t,
-                                             model.config.final_logit_softcapping, use_reentrant=False)
+                                             model.config.final_logit_softcapping,
+                                             None if lse_N is None else lse_N[s:e],
+                                             None if targ_N is None else targ_N[s:e], target_rows_WH,
+                                             use_reentrant=False)
             loss = loss + part / norm
             matches.append(match)
             accepts.append(accept)

@@ -2,7 +2,7 @@
 
 One module per job:
 
-- :mod:`deepspec.data.cache.format`: the on-disk format ``deepspec-target-cache/2`` (file names,
+- :mod:`deepspec.data.cache.format`: the on-disk format ``deepspec-target-cache/3`` (file names,
   storage dtypes, the tensors of a shard and their byte layout, the stored form of one sample's
   features, reading the manifest) and :class:`CacheSummary`;
 - :mod:`deepspec.data.cache.fp8`: the ``fp8`` storage mode's quantisation;

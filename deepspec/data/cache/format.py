@@ -1,4 +1,4 @@
-"""The target cache's on-disk format: ``deepspec-target-cache/2`` (DESIGN.md section 4).
+"""The target cache's on-disk format: ``deepspec-target-cache/3`` (DESIGN.md section 4).
 
 Shape legend: N samples in a shard, M tokens in a shard (all samples concatenated), T tokens of
 one sample, H target hidden size, n number of target layers, F = n * H target feature size,
@@ -17,6 +17,14 @@ Each shard is a standard safetensors file (inspect it with ``safetensors.safe_op
     loss_mask            uint8   [M]
     target_hidden        dtype   [M, F] features of target_layer_ids (deepspec.target.capture)
     target_last_hidden   dtype   [M, H] final-norm output: target logits = lm_head(target_last_hidden)
+    target_logsumexp     float32 [M]    logsumexp of those logits over the full vocabulary, at positions p
+                                        with loss_mask[p + 1] (the ones a loss reads); NaN elsewhere
+    target_argmax        int32   [M]    their argmax there; -1 elsewhere
+
+The last two (:func:`deepspec.target.capture.target_logit_stats`, computed from the *stored*
+``target_last_hidden``) let a draft with a reduced vocabulary of W tokens get the target's
+probabilities on its tokens from W logits instead of V (the losses' largest product). Format 2 lacks
+them and stays readable: its losses compute the full-vocabulary logits (same values).
 
 with ``dtype`` the storage dtype (float32 | bfloat16 | float16). Storage ``fp8`` stores
 ``target_hidden`` as float8_e4m3fn (safetensors ``F8_E4M3``) plus ``target_hidden_scale`` float32
@@ -47,7 +55,10 @@ import torch
 
 from deepspec.data.cache.fp8 import quantize_fp8
 
-FORMAT_VERSION = "deepspec-target-cache/2"
+FORMAT_VERSION = "deepspec-target-cache/3"
+FORMAT_WITHOUT_LOGIT_STATS = "deepspec-target-cache/2"  # read, never written
+READABLE_FORMATS = (FORMAT_VERSION, FORMAT_WITHOUT_LOGIT_STATS)
+LOGIT_STAT_FIELDS = ("target_logsumexp", "target_argmax")
 MANIFEST_NAME = "manifest.json"
 PROGRESS_GLOB = "progress-rank*.json"
 INCOMPLETE_HINT = "cache incomplete: run `deepspec cache` again to finish it"
@@ -108,9 +119,15 @@ def _check_storage_dtype(name: str) -> str:
     return name
 
 
-def shard_tensor_dtypes(storage_dtype: str) -> dict[str, torch.dtype]:
+def has_logit_stats(manifest: dict[str, Any]) -> bool:
+    """Whether a cache of this manifest stores :data:`LOGIT_STAT_FIELDS` (format 3; format 2 does not)."""
+    return manifest.get("format") != FORMAT_WITHOUT_LOGIT_STATS
+
+
+def shard_tensor_dtypes(storage_dtype: str, *, logit_stats: bool = True) -> dict[str, torch.dtype]:
     """The tensors of a shard and their dtypes for a storage mode (in on-disk order: item size
-    decreasing, so every tensor starts aligned to its item size)."""
+    decreasing, so every tensor starts aligned to its item size). ``logit_stats=False``: a format-2
+    shard (no :data:`LOGIT_STAT_FIELDS`)."""
     _check_storage_dtype(storage_dtype)
     if storage_dtype == "fp8":
         specs = {"offsets": torch.int64, "input_ids": torch.int32, "target_hidden_scale": torch.float32,
@@ -120,6 +137,8 @@ def shard_tensor_dtypes(storage_dtype: str) -> dict[str, torch.dtype]:
         dt = _FLOAT_DTYPES[storage_dtype]
         specs = {"offsets": torch.int64, "input_ids": torch.int32, "target_hidden": dt,
                  "target_last_hidden": dt, "loss_mask": torch.uint8}
+    if logit_stats:
+        specs.update({"target_logsumexp": torch.float32, "target_argmax": torch.int32})
     return dict(sorted(specs.items(), key=lambda kv: -kv[1].itemsize))  # stable: ties keep this order
 
 
@@ -129,9 +148,10 @@ def cache_bytes_per_token(
     """Bytes one token costs in the cache (per-sample offsets, 8 bytes a sample, and headers excluded).
 
     ``layout="deepspec"`` (this format): 4 (int32 id) + 1 (uint8 loss mask) + features + final
-    hidden state, i.e. ``5 + itemsize * H * (n + 1)`` for float32/bfloat16/float16 and
-    ``5 + n*H (fp8) + 4*n (float32 scales) + 2*H (bfloat16 final hidden)`` for ``fp8``.
-    ``layout="original"`` adds the original DeepSpec's per-token uint8 attention_mask (+1 byte):
+    hidden state + 8 (float32 logsumexp, int32 argmax), i.e. ``13 + itemsize * H * (n + 1)`` for
+    float32/bfloat16/float16 and ``13 + n*H (fp8) + 4*n (float32 scales) + 2*H (bfloat16 final
+    hidden)`` for ``fp8``. ``layout="original"``: ids, the loss mask, the original DeepSpec's
+    per-token uint8 attention_mask and the features, without the logit statistics:
     ``6 + 2*H*(n+1)`` in bfloat16 = 30,726 bytes for Qwen3-4B (H = 2560) with 5 layers
     (DESIGN.md section 4).
 
@@ -145,7 +165,7 @@ def cache_bytes_per_token(
         size = 4 + 1 + n * H + 4 * n + 2 * H
     else:
         size = 4 + 1 + _FLOAT_DTYPES[storage_dtype].itemsize * H * (n + 1)
-    return size + (1 if layout == "original" else 0)
+    return size + (1 if layout == "original" else 4 + 4)
 
 
 def sha256_file(path: str | os.PathLike[str], chunk_bytes: int = 1 << 22) -> str:
@@ -226,7 +246,7 @@ def _shard_layout(
 ) -> _ShardLayout:
     H, n, M = hidden_size, num_layers, num_tokens
     row_shape = {"input_ids": [], "loss_mask": [], "target_hidden": [n * H], "target_last_hidden": [H],
-                 "target_hidden_scale": [n]}
+                 "target_hidden_scale": [n], "target_logsumexp": [], "target_argmax": []}
     header: dict[str, Any] = {"__metadata__": {"deepspec": metadata}}
     rel: dict[str, int] = {}
     row_bytes: dict[str, int] = {}
@@ -285,12 +305,12 @@ def _load_manifest(path: Path) -> dict[str, Any]:
         raise RuntimeError(f"{path}: no {MANIFEST_NAME}: {INCOMPLETE_HINT}")
     manifest: dict[str, Any] = json.loads(manifest_path.read_text(encoding="utf-8"))
     fmt = manifest.get("format")
-    if fmt != FORMAT_VERSION:
+    if fmt not in READABLE_FORMATS:
         old = ""
         if fmt == "deepspec-target-cache/1":
             old = " (format 1: padded-batch capture, no refusal of non-finite features)"
         raise ValueError(
-            f"{manifest_path}: format {fmt!r}{old} is not readable; this DeepSpec reads {FORMAT_VERSION!r}. "
+            f"{manifest_path}: format {fmt!r}{old} is not readable; this DeepSpec reads {' and '.join(map(repr, READABLE_FORMATS))}. "
             f"Rebuild the cache with this version: `deepspec cache --input <prepared.jsonl> --output-dir <new folder>`"
         )
     return manifest

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from deepspec.data.cache.format import _load_manifest
+from deepspec.data.cache.format import LOGIT_STAT_FIELDS, _load_manifest, has_logit_stats
 from deepspec.data.cache.fp8 import dequantize_fp8
 
 
@@ -28,8 +28,10 @@ class TargetCache:
     """Read-only view of a complete target cache folder.
 
     ``cache[i]`` -> ``{"input_ids": int32 [T], "loss_mask": uint8 [T], "target_hidden": [T, F],
-    "target_last_hidden": [T, H]}`` in the stored dtypes, except storage ``fp8`` where
-    ``target_hidden`` is dequantised to float32 (``target_last_hidden`` stays bfloat16). Shards are
+    "target_last_hidden": [T, H], "target_logsumexp": float32 [T], "target_argmax": int32 [T]}`` in
+    the stored dtypes, except storage ``fp8`` where ``target_hidden`` is dequantised to float32
+    (``target_last_hidden`` stays bfloat16). A format-2 cache has no ``target_logsumexp`` /
+    ``target_argmax`` (``fields`` lists what this cache holds). Shards are
     opened lazily with ``safe_open`` (memory mapped) and a sample is read with ``get_slice``: only
     its rows are copied. At most ``max_open_shards`` shards are open at once (least recently used
     closed). Safe to pickle into DataLoader workers (open handles are not pickled).
@@ -39,11 +41,12 @@ class TargetCache:
     format version (e.g. v1: rebuild).
     """
 
-    FIELDS = ("input_ids", "loss_mask", "target_hidden", "target_last_hidden")
+    FIELDS = ("input_ids", "loss_mask", "target_hidden", "target_last_hidden", *LOGIT_STAT_FIELDS)
 
     def __init__(self, path: str | os.PathLike[str], *, max_open_shards: int = 64):
         self.path = Path(path)
         self.manifest = _load_manifest(self.path)
+        self.fields = self.FIELDS if has_logit_stats(self.manifest) else self.FIELDS[:4]
         self._shards = self.manifest["shards"]
         self._starts = [0]
         for s in self._shards:
@@ -118,11 +121,16 @@ class TargetCache:
             self._sample_ids[k] = json.loads(self._open(k).metadata()["deepspec"])["sample_ids"]
         return self._sample_ids[k][j]
 
-    def read(self, i: int, fields: Sequence[str] = FIELDS) -> dict[str, torch.Tensor]:
-        """Only the named fields of sample ``i`` (e.g. ``("input_ids",)`` to scan tokens cheaply)."""
-        unknown = [f for f in fields if f not in self.FIELDS]
+    def read(self, i: int, fields: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """Only the named fields of sample ``i`` (e.g. ``("input_ids",)`` to scan tokens cheaply);
+        None: every field this cache holds (:attr:`fields`)."""
+        fields = self.fields if fields is None else fields
+        unknown = [f for f in fields if f not in self.fields]
         if unknown:
-            raise ValueError(f"fields: unknown {unknown}; expected a subset of {list(self.FIELDS)}")
+            old = [f for f in unknown if f in self.FIELDS]
+            hint = (f"; this cache is format {self.manifest.get('format')!r}, without {old}: rebuild it with "
+                    f"`deepspec cache` to store them" if old else "")
+            raise ValueError(f"fields: unknown {unknown}; expected a subset of {list(self.fields)}{hint}")
         k, j = self._locate(int(i))
         h = self._open(k)
         a, b = self._offsets[k][j], self._offsets[k][j + 1]

@@ -27,6 +27,7 @@ from deepspec.data.cache.format import (
     _ST_CODE,
     MANIFEST_NAME,
     _load_manifest,
+    has_logit_stats,
     sha256_file,
     shard_name,
     shard_tensor_dtypes,
@@ -79,8 +80,9 @@ def _verify_shard(path: Path, entry: dict[str, Any], m: dict[str, Any], *, check
     N, M = entry["num_samples"], entry["num_tokens"]
     H, n = m["hidden_size"], len(m["target_layer_ids"])
     want_shape = {"offsets": [N + 1], "input_ids": [M], "loss_mask": [M], "target_hidden": [M, n * H],
-                  "target_last_hidden": [M, H], "target_hidden_scale": [M, n]}
-    want = shard_tensor_dtypes(m["storage_dtype"])
+                  "target_last_hidden": [M, H], "target_hidden_scale": [M, n], "target_logsumexp": [M],
+                  "target_argmax": [M]}
+    want = shard_tensor_dtypes(m["storage_dtype"], logit_stats=has_logit_stats(m))
     names = [k for k in header if k != "__metadata__"]
     if sorted(names) != sorted(want):
         problems.append(f"tensors {sorted(names)}, expected {sorted(want)}")

@@ -66,7 +66,12 @@ from deepspec.data.chat import COUNT_KEYS as TURN_COUNT_KEYS
 from deepspec.data.chat import target_stop_token_ids
 from deepspec.data.conversations import read_jsonl
 from deepspec.target import load
-from deepspec.target.capture import _base_model, capture_sample_features, validate_target_layer_ids
+from deepspec.target.capture import (
+    _base_model,
+    capture_sample_features,
+    target_logit_stats,
+    validate_target_layer_ids,
+)
 from deepspec.utils import atomic_path, atomic_write_json
 
 
@@ -175,7 +180,11 @@ def _write_shard(
 
     def capture(j: int) -> _Features | None:
         hidden_TF, last_TH = capture_sample_features(model, samples[j][1], layer_ids)
-        return storage_features(hidden_TF, last_TH, storage_dtype, n)
+        stored = storage_features(hidden_TF, last_TH, storage_dtype, n)
+        if stored is not None:  # from the stored (rounded) final hidden state, as a loss reads it
+            stored["target_logsumexp"], stored["target_argmax"] = target_logit_stats(
+                model, stored["target_last_hidden"], samples[j][2])
+        return stored
 
     with atomic_path(final) as tmp:
         bad = _write_shard_file(tmp, samples, capture, metadata=_dumps_meta(meta), on_sample=on_sample, **kw)
