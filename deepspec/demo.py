@@ -26,7 +26,7 @@ from pathlib import Path
 from deepspec.algorithms.registry import ALGORITHMS, check_baselines, load_draft
 from deepspec.data.prepare import PrepareConfig, summary_path_for
 from deepspec.device import check_dtype_name
-from deepspec.eval.benchmarks import DEMO_BENCHMARKS, TRAINING_SPLITS, benchmarks_dir, training_conversations
+from deepspec.eval.benchmarks import TRAINING_SPLITS, benchmarks_dir, training_conversations
 from deepspec.eval.report import BASELINE, HF_GENERATE
 from deepspec.eval.stage import EvalConfig, run_eval_stage
 from deepspec.stages import CacheConfig, run_cache_stage, run_prepare_stage, run_train_stage
@@ -60,9 +60,12 @@ class DemoConfig:
     # 1.17 either way (the demo's draft is almost never accepted past slot 3), in half the training time, and the
     # eval proposes 3 tokens per step anyway (num_draft_tokens)
     block_size: int = 3
-    train_steps: int = 800  # training steps (optimizer steps)
+    # 600 steps of 2 samples x 64 anchors (docs/results/logit-stats-cpu-2026-12-01): 3x the blocks of 800 steps x
+    # 16 anchors, for held-out gsm8k tau about +0.1, since a format-3 cache's target-logit statistics halved the
+    # cost of a block
+    train_steps: int = 600  # training steps (optimizer steps)
     batch_size: int = 2  # samples per training step
-    num_anchors: int = 16  # anchors (draft blocks) per sample per step
+    num_anchors: int = 64  # anchors (draft blocks) per sample per step
     markov_rank: int = 64  # rank of the DSpark Markov head (a quarter of rank 256's cost)
     # the draft proposes from the N target tokens most frequent in the training answers (0 = all 49,152):
     # at 8,192 a training step costs about 0.46x and a proposal about 0.27x the full vocabulary's
@@ -71,6 +74,9 @@ class DemoConfig:
     heldout_every: int = 200  # learning curve: held-out greedy tau every N training steps (0 = off)
     # the learning curve's prompts (4 per benchmark, the first of the eval's seeded sample): the training data's domains
     heldout_benchmarks: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval"])
+    # the benchmarks evaluated: the training domains and two chat sets (`make recipe` adds arena-hard-v2, whose
+    # long prompts cost the demo 80 s)
+    eval_benchmarks: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mt-bench", "alpaca"])
     eval_num_prompts: int = 3  # prompts per benchmark
     eval_max_new_tokens: int = 48  # per prompt
     temperature: float = 0.0  # eval decoding; 0 = greedy
@@ -111,6 +117,10 @@ class DemoConfig:
                 raise ValueError(f"demo.{name}: expected an integer >= 0, got {getattr(self, name)}")
         if not any(getattr(self, name) for name in counts):
             raise ValueError(f"demo: no training conversations; give one of demo.{', demo.'.join(counts)} a value >= 1")
+        try:  # the eval settings too (benchmark names)
+            self.eval_config(["draft"], Path(self.output_dir) / "eval")
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("eval.benchmarks", "demo.eval_benchmarks")) from None
         for algorithm in self.algorithms:  # the training settings fail here, not after prepare and cache
             try:
                 self.train_config(algorithm, Path(self.output_dir) / "cache")
@@ -142,7 +152,7 @@ class DemoConfig:
         return EvalConfig(
             draft=checkpoints,
             output_dir=str(output_dir),
-            benchmarks=list(DEMO_BENCHMARKS),  # available on every machine (data wheels)
+            benchmarks=list(self.eval_benchmarks),
             num_prompts=self.eval_num_prompts,
             max_new_tokens=self.eval_max_new_tokens,
             temperature=self.temperature,

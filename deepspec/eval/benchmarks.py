@@ -368,8 +368,6 @@ BENCHMARKS: dict[str, Benchmark] = {
     )
 }
 
-DEMO_BENCHMARKS = ("gsm8k", "humaneval", "mt-bench", "alpaca", "arena-hard-v2")
-
 
 def benchmarks_dir() -> Path | None:
     """The local benchmarks folder: ``$DEEPSPEC_BENCHMARKS_DIR`` (must exist if set), else
