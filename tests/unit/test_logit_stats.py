@@ -139,15 +139,20 @@ def test_losses_with_and_without_the_stats_agree(target, cache_dir, name):
         algo.loss(draft, prepared, weight_sum=algo.weight(draft, prepared), autocast=nullctx)
 
 
-def test_a_format_2_cache_is_read_and_trains_without_the_stats(target, cache_dir, tmp_path):
-    """A cache written before the statistics existed: readable, verifiable, and its batches carry none."""
-    old = tmp_path / "old"
+def _format_2_copy(cache_dir, old):
+    """``cache_dir`` as format 2 wrote it: no statistics in the shards, the format-2 run key."""
+    from deepspec.data.cache.writer import _run_key
+
     old.mkdir()
     manifest = json.loads((cache_dir / MANIFEST_NAME).read_text())
+    manifest["settings"]["format"] = FORMAT_WITHOUT_LOGIT_STATS
+    manifest["run_key"] = _run_key(manifest["settings"])
     for entry in manifest["shards"]:
         with safe_open(str(cache_dir / entry["file"]), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys() if k not in LOGIT_STAT_FIELDS}
             meta = f.metadata()
+        meta = {"deepspec": json.dumps({**json.loads(meta["deepspec"]), "format": FORMAT_WITHOUT_LOGIT_STATS,
+                                        "run_key": manifest["run_key"]}, sort_keys=True)}
         save_file(tensors, str(old / entry["file"]), metadata=meta)
         entry["num_bytes"] = (old / entry["file"]).stat().st_size
         entry["sha256"] = sha256_file(old / entry["file"])
@@ -155,6 +160,12 @@ def test_a_format_2_cache_is_read_and_trains_without_the_stats(target, cache_dir
     for key in LOGIT_STAT_FIELDS:
         manifest["dtypes"].pop(key)
     (old / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return old
+
+
+def test_a_format_2_cache_is_read_and_trains_without_the_stats(cache_dir, tmp_path):
+    """A cache written before the statistics existed: readable, verifiable, and its batches carry none."""
+    old = _format_2_copy(cache_dir, tmp_path / "old")
     verify_target_cache(old, log=None)
     cache = TargetCache(old)
     assert "target_logsumexp" not in cache[0] and torch.equal(cache[0]["target_hidden"],
@@ -162,3 +173,18 @@ def test_a_format_2_cache_is_read_and_trains_without_the_stats(target, cache_dir
     assert collate([cache[0], cache[1]], [0, 1]).target_logsumexp_BS is None
     with pytest.raises(ValueError, match="rebuild it with `deepspec cache`"):
         cache.read(0, ("target_logsumexp",))
+
+
+def test_a_rerun_on_a_complete_format_2_cache_reuses_it(target, cache_dir, tmp_path):
+    """`deepspec cache` (and the demo's cache stage) rerun on a folder a format-2 DeepSpec completed with
+    the same settings: reused as it is, said so; other settings are still refused."""
+    old = _format_2_copy(cache_dir, tmp_path / "old")
+    before = {p.name: p.stat().st_mtime_ns for p in old.iterdir()}
+    args = dict(target_layer_ids=LAYER_IDS, target_fingerprint="t", tokenizer_fingerprint="k", shard_size=4,
+                storage_dtype="bfloat16", progress=False)
+    summary = write_target_cache_from_samples(_samples(), old, target, **args)
+    assert summary.already_complete and summary.format == FORMAT_WITHOUT_LOGIT_STATS
+    assert summary.num_samples == len(TargetCache(cache_dir))
+    assert {p.name: p.stat().st_mtime_ns for p in old.iterdir()} == before  # nothing rewritten
+    with pytest.raises(ValueError, match="other settings"):
+        write_target_cache_from_samples(_samples(), old, target, **{**args, "shard_size": 3})

@@ -203,6 +203,7 @@ class CacheSummary:
     # the manifest was present and every shard passed the reuse check (size + header), so this run
     # wrote nothing; the shards' checksums were not recomputed (that is `deepspec cache --verify`)
     already_complete: bool = False
+    format: str = FORMAT_VERSION  # a complete format-2 cache of the same settings is reused as it is
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -230,6 +231,7 @@ def _summary_from_manifest(out: Path, m: dict[str, Any], *, num_shards_reused: i
         turns=dict(m.get("turns") or {}),
         text_retokenized=list(m.get("text_retokenized") or []),
         already_complete=already_complete,
+        format=m["format"],
     )
 
 

@@ -39,6 +39,7 @@ from deepspec.data.cache.format import (
     _SHARD_RE,
     _TMP_SHARD_RE,
     FORMAT_VERSION,
+    FORMAT_WITHOUT_LOGIT_STATS,
     INCOMPLETE_HINT,
     MANIFEST_NAME,
     PROGRESS_GLOB,
@@ -265,6 +266,26 @@ def _clean_stale_temp_files(out_dir: Path, *, rank: int, world_size: int) -> Non
             p.unlink()
 
 
+def _run_key(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _complete_format_2(out: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """The manifest of a complete format-2 cache in ``out`` built with ``settings`` otherwise, or None.
+
+    Such a cache stays usable (losses compute the V-way target logits, :mod:`.format`), so a rerun of
+    the same stage reuses it instead of refusing the folder; a new folder gives the faster format."""
+    path = out / MANIFEST_NAME
+    if not path.exists():
+        return None
+    m = json.loads(path.read_text(encoding="utf-8"))
+    key = _run_key({**settings, "format": FORMAT_WITHOUT_LOGIT_STATS})
+    if m.get("format") != FORMAT_WITHOUT_LOGIT_STATS or m.get("run_key") != key:
+        return None
+    done = _collect_done(out, key)
+    return m if all(s["index"] in done for s in m["shards"]) else None
+
+
 def _check_settings(out: Path, run_key: str, settings: dict[str, Any]) -> None:
     for path in [out / MANIFEST_NAME, *sorted(out.glob(PROGRESS_GLOB))]:
         if not path.exists():
@@ -404,10 +425,14 @@ def _write_cache_in(
         # what the chat template reads (stop ids included); not the render date: the probe says if it matters
         "render": None if render is None else {k: v for k, v in render.items() if k != "render_date"},
     }
-    run_key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    run_key = _run_key(settings)
 
     out.mkdir(parents=True, exist_ok=True)
     _clean_stale_temp_files(out, rank=rank, world_size=world_size)
+    legacy = _complete_format_2(out, settings)
+    if legacy is not None:
+        _barrier(world_size)
+        return _summary_from_manifest(out, legacy, num_shards_reused=len(legacy["shards"]), already_complete=True)
     _check_settings(out, run_key, settings)
     manifest_path = out / MANIFEST_NAME
     done = _collect_done(out, run_key)
