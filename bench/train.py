@@ -216,7 +216,7 @@ QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, 
 
 def _qwen3_shaped_step(args, device, shape: dict, *, seq_len: int = 4096, num_anchors: int = 512) -> dict:
     """Step time and peak memory of a DSpark draft for a Qwen3 target of ``shape`` (random weights;
-    the target itself is never run: only its config, embedding and lm_head are read), flex attention
+    the target's decoder is never run: only its config, embedding and lm_head are read), flex attention
     on CUDA. Uses the real Qwen3 tokenizer from ``../shared/tokenizers/qwen3`` for the mask token."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 

@@ -17,6 +17,7 @@ training stage resumes from its latest checkpoint), so an interrupted demo conti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -117,10 +118,15 @@ class DemoConfig:
                 raise ValueError(f"demo.{name}: expected an integer >= 0, got {getattr(self, name)}")
         if not any(getattr(self, name) for name in counts):
             raise ValueError(f"demo: no training conversations; give one of demo.{', demo.'.join(counts)} a value >= 1")
-        try:  # the eval settings too (benchmark names)
+        if not self.eval_benchmarks:
+            raise ValueError("demo.eval_benchmarks: expected at least one benchmark name (or 'all')")
+        try:  # the eval settings too (benchmark names, temperature, ...), named by the demo's own fields
             self.eval_config(["draft"], Path(self.output_dir) / "eval")
         except ValueError as exc:
-            raise ValueError(str(exc).replace("eval.benchmarks", "demo.eval_benchmarks")) from None
+            message = str(exc)
+            for name in ("benchmarks", "num_prompts", "max_new_tokens"):
+                message = message.replace(f"eval.{name}", f"demo.eval_{name}")
+            raise ValueError(message.replace("eval.", "demo.")) from None
         for algorithm in self.algorithms:  # the training settings fail here, not after prepare and cache
             try:
                 self.train_config(algorithm, Path(self.output_dir) / "cache")
@@ -273,6 +279,26 @@ def _done_training(train_dir: Path, steps: int) -> bool:
     return latest_checkpoint(train_dir) == train_dir / f"checkpoint-{steps:06d}"
 
 
+def check_reused_training(train_cfg: TrainConfig, train_dir: Path) -> None:
+    """Refuse a training folder an earlier demo filled with other settings (e.g. before a default changed):
+    its checkpoints would be reused or resumed as if they were this demo's.
+
+    Raises ValueError naming the settings that differ and the fix."""
+    path = train_dir / "train_config.json"
+    if not path.is_file():
+        return
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        saved = {}
+    asked = json.loads(json.dumps(dataclasses.asdict(train_cfg)))  # as train_config.json spells it
+    differ = {k: (saved.get(k), v) for k, v in asked.items()
+              if k not in ("output_dir", "cache_dir", "resume") and saved.get(k) != v}
+    if differ:
+        raise ValueError(f"{train_dir} holds a draft trained with other settings (setting: (there, this demo) = "
+                         f"{differ}); use another --output-dir, or delete {train_dir} to train it again")
+
+
 def run_demo(cfg: DemoConfig) -> dict:
     """Run every stage; return the eval results (also written under ``<output_dir>/eval``)."""
     out = Path(cfg.output_dir)
@@ -303,6 +329,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         train_cfg = cfg.train_config(algorithm, cache_dir)
         train_dir = Path(train_cfg.output_dir)
         t0 = time.perf_counter()
+        check_reused_training(train_cfg, train_dir)
         if _done_training(train_dir, cfg.train_steps):
             checkpoint = latest_checkpoint(train_dir)
             print(f"train {algorithm}: reusing {checkpoint}")

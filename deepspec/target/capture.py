@@ -321,6 +321,11 @@ def capture_sample_features(
     return out.target_hidden_BTF[0], out.target_last_hidden_BTH[0]
 
 
+STATS_MISSING = ("{who}: target_logsumexp_BS is not finite (or target_argmax_BS is -1) at a supervised {what}; "
+                 "the cache's statistics must cover every position p with loss_mask[p + 1]. Check the cache with "
+                 "`deepspec cache --output-dir <cache> --verify`, and rebuild it into a new --output-dir")
+
+
 @torch.no_grad()
 def target_logit_stats(
     model: nn.Module, last_hidden_TH: torch.Tensor, loss_mask_T: Any, *, chunk_rows: int = 512
@@ -334,8 +339,11 @@ def target_logit_stats(
     tokens compute the target's probabilities on those tokens from W logits,
     ``p_t[v] = exp(logit[v] - logsumexp)``, instead of V (:mod:`deepspec.algorithms.dspark.loss`).
 
+    The logits are computed in float32 from the lm_head weight (a bfloat16 target's weight is cast), as
+    the losses compute theirs from the draft's float32 copy of it.
+
     Args:
-        model: the target (``*ForCausalLM``); its lm_head's device and dtype are used.
+        model: the target (``*ForCausalLM``); its lm_head weight's device is used.
         last_hidden_TH: final-norm hidden states ``[T, H]`` as the cache stores them (pass the stored,
             rounded values, so the stats agree with logits a loss computes from the same tensor).
         loss_mask_T: ``[T]`` 0/1 (tensor or sequence).
@@ -344,7 +352,7 @@ def target_logit_stats(
     Returns:
         ``(logsumexp_T float32, argmax_T int32)`` on the CPU; NaN and -1 at positions no loss reads.
     """
-    head = _lm_head(model)
+    weight = _lm_head(model).weight
     cap = final_logit_softcap(model)
     mask_T = torch.as_tensor(loss_mask_T).bool()
     T = int(last_hidden_TH.shape[0])
@@ -353,10 +361,10 @@ def target_logit_stats(
     lse_T = torch.full((T,), float("nan"), dtype=torch.float32)
     argmax_T = torch.full((T,), -1, dtype=torch.int32)
     rows = mask_T[1:].nonzero(as_tuple=True)[0]  # p with loss_mask[p + 1]
-    weight = head.weight
+    weight = weight.float()  # as the losses compute their W logits: float32, the lm_head weight alone
     for s in range(0, int(rows.numel()), chunk_rows):
         r = rows[s:s + chunk_rows]
-        logits = soft_cap(head(last_hidden_TH[r].to(weight.device, weight.dtype)).float(), cap)
+        logits = soft_cap(F.linear(last_hidden_TH[r].to(weight.device, torch.float32), weight), cap)
         lse_T[r] = torch.logsumexp(logits, dim=-1).cpu()
         argmax_T[r] = logits.argmax(-1).to(torch.int32).cpu()
     return lse_T, argmax_T

@@ -685,8 +685,9 @@ def open_training_data(cfg: TrainConfig, target_model, tokenizer) -> TargetCache
     tokenizer and (if given) ``cfg.target_layer_ids``, or in online mode (``cfg.online_data``) an
     :class:`OnlineTargetFeatures` over the prepared file that computes features with ``target_model``.
 
-    Both return the same per-sample dicts for the same data and settings (bitwise, see
-    :mod:`deepspec.data.online`), so the loop below has no online branch.
+    Both return the same features for the same data and settings (bitwise, see
+    :mod:`deepspec.data.online`; a format-3 cache adds the target-logit statistics, which a loss uses
+    when present), so the loop below has no online branch.
 
     Raises:
         ValueError: a cache built for another target/tokenizer/layer set, invalid layer ids, or a

@@ -212,12 +212,33 @@ def test_demo_refuses_bad_training_settings_before_any_stage_runs(tmp_path):
     from deepspec.demo import DemoConfig
 
     for kwargs, field in (({"draft_vocab_size": -3}, "demo.draft_vocab_size"), ({"lr": -1.0}, "demo.lr"),
-                          ({"heldout_every": -1}, "demo.heldout_every"), ({"num_anchors": 0}, "demo.num_anchors")):
+                          ({"heldout_every": -1}, "demo.heldout_every"), ({"num_anchors": 0}, "demo.num_anchors"),
+                          ({"eval_benchmarks": []}, "demo.eval_benchmarks"),
+                          ({"eval_benchmarks": ["gsm8k", "gsm9k"]}, "demo.eval_benchmarks: unknown benchmark 'gsm9k'"),
+                          ({"temperature": -1.0}, "demo.temperature")):
         with pytest.raises(ValueError, match=field):
             DemoConfig(output_dir=str(tmp_path / "demo"), **kwargs)
     assert not (tmp_path / "demo").exists()
     cfg = DemoConfig(output_dir=str(tmp_path / "demo"), algorithms=["dspark", "eagle3"])
     assert cfg.train_config("eagle3", tmp_path / "cache").output_dir == str(tmp_path / "demo" / "train-eagle3")
+
+
+def test_demo_refuses_a_training_folder_filled_with_other_settings(tmp_path):
+    """A demo rerun into a folder whose draft an earlier demo trained with other settings (e.g. before a
+    default changed) is refused, naming the settings; the same settings pass."""
+    from deepspec.demo import DemoConfig, check_reused_training
+
+    cfg = DemoConfig(output_dir=str(tmp_path / "demo"))
+    train_cfg = cfg.train_config("dspark", tmp_path / "demo" / "cache")
+    train_dir = Path(train_cfg.output_dir)
+    check_reused_training(train_cfg, train_dir)  # nothing there yet
+    train_dir.mkdir(parents=True)
+    saved = dataclasses.asdict(train_cfg)
+    (train_dir / "train_config.json").write_text(json.dumps(saved))
+    check_reused_training(train_cfg, train_dir)
+    (train_dir / "train_config.json").write_text(json.dumps({**saved, "num_anchors": 16, "output_dir": "elsewhere"}))
+    with pytest.raises(ValueError, match=r"other settings .*'num_anchors': \(16, 64\).*delete"):
+        check_reused_training(train_cfg, train_dir)
 
 
 def test_demo_data_mix_falls_back_to_sharegpt_where_a_training_split_is_missing(tmp_path, monkeypatch):

@@ -132,11 +132,12 @@ def test_losses_with_and_without_the_stats_agree(target, cache_dir, name):
     for n in ga:
         torch.testing.assert_close(gb[n], ga[n], atol=1e-6, rtol=1e-4)
     # statistics missing at a supervised position are an error, never a silent NaN loss
-    broken = collate(samples, [0, 1, 2, 3])
-    broken.target_logsumexp_BS[:] = float("nan")
-    prepared = algo.prepare(draft, broken, torch.Generator().manual_seed(0), cfg)
-    with pytest.raises(ValueError, match="target_logsumexp_BS is NaN"):
-        algo.loss(draft, prepared, weight_sum=algo.weight(draft, prepared), autocast=nullctx)
+    for bad in (float("nan"), float("inf")):
+        broken = collate(samples, [0, 1, 2, 3])
+        broken.target_logsumexp_BS[:] = bad
+        prepared = algo.prepare(draft, broken, torch.Generator().manual_seed(0), cfg)
+        with pytest.raises(ValueError, match="target_logsumexp_BS is not finite.*--verify"):
+            algo.loss(draft, prepared, weight_sum=algo.weight(draft, prepared), autocast=nullctx)
 
 
 def _format_2_copy(cache_dir, old):
@@ -171,7 +172,7 @@ def test_a_format_2_cache_is_read_and_trains_without_the_stats(cache_dir, tmp_pa
     assert "target_logsumexp" not in cache[0] and torch.equal(cache[0]["target_hidden"],
                                                               TargetCache(cache_dir)[0]["target_hidden"])
     assert collate([cache[0], cache[1]], [0, 1]).target_logsumexp_BS is None
-    with pytest.raises(ValueError, match="rebuild it with `deepspec cache`"):
+    with pytest.raises(ValueError, match="into a new --output-dir"):
         cache.read(0, ("target_logsumexp",))
 
 
@@ -188,3 +189,22 @@ def test_a_rerun_on_a_complete_format_2_cache_reuses_it(target, cache_dir, tmp_p
     assert {p.name: p.stat().st_mtime_ns for p in old.iterdir()} == before  # nothing rewritten
     with pytest.raises(ValueError, match="other settings"):
         write_target_cache_from_samples(_samples(), old, target, **{**args, "shard_size": 3})
+
+
+def test_verify_checks_the_stats_cover_exactly_the_read_positions(cache_dir, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(cache_dir, broken)
+    shard = broken / "shard-00000.safetensors"
+    with safe_open(str(shard), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata()
+    read = torch.nonzero(torch.isfinite(tensors["target_logsumexp"]))[0, 0]
+    tensors["target_logsumexp"][read] = float("nan")
+    save_file(tensors, str(shard), metadata=meta)
+    manifest = json.loads((broken / MANIFEST_NAME).read_text())  # a consistent file: only its statistics are off
+    manifest["shards"][0].update(sha256=sha256_file(shard), num_bytes=shard.stat().st_size)
+    (broken / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="shard-00000.*target_logsumexp / target_argmax: not finite"):
+        verify_target_cache(broken, log=None)

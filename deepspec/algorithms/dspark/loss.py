@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from deepspec.algorithms.dspark.config import DraftConfig
 from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance
 from deepspec.models.vocab import t2d_table
-from deepspec.target.capture import target_draft_probs
+from deepspec.target.capture import STATS_MISSING, target_draft_probs
 
 
 def supervision_mask(loss_mask_BS: Tensor, anchor_pos_BA: Tensor, block_valid_BA: Tensor, block_size: int) -> Tensor:
@@ -165,7 +165,8 @@ def dspark_loss(
         lm_head_rows_WH: ``lm_head``'s rows ``d2t_W`` (the draft's frozen ``lm_head``); gathered when None.
         chunk_slots: slots per chunk for the target softmax (memory bound ``chunk_slots x V`` fp32).
     Raises:
-        ValueError: a needed ``target_last_hidden_BSH`` / confidence logits is missing.
+        ValueError: a needed ``target_last_hidden_BSH`` / confidence logits is missing, or the statistics
+            are not finite (-1) at a supervised slot.
     """
     K = config.num_draft_slots
     logits_BAKV = out.logits_BAKV  # [B, A, K, W] over the draft slots
@@ -217,9 +218,8 @@ def dspark_loss(
         lse_N, tgt_argmax_N = target_logsumexp_BS[at].to(dev), target_argmax_BS[at].to(dev)
         if lm_head_rows_WH is None:
             lm_head_rows_WH = lm_w.index_select(0, d2t_W.to(lm_w.device))
-        if bool(torch.isnan(lse_N).any() or (tgt_argmax_N < 0).any()):
-            raise ValueError("dspark_loss: target_logsumexp_BS is NaN (or target_argmax_BS -1) at a supervised "
-                             "slot; the cache's statistics must cover every position p with loss_mask[p + 1]")
+        if not bool(torch.isfinite(lse_N).all() and (tgt_argmax_N >= 0).all()):
+            raise ValueError(STATS_MISSING.format(who="dspark_loss", what="slot"))
     ce_parts, l1_parts, tgt_arg_parts, drf_arg_parts = [], [], [], []
     for s in range(0, N, chunk_slots):
         e = min(N, s + chunk_slots)

@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from deepspec.algorithms.eagle3.model import Eagle3DraftModel
 from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance
-from deepspec.target.capture import target_draft_probs
+from deepspec.target.capture import STATS_MISSING, target_draft_probs
 
 
 def ttt_supervision(loss_mask_BS: Tensor, steps: int, decay: float,
@@ -153,9 +153,8 @@ def eagle3_loss(model: Eagle3DraftModel, input_ids_BS: Tensor, loss_mask_BS: Ten
         th_NH = tl[b_N, t_N + k + 1]
         lse_N = lse_BS[b_N, t_N + k + 1] if stats else None
         targ_N = argmax_BS[b_N, t_N + k + 1] if stats else None
-        if stats and bool(torch.isnan(lse_N).any() or (targ_N < 0).any()):
-            raise ValueError("eagle3_loss: target_logsumexp_BS is NaN (or target_argmax_BS -1) at a supervised "
-                             "position; the cache's statistics must cover every position p with loss_mask[p + 1]")
+        if stats and not bool(torch.isfinite(lse_N).all() and (targ_N >= 0).all()):
+            raise ValueError(STATS_MISSING.format(who="eagle3_loss", what="position"))
         w_N = w_KBS[k][b_N, t_N]
         matches, accepts = [], []
         for s in range(0, N, chunk_rows):

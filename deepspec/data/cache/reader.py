@@ -128,8 +128,8 @@ class TargetCache:
         unknown = [f for f in fields if f not in self.fields]
         if unknown:
             old = [f for f in unknown if f in self.FIELDS]
-            hint = (f"; this cache is format {self.manifest.get('format')!r}, without {old}: rebuild it with "
-                    f"`deepspec cache` to store them" if old else "")
+            hint = (f"; this cache is format {self.manifest.get('format')!r}, without {old}: build it again "
+                    f"with `deepspec cache` into a new --output-dir to store them" if old else "")
             raise ValueError(f"fields: unknown {unknown}; expected a subset of {list(self.fields)}{hint}")
         k, j = self._locate(int(i))
         h = self._open(k)

@@ -122,6 +122,15 @@ def _verify_shard(path: Path, entry: dict[str, Any], m: dict[str, Any], *, check
                 problems.append("loss_mask holds values other than 0/1")
             if int(mask.sum()) != entry["num_loss_tokens"]:
                 problems.append(f"loss_mask sums to {int(mask.sum())}, manifest says {entry['num_loss_tokens']}")
+            if check_finite and "target_logsumexp" in want:
+                # finite (and an argmax >= 0) exactly where a loss reads: loss_mask[p + 1] within p's sample
+                read = torch.zeros(M, dtype=torch.bool)
+                read[:-1] = mask[1:].bool()
+                read[offsets[1:] - 1] = False
+                lse, arg = f.get_tensor("target_logsumexp"), f.get_tensor("target_argmax")
+                if not (torch.equal(torch.isfinite(lse), read) and torch.equal(arg >= 0, read)):
+                    problems.append("target_logsumexp / target_argmax: not finite (>= 0) exactly at the positions p "
+                                    "with loss_mask[p + 1] in their sample")
             if check_finite:
                 for name in ("target_hidden", "target_last_hidden", "target_hidden_scale"):
                     if name not in want:
@@ -194,6 +203,9 @@ def verify_target_cache(
             f"the manifest (their progress-rank*.json entries are ignored once the file is gone)."
             if bad else
             f"Fix: delete {root / MANIFEST_NAME} and rerun `deepspec cache` with the same settings to rewrite it."
+        ) if has_logit_stats(m) else (
+            f"Fix: this is a {m['format']!r} cache, which this DeepSpec reads but no longer writes: build the cache "
+            "again with `deepspec cache` into a new --output-dir."
         )
         raise ValueError(f"target cache {root}: verify failed ({len(bad)} of {len(results)} shards):\n"
                          + "\n".join(lines) + "\n" + fix)

@@ -293,6 +293,12 @@ def _check_settings(out: Path, run_key: str, settings: dict[str, Any]) -> None:
         old = json.loads(path.read_text(encoding="utf-8"))
         if old.get("run_key") != run_key:
             old_settings = old.get("settings", {})
+            if old_settings.get("format") == FORMAT_WITHOUT_LOGIT_STATS:
+                raise ValueError(
+                    f"{path}: this folder holds a {FORMAT_WITHOUT_LOGIT_STATS!r} target cache (an earlier DeepSpec; "
+                    f"without the target-logit statistics of {FORMAT_VERSION!r}) that is incomplete or was built "
+                    "with other settings, and this DeepSpec writes only the new format: build the cache into a new "
+                    "--output-dir (a complete one with the same settings is reused as it is)")
             diff = {k: (old_settings.get(k), v) for k, v in settings.items() if old_settings.get(k) != v}
             raise ValueError(
                 f"{path}: this folder holds a target cache built with other settings "
