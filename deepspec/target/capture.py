@@ -352,7 +352,7 @@ def target_logit_stats(
     Returns:
         ``(logsumexp_T float32, argmax_T int32)`` on the CPU; NaN and -1 at positions no loss reads.
     """
-    weight = _lm_head(model).weight
+    weight = _lm_head(model).weight.float()  # as the losses compute their W logits: float32, the weight alone
     cap = final_logit_softcap(model)
     mask_T = torch.as_tensor(loss_mask_T).bool()
     T = int(last_hidden_TH.shape[0])
@@ -361,7 +361,6 @@ def target_logit_stats(
     lse_T = torch.full((T,), float("nan"), dtype=torch.float32)
     argmax_T = torch.full((T,), -1, dtype=torch.int32)
     rows = mask_T[1:].nonzero(as_tuple=True)[0]  # p with loss_mask[p + 1]
-    weight = weight.float()  # as the losses compute their W logits: float32, the lm_head weight alone
     for s in range(0, int(rows.numel()), chunk_rows):
         r = rows[s:s + chunk_rows]
         logits = soft_cap(F.linear(last_hidden_TH[r].to(weight.device, torch.float32), weight), cap)

@@ -138,7 +138,7 @@ def eagle3_loss(model: Eagle3DraftModel, input_ids_BS: Tensor, loss_mask_BS: Ten
     stats = model.d2t is not None and target_logsumexp_BS is not None and target_argmax_BS is not None
     lse_BS = target_logsumexp_BS.to(dev) if stats else None
     argmax_BS = target_argmax_BS.to(dev) if stats else None
-    target_rows_WH = model.target_lm_head_weight.index_select(0, model.d2t) if stats else None
+    target_rows_WH = model.lm_head.weight if stats else None  # the frozen copy of the target's rows d2t
     counts, accs = [], []
     match_KBS = torch.zeros(valid_KBS.shape, dtype=torch.bool, device=dev)
     accept_KBS = torch.zeros(valid_KBS.shape, device=dev)
