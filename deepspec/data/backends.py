@@ -26,6 +26,7 @@ stop on the one stop rule (:func:`deepspec.data.chat.stop_token_ids`), sent to s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from deepspec.data.chat import render_prompt, target_stop_token_ids
+from deepspec.eval.few_row_linear import few_row_linear, few_row_linear_applies
 from deepspec.target.decoding import SamplingParams, openai_request_fields, pinned_generate
 
 
@@ -139,9 +141,24 @@ def generate_batch(model: Any, prompts: list[list[int]], *, pad_id: int, eos_ids
     return results
 
 
+# Batched generation multiplies every weight matrix by one row per request at each decoding step. On
+# the 2-core AMD EPYC (Zen 3, AVX2, float32) of 2026-12-01, 32 gsm8k train prompts x 128 greedy tokens of
+# the embedded target took 0.83x the time with the few-row path (deepspec.eval.few_row_linear) over at
+# most 32 rows as with ``F.linear`` (median of 3 interleaved rounds, identical ids; `python
+# bench/prepare.py --rounds 3`, docs/results/prepare-cpu-2026-12-01/); at 64 rows the two kernels cost
+# the same per product, so larger batches keep ``F.linear``.
+BATCH_FEW_ROW_MAX_ROWS = 32
+
+
 class LocalBackend:
     """The target in-process: requests sharing sampling settings are sorted by prompt length inside
     windows of ``sort_window`` requests (None: all) and generated ``batch_size`` at a time.
+
+    ``few_row_linear`` (``auto`` | ``on`` | ``off``): decoding steps of batches of at most
+    :data:`BATCH_FEW_ROW_MAX_ROWS` rows compute the target's linear layers as ``(W @ x^T)^T``
+    (:mod:`deepspec.eval.few_row_linear`; ``auto``: float32 on the CPU). The sums run in another
+    order, so an id can differ from ``F.linear``'s where two logits tie to the last bits; the ids
+    recorded are the ones generated either way.
 
     Prompts are rendered with :func:`deepspec.data.chat.render_prompt` (the one prompt rule shared
     with training and evaluation), passing each request's ``chat_template_kwargs``. Generation stops
@@ -153,10 +170,12 @@ class LocalBackend:
     name = "local"
 
     def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 32, sort_window: int | None = None,
-                 stop_token_ids: list[int] | None = None) -> None:
+                 stop_token_ids: list[int] | None = None, few_row_linear: str = "auto") -> None:
         if batch_size <= 0:
             raise ValueError(f"LocalBackend.batch_size={batch_size}: expected a positive integer.")
         self.model, self.tokenizer = model, tokenizer
+        self.few_row_rows = (min(batch_size, BATCH_FEW_ROW_MAX_ROWS)
+                             if batch_size > 1 and few_row_linear_applies(few_row_linear, model) else 0)
         self.batch_size, self.sort_window = batch_size, sort_window
         self.eos_ids = sorted(stop_token_ids) if stop_token_ids else target_stop_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
@@ -176,9 +195,11 @@ class LocalBackend:
         if not s.greedy and generation.seed is not None:
             torch.manual_seed(generation.seed)
         stop_ids = stop_ids or self.eos_ids
-        answers = generate_batch(self.model, prompts, pad_id=self.pad_id, eos_ids=stop_ids,
-                                 max_new_tokens=generation.max_new_tokens, temperature=s.temperature,
-                                 top_k=s.top_k, top_p=s.top_p)
+        with (few_row_linear(self.model, max_rows=self.few_row_rows) if self.few_row_rows > 1
+              else contextlib.nullcontext()):
+            answers = generate_batch(self.model, prompts, pad_id=self.pad_id, eos_ids=stop_ids,
+                                     max_new_tokens=generation.max_new_tokens, temperature=s.temperature,
+                                     top_k=s.top_k, top_p=s.top_p)
         return [TurnResult(text=self.tokenizer.decode(ids if cut else ids[:-1], skip_special_tokens=True),
                            num_tokens=len(ids), cut=cut, token_ids=list(ids)) for ids, cut in answers]
 

@@ -7,6 +7,7 @@ equals one-at-a-time output).
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -164,14 +165,19 @@ def test_prepare_config_validation(tmp_path):
         PrepareConfig(input="sharegpt-demo", output=tmp_path / "o.jsonl", temperature=-1.0)
 
 
-def test_prepare_real_generate_batched_equals_unbatched(tmp_path, tok):
+def _tiny_llama(tok):
+    """A random 2-layer Llama over ``tok``'s vocabulary (seeded)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
-    model = LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).eval()
+
+
+def test_prepare_real_generate_batched_equals_unbatched(tmp_path, tok):
+    model = _tiny_llama(tok)
     outs = []
     for batch_size in (1, 3):
         out = tmp_path / f"b{batch_size}.jsonl"
@@ -362,3 +368,34 @@ def test_failed_output_write_leaves_no_side_files_under_final_names(tmp_path, to
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == ["in.jsonl", "out.jsonl", "out.jsonl.partial.jsonl"]  # the folder, the input, the journal
     assert not any(output.iterdir())
+
+
+def test_local_backend_uses_the_few_row_path_for_small_float32_batches(tok, monkeypatch):
+    import deepspec.eval.few_row_linear as frl
+    from deepspec.data.backends import BATCH_FEW_ROW_MAX_ROWS, GenerationParams, LocalBackend, TurnRequest
+
+    model = _tiny_llama(tok)
+    assert LocalBackend(model, tok, batch_size=64).few_row_rows == BATCH_FEW_ROW_MAX_ROWS
+    assert LocalBackend(model, tok, batch_size=3).few_row_rows == 3
+    assert LocalBackend(model, tok, batch_size=3, few_row_linear="off").few_row_rows == 0
+    assert LocalBackend(model, tok, batch_size=1).few_row_rows == 0  # one row: F.linear's GEMV either way
+    assert LocalBackend(copy.deepcopy(model).to(torch.bfloat16), tok, batch_size=3).few_row_rows == 0
+    with pytest.raises(ValueError, match="few_row_linear"):
+        LocalBackend(model, tok, few_row_linear="fast")
+
+    rows_seen = []
+    real = frl.few_row_forward
+    monkeypatch.setattr(frl, "few_row_forward", lambda layer, x, max_rows: rows_seen.append(max_rows) or
+                        real(layer, x, max_rows))
+    generation = GenerationParams(max_new_tokens=5)
+    requests = [TurnRequest(key=str(i), messages=[{"role": "user", "content": text}], generation=generation)
+                for i, text in enumerate(["hello there", "abc", "a longer question here"])]
+    answers = {}
+    for mode in ("on", "off"):
+        got = {}
+        LocalBackend(model, tok, batch_size=3, few_row_linear=mode).generate(requests, got.__setitem__)
+        answers[mode] = [got[i].token_ids for i in range(len(requests))]
+        assert bool(rows_seen) == (mode == "on") and set(rows_seen) <= {3}
+        rows_seen.clear()
+    assert answers["on"] == answers["off"]
+    assert not any("forward" in m.__dict__ for m in model.modules() if isinstance(m, torch.nn.Linear))  # restored
