@@ -274,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", default="auto",
                    help="target and draft dtype: auto (bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else float32) "
                         "| float32 | bfloat16")
+    p.add_argument("--device", default="auto",
+                   help="target and draft device: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu | cuda | cuda:N")
     p.add_argument("--baselines", default="ngram", help="comma-separated training-free proposers (ngram) or none")
     p.add_argument("--ngram-max", type=int, default=3, help="ngram baseline: longest n-gram matched")
     p.add_argument("--ngram-min", type=int, default=1, help="ngram baseline: shortest n-gram matched")
@@ -316,7 +318,7 @@ def main(argv: list[str] | None = None) -> dict:
     from deepspec.algorithms.ngram.proposer import NGramProposer, check_ngram_range
     from deepspec.algorithms.protocol import cap_proposal_len
     from deepspec.algorithms.registry import check_baselines
-    from deepspec.device import check_dtype_name, decoding_device, dtype_name, resolve_dtype
+    from deepspec.device import check_dtype_name, dtype_name, resolve_device, resolve_dtype
     from deepspec.eval.few_row_linear import check_few_row_mode, few_row_linear_applies
 
     try:
@@ -343,7 +345,10 @@ def main(argv: list[str] | None = None) -> dict:
     from deepspec.eval.benchmarks import load_benchmark
     from deepspec.target.load import load_target
 
-    device = decoding_device()
+    try:
+        device = resolve_device(args.device, "--device")
+    except ValueError as exc:
+        p.error(str(exc))
     dtype = resolve_dtype(args.dtype, device)
     model, tokenizer = load_target(args.target, dtype=dtype)
     model.to(device).eval()

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from deepspec.device import check_dtype_name, decoding_device, dtype_name, resolve_dtype  # noqa: E402
+from deepspec.device import check_dtype_name, dtype_name, resolve_device, resolve_dtype  # noqa: E402
 from deepspec.eval.few_row_linear import few_row_linear  # noqa: E402
 from deepspec.target.capture import target_forward  # noqa: E402
 from deepspec.utils import atomic_write_json, pyplot, save_png  # noqa: E402
@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="default", help="target (default: the embedded SmolLM2-135M)")
     p.add_argument("--dtype", default="float32", help="auto | float32 | bfloat16")
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu | cuda | cuda:N")
     p.add_argument("--context", type=int, default=300, help="tokens already in the KV cache")
     p.add_argument("--num-tokens", default="1,2,3,4,6,8,12,16", help="comma-separated new-token counts")
     p.add_argument("--rounds", type=int, default=15, help="timed interleaved rounds")
@@ -111,7 +113,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     from deepspec.target.load import load_target
 
-    device = decoding_device()
+    try:
+        device = resolve_device(args.device, "--device")
+    except ValueError as exc:
+        p.error(str(exc))
     dtype = resolve_dtype(args.dtype, device)
     model, _ = load_target(args.target, dtype=dtype)
     model.to(device).eval()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from deepspec.algorithms.registry import ALGORITHMS, check_baselines, load_draft
 from deepspec.data.prepare import PrepareConfig, summary_path_for
-from deepspec.device import check_dtype_name
+from deepspec.device import check_device_name, check_dtype_name
 from deepspec.eval.benchmarks import TRAINING_SPLITS, benchmarks_dir, training_conversations
 from deepspec.eval.report import BASELINE, HF_GENERATE
 from deepspec.eval.stage import EvalConfig, run_eval_stage
@@ -96,10 +96,14 @@ class DemoConfig:
     # decoding dtype of the prepare (answer generation) and eval stages: auto (bfloat16 on CUDA or a
     # CPU with AVX512-BF16/AMX, else float32) | float32 | bfloat16; the cache and training stay float32
     dtype: str = "auto"
+    # where every stage runs the target and the draft: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu |
+    # cuda | cuda:N
+    device: str = "auto"
     baselines: list[str] = field(default_factory=lambda: ["ngram"])  # training-free proposers in the eval: ngram | none
 
     def __post_init__(self) -> None:
         self.dtype = check_dtype_name(self.dtype, "demo.dtype")
+        self.device = check_device_name(self.device, "demo.device")
         self.baselines = check_baselines(self.baselines, "demo.baselines")
 
         unknown = [a for a in self.algorithms if a not in ALGORITHMS]
@@ -145,13 +149,14 @@ class DemoConfig:
             max_turns=1,  # CPU budget: the first answer of each conversation
             seed=self.seed,
             dtype=self.dtype,  # generation only: the cache captures float32 features
+            device=self.device,
         )
 
     def cache_config(self, prepared: Path, cache_dir: Path) -> CacheConfig:
         """The cache stage's settings (float32: the demo's figures, README and docs/semantics.md, were
         measured on a float32 cache)."""
         return CacheConfig(input=str(prepared), output_dir=str(cache_dir), max_seq_len=self.max_seq_len,
-                           storage_dtype="float32")
+                           storage_dtype="float32", device=self.device)
 
     def eval_config(self, checkpoints: list[str], output_dir: Path) -> EvalConfig:
         """The eval stage's settings for the trained ``checkpoints``."""
@@ -164,6 +169,7 @@ class DemoConfig:
             temperature=self.temperature,
             compare_hf_generate=False,
             dtype=self.dtype,
+            device=self.device,
             baselines=self.baselines or ["none"],
             num_draft_tokens=self.num_draft_tokens,
         )
@@ -189,6 +195,7 @@ class DemoConfig:
             resume="auto",
             heldout_every=self.heldout_every,
             heldout_benchmarks=self.heldout_benchmarks,
+            device=self.device,
         )
 
 
@@ -293,7 +300,7 @@ def check_reused_training(train_cfg: TrainConfig, train_dir: Path) -> None:
         saved = {}
     asked = json.loads(json.dumps(dataclasses.asdict(train_cfg)))  # as train_config.json spells it
     differ = {k: (saved.get(k), v) for k, v in asked.items()
-              if k not in ("output_dir", "cache_dir", "resume") and saved.get(k) != v}
+              if k not in ("output_dir", "cache_dir", "resume", "device") and saved.get(k) != v}
     if differ:
         raise ValueError(f"{train_dir} holds a draft trained with other settings (setting: (there, this demo) = "
                          f"{differ}); use another --output-dir, or delete {train_dir} to train it again")

@@ -1,4 +1,11 @@
-"""The decoding dtype: one rule that turns ``--dtype auto | float32 | bfloat16`` into a torch dtype.
+"""The device and decoding-dtype rules: ``--device auto | cpu | cuda | cuda:N`` and ``--dtype auto |
+float32 | bfloat16``, each turned into a torch object by one function every stage shares.
+
+Device (every stage that loads a target: prepare with the local backend, cache, train, eval, serve,
+the demo and the bench scripts): ``auto`` is ``cuda:LOCAL_RANK`` when CUDA is available (``LOCAL_RANK``
+from torchrun, 0 otherwise), else the CPU; ``cuda`` is ``cuda:LOCAL_RANK`` and ``cuda:N`` that GPU,
+both refused with a clear error where CUDA is not available or the GPU does not exist
+(:func:`resolve_device`).
 
 Used by every stage that *decodes* with the target (``deepspec eval``, ``bench/decode.py``,
 ``deepspec prepare`` with the local backend, the demo's prepare and eval). The target cache and
@@ -20,6 +27,9 @@ configs, reports and JSON always carry the canonical name.
 from __future__ import annotations
 
 import functools
+import os
+import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -64,15 +74,27 @@ def cpu_bf16_flags() -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
+BF16_EMULATED_WARNING = (
+    "bfloat16 on a CPU with no native bf16 dot products (no avx512_bf16 / amx_bf16 flag): torch converts "
+    "through float32, so batched products get slower, not faster. Measured on a 2-core AMD EPYC (Zen 3, AVX2) "
+    "with the embedded SmolLM2-135M, 2026-11-30: a verify forward over 8 tokens cost 3.6x a one-token step "
+    "in bfloat16 against 1.7x in float32, and the prefill was 5x slower (docs/results/decode-cpu-2026-11-30.md). "
+    "--dtype auto picks float32 here.")
+
+
 def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
     """The torch dtype for ``name`` (``auto`` / ``float32`` / ``bfloat16`` or an alias) on ``device``.
 
-    ``auto``: see the module docstring. Raises ValueError for an unknown name.
+    ``auto``: see the module docstring. ``bfloat16`` asked for on a CPU without native bf16 is kept,
+    with a UserWarning giving its measured cost (:data:`BF16_EMULATED_WARNING`). Raises ValueError
+    for an unknown name.
     """
     name = check_dtype_name(name, "dtype")
+    device = torch.device(device)
+    if name == "bfloat16" and device.type == "cpu" and not cpu_bf16_flags():
+        warnings.warn(BF16_EMULATED_WARNING, stacklevel=2)
     if name != "auto":
         return TORCH_DTYPES[name]
-    device = torch.device(device)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
     if device.type == "cpu":
@@ -85,20 +107,99 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def decoding_device() -> torch.device:
-    """Where decoding runs: CUDA when available, else the CPU."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
 
 
-def cast_for_decoding(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """``module`` itself when its floating parameters already have ``dtype``; else a cast copy.
+def check_device_name(value: object, field: str) -> str:
+    """``value`` when it is ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (N a GPU index); ValueError naming
+    ``field`` (e.g. ``"eval.device"``) otherwise. Whether the device exists is :func:`resolve_device`'s
+    check."""
+    if isinstance(value, str) and (value in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", value)):
+        return value
+    raise ValueError(f"{field}: expected auto, cpu, cuda or cuda:N (N a GPU index), received {value!r}; auto uses "
+                     "cuda:LOCAL_RANK where CUDA is available, else the CPU.")
 
-    A copy, not an in-place cast: the caller's module keeps its dtype (the demo trains and captures
-    features in float32 with the same target it then decodes with in bfloat16).
+
+def resolve_device(name: str, field: str = "device") -> torch.device:
+    """The torch device for ``name`` (see :func:`check_device_name` and the module docstring).
+
+    ``auto`` and ``cuda`` take ``cuda:LOCAL_RANK`` (torchrun's ``LOCAL_RANK``, 0 without torchrun), so
+    each process of a multi-GPU run gets its own GPU; ``cuda:N`` takes GPU N.
+
+    Raises:
+        ValueError: an unknown name; ``cuda`` / ``cuda:N`` where CUDA is not available (a CPU-only
+            torch build, or no GPU visible); a GPU index at or beyond the number visible. The message
+            names ``field`` and says how to fix it.
+    """
+    name = check_device_name(name, field)
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise ValueError(f"{field}={name}: CUDA is not available here (torch {torch.__version__}, {build}; no GPU "
+                         "visible); use cpu, or auto to use a GPU only where there is one.")
+    index = int(name.split(":")[1]) if ":" in name else int(os.environ.get("LOCAL_RANK", "0"))
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(f"{field}={name}: GPU {index} asked for (LOCAL_RANK {os.environ.get('LOCAL_RANK', 'unset')}), "
+                         f"but {count} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                         f"name one of cuda:0..cuda:{count - 1}, or start fewer processes per node.")
+    return torch.device("cuda", index)
+
+
+def cast_for_decoding(module: torch.nn.Module, dtype: torch.dtype, device: torch.device | str | None = None, *,
+                      in_place: bool = False) -> torch.nn.Module:
+    """``module`` itself when its floating parameters already have ``dtype`` (and sit on ``device``,
+    when given); else a copy cast to ``dtype`` and moved to ``device``.
+
+    A copy, not an in-place cast: the caller's module keeps its dtype and device (the demo trains and
+    captures features in float32 on the CPU with the same target it then decodes with in bfloat16, or
+    on a GPU). ``in_place=True`` casts and moves ``module`` itself (a stage's own freshly loaded
+    target, which nobody else holds: no second copy of a large model in host memory).
     """
     import copy
 
-    dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
-    if dtypes <= {dtype}:
+    params = [p for p in module.parameters() if p.is_floating_point()]
+    target_device = torch.device(device) if device is not None else None
+    on_device = target_device is None or all(_same_device(p.device, target_device) for p in params)
+    if {p.dtype for p in params} <= {dtype} and on_device:
         return module
-    return copy.deepcopy(module).to(dtype)
+    return (module if in_place else copy.deepcopy(module)).to(device=target_device, dtype=dtype)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` name the same GPU when the current device is 0."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation failure: torch's ``OutOfMemoryError`` (CUDA) or the CPU
+    allocator's ``RuntimeError`` ("can't allocate memory")."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
+def out_of_memory_error(what: str, device: torch.device | str, sizes: str, fix: str,
+                        exc: BaseException) -> torch.OutOfMemoryError:
+    """The error to raise (``from exc``) for an allocation failure in ``what`` on ``device``.
+
+    ``sizes`` names the shapes that did not fit (e.g. ``"batch 4 x 4,096 tokens, 512 anchors x
+    block 7"``) and ``fix`` the flags that lower them; on CUDA the GPU's free and total memory are
+    added. The original message's first line is kept at the end.
+    """
+    device = torch.device(device)
+    memory = ""
+    if device.type == "cuda" and torch.cuda.is_available():
+        try:
+            free, total = torch.cuda.mem_get_info(device)
+            memory = f"; {free / 2**30:.1f} of {total / 2**30:.1f} GiB free now"
+        except RuntimeError:  # the context itself may be unusable after the failure
+            memory = ""
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return torch.OutOfMemoryError(f"{what}: out of memory on {device} ({sizes}{memory}); {fix}. "
+                                  f"[{type(exc).__name__}: {first_line}]")

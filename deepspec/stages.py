@@ -16,7 +16,7 @@ from deepspec.data.cache.verify import verify_target_cache
 from deepspec.data.cache.writer import write_target_cache
 from deepspec.data.estimate import run_estimate
 from deepspec.data.prepare import PrepareConfig, run_prepare
-from deepspec.device import cast_for_decoding, resolve_dtype
+from deepspec.device import cast_for_decoding, check_device_name, resolve_device, resolve_dtype
 from deepspec.models.config import unsupported_family_note
 from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
 from deepspec.target.load import load_target, recorded_target_name, require_chat_template
@@ -41,10 +41,13 @@ class CacheConfig:
     max_seq_len: int = 1024  # samples are cut to this many tokens (prefix kept, counted)
     shard_size: int = 256  # prepared rows per shard
     storage_dtype: str = "bfloat16"  # float32 | bfloat16 | float16 | fp8 (e4m3 + per-token scale)
+    # where the target runs: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu | cuda | cuda:N
+    device: str = "auto"
     verify: bool = False  # only check every shard of output_dir against its manifest (no target needed)
 
     def __post_init__(self) -> None:
         check_storage_dtype(self.storage_dtype, "cache.storage_dtype")
+        self.device = check_device_name(self.device, "cache.device")
         for name in ("num_target_layers", "max_seq_len", "shard_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"cache.{name}: expected an integer >= 1, got {getattr(self, name)}")
@@ -56,11 +59,13 @@ class CacheConfig:
 
 def run_prepare_stage(cfg: PrepareConfig, *, target_model=None, tokenizer=None):
     if cfg.backend == "local":  # backend="openai" needs only the tokenizer
-        device = next(target_model.parameters()).device if target_model is not None else "cpu"
+        device = resolve_device(cfg.device, "prepare.device")
         dtype = resolve_dtype(cfg.dtype, device)
         if target_model is None:
-            target_model, tokenizer = load_target(cfg.target, dtype=dtype, chat_template=cfg.chat_template)
-        target_model = cast_for_decoding(target_model, dtype)  # a copy when the caller's target has another dtype
+            target_model, tokenizer = load_target(cfg.target, dtype=dtype, device=device,
+                                                  chat_template=cfg.chat_template)
+        # a copy when the caller's target has another dtype or device
+        target_model = cast_for_decoding(target_model, dtype, device)
         note = unsupported_family_note(getattr(target_model, "config", None), "prepare")
         if note:
             print(note, flush=True)
@@ -82,16 +87,15 @@ def run_verify_cache_stage(cfg: CacheConfig) -> list:
 def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
     """Build a target cache; returns its CacheSummary (``cfg.verify`` is :func:`run_verify_cache_stage`'s
     job). Under torchrun (``WORLD_SIZE`` > 1) a gloo process group is created for the barriers; each
-    rank loads the target (on ``cuda:LOCAL_RANK`` when CUDA is available).
+    rank loads the target on ``cfg.device`` (``auto``: ``cuda:LOCAL_RANK`` when CUDA is available).
 
     Raises ValueError when ``cfg.verify`` is set, and (see below) for a cache with no sample."""
     import datetime
 
-    import torch
-
     if cfg.verify:
         raise ValueError("cache.verify: run_cache_stage builds a cache; run_verify_cache_stage checks one")
-    rank, world_size, local_rank = torchrun_env()
+    rank, world_size, _ = torchrun_env()
+    device = resolve_device(cfg.device, "cache.device")  # checked before any process group or model
     created_group = False
     if world_size > 1:
         import torch.distributed as dist
@@ -102,9 +106,9 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
             created_group = True
     try:
         if target_model is None:
-            target_model, tokenizer = load_target(cfg.target, chat_template=cfg.chat_template)
-            if torch.cuda.is_available():
-                target_model.to(f"cuda:{local_rank}")
+            target_model, tokenizer = load_target(cfg.target, device=device, chat_template=cfg.chat_template)
+        else:  # a copy when the caller's target sits on another device
+            target_model = cast_for_decoding(target_model, next(target_model.parameters()).dtype, device)
         require_chat_template(tokenizer, cfg.target)
         note = unsupported_family_note(target_model.config, "cache")
         if note and rank == 0:

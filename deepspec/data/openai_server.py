@@ -58,7 +58,7 @@ from typing import Any
 
 from deepspec.data.backends import GenerationParams, LocalBackend
 from deepspec.data.chat import render_prompt
-from deepspec.device import check_dtype_name
+from deepspec.device import check_device_name, check_dtype_name, resolve_device
 from deepspec.eval.few_row_linear import check_few_row_mode
 from deepspec.eval.run import answer_text
 from deepspec.eval.serving import EngineDecoder
@@ -530,6 +530,8 @@ class ServeConfig:
     num_draft_tokens: int | None = None  # tokens proposed per step at most (vLLM's num_speculative_tokens); none = K
     # target and draft dtype: auto (bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else float32) | float32 | bfloat16
     dtype: str = "auto"
+    # where target and draft decode: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu | cuda | cuda:N
+    device: str = "auto"
     few_row_linear: str = "auto"  # verify forwards' few-row linear path (deepspec.eval.few_row_linear): auto | on | off
     allow_target_mismatch: bool = False  # serve a draft whose recorded target fingerprint differs (same shape)
 
@@ -539,6 +541,7 @@ class ServeConfig:
         if not self.host:
             raise ValueError("ServeConfig.host: expected a host name or address, e.g. 127.0.0.1.")
         self.dtype = check_dtype_name(self.dtype, "serve.dtype")
+        self.device = check_device_name(self.device, "serve.device")
         self.few_row_linear = check_few_row_mode(self.few_row_linear, "serve.few_row_linear")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
             raise ValueError(f"serve.num_draft_tokens: expected an integer >= 1 or none (the draft's K), "
@@ -569,16 +572,19 @@ def run_serve_stage(cfg: ServeConfig, *, target_model: Any = None, tokenizer: An
     """Load the target and serve it until interrupted (Ctrl-C).
 
     Raises ValueError when ``cfg.host:cfg.port`` cannot be listened on (checked before the target
-    loads, and again when the server binds), and what target loading raises."""
+    loads, and again when the server binds) or ``cfg.device`` is not there (checked before the target
+    loads), and what target loading raises."""
     check_listenable(cfg.host, cfg.port)
+    resolve_device(cfg.device, "serve.device")  # a device that is not there fails before the target loads
     if cfg.draft:
         draft_folder(cfg.draft)  # a wrong --draft fails before the target loads
-    if target_model is None or tokenizer is None:
+    loaded_here = target_model is None or tokenizer is None
+    if loaded_here:
         target_model, tokenizer = load.load_target(cfg.target, chat_template=cfg.chat_template)
     load.require_chat_template(tokenizer, cfg.target)
     decoder = EngineDecoder(target_model, tokenizer, draft=cfg.draft or None, num_draft_tokens=cfg.num_draft_tokens,
-                            dtype=cfg.dtype, few_row_linear=cfg.few_row_linear,
-                            allow_target_mismatch=cfg.allow_target_mismatch)
+                            dtype=cfg.dtype, device=cfg.device, few_row_linear=cfg.few_row_linear,
+                            allow_target_mismatch=cfg.allow_target_mismatch, cast_in_place=loaded_here)
     try:
         server = OpenAICompatServer(decoder.target_model, tokenizer, host=cfg.host, port=cfg.port,
                                     model_name=cfg.model_name or cfg.target, decoder=decoder)
@@ -587,7 +593,7 @@ def run_serve_stage(cfg: ServeConfig, *, target_model: Any = None, tokenizer: An
     mode = (f"speculative, draft {decoder.draft_name}, up to {decoder.num_draft_tokens} tokens per step"
             if decoder.draft_name else "target-only")
     print(f"serve: {server.model_name!r} at {server.base_url} (POST /chat/completions, GET /models; {mode}; "
-          f"{str(decoder.dtype).removeprefix('torch.')}); Ctrl-C stops", flush=True)
+          f"{str(decoder.dtype).removeprefix('torch.')} on {decoder.device}); Ctrl-C stops", flush=True)
     try:
         server.serve_forever()
     finally:

@@ -119,7 +119,7 @@ from deepspec.data.backends import (
 from deepspec.data.chat import generation_eos_of, render_prompt, render_record, stop_token_ids
 from deepspec.data.conversations import SkipRow
 from deepspec.data.sources import ID_FIELDS, assign_split, open_source, row_key, source_row_messages
-from deepspec.device import check_dtype_name, dtype_name, resolve_dtype
+from deepspec.device import check_device_name, check_dtype_name, dtype_name, resolve_device, resolve_dtype
 from deepspec.target.decoding import SamplingParams, decoding_record
 from deepspec.target.load import load_generation_config, load_target, load_tokenizer, require_chat_template
 from deepspec.utils import atomic_path, atomic_write_text
@@ -173,6 +173,9 @@ class PrepareConfig:
     # local backend: the target's dtype for generation: auto (bfloat16 on CUDA or a CPU with
     # AVX512-BF16/AMX, else float32) | float32 | bfloat16 (aliases fp32, bf16)
     dtype: str = "auto"
+    # local backend: where the target generates: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu |
+    # cuda | cuda:N (deepspec.device.resolve_device)
+    device: str = "auto"
     hf_split: str = "train"  # split of a Hugging Face dataset input
     enable_thinking: bool | None = None  # passed to the chat template (Qwen3); None = template default
     heldout_fraction: float = 0.0  # rows held out (by assign_split) into <stem>.heldout.jsonl
@@ -243,6 +246,7 @@ class PrepareConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"PrepareConfig.backend={self.backend!r}: expected one of {BACKENDS}.")
         self.dtype = check_dtype_name(self.dtype, "PrepareConfig.dtype")
+        self.device = check_device_name(self.device, "PrepareConfig.device")
         self.base_urls = list(self.base_urls)
         if self.backend == "openai":
             if not self.base_urls:
@@ -294,6 +298,7 @@ class PrepareSummary:
     generate_s: float = 0.0
     backend: str = "local"
     model_dtype: str | None = None  # local backend: the dtype the answers were generated in
+    model_device: str | None = None  # local backend: the device they were generated on
     output: str = ""
     heldout_path: str = ""
     skipped_path: str = ""
@@ -587,7 +592,9 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
     from tqdm.auto import tqdm
 
     if backend is None and cfg.backend == "local" and (model is None or tokenizer is None):
-        model, tokenizer = load_target(cfg.target, dtype=resolve_dtype(cfg.dtype), chat_template=cfg.chat_template)
+        device = resolve_device(cfg.device, "prepare.device")
+        model, tokenizer = load_target(cfg.target, dtype=resolve_dtype(cfg.dtype, device), device=device,
+                                       chat_template=cfg.chat_template)
     elif tokenizer is None:
         tokenizer = load_tokenizer(cfg.target, chat_template=cfg.chat_template)
     require_chat_template(tokenizer, cfg.target)
@@ -609,6 +616,8 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
     # the dtype the answers are generated in (local backend; a server's own is not known here)
     model_dtype = dtype_name(model.dtype) if cfg.backend == "local" and isinstance(getattr(model, "dtype", None),
                                                                               torch.dtype) else None
+    model_device = (str(model.device) if model_dtype is not None and isinstance(getattr(model, "device", None),
+                                                                               torch.device) else None)
     journal = _Journal(journal_path_for(cfg.output), _journal_settings(cfg, model_name, stop_ids, model_dtype))
     num_resumed = _restore(convs, journal.entries, journal.path)
     if num_resumed:
@@ -719,7 +728,7 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
         num_retries=getattr(backend, "num_retries", 0),
         num_regenerated_turns=num_turns, num_generated_tokens=num_tokens, generate_s=round(generate_s, 3),
         num_turns_with_ids=num_with_ids, num_turns_text_only=num_turns - num_with_ids,
-        backend=cfg.backend, model_dtype=model_dtype, output=str(cfg.output),
+        backend=cfg.backend, model_dtype=model_dtype, model_device=model_device, output=str(cfg.output),
         heldout_path=str(heldout_path_for(cfg.output)),
         skipped_path=str(skipped_path_for(cfg.output)),
     )

@@ -271,7 +271,8 @@ def markdown_report(results: dict[str, Any], figures: Mapping[str, str] | None =
         "# DeepSpec evaluation",
         "",
         (f"{_sampling_line(cfg)}, max_new_tokens {cfg.get('max_new_tokens')}, seed {cfg.get('seed')}, "
-         f"target {cfg.get('target', '?')} in {cfg.get('dtype', '?')}{_draft_dtypes(cfg)}; torch {env.get('torch')}, transformers {env.get('transformers')}, "
+         f"target {cfg.get('target', '?')} in {cfg.get('dtype', '?')}{_draft_dtypes(cfg)}"
+         + (f" on {cfg['device']}" if cfg.get("device") else "") + f"; torch {env.get('torch')}, transformers {env.get('transformers')}, "
          f"deepspec {env.get('deepspec')}; {env.get('cuda_device') or env.get('processor')} "
          f"({env.get('cpu_count')} CPUs, {env.get('torch_num_threads')} torch threads), {env.get('platform')}."),
         *_setup_lines(cfg),

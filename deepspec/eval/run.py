@@ -30,7 +30,7 @@ import torch
 from deepspec.algorithms.ngram.proposer import DEFAULT_NUM_TOKENS
 from deepspec.algorithms.protocol import NullProposer, Proposer
 from deepspec.data.chat import render_prompt, target_stop_token_ids
-from deepspec.device import dtype_name
+from deepspec.device import dtype_name, is_out_of_memory, out_of_memory_error
 from deepspec.eval.benchmarks import BenchmarkPrompt
 from deepspec.eval.engine import GenerationResult, SpeculativeEngine
 from deepspec.eval.few_row_linear import few_row_linear as few_row_linear_context
@@ -259,8 +259,17 @@ def run_eval(
                 bar.set_postfix_str(f"{bench} {name}")
                 gen = new_generator(seed + i)
 
-                def generate(x: list[int], engine=engine, gen=gen) -> GenerationResult:
-                    return engine.generate(x, max_new_tokens=max_new_tokens, sampling=sampling, generator=gen)
+                def generate(x: list[int], engine=engine, gen=gen, name=name, pid=prompt.id) -> GenerationResult:
+                    try:
+                        return engine.generate(x, max_new_tokens=max_new_tokens, sampling=sampling, generator=gen)
+                    except (torch.OutOfMemoryError, RuntimeError) as exc:
+                        if not is_out_of_memory(exc):
+                            raise
+                        dtype = dtype_name(next(target_model.parameters()).dtype)
+                        sizes = f"{bench} prompt {pid}, {name}: {len(x)} prompt tokens + up to {max_new_tokens} new, {dtype}"
+                        fix = ("lower --max-new-tokens or --num-draft-tokens, or evaluate fewer or shorter-prompt "
+                               "--benchmarks" + (", or decode in --dtype bfloat16" if dtype == "float32" else ""))
+                        raise out_of_memory_error("eval", device, sizes, fix, exc) from exc
 
                 turn_ids, results = _run_turns(generate, tokenizer, prompt, first_ids=ids, **turns_kw)
                 prompts_of[name].extend(turn_ids)

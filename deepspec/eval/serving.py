@@ -25,7 +25,7 @@ import torch
 from deepspec.algorithms.protocol import NullProposer, cap_proposal_len
 from deepspec.algorithms.registry import algorithm_for_model, load_draft
 from deepspec.data.chat import target_stop_token_ids
-from deepspec.device import cast_for_decoding, resolve_dtype
+from deepspec.device import cast_for_decoding, resolve_device, resolve_dtype
 from deepspec.eval.engine import SpeculativeEngine
 from deepspec.eval.few_row_linear import few_row_linear_applies
 from deepspec.eval.stage import draft_folder
@@ -71,22 +71,30 @@ class EngineDecoder:
         num_draft_tokens: cap on the tokens proposed per step (vLLM's ``num_speculative_tokens``); None
             = the draft's own block size.
         dtype: ``auto`` | ``float32`` | ``bfloat16`` (aliases fp32, bf16) for target and draft.
+        device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N`` (:func:`deepspec.device.resolve_device`) for both;
+            None = where ``target_model`` already is.
         few_row_linear: ``auto`` | ``on`` | ``off`` (:mod:`deepspec.eval.few_row_linear`).
         allow_target_mismatch: accept a draft whose recorded target fingerprint differs (same shape).
+        cast_in_place: cast and move ``target_model`` itself instead of a copy (a target nobody else
+            holds, such as the one ``deepspec serve`` loads: no second copy in host memory).
 
     Raises:
         FileNotFoundError: no draft at ``draft``.
-        ValueError: a bad dtype name, ``num_draft_tokens < 1``, or a draft made for another target.
+        ValueError: a bad dtype or device name, a device that is not there, ``num_draft_tokens < 1``, or
+            a draft made for another target.
     """
 
     def __init__(self, target_model: Any, tokenizer: Any, *, draft: str | Path | None = None,
-                 num_draft_tokens: int | None = None, dtype: str = "auto", few_row_linear: str = "auto",
-                 allow_target_mismatch: bool = False) -> None:
-        device = next(target_model.parameters()).device
+                 num_draft_tokens: int | None = None, dtype: str = "auto", device: str | None = None,
+                 few_row_linear: str = "auto", allow_target_mismatch: bool = False,
+                 cast_in_place: bool = False) -> None:
+        device = (resolve_device(device, "serve.device") if device is not None
+                  else next(target_model.parameters()).device)
         decode_dtype = resolve_dtype(dtype, device)
         folder = draft_folder(draft) if draft else None  # a wrong path fails before any work
         fingerprint = target_fingerprint(target_model) if folder is not None else None
-        self.target_model = cast_for_decoding(target_model, decode_dtype).eval()
+        self.target_model = cast_for_decoding(target_model, decode_dtype, device, in_place=cast_in_place).eval()
+        self.device = device
         self.dtype = decode_dtype
         self.draft_name = None
         if folder is None:
@@ -94,7 +102,7 @@ class EngineDecoder:
         else:
             algorithm, model = load_draft(folder, target_model=self.target_model, target_fingerprint=fingerprint,
                                           allow_target_mismatch=allow_target_mismatch)
-            model = cast_for_decoding(model, decode_dtype).eval()
+            model = cast_for_decoding(model, decode_dtype, device, in_place=True).eval()  # loaded here
             self.proposer = algorithm_for_model(model).proposer(
                 model, max_positions=self.target_model.config.max_position_embeddings)
             self.target_layer_ids = list(model.config.target_layer_ids)

@@ -17,7 +17,7 @@ from deepspec.algorithms.ngram.proposer import DEFAULT_NUM_TOKENS, NGramProposer
 from deepspec.algorithms.protocol import cap_proposal_len
 from deepspec.algorithms.registry import algorithm_for_model, check_baselines, check_draft_target, load_draft
 from deepspec.data.sources import SourceUnavailableError
-from deepspec.device import cast_for_decoding, check_dtype_name, resolve_dtype
+from deepspec.device import cast_for_decoding, check_device_name, check_dtype_name, resolve_device, resolve_dtype
 from deepspec.eval.benchmarks import BENCHMARKS, DEEPSPEC_NUM_SAMPLES, SOURCES, load_benchmark
 from deepspec.eval.few_row_linear import check_few_row_mode, few_row_linear_applies
 from deepspec.eval.run import run_eval
@@ -61,6 +61,9 @@ class EvalConfig:
     # target and draft dtype for decoding: auto (bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else
     # float32) | float32 | bfloat16 (aliases fp32, bf16); the report records the resolved one
     dtype: str = "auto"
+    # where target and drafts decode: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu | cuda | cuda:N;
+    # the report records it
+    device: str = "auto"
     # training-free proposers evaluated beside the drafts: ngram (prompt lookup) | none
     baselines: list[str] = field(default_factory=lambda: ["ngram"])
     ngram_max: int = 3  # ngram baseline: longest n-gram matched (tried first)
@@ -77,6 +80,7 @@ class EvalConfig:
 
         self.sampling_params()  # validates temperature, top_k, top_p
         self.dtype = check_dtype_name(self.dtype, "eval.dtype")
+        self.device = check_device_name(self.device, "eval.device")
         self.few_row_linear = check_few_row_mode(self.few_row_linear, "eval.few_row_linear")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
             raise ValueError(f"eval.num_draft_tokens: expected an integer >= 1 or none (each proposer's own K), "
@@ -288,16 +292,19 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
 
 
     # Everything the user controls is checked before the target loads (minutes for a large model).
+    device = resolve_device(cfg.device, "eval.device")
     folders = [draft_folder(path) for path in cfg.draft] if drafts is None else []
     benchmarks, skipped = load_eval_benchmarks(cfg)
-    device = next(target_model.parameters()).device if target_model is not None else "cpu"
     dtype = resolve_dtype(cfg.dtype, device)
-    if target_model is None:
+    loaded_here = target_model is None
+    if loaded_here:
         target_model, tokenizer = load_target(cfg.target, chat_template=cfg.chat_template)
     require_chat_template(tokenizer, cfg.target)
-    fingerprint = target_fingerprint(target_model)
-    target_model = cast_for_decoding(target_model, dtype)  # a copy when the caller's target has another dtype
-    if drafts is None:
+    fingerprint = target_fingerprint(target_model)  # of the float32 weights, as training records it
+    # a copy when the caller's target has another dtype or device; the stage's own target is cast in place
+    target_model = cast_for_decoding(target_model, dtype, device, in_place=loaded_here)
+    drafts_loaded_here = drafts is None
+    if drafts_loaded_here:
         drafts = {}
         for folder in folders:
             algorithm, model = load_draft(folder, target_model=target_model, target_fingerprint=fingerprint,
@@ -311,7 +318,9 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
                                                 allow_mismatch=cfg.allow_target_mismatch)
         if target_check[name]["message"]:
             print(f"[eval] {target_check[name]['message']}", file=sys.stderr, flush=True)
-    drafts = {name: cast_for_decoding(model, dtype) for name, model in drafts.items()}  # frozen embed/lm_head too
+    # frozen embed/lm_head too
+    drafts = {name: cast_for_decoding(model, dtype, device, in_place=drafts_loaded_here)
+              for name, model in drafts.items()}
     layer_ids = None
     for name, model in drafts.items():
         model.eval()
@@ -361,6 +370,7 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
         config_extra={
             "eval": asdict(cfg),
             "dtype_requested": cfg.dtype,
+            "device": str(device),
             "benchmarks_skipped": skipped,
             "benchmark_origins": {name: prompts[0].origin for name, prompts in benchmarks.items()},
             "confidence_threshold": {n: cfg.confidence_threshold for n in thresholded if cfg.confidence_threshold > 0},

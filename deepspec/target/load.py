@@ -374,13 +374,14 @@ def load_generation_config(target: str = EMBEDDED_DEFAULT) -> dict[str, Any]:
 
 
 def load_target(target: str = EMBEDDED_DEFAULT, *, dtype: torch.dtype = torch.float32,
-                chat_template: str | Path | None = None) -> tuple[Any, Any]:
+                device: torch.device | str = "cpu", chat_template: str | Path | None = None) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` for a target.
 
     Args:
         target: ``"default"`` (embedded SmolLM2-135M-Instruct), a local Hugging Face folder or a GGUF
             file (:func:`resolve_target_dir`).
         dtype: parameter dtype of the returned model.
+        device: where its parameters are placed (a resolved device: :func:`deepspec.device.resolve_device`).
         chat_template: a chat template file that replaces the tokenizer's (:func:`with_chat_template`).
 
     Returns:
@@ -410,6 +411,8 @@ def load_target(target: str = EMBEDDED_DEFAULT, *, dtype: torch.dtype = torch.fl
         )
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    if torch.device(device).type != "cpu":
+        model.to(device)
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer

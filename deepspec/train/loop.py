@@ -44,6 +44,7 @@ from deepspec.data.cache.format import check_storage_dtype
 from deepspec.data.cache.reader import TargetCache, check_compatible
 from deepspec.data.chat import render_prompt, target_stop_token_ids
 from deepspec.data.online import OnlineTargetFeatures
+from deepspec.device import check_device_name, is_out_of_memory, out_of_memory_error, resolve_device
 from deepspec.eval.benchmarks import BENCHMARKS, load_benchmark
 from deepspec.models.acceptance import AcceptanceCounts
 from deepspec.models.config import draft_backbone
@@ -128,6 +129,8 @@ class TrainConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global gradient norm
     dtype: str = "fp32"  # fp32 | bf16 (autocast) for the draft's forward
+    # where each process trains: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu | cuda | cuda:N
+    device: str = "auto"
     # -- Checkpoints --
     save_every: int = 0  # 0: save only at the end
     keep_last: int = 0  # keep the newest N checkpoint-*/ folders (never the one `latest` names); 0 = keep all
@@ -165,6 +168,7 @@ class TrainConfig:
                              f"got it with {self.algorithm!r}; drop --sample-from-anchor false or train dflash")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"train.dtype: expected 'fp32' or 'bf16', got {self.dtype!r}")
+        self.device = check_device_name(self.device, "train.device")
         if not 0.0 <= self.warmup_frac < 1.0:
             raise ValueError(f"train.warmup_frac: expected a fraction in [0, 1), got {self.warmup_frac}")
         if self.save_every < 0 or self.keep_last < 0:
@@ -451,18 +455,18 @@ class _Dist:
         return self.world_size > 1
 
 
-def _setup_distributed() -> _Dist:
-    """Read ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` (set by torchrun); with a world of more than one
-    process, create the default process group (NCCL on ``cuda:LOCAL_RANK`` when CUDA is available,
-    else gloo on CPU). One process: ``cuda:0`` when CUDA is available, else CPU, and no group."""
+def _setup_distributed(device_name: str = "auto") -> _Dist:
+    """Read ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` (set by torchrun) and place this process on
+    :func:`deepspec.device.resolve_device` of ``device_name`` (``auto``: ``cuda:LOCAL_RANK`` when CUDA
+    is available, else the CPU); with a world of more than one process, create the default process
+    group (NCCL on CUDA, gloo on the CPU). Raises ValueError for a device that is not there."""
     rank, world_size, local_rank = torchrun_env()
-    use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
+    device = resolve_device(device_name, "train.device")
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     created = False
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         created = True
     return _Dist(rank, world_size, local_rank, device, created)
 
@@ -588,6 +592,7 @@ def save_checkpoint(model, optimizer, scheduler, *, step: int, cfg: TrainConfig,
                     "scheduler": scheduler.state_dict(),
                     "train_config": asdict(cfg),
                     "world_size": ctx.world_size,
+                    "device": str(ctx.device),
                     "torch_rng": torch.get_rng_state(),
                 },
                 tmp / TRAINER_STATE,
@@ -759,7 +764,7 @@ def train(cfg: TrainConfig, *, target_model=None, tokenizer=None,
             ``cfg.cache_dir`` is no finished target cache (:func:`open_target_cache`).
         FileNotFoundError: ``cfg.cache_dir`` missing or holding no target cache.
     """
-    ctx = _setup_distributed()
+    ctx = _setup_distributed(cfg.device)
     try:
         return _train(cfg, ctx, target_model=target_model, tokenizer=tokenizer, heldout_prompts=heldout_prompts)
     finally:
@@ -885,9 +890,11 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
             num_tokens = 0
             plans = rank_micro_batches(len(cache), batch_size=cfg.batch_size, grad_accum_steps=cfg.grad_accum_steps,
                                        seed=cfg.seed, step=step, rank=ctx.rank, world_size=ctx.world_size)
+            longest = 0  # tokens of the longest sample this step (an out-of-memory message names it)
             for plan in plans:
                 samples = [cache[i] for i in plan.indices]
                 num_tokens += sum(int(sample["input_ids"].shape[0]) for sample in samples)
+                longest = max([longest, *(int(sample["input_ids"].shape[0]) for sample in samples)])
                 batch = collate(samples, plan.indices)
                 # random choices (anchors) depend only on (seed, step, slot): resume and any rank or
                 # accumulation split reproduce them exactly
@@ -899,8 +906,13 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
             totals: dict[str, float] = {}
             acceptance = None
             for prepared in micro:
-                loss_out = algorithm.loss(model, prepared, weight_sum=weight_sum, autocast=autocast)
-                (loss_out.loss * grad_scale if ctx.sharded else loss_out.loss).backward()
+                try:
+                    loss_out = algorithm.loss(model, prepared, weight_sum=weight_sum, autocast=autocast)
+                    (loss_out.loss * grad_scale if ctx.sharded else loss_out.loss).backward()
+                except (torch.OutOfMemoryError, RuntimeError) as exc:
+                    if not is_out_of_memory(exc):
+                        raise
+                    raise _train_out_of_memory(exc, cfg, ctx, step + 1, longest) from exc
                 for key, value in loss_out.scalars().items():
                     totals[key] = totals.get(key, 0.0) + value
                 if loss_out.acceptance is not None:
@@ -946,6 +958,20 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
     if ctx.is_main:
         _plot_log(log_rows, out / "train_loss.png")
     return last_ckpt
+
+
+def _train_out_of_memory(exc: BaseException, cfg: TrainConfig, ctx: _Dist, step: int,
+                         longest: int) -> torch.OutOfMemoryError:
+    """The out-of-memory error of a training step: the sizes of the micro-batch and the flags that lower them."""
+    rows = f"{cfg.num_anchors} anchors x block {cfg.block_size}" if cfg.algorithm != "eagle3" else (
+        f"{cfg.num_anchors} chains x {cfg.block_size} steps")
+    vocab = f"draft vocabulary {cfg.draft_vocab_size}" if cfg.draft_vocab_size else "the full vocabulary"
+    sizes = (f"step {step}, a micro-batch of {cfg.batch_size} sequences of up to {longest} tokens, {rows} each, "
+             f"{vocab}, {cfg.num_draft_layers} draft layer(s), {cfg.dtype}")
+    fix = ("lower --batch-size (raise --grad-accum-steps to keep the global batch), --num-anchors or "
+           "--draft-vocab-size, or train with --dtype bf16; samples are cut at --max-seq-len online, at `deepspec "
+           "cache --max-seq-len` in a cache")
+    return out_of_memory_error("train", ctx.device, sizes, fix, exc)
 
 
 class _HeldoutCurve:

@@ -265,6 +265,7 @@ def test_resume_with_a_changed_schedule_or_global_batch_warns(setup, six_steps, 
     assert "warning" not in capsys.readouterr().err
     # same global batch split differently (1 x 2 instead of 2 x 1): still exact, no warning
     state = torch.load(middle / "trainer_state.pt", weights_only=False)
+    assert state["device"] == "cpu" and state["train_config"]["device"] == "auto"
     assert loop.warn_resume_changes(state, _cfg(cache, tmp_path, batch_size=1, grad_accum_steps=2), 1) == []
     assert loop.warn_resume_changes(state, _cfg(cache, tmp_path, batch_size=1), 2) == []
     train(_cfg(cache, tmp_path / "other", resume=str(middle), max_steps=7, batch_size=1, grad_accum_steps=3),
@@ -357,3 +358,26 @@ def test_learning_curve_logs_heldout_tau_and_survives_resume(setup, tmp_path, ca
           target_model=model, tokenizer=tok, heldout_prompts=prompts)
     assert (out / "heldout_reference.pt").stat().st_mtime_ns == stamp
     assert [r["step"] for r in _log(out) if "heldout_tau" in r] == [0, 4, 6, 8]
+
+
+def test_out_of_memory_names_the_sizes_and_the_flags(setup, tmp_path, monkeypatch):
+    from deepspec.algorithms.dspark import DSparkAlgorithm
+
+    model, tok, cache = setup
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(DSparkAlgorithm, "loss", oom)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        train(_cfg(cache, tmp_path / "run", draft_vocab_size=0), target_model=model, tokenizer=tok)
+    message = str(info.value)
+    assert message.startswith("train: out of memory on cpu (step 1, a micro-batch of 2 sequences of up to 40 tokens, "
+                              "4 anchors x block 7 each, the full vocabulary, 1 draft layer(s), fp32)")
+    for flag in ("--batch-size", "--grad-accum-steps", "--num-anchors", "--draft-vocab-size", "--dtype bf16"):
+        assert flag in message
+    assert message.endswith("[OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB]")
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+    monkeypatch.setattr(DSparkAlgorithm, "loss", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
+    with pytest.raises(RuntimeError, match="^other$"):  # any other error passes through unchanged
+        train(_cfg(cache, tmp_path / "run2"), target_model=model, tokenizer=tok)

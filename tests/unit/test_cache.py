@@ -105,6 +105,7 @@ def test_manifest_counts_and_shard_format(model, tmp_path):
     assert m["dtypes"] == {"input_ids": "int32", "loss_mask": "uint8", "target_hidden": "bfloat16",
                            "target_last_hidden": "bfloat16", "target_logsumexp": "float32", "target_argmax": "int32"}
     assert m["chat_template"] == "chatml" and m["max_seq_len"] == 20
+    assert m["capture"] == {"device": "cpu", "dtype": "float32"}  # where the target ran
     kept = [s for s in samples if s[0] != "empty-mask"]
     assert m["num_inputs"] == 13 and m["num_samples"] == summary.num_samples == 12
     assert m["num_refused_empty_mask"] == summary.num_refused_empty_mask == 1

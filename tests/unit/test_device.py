@@ -1,5 +1,6 @@
-"""The decoding dtype rule (deepspec.device): names, aliases, ``auto`` on CPU with and without native
-bf16, and the cast copy that leaves the caller's module alone."""
+"""The device and decoding-dtype rules (deepspec.device): names, aliases, ``auto`` on CPU with and
+without native bf16 or CUDA, clear errors for a device that is not there, the cast copy that leaves the
+caller's module alone, and every stage's config checking its ``device``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import pytest
 import torch
 
 import deepspec.device as device_mod
-from deepspec.device import cast_for_decoding, check_dtype_name, dtype_name, resolve_dtype
+from deepspec.device import (
+    cast_for_decoding,
+    check_device_name,
+    check_dtype_name,
+    dtype_name,
+    resolve_device,
+    resolve_dtype,
+)
 
 
 def test_names_and_aliases():
@@ -17,7 +25,7 @@ def test_names_and_aliases():
     for bad in ("float16", "BF16", None, 3):
         with pytest.raises(ValueError, match="eval.dtype: expected one of auto, float32, bfloat16"):
             check_dtype_name(bad, "eval.dtype")
-    assert resolve_dtype("float32") is torch.float32 and resolve_dtype("bf16") is torch.bfloat16
+    assert resolve_dtype("float32") is torch.float32 and resolve_dtype("bf16", "cuda") is torch.bfloat16
     assert dtype_name(torch.bfloat16) == "bfloat16"
 
 
@@ -26,7 +34,8 @@ def test_auto_follows_the_cpu_flags(monkeypatch):
     assert resolve_dtype("auto", "cpu") is torch.bfloat16
     monkeypatch.setattr(device_mod, "cpu_bf16_flags", lambda: ())
     assert resolve_dtype("auto", "cpu") is torch.float32
-    assert resolve_dtype("bfloat16", "cpu") is torch.bfloat16  # an explicit choice is kept
+    with pytest.warns(UserWarning, match="no native bf16.*float32"):
+        assert resolve_dtype("bfloat16", "cpu") is torch.bfloat16  # an explicit choice is kept, with the cost
 
 
 def test_cpu_flags_are_a_subset_of_the_known_ones():
@@ -36,8 +45,92 @@ def test_cpu_flags_are_a_subset_of_the_known_ones():
 def test_cast_for_decoding_copies_only_when_needed():
     layer = torch.nn.Linear(4, 4)
     assert cast_for_decoding(layer, torch.float32) is layer
+    assert cast_for_decoding(layer, torch.float32, "cpu") is layer
     cast = cast_for_decoding(layer, torch.bfloat16)
     assert cast is not layer and cast.weight.dtype is torch.bfloat16 and layer.weight.dtype is torch.float32
+    assert cast_for_decoding(layer, torch.bfloat16, "cpu", in_place=True) is layer
+    assert layer.weight.dtype is torch.bfloat16
+
+
+def test_device_names_and_auto(monkeypatch):
+    for name in ("auto", "cpu", "cuda", "cuda:0", "cuda:12"):
+        assert check_device_name(name, "eval.device") == name
+    for bad in ("gpu", "cuda:", "cuda:x", "CPU", "mps", None, 0):
+        with pytest.raises(ValueError, match=r"eval.device: expected auto, cpu, cuda or cuda:N"):
+            check_device_name(bad, "eval.device")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu") and resolve_device("cpu") == torch.device("cpu")
+    for name in ("cuda", "cuda:1"):
+        with pytest.raises(ValueError, match=rf"train.device={name}: CUDA is not available here .*use cpu, or auto"):
+            resolve_device(name, "train.device")
+
+
+def test_cuda_devices_follow_local_rank_and_must_exist(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert resolve_device("auto") == torch.device("cuda", 1) == resolve_device("cuda")
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"cache.device=cuda:2: GPU 2 asked for .* but 2 visible"):
+        resolve_device("cuda:2", "cache.device")
+    monkeypatch.setenv("LOCAL_RANK", "3")  # more processes per node than GPUs
+    with pytest.raises(ValueError, match=r"cache.device=auto: GPU 3 asked for \(LOCAL_RANK 3\)"):
+        resolve_device("auto", "cache.device")
+
+
+def test_every_stage_config_checks_its_device(tmp_path):
+    from deepspec.data.openai_server import ServeConfig
+    from deepspec.data.prepare import PrepareConfig
+    from deepspec.demo import DemoConfig
+    from deepspec.eval.stage import EvalConfig
+    from deepspec.stages import CacheConfig
+    from deepspec.train.loop import TrainConfig
+
+    makers = {
+        "PrepareConfig.device": lambda d: PrepareConfig(input="sharegpt-demo", output=tmp_path / "p.jsonl", device=d),
+        "cache.device": lambda d: CacheConfig(input="p.jsonl", output_dir="c", device=d),
+        "train.device": lambda d: TrainConfig(cache_dir="c", output_dir="t", device=d),
+        "eval.device": lambda d: EvalConfig(draft=["x"], output_dir="o", device=d),
+        "serve.device": lambda d: ServeConfig(device=d),
+        "demo.device": lambda d: DemoConfig(device=d),
+    }
+    for field, make in makers.items():
+        assert make("auto").device == "auto" and make("cuda:1").device == "cuda:1"
+        with pytest.raises(ValueError, match=field):
+            make("gpu")
+
+
+def test_every_stage_refuses_cuda_without_it_before_loading_the_target(tmp_path, monkeypatch):
+    import deepspec.data.openai_server as openai_server
+    import deepspec.data.prepare as prepare
+    import deepspec.eval.stage as eval_stage
+    import deepspec.stages as stages
+    import deepspec.train.loop as train_loop
+    from deepspec.data.openai_server import ServeConfig, run_serve_stage
+    from deepspec.data.prepare import PrepareConfig
+    from deepspec.eval.stage import EvalConfig, run_eval_stage
+    from deepspec.stages import CacheConfig, run_cache_stage, run_prepare_stage
+    from deepspec.train.loop import TrainConfig, train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for module in (stages, prepare, eval_stage, train_loop):
+        monkeypatch.setattr(module, "load_target", lambda *a, **k: pytest.fail("the target loaded"))
+    monkeypatch.setattr(openai_server.load, "load_target", lambda *a, **k: pytest.fail("the target loaded"))
+    runs = {
+        "prepare.device": lambda: run_prepare_stage(PrepareConfig(input="sharegpt-demo", output=tmp_path / "p.jsonl",
+                                                                  device="cuda")),
+        "cache.device": lambda: run_cache_stage(CacheConfig(input=str(tmp_path / "p.jsonl"),
+                                                            output_dir=str(tmp_path / "c"), device="cuda")),
+        "train.device": lambda: train(TrainConfig(cache_dir=str(tmp_path / "c"), output_dir=str(tmp_path / "t"),
+                                                  device="cuda:0")),
+        "eval.device": lambda: run_eval_stage(EvalConfig(draft=[str(tmp_path / "d")], output_dir=str(tmp_path / "e"),
+                                                         device="cuda")),
+        "serve.device": lambda: run_serve_stage(ServeConfig(port=0, device="cuda")),
+    }
+    for field, run in runs.items():
+        with pytest.raises(ValueError, match=rf"{field}=cuda(:0)?: CUDA is not available here"):
+            run()
+    assert not (tmp_path / "e").exists()  # eval's output folder is removed again
 
 
 def test_configs_validate_dtype(tmp_path):

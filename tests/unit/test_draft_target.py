@@ -126,6 +126,7 @@ def test_eval_stage_refuses_or_reports_a_target_mismatch(setup, tmp_path, capsys
     assert "TRAINED AGAINST ANOTHER TARGET" in (tmp_path / "allowed" / "eval_report.md").read_text()
     res = run_eval_stage(EvalConfig(output_dir=str(tmp_path / "ok"), **kw), target_model=targets["A"], tokenizer=tok)
     assert {c["status"] for c in res["config"]["target_check"].values()} == {"match"}
+    assert res["config"]["device"] == "cpu" and " on cpu; torch " in (tmp_path / "ok" / "eval_report.md").read_text()
     # a draft named by a bare relative folder is labelled by its parent and name, never "dspark:/dspark"
     monkeypatch.chdir(folders["dspark"].parent)
     res = run_eval_stage(EvalConfig(output_dir=str(tmp_path / "rel"), **{**kw, "draft": ["dspark"]}),

@@ -118,3 +118,25 @@ def test_run_eval_reports_zero_flips_and_identical_outputs_in_float32(target, tm
                    seed=0, out_dir=None, progress=False, compare_hf_generate=False, log=lambda _: None)
     assert "num_argmax_flips" not in res["benchmarks"]["tiny"]["target-only"]
     assert res["config"]["flip_chunk_len"] is None
+
+
+def test_run_eval_out_of_memory_names_the_prompt_and_the_flags(target, tmp_path, monkeypatch):
+    from deepspec.eval.benchmarks import BenchmarkPrompt
+    from deepspec.eval.run import run_eval
+
+    def oom(self, prompt_ids, **kwargs):
+        if isinstance(self.proposer, NGramProposer):
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory")
+        return real(self, prompt_ids, **kwargs)
+
+    real = SpeculativeEngine.generate
+    monkeypatch.setattr(SpeculativeEngine, "generate", oom)
+    benches = {"tiny": [BenchmarkPrompt(id="p0", turns=("abcabc abc",))]}
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        run_eval(target, _Tokenizer(), [0], {"ngram": NGramProposer(vocab_size=VOCAB, num_tokens=4)}, benches,
+                 max_new_tokens=12, sampling=SamplingParams(), seed=0, out_dir=tmp_path, progress=False,
+                 compare_hf_generate=False, warmup=False, log=lambda _: None)
+    message = str(info.value)
+    assert message.startswith("eval: out of memory on cpu (tiny prompt p0, ngram: 11 prompt tokens + up to 12 new, "
+                              "float32); lower --max-new-tokens or --num-draft-tokens")
+    assert "--dtype bfloat16" in message and "DefaultCPUAllocator" in message

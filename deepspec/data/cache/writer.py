@@ -586,6 +586,10 @@ def _write_cache_in(
             "turns": {key: sum(s["turns"].get(key, 0) for s in shards) for key in TURN_COUNT_KEYS},
             "text_retokenized": [r for s in shards for r in s["text_retokenized"]],
             "bytes_per_token_estimate": cache_bytes_per_token(hidden_size, n, storage_dtype),
+            # where the target ran (informational, not a setting the bytes are keyed on; the device type only,
+            # so the manifest does not depend on the rank count or on which GPU rank 0 had)
+            "capture": {"device": next(model.parameters()).device.type,
+                        "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")},
             "shards": shards,
         }
         atomic_write_json(manifest_path, manifest)
