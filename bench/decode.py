@@ -326,6 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
         check_few_row_mode(args.few_row_linear, "--few-row-linear")
         baselines = check_baselines([b for b in args.baselines.split(",") if b], "--baselines")
         check_ngram_range(ngram_max=args.ngram_max, ngram_min=args.ngram_min, field="bench")
+        device = resolve_device(args.device, "--device")  # before the draft folder and the target
     except ValueError as exc:
         p.error(str(exc))
 
@@ -345,10 +346,6 @@ def main(argv: list[str] | None = None) -> dict:
     from deepspec.eval.benchmarks import load_benchmark
     from deepspec.target.load import load_target
 
-    try:
-        device = resolve_device(args.device, "--device")
-    except ValueError as exc:
-        p.error(str(exc))
     dtype = resolve_dtype(args.dtype, device)
     model, tokenizer = load_target(args.target, dtype=dtype)
     model.to(device).eval()

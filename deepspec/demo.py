@@ -26,7 +26,7 @@ from pathlib import Path
 
 from deepspec.algorithms.registry import ALGORITHMS, check_baselines, load_draft
 from deepspec.data.prepare import PrepareConfig, summary_path_for
-from deepspec.device import check_device_name, check_dtype_name
+from deepspec.device import check_device_name, check_dtype_name, resolve_device
 from deepspec.eval.benchmarks import TRAINING_SPLITS, benchmarks_dir, training_conversations
 from deepspec.eval.report import BASELINE, HF_GENERATE
 from deepspec.eval.stage import EvalConfig, run_eval_stage
@@ -307,7 +307,10 @@ def check_reused_training(train_cfg: TrainConfig, train_dir: Path) -> None:
 
 
 def run_demo(cfg: DemoConfig) -> dict:
-    """Run every stage; return the eval results (also written under ``<output_dir>/eval``)."""
+    """Run every stage; return the eval results (also written under ``<output_dir>/eval``).
+
+    Raises ValueError for a ``cfg.device`` that is not there, before anything is loaded or written."""
+    resolve_device(cfg.device, "demo.device")
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}

@@ -114,10 +114,10 @@ def check_device_name(value: object, field: str) -> str:
     """``value`` when it is ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (N a GPU index); ValueError naming
     ``field`` (e.g. ``"eval.device"``) otherwise. Whether the device exists is :func:`resolve_device`'s
     check."""
-    if isinstance(value, str) and (value in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", value)):
+    if isinstance(value, str) and (value in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:[0-9]+", value)):
         return value
-    raise ValueError(f"{field}: expected auto, cpu, cuda or cuda:N (N a GPU index), received {value!r}; auto uses "
-                     "cuda:LOCAL_RANK where CUDA is available, else the CPU.")
+    raise ValueError(f"{field}: expected auto, cpu, cuda or cuda:N (N a GPU index, lower case), received {value!r} "
+                     "(the --device flag); auto uses cuda:LOCAL_RANK where CUDA is available, else the CPU.")
 
 
 def resolve_device(name: str, field: str = "device") -> torch.device:
@@ -137,8 +137,12 @@ def resolve_device(name: str, field: str = "device") -> torch.device:
     if not torch.cuda.is_available():
         build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         raise ValueError(f"{field}={name}: CUDA is not available here (torch {torch.__version__}, {build}; no GPU "
-                         "visible); use cpu, or auto to use a GPU only where there is one.")
-    index = int(name.split(":")[1]) if ":" in name else int(os.environ.get("LOCAL_RANK", "0"))
+                         "visible); use --device cpu, or --device auto to use a GPU only where there is one.")
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    if ":" not in name and not re.fullmatch(r"[0-9]+", local_rank):
+        raise ValueError(f"{field}={name}: LOCAL_RANK={local_rank!r} is not a GPU index (torchrun sets it to 0, 1, ...); "
+                         "unset it, or name the GPU: --device cuda:N.")
+    index = int(name.split(":")[1]) if ":" in name else int(local_rank)
     count = torch.cuda.device_count()
     if index >= count:
         raise ValueError(f"{field}={name}: GPU {index} asked for (LOCAL_RANK {os.environ.get('LOCAL_RANK', 'unset')}), "

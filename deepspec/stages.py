@@ -59,7 +59,7 @@ class CacheConfig:
 
 def run_prepare_stage(cfg: PrepareConfig, *, target_model=None, tokenizer=None):
     if cfg.backend == "local":  # backend="openai" needs only the tokenizer
-        device = resolve_device(cfg.device, "prepare.device")
+        device = resolve_device(cfg.device, "PrepareConfig.device")
         dtype = resolve_dtype(cfg.dtype, device)
         if target_model is None:
             target_model, tokenizer = load_target(cfg.target, dtype=dtype, device=device,

@@ -592,7 +592,7 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
     from tqdm.auto import tqdm
 
     if backend is None and cfg.backend == "local" and (model is None or tokenizer is None):
-        device = resolve_device(cfg.device, "prepare.device")
+        device = resolve_device(cfg.device, "PrepareConfig.device")
         model, tokenizer = load_target(cfg.target, dtype=resolve_dtype(cfg.dtype, device), device=device,
                                        chat_template=cfg.chat_template)
     elif tokenizer is None:

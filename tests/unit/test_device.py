@@ -55,13 +55,13 @@ def test_cast_for_decoding_copies_only_when_needed():
 def test_device_names_and_auto(monkeypatch):
     for name in ("auto", "cpu", "cuda", "cuda:0", "cuda:12"):
         assert check_device_name(name, "eval.device") == name
-    for bad in ("gpu", "cuda:", "cuda:x", "CPU", "mps", None, 0):
+    for bad in ("gpu", "cuda:", "cuda:x", "CPU", "mps", "cuda: 0", "cuda:-1", "cuda:\u0661", None, 0):
         with pytest.raises(ValueError, match=r"eval.device: expected auto, cpu, cuda or cuda:N"):
             check_device_name(bad, "eval.device")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu") and resolve_device("cpu") == torch.device("cpu")
     for name in ("cuda", "cuda:1"):
-        with pytest.raises(ValueError, match=rf"train.device={name}: CUDA is not available here .*use cpu, or auto"):
+        with pytest.raises(ValueError, match=rf"train.device={name}: CUDA is not available here .*use --device cpu, or --device auto"):
             resolve_device(name, "train.device")
 
 
@@ -76,6 +76,10 @@ def test_cuda_devices_follow_local_rank_and_must_exist(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")  # more processes per node than GPUs
     with pytest.raises(ValueError, match=r"cache.device=auto: GPU 3 asked for \(LOCAL_RANK 3\)"):
         resolve_device("auto", "cache.device")
+    monkeypatch.setenv("LOCAL_RANK", "abc")
+    with pytest.raises(ValueError, match=r"cache.device=cuda: LOCAL_RANK='abc' is not a GPU index"):
+        resolve_device("cuda", "cache.device")
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)  # a named GPU does not read LOCAL_RANK
 
 
 def test_every_stage_config_checks_its_device(tmp_path):
@@ -108,6 +112,7 @@ def test_every_stage_refuses_cuda_without_it_before_loading_the_target(tmp_path,
     import deepspec.train.loop as train_loop
     from deepspec.data.openai_server import ServeConfig, run_serve_stage
     from deepspec.data.prepare import PrepareConfig
+    from deepspec.demo import DemoConfig, run_demo
     from deepspec.eval.stage import EvalConfig, run_eval_stage
     from deepspec.stages import CacheConfig, run_cache_stage, run_prepare_stage
     from deepspec.train.loop import TrainConfig, train
@@ -116,8 +121,9 @@ def test_every_stage_refuses_cuda_without_it_before_loading_the_target(tmp_path,
     for module in (stages, prepare, eval_stage, train_loop):
         monkeypatch.setattr(module, "load_target", lambda *a, **k: pytest.fail("the target loaded"))
     monkeypatch.setattr(openai_server.load, "load_target", lambda *a, **k: pytest.fail("the target loaded"))
+    # (deepspec.demo loads through the same module: load.load_target)
     runs = {
-        "prepare.device": lambda: run_prepare_stage(PrepareConfig(input="sharegpt-demo", output=tmp_path / "p.jsonl",
+        "PrepareConfig.device": lambda: run_prepare_stage(PrepareConfig(input="sharegpt-demo", output=tmp_path / "p.jsonl",
                                                                   device="cuda")),
         "cache.device": lambda: run_cache_stage(CacheConfig(input=str(tmp_path / "p.jsonl"),
                                                             output_dir=str(tmp_path / "c"), device="cuda")),
@@ -126,11 +132,13 @@ def test_every_stage_refuses_cuda_without_it_before_loading_the_target(tmp_path,
         "eval.device": lambda: run_eval_stage(EvalConfig(draft=[str(tmp_path / "d")], output_dir=str(tmp_path / "e"),
                                                          device="cuda")),
         "serve.device": lambda: run_serve_stage(ServeConfig(port=0, device="cuda")),
+        "demo.device": lambda: run_demo(DemoConfig(output_dir=str(tmp_path / "demo"), device="cuda")),
     }
     for field, run in runs.items():
         with pytest.raises(ValueError, match=rf"{field}=cuda(:0)?: CUDA is not available here"):
             run()
     assert not (tmp_path / "e").exists()  # eval's output folder is removed again
+    assert not (tmp_path / "demo").exists()  # the demo writes nothing
 
 
 def test_configs_validate_dtype(tmp_path):
