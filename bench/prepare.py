@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from deepspec.data.backends import BATCH_FEW_ROW_MAX_ROWS, GenerationParams, LocalBackend, TurnRequest  # noqa: E402
+from deepspec.data.backends import GenerationParams, LocalBackend, TurnRequest  # noqa: E402
 from deepspec.device import check_dtype_name, dtype_name, resolve_dtype  # noqa: E402
 from deepspec.target.decoding import SamplingParams  # noqa: E402
 from deepspec.utils import atomic_write_json, pyplot, save_png  # noqa: E402
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = {
         "target": args.target, "dtype": dtype_name(dtype), "threads": torch.get_num_threads(),
         "num_prompts": len(requests), "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens,
-        "few_row_max_rows": min(args.batch_size, BATCH_FEW_ROW_MAX_ROWS), "seconds": seconds,
+        "few_row_max_rows": backends["on"].few_row_rows, "seconds": seconds,
         "tok_per_s": {path: [t / s for t, s in zip(tokens[path], seconds[path])] for path in PATHS},
         "time_ratio_on_over_off": ratio, "answers_identical": same, "answers": len(requests),
     }

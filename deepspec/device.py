@@ -107,9 +107,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
-
-
 def check_device_name(value: object, field: str) -> str:
     """``value`` when it is ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (N a GPU index); ValueError naming
     ``field`` (e.g. ``"eval.device"``) otherwise. Whether the device exists is :func:`resolve_device`'s

@@ -262,7 +262,7 @@ def run_eval(
                 def generate(x: list[int], engine=engine, gen=gen, name=name, pid=prompt.id) -> GenerationResult:
                     try:
                         return engine.generate(x, max_new_tokens=max_new_tokens, sampling=sampling, generator=gen)
-                    except (torch.OutOfMemoryError, RuntimeError) as exc:
+                    except RuntimeError as exc:  # torch.OutOfMemoryError is one
                         if not is_out_of_memory(exc):
                             raise
                         dtype = dtype_name(next(target_model.parameters()).dtype)

@@ -300,7 +300,7 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
     if loaded_here:
         target_model, tokenizer = load_target(cfg.target, chat_template=cfg.chat_template)
     require_chat_template(tokenizer, cfg.target)
-    fingerprint = target_fingerprint(target_model)  # of the float32 weights, as training records it
+    fingerprint = target_fingerprint(target_model)  # of the weights as loaded, before the decoding cast
     # a copy when the caller's target has another dtype or device; the stage's own target is cast in place
     target_model = cast_for_decoding(target_model, dtype, device, in_place=loaded_here)
     drafts_loaded_here = drafts is None

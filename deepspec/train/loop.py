@@ -893,8 +893,9 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
             longest = 0  # tokens of the longest sample this step (an out-of-memory message names it)
             for plan in plans:
                 samples = [cache[i] for i in plan.indices]
-                num_tokens += sum(int(sample["input_ids"].shape[0]) for sample in samples)
-                longest = max([longest, *(int(sample["input_ids"].shape[0]) for sample in samples)])
+                lengths = [int(sample["input_ids"].shape[0]) for sample in samples]
+                num_tokens += sum(lengths)
+                longest = max([longest, *lengths])
                 batch = collate(samples, plan.indices)
                 # random choices (anchors) depend only on (seed, step, slot): resume and any rank or
                 # accumulation split reproduce them exactly
@@ -909,7 +910,7 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
                 try:
                     loss_out = algorithm.loss(model, prepared, weight_sum=weight_sum, autocast=autocast)
                     (loss_out.loss * grad_scale if ctx.sharded else loss_out.loss).backward()
-                except (torch.OutOfMemoryError, RuntimeError) as exc:
+                except RuntimeError as exc:  # torch.OutOfMemoryError is one
                     if not is_out_of_memory(exc):
                         raise
                     raise _train_out_of_memory(exc, cfg, ctx, step + 1, longest) from exc

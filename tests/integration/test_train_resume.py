@@ -378,6 +378,9 @@ def test_out_of_memory_names_the_sizes_and_the_flags(setup, tmp_path, monkeypatc
         assert flag in message
     assert message.endswith("[OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB]")
     assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
-    monkeypatch.setattr(DSparkAlgorithm, "loss", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
+    def other_error(*args, **kwargs):
+        raise RuntimeError("other")
+
+    monkeypatch.setattr(DSparkAlgorithm, "loss", other_error)
     with pytest.raises(RuntimeError, match="^other$"):  # any other error passes through unchanged
         train(_cfg(cache, tmp_path / "run2"), target_model=model, tokenizer=tok)
