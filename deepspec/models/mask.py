@@ -46,18 +46,36 @@ def dense_block_mask(anchor_pos_BA: Tensor, block_valid_BA: Tensor, seq_len: int
     return mask_BQKV.unsqueeze(1)
 
 
+def padded_flex_length(length: int, block: int = 128) -> int:
+    """``length`` rounded up to a multiple of ``block``, and to at least two blocks (a dimension of one
+    block would be specialised by torch.compile: a graph of its own)."""
+    return max(2, -(-length // block)) * block
+
+
 def flex_block_mask(anchor_pos_BA: Tensor, block_valid_BA: Tensor, seq_len: int, block_size: int, *,
-                    device: torch.device | str | None = None, BLOCK_SIZE: int = 128):
-    """flex_attention ``BlockMask`` for the same rule (head-independent), shape (B, 1, A*K, S+A*K)."""
+                    device: torch.device | str | None = None, BLOCK_SIZE: int = 128, pad_to_blocks: bool = False):
+    """flex_attention ``BlockMask`` for the same rule (head-independent), shape (B, 1, A*K, S+A*K).
+
+    ``pad_to_blocks``: the query and key lengths rounded up by :func:`padded_flex_length` (the extra
+    queries see nothing, the extra keys are seen by no query), so the compiled kernel sees block counts
+    of at least 2 for every sequence length; the caller pads q / k / v to ``mask.seq_lengths`` and drops
+    the extra rows (:func:`deepspec.algorithms.dspark.model.flex_block_attention`).
+    """
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, A = anchor_pos_BA.shape
     valid_BA = block_valid_BA.bool()
+    q_len, kv_len = A * block_size, seq_len + A * block_size
 
     def mask_mod(b, h, q_idx, kv_idx):
         q_block = q_idx // block_size
         j = q_block.clamp(max=A - 1)  # kernels may probe padded query rows; never index out of range
-        return block_mask_rule(q_block, kv_idx, anchor_pos_BA[b, j], valid_BA[b, j], seq_len, block_size)
+        visible = block_mask_rule(q_block, kv_idx, anchor_pos_BA[b, j], valid_BA[b, j], seq_len, block_size)
+        return visible & (q_idx < q_len) & (kv_idx < kv_len) if pad_to_blocks else visible
 
-    return create_block_mask(mask_mod, B, None, A * block_size, seq_len + A * block_size,
+    if pad_to_blocks:
+        q_len_padded, kv_len_padded = padded_flex_length(q_len, BLOCK_SIZE), padded_flex_length(kv_len, BLOCK_SIZE)
+    else:
+        q_len_padded, kv_len_padded = q_len, kv_len
+    return create_block_mask(mask_mod, B, None, q_len_padded, kv_len_padded,
                              device=device or anchor_pos_BA.device, BLOCK_SIZE=BLOCK_SIZE)

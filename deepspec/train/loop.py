@@ -44,7 +44,7 @@ from deepspec.data.cache.format import check_storage_dtype
 from deepspec.data.cache.reader import TargetCache, check_compatible
 from deepspec.data.chat import render_prompt, target_stop_token_ids
 from deepspec.data.online import OnlineTargetFeatures
-from deepspec.device import check_device_name, is_out_of_memory, out_of_memory_error, resolve_device
+from deepspec.device import check_device_name, cpu_bf16_flags, is_out_of_memory, out_of_memory_error, resolve_device
 from deepspec.eval.benchmarks import BENCHMARKS, load_benchmark
 from deepspec.models.acceptance import AcceptanceCounts
 from deepspec.models.config import draft_backbone
@@ -128,7 +128,11 @@ class TrainConfig:
     warmup_frac: float = 0.04  # fraction of max_steps spent in linear warmup
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global gradient norm
-    dtype: str = "fp32"  # fp32 | bf16 (autocast) for the draft's forward
+    dtype: str = "fp32"  # fp32 | bf16 (autocast) for the draft's forward (float32 / bfloat16 are accepted too)
+    # DSpark/DFlash: compute the draft logits of the supervised slots one chunk at a time in the loss,
+    # recomputed in backward (memory chunk x vocab instead of batch x anchors x block x vocab; one more
+    # output-layer product per chunk): auto (on when those logits would exceed 256 MiB in fp32) | on | off
+    chunked_head_loss: str = "auto"
     # where each process trains: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu | cuda | cuda:N
     device: str = "auto"
     # -- Checkpoints --
@@ -166,8 +170,11 @@ class TrainConfig:
         if not self.sample_from_anchor and self.algorithm != "dflash":
             raise ValueError(f"train.sample_from_anchor: false is z-lab's DFlash layout, for --algorithm dflash only, "
                              f"got it with {self.algorithm!r}; drop --sample-from-anchor false or train dflash")
+        self.dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(self.dtype, self.dtype)  # the decoding spelling
         if self.dtype not in ("fp32", "bf16"):
-            raise ValueError(f"train.dtype: expected 'fp32' or 'bf16', got {self.dtype!r}")
+            raise ValueError(f"train.dtype: expected 'fp32' or 'bf16' (or 'float32' / 'bfloat16'), got {self.dtype!r}")
+        if self.chunked_head_loss not in ("auto", "on", "off"):
+            raise ValueError(f"train.chunked_head_loss: expected auto, on or off, got {self.chunked_head_loss!r}")
         self.device = check_device_name(self.device, "train.device")
         if not 0.0 <= self.warmup_frac < 1.0:
             raise ValueError(f"train.warmup_frac: expected a fraction in [0, 1), got {self.warmup_frac}")
@@ -542,7 +549,7 @@ def _map_tensors(fn, obj: Any) -> Any:
     return obj
 
 
-def _to_device(obj: Any, device: torch.device) -> Any:
+def to_device(obj: Any, device: torch.device) -> Any:
     """``obj`` (tensors inside dataclasses, dicts, lists, tuples) with every tensor on ``device``."""
     if device.type == "cpu":
         return obj
@@ -878,6 +885,10 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
         evaluate_heldout(0, None)
     model.train()
     autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
+    if cfg.dtype == "bf16" and ctx.device.type == "cpu" and not cpu_bf16_flags() and ctx.rank == 0:
+        _warn("--dtype bf16 on a CPU without native bf16 dot products (no avx512_bf16 / amx_bf16 flag): "
+              "autocast converts through float32, so the step gets slower, not faster; --dtype fp32 is the "
+              "faster choice here")
     # FSDP averages gradients over ranks; each rank's loss is already its share of the global mean
     grad_scale = float(ctx.world_size)
     bar = tqdm(range(start_step, cfg.max_steps), desc="train", initial=start_step, total=cfg.max_steps,
@@ -900,7 +911,7 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
                 # random choices (anchors) depend only on (seed, step, slot): resume and any rank or
                 # accumulation split reproduce them exactly
                 generator = torch.Generator().manual_seed(micro_batch_seed(cfg.seed, step, plan.slot))
-                micro.append(_to_device(algorithm.prepare(model, batch, generator, cfg), ctx.device))
+                micro.append(to_device(algorithm.prepare(model, batch, generator, cfg), ctx.device))
             weight_sum = sum(algorithm.weight(model, prepared) for prepared in micro).to(ctx.device, torch.float32)
             if ctx.sharded:
                 dist.all_reduce(weight_sum)

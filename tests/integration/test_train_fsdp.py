@@ -55,25 +55,31 @@ def _assert_close(a: dict, b: dict) -> None:
         torch.testing.assert_close(value, b[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def _two_ranks(cache: Path, target: Path, out: Path, *flags: str) -> None:
+    """``deepspec train`` under torchrun with 2 CPU ranks into ``out``; asserts it succeeds without FSDP2's
+    view warning."""
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [*_torchrun(), "--standalone", "--nproc-per-node", "2", "-m", "deepspec.cli", "train",
+           "--cache-dir", str(cache), "--target", str(target), "--output-dir", str(out), *flags]
+    for attempt in range(2):
+        shutil.rmtree(out, ignore_errors=True)  # each attempt starts from an empty output folder
+        run = subprocess.run(cmd, cwd=repo, env=subprocess_env(), capture_output=True, text=True, timeout=600,
+                             check=False)
+        # a loaded machine can lose torchrun's local rendezvous/gloo connection race; retry that once
+        if run.returncode == 0 or not any(m in run.stderr for m in _CONNECTION_ERRORS):
+            break
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    # the trainer clones the small view tensors forward_train returns (FSDP2 warned on every run)
+    assert "returned a view tensor" not in run.stderr, run.stderr[-3000:]
+
+
 def test_two_cpu_ranks_train_like_one_process_and_resume(setup, tmp_path):
     _, target, cache, model, tok = setup
-    repo = Path(__file__).resolve().parents[2]
     multi = tmp_path / "multi"
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in COMMON.items()]
 
     def two_ranks(out: Path, *extra: str) -> None:
-        cmd = [*_torchrun(), "--standalone", "--nproc-per-node", "2", "-m", "deepspec.cli", "train",
-               "--cache-dir", str(cache), "--target", str(target), "--output-dir", str(out), *flags, *extra]
-        for attempt in range(2):
-            shutil.rmtree(out, ignore_errors=True)  # each attempt starts from an empty output folder
-            run = subprocess.run(cmd, cwd=repo, env=subprocess_env(), capture_output=True, text=True, timeout=600,
-                                 check=False)
-            # a loaded machine can lose torchrun's local rendezvous/gloo connection race; retry that once
-            if run.returncode == 0 or not any(m in run.stderr for m in _CONNECTION_ERRORS):
-                break
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        # the trainer clones the small view tensors forward_train returns (FSDP2 warned on every run)
-        assert "returned a view tensor" not in run.stderr, run.stderr[-3000:]
+        _two_ranks(cache, target, out, *flags, *extra)
 
     two_ranks(multi)
 
@@ -104,3 +110,15 @@ def test_two_cpu_ranks_train_like_one_process_and_resume(setup, tmp_path):
     # ... and so does the sharded run itself (full state dicts loaded into the FSDP model)
     two_ranks(tmp_path / "multi_resumed", "--resume", str(multi / "checkpoint-000002"))
     _assert_close(_weights(multi / "checkpoint-000004"), _weights(tmp_path / "multi_resumed" / "checkpoint-000004"))
+
+
+def test_chunked_head_loss_under_two_cpu_ranks_trains_like_materialised_logits(setup, tmp_path):
+    """The deferred draft logits (computed in the loss, outside forward_train, and recomputed in backward)
+    under FSDP2 with 2 ranks give the weights of one process with the [B, A, K, W] logits."""
+    _, target, cache, model, tok = setup
+    common = {**COMMON, "max_steps": 2, "save_every": 0}
+    _two_ranks(cache, target, tmp_path / "multi", *[f"--{k.replace('_', '-')}={v}" for k, v in common.items()],
+               "--chunked-head-loss=on")
+    single = train(TrainConfig(cache_dir=str(cache), output_dir=str(tmp_path / "single"), grad_accum_steps=2,
+                               chunked_head_loss="off", **common), target_model=model, tokenizer=tok)
+    _assert_close(_weights(tmp_path / "multi" / "checkpoint-000002"), _weights(single))

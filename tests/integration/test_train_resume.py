@@ -384,3 +384,20 @@ def test_out_of_memory_names_the_sizes_and_the_flags(setup, tmp_path, monkeypatc
     monkeypatch.setattr(DSparkAlgorithm, "loss", other_error)
     with pytest.raises(RuntimeError, match="^other$"):  # any other error passes through unchanged
         train(_cfg(cache, tmp_path / "run2"), target_model=model, tokenizer=tok)
+
+
+def test_bf16_on_a_cpu_without_native_bf16_warns_and_the_decoding_spelling_is_accepted(setup, tmp_path,
+                                                                                        monkeypatch, capsys):
+    import deepspec.train.loop as loop
+
+    model, tok, cache = setup
+    assert _cfg(cache, tmp_path / "a", dtype="bfloat16").dtype == "bf16"
+    assert _cfg(cache, tmp_path / "a", dtype="float32").dtype == "fp32"
+    with pytest.raises(ValueError, match="train.dtype: expected 'fp32' or 'bf16'.*got 'fp16'"):
+        _cfg(cache, tmp_path / "a", dtype="fp16")
+    monkeypatch.setattr(loop, "cpu_bf16_flags", lambda: ())  # a CPU like the Zen 3 host (AVX2 only)
+    train(_cfg(cache, tmp_path / "emulated", dtype="bf16", max_steps=1), target_model=model, tokenizer=tok)
+    assert "--dtype bf16 on a CPU without native bf16" in capsys.readouterr().err
+    monkeypatch.setattr(loop, "cpu_bf16_flags", lambda: ("avx512_bf16",))
+    train(_cfg(cache, tmp_path / "native", dtype="bf16", max_steps=1), target_model=model, tokenizer=tok)
+    assert "without native bf16" not in capsys.readouterr().err

@@ -3,6 +3,8 @@
 Legend: B batch, S seq, A anchors, K block, V vocab, F feature width. Tiny random targets only.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
@@ -592,3 +594,87 @@ def test_an_unknown_activation_is_a_config_error_naming_the_field():
     with pytest.raises(ValueError, match="DraftConfig.hidden_act: expected an activation transformers knows.*"
                                          "'nonsense'.*hidden_act"):
         DraftConfig.from_dict({**cfg, "hidden_act": "nonsense"})
+
+
+# ----------------------------------------------------------------------------- chunked (deferred) head loss
+def _loss_and_grads(draft, inputs, *, defer, chunk_slots, d2t=None, stats=None, autocast=None):
+    import contextlib
+
+    ids, lm, feats, last, ap, valid = inputs
+    draft.zero_grad(set_to_none=True)
+    with autocast or contextlib.nullcontext():
+        out = draft.forward_train(ids, feats, ap, valid, defer_logits=defer)
+    assert (out.logits_BAKV is None) == defer
+    lse, argmax = stats if stats is not None else (None, None)
+    res = dspark_loss(out, ids, lm, ap, valid, last, draft.target_lm_head_weight, draft.config, d2t_W=d2t,
+                      target_logsumexp_BS=lse, target_argmax_BS=argmax, chunk_slots=chunk_slots,
+                      lm_head_rows_WH=None if d2t is None else draft.lm_head.weight, autocast=autocast)
+    res.loss.backward()
+    grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+    return res, grads
+
+
+@pytest.mark.parametrize("variant", ["vanilla", "gated", "rnn", "dflash", "reduced", "reduced-stats", "bf16-autocast"])
+def test_deferred_head_logits_give_the_same_loss_and_gradients(variant):
+    """forward_train(defer_logits=True) + the loss's checkpointed chunks: every loss term, the acceptance
+    counts and every parameter's gradient equal the materialised [B, A, K, W] path's (fp32; under bf16
+    autocast the chunks compute their logits in it too, so the two paths still agree)."""
+    from deepspec.target.capture import target_logit_stats
+    from tests.unit.test_draft_vocab import reduced_draft, some_vocab
+
+    d2t = stats = None
+    if variant.startswith("reduced"):
+        d2t = some_vocab(30)
+        target, draft = reduced_draft(d2t)
+    else:
+        kw = dflash_knobs() if variant == "dflash" else {"markov_head_type": variant.replace("bf16-autocast", "gated")}
+        target, draft = make_draft("qwen3", seed=2, **kw)
+    ids, lm = batch(B=2, S=24, seed=4)
+    feats, last = capture(target, ids)
+    ap, valid = sample_anchors(lm, 5, torch.Generator().manual_seed(1))
+    if variant == "reduced-stats":
+        per_row = [target_logit_stats(target, last[b], lm[b]) for b in range(2)]
+        stats = torch.stack([s[0] for s in per_row]), torch.stack([s[1] for s in per_row]).long()
+    inputs = (ids, lm, feats, last, ap, valid)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if variant == "bf16-autocast" else None
+    full, full_grads = _loss_and_grads(draft, inputs, defer=False, chunk_slots=1024, d2t=d2t, stats=stats,
+                                       autocast=autocast)
+    chunked, chunked_grads = _loss_and_grads(draft, inputs, defer=True, chunk_slots=7, d2t=d2t, stats=stats,
+                                             autocast=autocast)
+    assert full.num_valid_slots > 7 * 3  # several chunks
+    for name in ("loss", "ce", "l1", "confidence"):
+        torch.testing.assert_close(getattr(chunked, name), getattr(full, name), rtol=1e-5, atol=1e-6, msg=name)
+    for field in dataclasses.fields(full.acceptance):
+        torch.testing.assert_close(getattr(chunked.acceptance, field.name), getattr(full.acceptance, field.name))
+    torch.testing.assert_close(chunked.top1_match_K, full.top1_match_K)
+    assert chunked_grads.keys() == full_grads.keys() and "fc.weight" in full_grads
+    if draft.markov_head is not None:
+        assert "markov_head.markov_w2.weight" in full_grads  # the Markov output layer trains through the chunks
+    tol = dict(rtol=1e-4, atol=1e-6) if autocast is None else dict(rtol=2e-2, atol=2e-3)  # bf16: another sum order
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, **tol, msg=name)
+
+
+def test_chunked_head_loss_setting():
+    """auto defers exactly when the [B, A, K, W] fp32 logits pass 256 MiB; on / off force it; else an error."""
+    from deepspec.algorithms.dspark import CHUNKED_HEAD_LOSS_AUTO_BYTES, defer_head_logits
+
+    assert not defer_head_logits("auto", 2, 64, 3, 8192)  # the demo: 12.6 MB
+    assert defer_head_logits("auto", 1, 512, 7, 151_936)  # a Qwen3 draft with 512 anchors: 2.2 GB
+    limit_elements = CHUNKED_HEAD_LOSS_AUTO_BYTES // 4
+    assert not defer_head_logits("auto", 1, 1, 1, limit_elements) and defer_head_logits("auto", 1, 1, 1, limit_elements + 1)
+    assert defer_head_logits("on", 1, 1, 1, 8) and not defer_head_logits("off", 8, 512, 7, 151_936)
+    with pytest.raises(ValueError, match="chunked_head_loss.*auto, on or off"):
+        defer_head_logits("yes", 1, 1, 1, 8)
+    # the trainer's setting reaches the micro-batch the loss reads
+    from types import SimpleNamespace
+
+    from deepspec.algorithms.protocol import TrainBatch
+    from deepspec.algorithms.registry import get_algorithm
+
+    _, draft = make_draft()
+    ids, lm = batch()
+    b = TrainBatch(ids, lm, torch.zeros(2, 24, 64), torch.zeros(2, 24, 32), [0, 1])
+    for setting, deferred in (("on", True), ("off", False), ("auto", False)):
+        cfg = SimpleNamespace(num_anchors=4, chunked_head_loss=setting)
+        assert get_algorithm("dspark").prepare(draft, b, torch.Generator().manual_seed(0), cfg).defer_logits is deferred

@@ -34,6 +34,22 @@ class _BlockMicroBatch:
     batch: TrainBatch
     anchor_pos_BA: torch.Tensor
     block_valid_BA: torch.Tensor
+    defer_logits: bool = False  # draft logits per chunk of slots in the loss (chunked_head_loss)
+
+
+# ``chunked_head_loss = "auto"`` defers the draft logits when all blocks' float32 logits would take more
+CHUNKED_HEAD_LOSS_AUTO_BYTES = 256 * 2**20
+
+
+def defer_head_logits(setting: str, batch_size: int, num_anchors: int, num_slots: int, vocab: int) -> bool:
+    """Whether a micro-batch computes its draft logits per chunk of slots in the loss (recomputed in
+    backward) instead of as one ``[B, A, K, W]`` tensor: ``setting`` ``on`` | ``off`` | ``auto`` (on when
+    that tensor in float32 exceeds :data:`CHUNKED_HEAD_LOSS_AUTO_BYTES`). Raises ValueError otherwise."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"train.chunked_head_loss: expected auto, on or off, got {setting!r}")
+    if setting == "auto":
+        return batch_size * num_anchors * num_slots * vocab * 4 > CHUNKED_HEAD_LOSS_AUTO_BYTES
+    return setting == "on"
 
 
 class DSparkAlgorithm:
@@ -81,7 +97,10 @@ class DSparkAlgorithm:
 
     def prepare(self, model, batch, generator, cfg):
         anchor_pos_BA, block_valid_BA = sample_anchors(batch.loss_mask_BS, cfg.num_anchors, generator)
-        return _BlockMicroBatch(batch, anchor_pos_BA, block_valid_BA)
+        c = model.config
+        defer = defer_head_logits(getattr(cfg, "chunked_head_loss", "auto"), anchor_pos_BA.shape[0], cfg.num_anchors,
+                                  c.num_draft_slots, c.output_vocab_size)
+        return _BlockMicroBatch(batch, anchor_pos_BA, block_valid_BA, defer)
 
     def weight(self, model, prepared):
         return supervision_weights(
@@ -92,12 +111,12 @@ class DSparkAlgorithm:
         b = prepared.batch
         with autocast:
             output = model.forward_train(b.input_ids_BS, b.target_hidden_BSF, prepared.anchor_pos_BA,
-                                         prepared.block_valid_BA)
+                                         prepared.block_valid_BA, defer_logits=prepared.defer_logits)
         return dspark_loss(output, b.input_ids_BS, b.loss_mask_BS, prepared.anchor_pos_BA, prepared.block_valid_BA,
                            b.target_last_hidden_BSH, model.target_lm_head_weight, model.config, weight_sum=weight_sum,
                            d2t_W=model.d2t, target_logsumexp_BS=b.target_logsumexp_BS,
                            target_argmax_BS=b.target_argmax_BS,
-                           lm_head_rows_WH=None if model.d2t is None else model.lm_head.weight)
+                           lm_head_rows_WH=None if model.d2t is None else model.lm_head.weight, autocast=autocast)
 
     def proposer(self, model, *, confidence_threshold=None, max_positions=None):
         return DSparkProposer(model, confidence_threshold=confidence_threshold, max_positions=max_positions)

@@ -20,7 +20,10 @@ the whole *global* batch (the trainer computes it with :func:`supervision_weight
 backward passes; ``None`` = this batch's own sum). Total = ce_w*CE + l1_w*L1 + conf_w*conf.
 
 Only the N valid slots are materialised as ``[N, W]``; the target logits are computed in chunks of
-slots from ``target_last_hidden`` gathered at the slot positions (never ``[B, S, V]``). With a reduced
+slots from ``target_last_hidden`` gathered at the slot positions (never ``[B, S, V]``). With deferred
+draft logits (``forward_train(..., defer_logits=True)``, the trainer's ``chunked_head_loss``) the draft
+logits too exist one chunk at a time, recomputed in backward: for a Qwen3-4B-shaped draft (W 151,936)
+with 512 anchors x 7 slots the ``[A, K, W]`` logits alone are 2.2 GB in float32. With a reduced
 vocabulary and a format-3 cache's per-position logsumexp and argmax, only the W target logits of the
 draft tokens are computed (:func:`deepspec.target.capture.target_draft_probs`): the same values.
 
@@ -40,10 +43,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from deepspec.algorithms.dspark.config import DraftConfig
 from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance
@@ -130,6 +135,40 @@ class LossOutput:
         return out
 
 
+def _slot_terms(head_in_CX: Tensor, markov_in_Cr: Tensor | None, head_logits, autocast, draft_labels_C: Tensor,
+                in_vocab_C: Tensor | None, target_hidden_CH: Tensor | None, lm_w: Tensor, d2t_W: Tensor | None,
+                softcap: float | None, lse_C: Tensor | None, target_argmax_C: Tensor | None,
+                lm_head_rows_WH: Tensor | None, need_target: bool):
+    """Per-slot ``(ce_C, l1_C | None, draft argmax_C, target argmax_C | None)`` of a chunk of C valid slots.
+
+    ``head_in_CX``: the slots' draft logits ``[C, W]`` when ``head_logits`` is None, else their final
+    hidden states ``[C, D]``, turned into logits by ``head_logits(hidden, markov_in_Cr)`` under
+    ``autocast``. The argmaxes are target ids; ``l1_C`` (and the target argmax) only with
+    ``target_hidden_CH``, and with a graph only when ``need_target`` (the module docstring)."""
+    if head_logits is None:
+        logits_CW = head_in_CX
+    else:
+        with autocast if autocast is not None else contextlib.nullcontext():
+            logits_CW = head_logits(head_in_CX, markov_in_Cr)
+    logp_CW = F.log_softmax(logits_CW.float(), dim=-1)
+    ce_C = -logp_CW.gather(1, draft_labels_C[:, None]).squeeze(1)
+    if in_vocab_C is not None:
+        ce_C = ce_C * in_vocab_C
+    drf_arg_C = logp_CW.detach().argmax(-1)
+    if d2t_W is not None:
+        drf_arg_C = d2t_W[drf_arg_C]
+    if target_hidden_CH is None:
+        return ce_C, None, drf_arg_C, None
+    with torch.no_grad():
+        tprob_CW, outside_C, tgt_arg_C = target_draft_probs(target_hidden_CH, lm_w, d2t_W, softcap, logsumexp_N=lse_C,
+                                                            argmax_N=target_argmax_C, lm_head_rows_WH=lm_head_rows_WH)
+    with contextlib.nullcontext() if need_target else torch.no_grad():
+        l1_C = (logp_CW.exp() - tprob_CW).abs().sum(-1)
+        if outside_C is not None:
+            l1_C = l1_C + outside_C
+    return ce_C, l1_C, drf_arg_C, tgt_arg_C
+
+
 def dspark_loss(
     out,
     input_ids_BS: Tensor,
@@ -146,11 +185,16 @@ def dspark_loss(
     target_argmax_BS: Tensor | None = None,
     lm_head_rows_WH: Tensor | None = None,
     chunk_slots: int = 1024,
+    autocast: Any = None,
 ) -> LossOutput:
     """DSpark loss (DFlash: config with l1/confidence weights 0). See the module docstring.
 
     Args:
         out: a ``DraftTrainOutput`` (``logits_BAKV``, ``[B, A, K, W]`` over draft ids; ``confidence_logits_BAK``).
+            With deferred logits (``logits_BAKV`` None: ``forward_train(..., defer_logits=True)``) the logits
+            of the valid slots are computed per chunk of ``chunk_slots`` by ``out.head_logits`` under
+            ``autocast`` and recomputed in backward (``torch.utils.checkpoint``): the same loss and
+            gradients, with memory ``chunk_slots x W`` for the draft logits instead of ``B x A x K x W``.
         target_last_hidden_BSH: final-norm target hidden states; required when ``l1_weight`` or
             ``confidence_weight`` > 0, optional otherwise (then accept diagnostics use it if given).
         lm_head: the frozen *full* target lm_head (a module, or its weight ``[V, D]``): the draft's copy
@@ -164,6 +208,7 @@ def dspark_loss(
             when W = V, where the full softmax is needed anyway.
         lm_head_rows_WH: ``lm_head``'s rows ``d2t_W`` (the draft's frozen ``lm_head``); gathered when None.
         chunk_slots: slots per chunk for the target softmax (memory bound ``chunk_slots x V`` fp32).
+        autocast: the context the draft's forward ran in (deferred logits are computed in it; None: none).
     Raises:
         ValueError: a needed ``target_last_hidden_BSH`` / confidence logits is missing, or the statistics
             are not finite (-1) at a supervised slot.
@@ -171,7 +216,7 @@ def dspark_loss(
     K = config.num_draft_slots
     logits_BAKV = out.logits_BAKV  # [B, A, K, W] over the draft slots
     B, S = input_ids_BS.shape
-    dev = logits_BAKV.device
+    dev = out.hidden_BAKD.device
     lm_w = lm_head.weight if isinstance(lm_head, nn.Module) else lm_head  # [V, D]
     need_target = config.l1_weight > 0 or config.confidence_weight > 0
     if need_target and target_last_hidden_BSH is None:
@@ -190,7 +235,7 @@ def dspark_loss(
     idx_N3 = valid_BAK.nonzero()  # [N, 3] (b, a, k)
     N = idx_N3.shape[0]
     if N == 0:
-        zero = logits_BAKV.sum() * 0.0  # keeps the graph (zero gradient) with no valid slot
+        zero = (out.hidden_BAKD if logits_BAKV is None else logits_BAKV).sum() * 0.0  # keeps the graph (zero grad)
         z = zero.detach()
         zk = torch.zeros(K)
         return LossOutput(loss=zero, ce=z, l1=z, confidence=z, weight_sum=norm.detach(), local_weight_sum=local_ws,
@@ -201,7 +246,6 @@ def dspark_loss(
     w_N = w_BAK[b_N, a_N, k_N]
     slot_pos_N = anchor_pos_BA.to(dev).long()[b_N, a_N] + k_N  # position a+k (< S-1 for valid slots)
     labels_N = input_ids_BS.to(dev).long()[b_N, slot_pos_N + 1]  # target ids
-    logits_NW = logits_BAKV[b_N, a_N, k_N]
     num_outside = None
     if d2t_W is not None:
         d2t_W = d2t_W.to(dev).long()
@@ -212,32 +256,39 @@ def dspark_loss(
     else:
         draft_labels_N, in_vocab_N = labels_N, None
 
-    stats = d2t_W is not None and target_logsumexp_BS is not None and target_argmax_BS is not None
-    if stats and target_last_hidden_BSH is not None:
+    stats = (d2t_W is not None and target_logsumexp_BS is not None and target_argmax_BS is not None
+             and target_last_hidden_BSH is not None)
+    if stats:
         at = (b_N.to(target_logsumexp_BS.device), slot_pos_N.to(target_logsumexp_BS.device))
         lse_N, tgt_argmax_N = target_logsumexp_BS[at].to(dev), target_argmax_BS[at].to(dev)
         if lm_head_rows_WH is None:
             lm_head_rows_WH = lm_w.index_select(0, d2t_W.to(lm_w.device))
         if not bool(torch.isfinite(lse_N).all() and (tgt_argmax_N >= 0).all()):
             raise ValueError(STATS_MISSING.format(who="dspark_loss", what="slot"))
+    deferred = logits_BAKV is None
+    if deferred:  # the draft logits of each chunk are computed in it and recomputed in backward
+        head_in_N = out.hidden_BAKD[b_N, a_N, k_N]
+        markov_in_N = None if out.markov_input_BAKr is None else out.markov_input_BAKr[b_N, a_N, k_N]
+    else:
+        head_in_N, markov_in_N = logits_BAKV[b_N, a_N, k_N], None
     ce_parts, l1_parts, tgt_arg_parts, drf_arg_parts = [], [], [], []
     for s in range(0, N, chunk_slots):
         e = min(N, s + chunk_slots)
-        logp_CW = F.log_softmax(logits_NW[s:e].float(), dim=-1)
-        ce_C = -logp_CW.gather(1, draft_labels_N[s:e, None]).squeeze(1)
-        ce_parts.append(ce_C if in_vocab_N is None else ce_C * in_vocab_N[s:e])
-        drf_arg_C = logp_CW.detach().argmax(-1)
-        drf_arg_parts.append(drf_arg_C if d2t_W is None else d2t_W[drf_arg_C])  # in target ids
+        th_C = None
         if target_last_hidden_BSH is not None:
-            th = target_last_hidden_BSH[b_N[s:e].to(target_last_hidden_BSH.device),
-                                        slot_pos_N[s:e].to(target_last_hidden_BSH.device)].to(dev)
-            tprob_CW, outside_C, tgt_arg_C = target_draft_probs(
-                th, lm_w, d2t_W, config.final_logit_softcapping, logsumexp_N=lse_N[s:e] if stats else None,
-                argmax_N=tgt_argmax_N[s:e] if stats else None, lm_head_rows_WH=lm_head_rows_WH)
+            th_C = target_last_hidden_BSH[b_N[s:e].to(target_last_hidden_BSH.device),
+                                          slot_pos_N[s:e].to(target_last_hidden_BSH.device)].to(dev)
+        args = (head_in_N[s:e], None if markov_in_N is None else markov_in_N[s:e], out.head_logits if deferred else None,
+                autocast, draft_labels_N[s:e], None if in_vocab_N is None else in_vocab_N[s:e], th_C, lm_w, d2t_W,
+                config.final_logit_softcapping, lse_N[s:e] if stats else None, tgt_argmax_N[s:e] if stats else None,
+                lm_head_rows_WH, need_target)
+        ce_C, l1_C, drf_arg_C, tgt_arg_C = (checkpoint(_slot_terms, *args, use_reentrant=False) if deferred
+                                             else _slot_terms(*args))
+        ce_parts.append(ce_C)
+        drf_arg_parts.append(drf_arg_C)
+        if l1_C is not None:
+            l1_parts.append(l1_C)
             tgt_arg_parts.append(tgt_arg_C)
-            with contextlib.nullcontext() if need_target else torch.no_grad():
-                l1_C = (logp_CW.exp() - tprob_CW).abs().sum(-1)
-                l1_parts.append(l1_C if outside_C is None else l1_C + outside_C)
     ce_N = torch.cat(ce_parts)
     ce = (w_N * ce_N).sum() / norm
     loss = config.ce_weight * ce

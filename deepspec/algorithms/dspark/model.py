@@ -28,6 +28,7 @@ import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,11 +42,20 @@ from deepspec.models.mask import dense_block_mask, flex_block_mask
 
 @dataclass
 class DraftTrainOutput:
-    """Training forward result. ``logits_BAKV`` include the Markov bias (true previous tokens)."""
+    """Training forward result. ``logits_BAKV`` include the Markov bias (true previous tokens).
 
-    logits_BAKV: Tensor
+    With ``forward_train(..., defer_logits=True)`` ``logits_BAKV`` is None and the loss computes the
+    logits of the supervised slots only, chunk by chunk, as ``head_logits(hidden, markov_input)``
+    (:meth:`DSparkDraftModel.head_logits`) from ``hidden_BAKD`` and ``markov_input_BAKr`` (the rank-r
+    input of the Markov head's output layer; None without a Markov head): the same values, without a
+    ``[B, A, K, N]`` tensor.
+    """
+
+    logits_BAKV: Tensor | None
     confidence_logits_BAK: Tensor | None
     hidden_BAKD: Tensor
+    markov_input_BAKr: Tensor | None = None
+    head_logits: Callable[[Tensor, Tensor | None], Tensor] | None = None
 
 
 @dataclass
@@ -68,10 +78,60 @@ class DraftContextCache:
 
 @functools.cache
 def _compiled_flex_attention():
-    """flex_attention compiled once per process (uncompiled flex materialises the full score matrix)."""
+    """flex_attention compiled once per process, with dynamic shapes: one graph serves every sequence
+    length and anchor count (a compile per shape would hit torch._dynamo's recompile limit)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention)
+    return torch.compile(flex_attention, dynamic=True, fullgraph=True)
+
+
+FLEX_FALLBACK_ERROR = (
+    "flex_attention: torch.compile recompiled it past torch._dynamo's recompile limit ({limit}); it would "
+    "now fall back to the unfused implementation, which materialises the full [queries x keys] score "
+    "matrix per head. Report it with the shapes (q {q}, kv {kv}); meanwhile train with the dense mask "
+    "(use_flex=False) or raise torch._dynamo.config.recompile_limit.")
+
+_BLOCK_MASK_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                       "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+def flex_block_attention(q: Tensor, k: Tensor, v: Tensor, block_mask, *, enable_gqa: bool,
+                         compiled: bool = True) -> Tensor:
+    """flex_attention of ``q`` ``[B, Hq, Q, d]`` and ``k``/``v`` ``[B, Hk, T, d]`` under ``block_mask``
+    (:func:`deepspec.models.mask.flex_block_mask`), ``[B, Hq, Q, d]``.
+
+    A mask built with ``pad_to_blocks`` is longer than ``Q`` / ``T``: q, k and v are zero-padded to its
+    ``seq_lengths`` (the padding is masked) and the extra rows dropped. ``compiled``: the compiled kernel
+    (:func:`_compiled_flex_attention`; its block-count dimensions marked dynamic, so one graph serves
+    every length), never the unfused fallback; False: eager flex (materialises the scores: CPU tests).
+
+    Raises:
+        RuntimeError: torch.compile would fall back to eager (recompile limit hit) instead of the fused kernel.
+    """
+    import torch._dynamo
+    import torch.fx.experimental._config as fx_config
+    from torch.nn.attention.flex_attention import flex_attention
+
+    Q, T = q.shape[2], k.shape[2]
+    q_len, kv_len = block_mask.seq_lengths
+    if q_len != Q:
+        q = F.pad(q, (0, 0, 0, q_len - Q))
+    if kv_len != T:
+        k, v = F.pad(k, (0, 0, 0, kv_len - T)), F.pad(v, (0, 0, 0, kv_len - T))
+    if not compiled:
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)[:, :, :Q]
+    for name in _BLOCK_MASK_TENSORS:  # [B, H, blocks(, blocks)]: the block counts vary with the lengths
+        t = getattr(block_mask, name, None)
+        if t is not None:
+            for dim in range(2, t.dim()):
+                torch._dynamo.maybe_mark_dynamic(t, dim)
+    try:  # no duck sizing: equal query and key lengths at the first call must not become a guard
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), fx_config.patch(use_duck_shape=False):
+            out = _compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
+        raise RuntimeError(FLEX_FALLBACK_ERROR.format(limit=torch._dynamo.config.recompile_limit,
+                                                      q=tuple(q.shape), kv=tuple(k.shape))) from exc
+    return out[:, :, :Q]
 
 
 class MarkovHead(nn.Module):
@@ -83,7 +143,9 @@ class MarkovHead(nn.Module):
       * :meth:`block` ``(prev_ids_XK, hidden_XKD) -> (bias_XKV, feats_XKr)``: teacher-forced over a
         block's K slots (training and the consistency tests), equal to K calls of :meth:`step`.
     ``hidden`` is the slot's final (normed) draft hidden state, the one ``lm_head`` reads;
-    ``feats = markov_w1[prev]`` is what the confidence head reads, for every variant.
+    ``feats = markov_w1[prev]`` is what the confidence head reads, for every variant. Each bias is
+    ``bias(z) = markov_w2(z)`` of a rank-r input ``z`` (:meth:`step_input`, :meth:`block_input`),
+    so a loss can apply the N-wide output layer to the supervised slots only.
     """
 
     head_type = "vanilla"
@@ -99,17 +161,27 @@ class MarkovHead(nn.Module):
     def features(self, prev_ids: Tensor) -> Tensor:
         return self.markov_w1(prev_ids.long())
 
-    def bias(self, feats: Tensor) -> Tensor:
-        return self.markov_w2(feats)
+    def bias(self, z: Tensor) -> Tensor:
+        """The logit bias ``[..., N]`` of rank-r inputs ``z`` ``[..., r]``."""
+        return self.markov_w2(z.to(self.markov_w2.weight.dtype))
+
+    def step_input(self, prev_ids: Tensor, hidden: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """One slot's ``(z, feats, state)``: :meth:`step` before the output layer (vanilla: ``z = feats``)."""
+        feats = self.features(prev_ids)
+        return feats, feats, state
+
+    def block_input(self, prev_ids_XK: Tensor, hidden_XKD: Tensor) -> tuple[Tensor, Tensor]:
+        """A block's ``(z_XKr, feats_XKr)``, teacher-forced: :meth:`block` before the output layer."""
+        z, feats, _ = self.step_input(prev_ids_XK, hidden_XKD, None)  # memoryless: every slot at once
+        return z, feats
 
     def step(self, prev_ids: Tensor, hidden: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
-        feats = self.features(prev_ids)
-        return self.bias(feats), feats, state
+        z, feats, state = self.step_input(prev_ids, hidden, state)
+        return self.bias(z), feats, state
 
     def block(self, prev_ids_XK: Tensor, hidden_XKD: Tensor) -> tuple[Tensor, Tensor]:
-        # memoryless: every slot at once
-        bias, feats, _ = self.step(prev_ids_XK, hidden_XKD, None)
-        return bias, feats
+        z, feats = self.block_input(prev_ids_XK, hidden_XKD)
+        return self.bias(z), feats
 
 
 class GatedMarkovHead(MarkovHead):
@@ -123,11 +195,11 @@ class GatedMarkovHead(MarkovHead):
         super().__init__(vocab_size, rank, out_size=out_size)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
-    def step(self, prev_ids, hidden, state):
+    def step_input(self, prev_ids, hidden, state):
         feats = self.features(prev_ids)
         f = feats.to(hidden.dtype)
         gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, f], dim=-1)))
-        return self.bias((gate * f).to(self.markov_w2.weight.dtype)), feats, state
+        return gate * f, feats, state
 
 
 class RNNMarkovHead(MarkovHead):
@@ -142,24 +214,24 @@ class RNNMarkovHead(MarkovHead):
         super().__init__(vocab_size, rank, out_size=out_size)
         self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
 
-    def step(self, prev_ids, hidden, state):
+    def step_input(self, prev_ids, hidden, state):
         feats = self.features(prev_ids)
         f = feats.to(hidden.dtype)
         if state is None:
             state = f.new_zeros(f.shape)
-        z = torch.cat([state.to(hidden.dtype), f, hidden], dim=-1)
-        gate_raw, cand_raw, out_raw = self.joint_proj(z).chunk(3, dim=-1)
+        joint = torch.cat([state.to(hidden.dtype), f, hidden], dim=-1)
+        gate_raw, cand_raw, out_raw = self.joint_proj(joint).chunk(3, dim=-1)
         gate = torch.sigmoid(gate_raw)
         new_state = gate * state + (1.0 - gate) * torch.tanh(cand_raw)
-        return self.bias(torch.tanh(out_raw).to(self.markov_w2.weight.dtype)), feats, new_state
+        return torch.tanh(out_raw), feats, new_state
 
-    def block(self, prev_ids_XK, hidden_XKD):
-        state, biases, feats = None, [], []
+    def block_input(self, prev_ids_XK, hidden_XKD):
+        state, zs, feats = None, [], []
         for k in range(prev_ids_XK.shape[-1]):
-            b, f, state = self.step(prev_ids_XK[..., k], hidden_XKD[..., k, :], state)
-            biases.append(b)
+            z, f, state = self.step_input(prev_ids_XK[..., k], hidden_XKD[..., k, :], state)
+            zs.append(z)
             feats.append(f)
-        return torch.stack(biases, dim=-2), torch.stack(feats, dim=-2)
+        return torch.stack(zs, dim=-2), torch.stack(feats, dim=-2)
 
 
 MARKOV_HEADS = {cls.head_type: cls for cls in (MarkovHead, GatedMarkovHead, RNNMarkovHead)}
@@ -221,11 +293,8 @@ class DSparkAttention(nn.Module):
         v = torch.cat([ctx_v, v_blk], dim=2)
         gqa = self.num_heads != self.num_kv_heads
         if mask is not None and not isinstance(mask, Tensor):  # flex BlockMask (CUDA)
-            if q.is_cuda:
-                flex = _compiled_flex_attention()
-            else:  # eager flex: forward only on CPU, used by tests of this path
-                from torch.nn.attention.flex_attention import flex_attention as flex
-            out = flex(q, k, v, block_mask=mask, enable_gqa=gqa)
+            # eager flex on the CPU: forward only, used by tests of this path
+            out = flex_block_attention(q, k, v, mask, enable_gqa=gqa, compiled=q.is_cuda)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(B, Q, self.num_heads * self.head_dim)
@@ -318,12 +387,23 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
         """Final hidden of a block (or a batch of blocks) ``[..., K, D]`` and the (target) tokens before
         each slot ``[..., K]`` -> (logits over draft ids incl. the Markov bias ``[..., K, N]``, confidence logits
         ``[..., K]`` | None), teacher-forced (every Markov variant via ``markov_head.block``)."""
-        logits = self.lm_head(hidden_XKD)
-        feats = None
-        if self.markov_head is not None:
-            bias, feats = self.markov_head.block(prev_ids_XK, hidden_XKD)
-            logits = logits + bias.to(logits.dtype)
-        return logits, self._confidence(hidden_XKD, feats)
+        z, feats = self.markov_inputs(hidden_XKD, prev_ids_XK)
+        return self.head_logits(hidden_XKD, z), self._confidence(hidden_XKD, feats)
+
+    def markov_inputs(self, hidden_XKD: Tensor, prev_ids_XK: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """A block's Markov ``(z_XKr, feats_XKr)`` (:meth:`MarkovHead.block_input`); ``(None, None)``
+        without a Markov head."""
+        if self.markov_head is None:
+            return None, None
+        return self.markov_head.block_input(prev_ids_XK, hidden_XKD)
+
+    def head_logits(self, hidden_XD: Tensor, markov_input_Xr: Tensor | None) -> Tensor:
+        """Logits over the N draft ids ``[..., N]`` of final hidden states ``[..., D]``: ``lm_head``
+        plus the Markov bias of its rank-r inputs ``[..., r]`` (None: no Markov head)."""
+        logits = self.lm_head(hidden_XD)
+        if markov_input_Xr is not None:
+            logits = logits + self.markov_head.bias(markov_input_Xr).to(logits.dtype)
+        return logits
 
     def _confidence(self, hidden: Tensor, feats: Tensor | None) -> Tensor | None:
         if self.confidence_head is None:
@@ -347,13 +427,15 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
 
     # ------------------------------------------------------------------ training forward
     def forward_train(self, input_ids_BS: Tensor, target_hidden_BSF: Tensor, anchor_pos_BA: Tensor,
-                      block_valid_BA: Tensor, *, use_flex: bool | None = None) -> DraftTrainOutput:
+                      block_valid_BA: Tensor, *, use_flex: bool | None = None,
+                      defer_logits: bool = False) -> DraftTrainOutput:
         """Block-parallel forward over all anchors (DESIGN s.5).
 
         Args:
             input_ids_BS: int ``[B, S]``; target_hidden_BSF: ``[B, S, F]``;
             anchor_pos_BA: int64 ``[B, A]``; block_valid_BA: bool ``[B, A]`` (from sample_anchors).
             use_flex: flex_attention BlockMask (default: on CUDA) instead of a dense SDPA mask.
+            defer_logits: return no ``logits_BAKV``, only what computes them (:class:`DraftTrainOutput`).
         Returns:
             DraftTrainOutput over the block's ``J = config.num_draft_slots`` draft slots (all K, or the
             K-1 mask slots of z-lab's layout; draft slot j predicts ``x_{a+j+1}`` either way):
@@ -384,7 +466,7 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
         if use_flex is None:
             use_flex = dev.type == "cuda"
         if use_flex:
-            mask = flex_block_mask(anchor_pos_BA, block_valid_BA, S, K, device=dev)
+            mask = flex_block_mask(anchor_pos_BA, block_valid_BA, S, K, device=dev, pad_to_blocks=True)
         else:
             mask = dense_block_mask(anchor_pos_BA, block_valid_BA, S, K)
         for layer in self.layers:
@@ -392,8 +474,11 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
             h_BQD = layer(h_BQD, cos_blk, sin_blk, ctx_k, ctx_v, mask)
         J = c.num_draft_slots  # the slots that propose: all K, or the K-1 mask slots (z-lab's layout)
         hidden_BAKD = self.norm(h_BQD).view(B, A, K, -1)[:, :, c.first_draft_slot:]
-        logits_BAKV, conf_BAK = self.heads(hidden_BAKD, prev_ids_BAK[:, :, :J])
-        return DraftTrainOutput(logits_BAKV=logits_BAKV, confidence_logits_BAK=conf_BAK, hidden_BAKD=hidden_BAKD)
+        z_BAKr, feats_BAKr = self.markov_inputs(hidden_BAKD, prev_ids_BAK[:, :, :J])
+        return DraftTrainOutput(logits_BAKV=None if defer_logits else self.head_logits(hidden_BAKD, z_BAKr),
+                                confidence_logits_BAK=self._confidence(hidden_BAKD, feats_BAKr),
+                                hidden_BAKD=hidden_BAKD, markov_input_BAKr=z_BAKr,
+                                head_logits=self.head_logits if defer_logits else None)
 
     # ------------------------------------------------------------------ inference API
     def new_context_cache(self) -> DraftContextCache:
