@@ -164,3 +164,50 @@ def write_tiny_gguf(path, *, seed: int = 0, chat_template: str | None = None, ar
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+QWEN3_TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
+
+
+def qwen3_tokenizer_dir():
+    """A folder holding the real Qwen3 tokenizer (``tokenizer.json`` + ``tokenizer_config.json``), unpacked
+    once from ``tests/fixtures/qwen3_tokenizer/`` into the system temporary directory; needs no ``../shared``.
+
+    Raises:
+        ValueError: the unpacked ``tokenizer.json`` does not have the fixture's sha256 (a damaged fixture).
+    """
+    import hashlib
+    import lzma
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parent / "fixtures" / "qwen3_tokenizer"
+    out = Path(tempfile.gettempdir()) / f"deepspec-qwen3-tokenizer-{QWEN3_TOKENIZER_SHA256[:12]}"
+    if (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file():
+        return out
+    data = lzma.decompress((src / "tokenizer.json.xz").read_bytes())
+    if hashlib.sha256(data).hexdigest() != QWEN3_TOKENIZER_SHA256:
+        raise ValueError(f"{src / 'tokenizer.json.xz'}: unpacks to a tokenizer.json whose sha256 is not "
+                         f"{QWEN3_TOKENIZER_SHA256}; restore the fixture from git")
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))  # complete, then renamed into place
+    (tmp / "tokenizer.json").write_bytes(data)
+    shutil.copyfile(src / "tokenizer_config.json", tmp / "tokenizer_config.json")
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process unpacked it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_bench_module(name: str):
+    """``bench/<name>.py`` imported as a module (the bench scripts are not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

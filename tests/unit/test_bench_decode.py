@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from deepspec.eval.engine import GenerationResult, StepRecord
+from tests.helpers import load_bench_module
 
 
 def _decode_module():
-    path = Path(__file__).resolve().parents[2] / "bench" / "decode.py"
-    spec = importlib.util.spec_from_file_location("bench_decode", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_module("decode")
 
 
 def _result(step_s: float, accepted: int, num_steps: int, total_s: float) -> GenerationResult:

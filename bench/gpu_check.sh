@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The prepared GPU check (issue 13): run on a machine with CUDA from the repository root, e.g. through
+# the device tool: `bash bench/gpu_check.sh` (about 5-8 minutes on one H200, compiles included).
+# Writes under $OUT (the device tool's folder that comes back; default runs/gpu-check):
+#   env.txt             torch / transformers / GPU
+#   tests_gpu.txt       pytest -m gpu tests/gpu -s (flex vs dense figures, bf16 divergences, the pipeline)
+#   train_bench_qwen3_4b.{json,png}, bench_train.txt   bench/train.py --qwen3-4b (step time, peak memory, MFU)
+# Needs nothing outside the checkout: random targets, the Qwen3 tokenizer from tests/fixtures.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-runs/gpu-check}
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+{
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'transformers', transformers.__version__, 'bf16', torch.cuda.is_bf16_supported())"
+} > "$out/env.txt" 2>&1
+cat "$out/env.txt"
+status=0
+timeout "${TESTS_TIMEOUT:-330}" python -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$out/tests_gpu.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+timeout "${BENCH_TIMEOUT:-200}" python bench/train.py --qwen3-4b --repeats 5 --output-dir "$out" 2>&1 \
+  | tee "$out/bench_train.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+exit $status
