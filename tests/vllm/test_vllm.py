@@ -67,8 +67,9 @@ def test_vllm_prepare_and_an_exported_eagle3_draft(tmp_path):
     assert config["draft_vocab_size"] == 8192 and config["num_aux_hidden_states"] == 5
 
     prompts = [json.loads(line)["messages"][0]["content"] for line in PREPARED.read_text().splitlines()]
+    # the local backend in the server's dtype (VllmServer serves float32; --dtype auto is bf16 on a CPU with bf16 units)
     prepare = ["prepare", "--input", str(PREPARED), "--max-new-tokens", "128", "--max-prompt-tokens", "256",
-               "--max-turns", "1"]
+               "--max-turns", "1", "--dtype", "float32"]
     assert main([*prepare, "--output", str(tmp_path / "local.jsonl")]) == 0
     with VllmServer(VLLM_PYTHON, target_dir, tmp_path / "vllm-target.log") as server:
         server.wait_ready()
