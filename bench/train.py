@@ -14,14 +14,15 @@ default target's shapes with random target features (speed does not depend on th
    instead of W); tokens/s counts the batch's real (unpadded) tokens. Eagle3 unrolls ``ttt_steps``
    forwards per step, DSpark/DFlash run one block-parallel forward over ``num_anchors`` blocks, so the
    figures price a step, not quality. Beside each step: the bytes of the tensors autograd holds for its
-   backward (``saved_MiB``; unique storages, outside checkpointed regions), the memory a step needs
+   backward (``saved_MiB``; unique storages, outside checkpointed regions: the inputs a checkpoint keeps are not
+   seen, so a chunked head loss's figure leaves out its ``[N, D]`` slot hidden states), the memory a step needs
    beyond the weights.
 2. ``attention``: DSpark's ``forward_train`` with the dense SDPA mask against the flex_attention
    BlockMask (forward only; flex has no CPU backward), same inputs.
 
 ``--qwen3-4b`` (standalone: loads no target, reads the real Qwen3 tokenizer from the repo's test
-fixtures): a DSpark draft for a Qwen3-4B-shaped target (random weights, hidden 2560, vocab 151,936,
-5 target layers; flex attention and bf16 autocast on CUDA) with the head loss materialised and
+fixtures): the qwen3-4b recipe's DSpark draft (5 layers, block 7, Markov rank 256; ``--qwen3-draft-layers``)
+for a Qwen3-4B-shaped target (random weights, hidden 2560, vocab 151,936, 5 target layers; flex attention and bf16 autocast on CUDA) with the head loss materialised and
 chunked: step time, tokens/s, peak memory (CUDA), FLOPs by an analytic count and MFU against the
 chip's dense bf16 peak (``--peak-tflops``; known for H100/H200/A100/B200). On a CPU it runs too, at
 the sizes given (``--qwen3-seq-len``, ``--qwen3-num-anchors``), without MFU.
@@ -80,12 +81,12 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _step_fn(algo, model, batch, cfg, device, *, fused: bool = True):
+def _step_fn(algo, model, batch, cfg, device, *, fused: bool = True, optimizer=None):
     """One training step of ``algo`` on the CPU ``batch`` as the trainer runs it (prepare on the CPU,
     move, weight, loss, backward, AdamW), timed; ``step.saved_bytes`` afterwards holds the bytes of the
     tensors autograd kept for the backward of the last step, ``step.last`` its prepared micro-batch."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, cfg, fused=fused)  # as the training loop builds it
+    if optimizer is None:  # as the training loop builds it
+        optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg, fused=fused)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     generator = torch.Generator().manual_seed(0)
     weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
@@ -142,13 +143,24 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--qwen3-seq-len", type=int, default=4096)
     p.add_argument("--qwen3-num-anchors", type=int, default=512)
     p.add_argument("--qwen3-batch-size", type=int, default=1)
+    p.add_argument("--qwen3-draft-layers", type=int, default=5, help="draft layers (the qwen3-4b recipe's: 5)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the chip's dense bf16 peak for MFU (default: known for H100/H200/A100/B200; none on a CPU)")
     p.add_argument("--output-dir", default="runs/bench-train")
     args = p.parse_args(argv)
+    for flag in ("batch_size", "seq_len", "num_anchors", "block_size", "repeats", "qwen3_seq_len",
+                 "qwen3_num_anchors", "qwen3_batch_size", "qwen3_draft_layers"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {getattr(args, flag)}")
+    if args.qwen3_seq_len < 4:
+        p.error(f"--qwen3-seq-len: expected at least 4 tokens (a quarter unsupervised, then anchors), got "
+                f"{args.qwen3_seq_len}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = resolve_device(args.device, "--device")
+    try:
+        device = resolve_device(args.device, "--device")
+    except ValueError as exc:
+        p.error(str(exc))
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if args.qwen3_4b:
@@ -266,8 +278,8 @@ def dspark_step_flops(config, anchor_pos_BA: torch.Tensor, block_valid_BA: torch
     """Analytic FLOPs of one DSpark/DFlash training step (forward + backward; 2 per multiply-add).
 
     Forward: ``fc`` over the ``B x S`` context; per draft layer the context K/V projections, the block's
-    Q/K/V/O projections and MLP over ``A x K`` slots, and attention over each block's visible keys (its
-    anchor's context prefix ``a + 1`` plus the block's ``K``: the useful part of the mask, not the
+    Q/K/V/O projections and MLP over ``A x K`` slots, and attention over each block's visible keys (the
+    context keys before its anchor, ``a``, plus the block's ``K``: the useful part of the mask, not the
     dense ``S + A*K``); the draft's output layer (``lm_head`` and the Markov head's ``r x W``) and the
     target's (``H x target_vocab``, no gradient) over the ``num_valid_slots`` supervised slots.
     Backward: twice the forward for trainable layers, the frozen ``lm_head`` once (input gradient only),
@@ -286,8 +298,8 @@ def dspark_step_flops(config, anchor_pos_BA: torch.Tensor, block_valid_BA: torch
     Q = blocks * K
     if attention == "dense":
         visible = float(B * anchor_pos_BA.shape[1] * K * (seq_len + anchor_pos_BA.shape[1] * K))
-    else:  # sum over the valid blocks' queries of the keys they see
-        visible = float(((anchor_pos_BA.float() + 1 + K) * valid).sum()) * K
+    else:  # sum over the valid blocks' queries of the keys they see: context keys < a, and the block's K
+        visible = float(((anchor_pos_BA.float() + K) * valid).sum()) * K
     per_layer_trainable = (2 * B * seq_len * D * 2 * Hk * d + 2 * Q * D * (Hq * d + 2 * Hk * d) + 2 * Q * Hq * d * D
                            + 2 * Q * 3 * D * inter)
     attn = 2 * 2 * Hq * d * visible
@@ -323,15 +335,17 @@ def _qwen3_main(args, device, out: Path) -> dict:
     B, S, A = args.qwen3_batch_size, args.qwen3_seq_len, args.qwen3_num_anchors
     batch = _batch(target, len(layer_ids), B, S, torch.Generator().manual_seed(0))
     num_tokens = int((batch.input_ids_BS != 0).sum())
-    models, steps = {}, {}
-    for mode in ("off", "on"):
-        c = TrainConfig(online_data="unused.jsonl", output_dir="unused", num_anchors=A, batch_size=B,
-                        dtype="bf16" if device.type == "cuda" else "fp32", chunked_head_loss=mode)
-        torch.manual_seed(0)
-        models[mode] = algo.build(target, tokenizer, c, layer_ids).to(device).train()
-        steps[mode] = _step_fn(algo, models[mode], batch, c, device)
+    # one draft and one optimizer for both modes, so each mode's peak memory holds one set of weights
+    # and AdamW state (the recipe's draft: 5 layers, block 7, Markov rank 256)
+    cfgs = {mode: TrainConfig(online_data="unused.jsonl", output_dir="unused", num_anchors=A, batch_size=B,
+                              num_draft_layers=args.qwen3_draft_layers, dtype="bf16" if device.type == "cuda" else "fp32",
+                              chunked_head_loss=mode) for mode in ("off", "on")}
+    torch.manual_seed(0)
+    model = algo.build(target, tokenizer, cfgs["on"], layer_ids).to(device).train()
     del target
-    trainable = sum(p.numel() for p in models["on"].parameters() if p.requires_grad)
+    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfgs["on"])
+    steps = {mode: _step_fn(algo, model, batch, c, device, optimizer=optimizer) for mode, c in cfgs.items()}
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     peak = _peak_flops(args, device)
     results: dict[str, dict] = {}
     times: dict[str, list[float]] = {}
@@ -352,8 +366,8 @@ def _qwen3_main(args, device, out: Path) -> dict:
                 results.setdefault(mode, {})["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     for mode, t in times.items():
         prepared = steps[mode].last
-        n_valid = _num_valid_slots(models[mode], prepared)
-        flops = dspark_step_flops(models[mode].config, prepared.anchor_pos_BA.cpu(), prepared.block_valid_BA.cpu(), S,
+        n_valid = _num_valid_slots(model, prepared)
+        flops = dspark_step_flops(model.config, prepared.anchor_pos_BA.cpu(), prepared.block_valid_BA.cpu(), S,
                                   n_valid, shape["vocab_size"])
         median = statistics.median(t)
         results.setdefault(mode, {}).update({
@@ -363,11 +377,12 @@ def _qwen3_main(args, device, out: Path) -> dict:
     result = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else
               "cpu", "dtype": str(dtype).removeprefix("torch."), "batch_size": B, "seq_len": S, "num_anchors": A,
               "num_tokens": num_tokens, "hidden_size": shape["hidden_size"], "vocab_size": shape["vocab_size"],
+              "num_draft_layers": args.qwen3_draft_layers,
               "trainable_parameters": trainable, "peak_flops": peak, "chunked_head_loss": results}
     (out / "train_bench_qwen3_4b.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    _plot_qwen3(result, out / "train_bench_qwen3_4b.png")
-    print(f"Qwen3-4B-shaped DSpark draft on {result['device_name']} ({result['dtype']}): {trainable / 1e6:.1f} M "
-          f"trainable parameters; batch {B} x {S} ({num_tokens} real tokens), {A} anchors")
+    print(f"Qwen3-4B-shaped DSpark draft ({args.qwen3_draft_layers} layers) on {result['device_name']} "
+          f"({result['dtype']}): {trainable / 1e6:.1f} M trainable parameters; batch {B} x {S} ({num_tokens} real "
+          f"tokens), {A} anchors")
     print(f"{'head loss':<14}{'step s':>9}{'tok/s':>10}{'TFLOP/step':>12}{'TFLOP/s':>9}{'MFU':>8}{'peak GiB':>10}"
           f"{'saved MiB':>11}")
     for mode, r in results.items():
@@ -379,6 +394,7 @@ def _qwen3_main(args, device, out: Path) -> dict:
         mem = "-" if r.get("peak_memory_gib") is None else f"{r['peak_memory_gib']:.1f}"
         print(f"{name:<14}{r['median_step_s']:>9.3f}{r['tok_per_s']:>10.0f}{r['tflops_per_step']:>12.2f}"
               f"{r['achieved_tflops']:>9.1f}{mfu:>8}{mem:>10}{r['saved_MiB']:>11.0f}")
+    _plot_qwen3(result, out / "train_bench_qwen3_4b.png")
     print(f"wrote {out / 'train_bench_qwen3_4b.json'} and {out / 'train_bench_qwen3_4b.png'}")
     return result
 

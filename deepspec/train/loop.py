@@ -981,8 +981,10 @@ def _train_out_of_memory(exc: BaseException, cfg: TrainConfig, ctx: _Dist, step:
     sizes = (f"step {step}, a micro-batch of {cfg.batch_size} sequences of up to {longest} tokens, {rows} each, "
              f"{vocab}, {cfg.num_draft_layers} draft layer(s), {cfg.dtype}")
     fix = ("lower --batch-size (raise --grad-accum-steps to keep the global batch), --num-anchors or "
-           "--draft-vocab-size, or train with --dtype bf16; samples are cut at --max-seq-len online, at `deepspec "
-           "cache --max-seq-len` in a cache")
+           "--draft-vocab-size, or train with --dtype bf16"
+           + ("" if cfg.algorithm == "eagle3" or cfg.chunked_head_loss == "on" else
+              " or --chunked-head-loss on (the draft logits per chunk of slots)")
+           + "; samples are cut at --max-seq-len online, at `deepspec cache --max-seq-len` in a cache")
     return out_of_memory_error("train", ctx.device, sizes, fix, exc)
 
 

@@ -374,7 +374,8 @@ def test_out_of_memory_names_the_sizes_and_the_flags(setup, tmp_path, monkeypatc
     message = str(info.value)
     assert message.startswith("train: out of memory on cpu (step 1, a micro-batch of 2 sequences of up to 40 tokens, "
                               "4 anchors x block 7 each, the full vocabulary, 1 draft layer(s), fp32)")
-    for flag in ("--batch-size", "--grad-accum-steps", "--num-anchors", "--draft-vocab-size", "--dtype bf16"):
+    for flag in ("--batch-size", "--grad-accum-steps", "--num-anchors", "--draft-vocab-size", "--dtype bf16",
+                 "--chunked-head-loss on"):
         assert flag in message
     assert message.endswith("[OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB]")
     assert isinstance(info.value.__cause__, torch.OutOfMemoryError)

@@ -678,3 +678,21 @@ def test_chunked_head_loss_setting():
     for setting, deferred in (("on", True), ("off", False), ("auto", False)):
         cfg = SimpleNamespace(num_anchors=4, chunked_head_loss=setting)
         assert get_algorithm("dspark").prepare(draft, b, torch.Generator().manual_seed(0), cfg).defer_logits is deferred
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_micro_batch_without_supervised_slots_gives_every_head_parameter_a_zero_gradient(defer):
+    """N = 0 (every block a padding block): loss 0, and every trainable parameter gets a gradient (zeros),
+    deferred logits included; FSDP2 reduce-scatters only parameters with one, on every rank alike."""
+    target, draft = make_draft("qwen3", seed=2, markov_head_type="gated")
+    ids, lm = batch(B=2, S=24, seed=4)
+    feats, last = capture(target, ids)
+    ap = torch.zeros(2, 3, dtype=torch.long)
+    valid = torch.zeros(2, 3, dtype=torch.bool)
+    out = draft.forward_train(ids, feats, ap, valid, defer_logits=defer)
+    res = dspark_loss(out, ids, lm, ap, valid, last, draft.target_lm_head_weight, draft.config)
+    assert res.num_valid_slots == 0 and float(res.loss.detach()) == 0.0
+    res.loss.backward()
+    missing = [n for n, p in draft.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing
+    assert all(float(p.grad.abs().sum()) == 0.0 for p in draft.parameters() if p.requires_grad)

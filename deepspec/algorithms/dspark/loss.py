@@ -235,7 +235,18 @@ def dspark_loss(
     idx_N3 = valid_BAK.nonzero()  # [N, 3] (b, a, k)
     N = idx_N3.shape[0]
     if N == 0:
-        zero = (out.hidden_BAKD if logits_BAKV is None else logits_BAKV).sum() * 0.0  # keeps the graph (zero grad)
+        # keeps the graph with a zero gradient for every head parameter, deferred logits included (FSDP2
+        # reduce-scatters only parameters with a gradient: a rank without one would mismatch the others)
+        if logits_BAKV is not None:
+            zero = logits_BAKV.sum() * 0.0
+        else:
+            h_1D = out.hidden_BAKD.reshape(-1, out.hidden_BAKD.shape[-1])[:1]
+            z_1r = None if out.markov_input_BAKr is None else out.markov_input_BAKr.reshape(
+                -1, out.markov_input_BAKr.shape[-1])[:1]
+            with autocast if autocast is not None else contextlib.nullcontext():
+                zero = out.head_logits(h_1D, z_1r).sum() * 0.0
+        if out.confidence_logits_BAK is not None:
+            zero = zero + out.confidence_logits_BAK.sum() * 0.0
         z = zero.detach()
         zk = torch.zeros(K)
         return LossOutput(loss=zero, ce=z, l1=z, confidence=z, weight_sum=norm.detach(), local_weight_sum=local_ws,
