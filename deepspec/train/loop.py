@@ -431,13 +431,17 @@ def warn_resume_changes(state: dict[str, Any], cfg: TrainConfig, world_size: int
 
 def warn_ignored_flags(model: torch.nn.Module, cfg: TrainConfig) -> list[str]:
     """Warn (stderr) about ``--markov-head`` / ``--markov-rank`` set away from their defaults for a
-    draft without a Markov head (dflash, eagle3), which ignores them; returns the messages."""
-    if getattr(model.config, "use_markov_head", False):
-        return []
+    draft without a Markov head (dflash, eagle3), and ``--chunked-head-loss`` for eagle3 (whose loss
+    always works in checkpointed chunks), which ignore them; returns the messages."""
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    messages = [f"--{name.replace('_', '-')} {getattr(cfg, name)} is ignored: a {cfg.algorithm} draft has no "
-                "Markov head (only dspark has one)"
-                for name in ("markov_head", "markov_rank") if getattr(cfg, name) != defaults[name]]
+    messages = []
+    if not getattr(model.config, "use_markov_head", False):
+        messages += [f"--{name.replace('_', '-')} {getattr(cfg, name)} is ignored: a {cfg.algorithm} draft has no "
+                     "Markov head (only dspark has one)"
+                     for name in ("markov_head", "markov_rank") if getattr(cfg, name) != defaults[name]]
+    if cfg.algorithm == "eagle3" and cfg.chunked_head_loss != defaults["chunked_head_loss"]:
+        messages.append(f"--chunked-head-loss {cfg.chunked_head_loss} is ignored: eagle3's loss always computes "
+                        "its logits in checkpointed chunks of rows")
     for message in messages:
         _warn(message)
     return messages

@@ -308,6 +308,10 @@ def test_markov_flags_warn_for_drafts_without_a_markov_head(setup, tmp_path, cap
         assert loop.warn_ignored_flags(loop.build_draft(model, tok, defaults, LAYER_IDS), defaults) == []
     cfg = _cfg(cache, tmp_path, markov_head="gated")
     assert loop.warn_ignored_flags(loop.build_draft(model, tok, cfg, LAYER_IDS), cfg) == []
+    for algorithm, expected in (("eagle3", ["--chunked-head-loss on is ignored: eagle3's loss always computes its "
+                                            "logits in checkpointed chunks of rows"]), ("dspark", [])):
+        cfg = TrainConfig(cache_dir=str(cache), output_dir=str(tmp_path), algorithm=algorithm, chunked_head_loss="on")
+        assert loop.warn_ignored_flags(loop.build_draft(model, tok, cfg, LAYER_IDS), cfg) == expected
 
 
 def test_train_help_lists_the_registered_algorithms():
