@@ -130,8 +130,8 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global gradient norm
     dtype: str = "fp32"  # fp32 | bf16 (autocast) for the draft's forward (float32 / bfloat16 are accepted too)
     # DSpark/DFlash: compute the draft logits of the supervised slots one chunk at a time in the loss,
-    # recomputed in backward (memory chunk x vocab instead of batch x anchors x block x vocab; one more
-    # output-layer product per chunk): auto (on when those logits would exceed 256 MiB in fp32) | on | off
+    # recomputed in backward (memory chunk x vocab instead of batch x anchors x block x vocab; each chunk's
+    # output layers run once more): auto (on when those logits would exceed 256 MiB in fp32) | on | off
     chunked_head_loss: str = "auto"
     # where each process trains: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu | cuda | cuda:N
     device: str = "auto"
@@ -889,7 +889,7 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
         evaluate_heldout(0, None)
     model.train()
     autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
-    if cfg.dtype == "bf16" and ctx.device.type == "cpu" and not cpu_bf16_flags() and ctx.rank == 0:
+    if cfg.dtype == "bf16" and ctx.device.type == "cpu" and not cpu_bf16_flags() and ctx.is_main:
         _warn("--dtype bf16 on a CPU without native bf16 dot products (no avx512_bf16 / amx_bf16 flag): "
               "autocast converts through float32, so the step gets slower, not faster; --dtype fp32 is the "
               "faster choice here")
