@@ -5,6 +5,11 @@
 #   env.txt             torch / transformers / GPU
 #   tests_gpu.txt       pytest -m gpu tests/gpu -s (flex vs dense figures, bf16 divergences, the pipeline)
 #   train_bench_qwen3_4b.{json,png}, bench_train.txt   bench/train.py --qwen3-4b (step time, peak memory, MFU)
+#   decode/decode_bench.{json,png}, bench_decode.txt   bench/decode.py --qwen3-4b --compile on: the compiled and
+#                       eager target-only baselines against generate(), and a block-8 speculative step against a
+#                       one-token step (issue 13's decoding goals). Its prompts come from gsm8k: copy
+#                       ../shared/benchmarks/gsm8k into runs/gpu-benchmarks/ first and carry runs/gpu-benchmarks
+#                       (the device machine gets the checkout only); without it this step is skipped.
 # Needs no data or model outside the checkout (random targets, the Qwen3 tokenizer from tests/fixtures), but
 # Python packages beside torch and transformers: pytest (the tests), tensorboard and matplotlib (train's
 # logs and plots, the bench's PNG), safetensors, tokenizers, tqdm. env.txt lists those the machine lacks;
@@ -35,4 +40,13 @@ fi
 timeout "${BENCH_TIMEOUT:-200}" python3 bench/train.py --qwen3-4b --repeats 5 --output-dir "$out" 2>&1 \
   | tee "$out/bench_train.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+if [ -d runs/gpu-benchmarks/gsm8k ]; then
+  timeout "${DECODE_TIMEOUT:-240}" python3 bench/decode.py --qwen3-4b --draft untrained --compile on --temperatures 0 \
+    --baselines none --benchmarks gsm8k --num-prompts 2 --max-new-tokens 128 --repeats 2 \
+    --benchmarks-dir runs/gpu-benchmarks --output-dir "$out/decode" 2>&1 | tee "$out/bench_decode.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+else
+  echo "bench/decode.py --qwen3-4b skipped: no runs/gpu-benchmarks/gsm8k (copy ../shared/benchmarks/gsm8k there and carry it)" \
+    | tee "$out/bench_decode.txt"
+fi
 exit $status

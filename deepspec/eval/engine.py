@@ -29,7 +29,9 @@ Scope and choices:
   speculation shortens, then stops (plain one-token steps), and generation stops when the anchor
   itself cannot be fed (``stop_reason == "max_positions"``).
 - The KV cache is a transformers ``DynamicCache`` of full layers; after verify it is cropped to the
-  committed length. A cache that cannot crop raises ``RuntimeError`` (never a silent stale cache):
+  committed length. With ``compiled`` (a :class:`~deepspec.eval.compiled.CompiledTarget`) it is a static
+  cache of full layers instead, and every verify and one-token forward runs a compiled fixed-length
+  graph (gpt-fast style; CUDA graphs on CUDA); the step itself is the same code. A cache that cannot crop raises ``RuntimeError`` (never a silent stale cache):
   checked once after the prefill when the proposer can propose, and at every crop.
 - A proposer with ``max_proposal_len == 0`` (``NullProposer``) never reads target features: the
   engine then runs the target without capture hooks (``target_layer_ids=[]`` to ``forward_fn``,
@@ -63,6 +65,7 @@ from typing import Any
 import torch
 
 from deepspec.algorithms.protocol import Proposer, draw_token
+from deepspec.eval.compiled import CompiledTarget
 from deepspec.eval.few_row_linear import few_row_linear
 from deepspec.eval.verify import verify
 from deepspec.target.capture import target_forward, target_logits
@@ -159,8 +162,12 @@ class SpeculativeEngine:
             are needed. Default :func:`deepspec.target.capture.target_forward` (the parameter exists for tests).
         few_row_linear: run :meth:`generate` with the few-row linear path (see the module docstring)
             for the target and the proposer's ``model`` (when it has one).
+        compiled: run the target's decode steps through this static-cache, compiled path
+            (:mod:`deepspec.eval.compiled`; built for ``target_model``, with a step length of at least
+            ``proposer.max_proposal_len + 1``). Give the target-only engine the same one.
 
-    Raises ValueError for an empty ``eos_token_ids``.
+    Raises ValueError for an empty ``eos_token_ids``, and for ``compiled`` together with
+    ``forward_fn`` or ``few_row_linear``, built for another model or too short for the proposer's K.
     """
 
     def __init__(
@@ -172,14 +179,26 @@ class SpeculativeEngine:
         *,
         forward_fn: Callable[..., Any] | None = None,
         few_row_linear: bool = False,
+        compiled: CompiledTarget | None = None,
     ) -> None:
         if not eos_token_ids:
             raise ValueError("eos_token_ids: expected at least one token id, received none; pass tokenizer.eos_token_id.")
+        if compiled is not None:
+            if forward_fn is not None or few_row_linear:
+                raise ValueError("compiled: the compiled target path is its own forward with its own kernels; pass "
+                                 "it without forward_fn and with few_row_linear off.")
+            if compiled.model is not target_model:
+                raise ValueError("compiled: a CompiledTarget built for another model than target_model.")
+            if max(compiled.step_lengths) < int(proposer.max_proposal_len) + 1:
+                raise ValueError(f"compiled: its longest step ({max(compiled.step_lengths)} tokens) is shorter than "
+                                 f"a verify over the proposer's {proposer.max_proposal_len} drafts + the anchor; build "
+                                 "it with step_lengths that include K + 1.")
         self.target_model = target_model
         self.target_layer_ids = list(target_layer_ids)
         self.proposer = proposer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.forward_fn = forward_fn or target_forward
+        self.compiled = compiled
+        self.forward_fn = compiled if compiled is not None else (forward_fn or target_forward)
         self.max_positions = int(getattr(target_model.config, "max_position_embeddings", 1 << 62))
         self.device = next(target_model.parameters()).device
         # A proposer that can never propose reads nothing; one that reads only token ids (n-gram)
@@ -277,6 +296,9 @@ class SpeculativeEngine:
                 on_tokens(new)
             num_emitted += len(new)
 
+        if self.compiled is not None:  # compile what this generation runs, before its clock starts
+            self.compiled.prepare(self._feature_layer_ids, len(prompt_ids) + max_new_tokens + proposer.max_proposal_len,
+                                  self.compiled.lengths_up_to(proposer.max_proposal_len + 1))
         sync()
         t0 = time.perf_counter()
 
@@ -284,7 +306,8 @@ class SpeculativeEngine:
         # No config: every layer is a full DynamicLayer, which can always be cropped. Sliding-window
         # families keep the whole history (the attention mask still applies the window); a
         # sliding-window cache layer could not be rolled back after a rejection.
-        cache = DynamicCache()
+        cache = (DynamicCache() if self.compiled is None
+                 else self.compiled.new_cache(len(prompt_ids) + max_new_tokens + proposer.max_proposal_len))
         out = self._forward(list(prompt_ids), 0, cache, compute_logits=False)
         cache = out.past_key_values
         if can_propose:

@@ -230,7 +230,9 @@ def _setup_lines(cfg: Mapping[str, Any]) -> list[str]:
     if proposers:
         lines += ["", "Tokens proposed per step (K): " + ", ".join(
             f"{m} {p.get('max_proposal_len')}" for m, p in proposers.items())
-            + ("; few-row linear path on (deepspec.eval.few_row_linear)" if cfg.get("few_row_linear") else "") + "."]
+            + ("; few-row linear path on (deepspec.eval.few_row_linear)" if cfg.get("few_row_linear") else "")
+            + ("; the target decodes on the compiled path, static KV cache + torch.compile (deepspec.eval.compiled)"
+               if cfg.get("compile") else "") + "."]
     if cfg.get("confidence_threshold"):
         lines += ["", "Confidence threshold (proposals cut at the first slot below it; calibration then sees only "
                   "the slots kept): " + ", ".join(f"{m} {t}" for m, t in cfg["confidence_threshold"].items()) + "."]

@@ -33,6 +33,7 @@ from deepspec.data.chat import render_prompt, target_stop_token_ids
 from deepspec.device import dtype_name, is_out_of_memory, out_of_memory_error
 from deepspec.eval.benchmarks import BenchmarkPrompt
 from deepspec.eval.engine import GenerationResult, SpeculativeEngine
+from deepspec.eval.compiled import CompiledTarget
 from deepspec.eval.few_row_linear import few_row_linear as few_row_linear_context
 from deepspec.eval.flips import argmax_flip_positions, chunked_argmax, divergence_record, first_divergence, flip_rate
 from deepspec.eval.metrics import METRIC_DEFINITIONS, benchmark_metrics
@@ -175,6 +176,7 @@ def run_eval(
     chat_template_kwargs: Mapping[str, Any] | None = None,
     measure_argmax_flips: bool = True,
     few_row_linear: bool = False,
+    compile_target: bool = False,
 ) -> dict[str, Any]:
     """Run the target-only baseline and each proposer on every benchmark prompt; write the report.
 
@@ -203,6 +205,9 @@ def run_eval(
             K + 1 output tokens.
         few_row_linear: every engine (the baseline too) and the argmax-flip re-run use the few-row
             linear path (:mod:`deepspec.eval.few_row_linear`); recorded in the report's config.
+        compile_target: every engine (the baseline too) runs the target's decode steps on one shared
+            compiled path (:class:`deepspec.eval.compiled.CompiledTarget`; compiled untimed, before each
+            generation's clock); recorded in the report's config. Not with ``few_row_linear``.
 
     Returns the results dict (``config``, ``environment``, ``definitions``, ``benchmarks``:
     bench -> method -> metrics, ``samples``: bench -> method -> one record per (prompt, turn), with
@@ -224,7 +229,10 @@ def run_eval(
         raise ValueError(f"sampling: expected a SamplingParams, received {type(sampling).__name__}.")
     eos = eos_token_ids_of(target_model, tokenizer)
     pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else eos[0]
-    engines = {n: SpeculativeEngine(target_model, target_layer_ids, p, eos, few_row_linear=few_row_linear)
+    compiled = (CompiledTarget(target_model, {1, *(p.max_proposal_len + 1 for p in proposers.values())})
+                if compile_target else None)
+    engines = {n: SpeculativeEngine(target_model, target_layer_ids, p, eos, few_row_linear=few_row_linear,
+                                    compiled=compiled)
                for n, p in {BASELINE: NullProposer(), **proposers}.items()}
     max_k = {n: e.proposer.max_proposal_len for n, e in engines.items()}
     flip_chunk_len = (max(max_k.values()) or DEFAULT_NUM_TOKENS) + 1  # a verify forward: anchor + K drafts
@@ -336,6 +344,7 @@ def run_eval(
             "proposers": {n: _proposer_info(p) for n, p in proposers.items()},
             "dtype": dtype_name(next(target_model.parameters()).dtype),
             "few_row_linear": few_row_linear,
+            "compile": compile_target,
             "flip_chunk_len": flip_chunk_len if measure_flips else None,
             "num_prompts": {b: len(v) for b, v in benchmarks.items()},
             "compare_hf_generate": compare_hf_generate,

@@ -75,6 +75,10 @@ class EvalConfig:
     # linear layers over few rows (a verify forward) as (W @ x^T)^T: auto (float32 on the CPU, where the row-major
     # GEMM over 2-8 rows costs 1.4-2.2x a one-row product; deepspec.eval.few_row_linear) | on | off
     few_row_linear: str = "auto"
+    # the target's decode steps on the compiled path: a static KV cache and torch.compile'd one-token and verify
+    # forwards, CUDA graphs on CUDA (deepspec.eval.compiled; every method and the baseline; compiles untimed, about
+    # a minute per graph on a 2-core CPU); the few-row linear path is then off
+    compile: bool = False
 
     def __post_init__(self) -> None:
 
@@ -82,6 +86,9 @@ class EvalConfig:
         self.dtype = check_dtype_name(self.dtype, "eval.dtype")
         self.device = check_device_name(self.device, "eval.device")
         self.few_row_linear = check_few_row_mode(self.few_row_linear, "eval.few_row_linear")
+        if self.compile and self.few_row_linear == "on":
+            raise ValueError("eval.few_row_linear: on cannot be combined with eval.compile (the compiled path picks its "
+                             "own kernels); pass --few-row-linear auto or off with --compile.")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
             raise ValueError(f"eval.num_draft_tokens: expected an integer >= 1 or none (each proposer's own K), "
                              f"got {self.num_draft_tokens}")
@@ -365,7 +372,8 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
         seed=cfg.seed,
         out_dir=out_dir,
         compare_hf_generate=cfg.compare_hf_generate,
-        few_row_linear=few_row_linear_applies(cfg.few_row_linear, target_model),
+        few_row_linear=few_row_linear_applies(cfg.few_row_linear, target_model) and not cfg.compile,
+        compile_target=cfg.compile,
         chat_template_kwargs=None if cfg.enable_thinking is None else {"enable_thinking": cfg.enable_thinking},
         config_extra={
             "eval": asdict(cfg),

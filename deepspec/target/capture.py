@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -287,6 +288,19 @@ def target_forward(
         logits_BTV=logits_BTV,
         past_key_values=cache,
     )
+
+
+def features_from_hidden_states(hidden_states: Sequence[torch.Tensor], target_layer_ids: Sequence[int]) -> torch.Tensor:
+    """The target features of ``target_layer_ids`` from a forward's ``output_hidden_states`` tuple.
+
+    The capture hooks' rule (module docstring) read off Hugging Face's tuple of ``L + 1`` tensors
+    ``[B, T, H]``: layer ``i``'s output is ``hidden_states[i + 1]`` and ``-1`` (the embedding output)
+    is ``hidden_states[0]``; ``L - 1`` never occurs (:func:`validate_target_layer_ids` refuses it, as
+    HF's last entry is the final-norm output). For a compiled forward, where hooks registered per call
+    would recompile the graph (:mod:`deepspec.eval.compiled`); equal to :func:`target_forward`'s
+    features (a test checks it). Returns ``[B, T, len(ids) * H]``.
+    """
+    return torch.cat([hidden_states[i + 1] for i in target_layer_ids], dim=-1)
 
 
 @torch.no_grad()

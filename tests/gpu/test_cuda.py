@@ -197,6 +197,42 @@ def test_engine_greedy_on_the_device(tmp_path, dtype):
         assert identical == len(prompts)
 
 
+def test_compiled_engine_on_the_device(tmp_path):
+    """The compiled target path (deepspec.eval.compiled: static KV cache + torch.compile, CUDA graphs on CUDA)
+    in fp32 on the device: speculative output equals compiled target-only output token for token; the
+    compiled and eager engines' mean step times are printed (figures, not asserted)."""
+    from deepspec.algorithms.dspark.proposer import DSparkProposer
+    from deepspec.algorithms.protocol import NullProposer
+    from deepspec.data.chat import render_prompt
+    from deepspec.device import cast_for_decoding
+    from deepspec.eval.compiled import CompiledTarget
+    from deepspec.eval.engine import SpeculativeEngine
+    from deepspec.eval.run import eos_token_ids_of
+    from deepspec.target.load import load_target
+    from deepspec.train.loop import TrainConfig, build_draft
+
+    model, tok = load_target(str(tiny_qwen3_target(tmp_path / "target", layers=4, hidden=128)))
+    model = cast_for_decoding(model, torch.float32, DEVICE)
+    layer_ids = [0, 2]
+    cfg = TrainConfig(cache_dir="unused", output_dir="unused", markov_rank=16, seed=1, block_size=4)
+    draft = cast_for_decoding(build_draft(model, tok, cfg, layer_ids).eval(), torch.float32, DEVICE)
+    eos = eos_token_ids_of(model, tok)
+    compiled = CompiledTarget(model, (1, 5))
+    engines = {(name, kind): SpeculativeEngine(model, layer_ids, prop, eos, compiled=compiled if kind == "compiled" else None)
+               for name, prop in (("target-only", NullProposer()), ("speculative", DSparkProposer(draft)))
+               for kind in ("eager", "compiled")}
+    step_ms: dict[tuple[str, str], list[float]] = {key: [] for key in engines}
+    for n in range(3):
+        ids = render_prompt(tok, [{"role": "user", "content": f"Write {n} words about the sea."}])
+        out = {key: engine.generate(ids, max_new_tokens=32) for key, engine in engines.items()}
+        assert out["speculative", "compiled"].output_ids == out["target-only", "compiled"].output_ids
+        assert any(s.num_proposed == 4 for s in out["speculative", "compiled"].steps)
+        for key, res in out.items():
+            step_ms[key] += [1000 * s.time_s for s in res.steps[1:]]  # the first step of each prompt left out
+    print("engine on " + DEVICE + ", fp32, mean step ms: " + ", ".join(
+        f"{name} {kind} {sum(v) / max(len(v), 1):.2f}" for (name, kind), v in step_ms.items()))
+
+
 def test_fsdp2_trains_on_one_device(tmp_path):
     """``torchrun --nproc-per-node 1 deepspec train --device cuda``: FSDP2 on one GPU (gloo with
     DEEPSPEC_GPU_TESTS_ON_CPU) writes a checkpoint with finite losses."""
