@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.compile == "on":
         from deepspec.eval.compiled import CompiledTarget
 
-        compiled = CompiledTarget(model, {1, *(p.max_proposal_len + 1 for p in proposers.values())})
+        compiled = CompiledTarget.for_proposers(model, proposers.values())
         engines = {name: SpeculativeEngine(model, layer_ids, prop, eos, compiled=compiled)
                    for name, prop in proposers.items()}
         engines[EAGER] = SpeculativeEngine(model, layer_ids, NullProposer(), eos, few_row_linear=few_rows)

@@ -114,6 +114,12 @@ class CompiledTarget:
             maybe_install_capturing_hooks(self._base)
         self._step = torch.compile(self._eager_step, dynamic=False, fullgraph=True, mode=mode, backend=backend)
 
+    @classmethod
+    def for_proposers(cls, model: torch.nn.Module, proposers: Collection[Any]) -> CompiledTarget:
+        """One compiled path for the engines of a run: the one-token step and a verify step of
+        ``K + 1`` tokens for each proposer's ``max_proposal_len`` K (share it with the target-only engine)."""
+        return cls(model, {1, *(int(p.max_proposal_len) + 1 for p in proposers)})
+
     def step_length_for(self, num_tokens: int) -> int | None:
         """The compiled step length a call over ``num_tokens`` tokens runs (the shortest >= it), or None
         when it is longer than every one (it then runs eagerly)."""

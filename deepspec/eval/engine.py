@@ -31,8 +31,9 @@ Scope and choices:
 - The KV cache is a transformers ``DynamicCache`` of full layers; after verify it is cropped to the
   committed length. With ``compiled`` (a :class:`~deepspec.eval.compiled.CompiledTarget`) it is a static
   cache of full layers instead, and every verify and one-token forward runs a compiled fixed-length
-  graph (gpt-fast style; CUDA graphs on CUDA); the step itself is the same code. A cache that cannot crop raises ``RuntimeError`` (never a silent stale cache):
-  checked once after the prefill when the proposer can propose, and at every crop.
+  graph (gpt-fast style; CUDA graphs on CUDA); the step itself is the same code. A cache that cannot
+  crop raises ``RuntimeError`` (never a silent stale cache): checked once after the prefill when the
+  proposer can propose, and at every crop.
 - A proposer with ``max_proposal_len == 0`` (``NullProposer``) never reads target features: the
   engine then runs the target without capture hooks (``target_layer_ids=[]`` to ``forward_fn``,
   see :func:`deepspec.target.capture.target_forward`) and never calls ``extend_context``, so the target-only baseline pays
@@ -296,8 +297,10 @@ class SpeculativeEngine:
                 on_tokens(new)
             num_emitted += len(new)
 
+        # positions a static cache must hold: prompt, output, and the K a final verify may feed beyond them
+        num_positions = len(prompt_ids) + max_new_tokens + proposer.max_proposal_len
         if self.compiled is not None:  # compile what this generation runs, before its clock starts
-            self.compiled.prepare(self._feature_layer_ids, len(prompt_ids) + max_new_tokens + proposer.max_proposal_len,
+            self.compiled.prepare(self._feature_layer_ids, num_positions,
                                   self.compiled.lengths_up_to(proposer.max_proposal_len + 1))
         sync()
         t0 = time.perf_counter()
@@ -306,8 +309,7 @@ class SpeculativeEngine:
         # No config: every layer is a full DynamicLayer, which can always be cropped. Sliding-window
         # families keep the whole history (the attention mask still applies the window); a
         # sliding-window cache layer could not be rolled back after a rejection.
-        cache = (DynamicCache() if self.compiled is None
-                 else self.compiled.new_cache(len(prompt_ids) + max_new_tokens + proposer.max_proposal_len))
+        cache = DynamicCache() if self.compiled is None else self.compiled.new_cache(num_positions)
         out = self._forward(list(prompt_ids), 0, cache, compute_logits=False)
         cache = out.past_key_values
         if can_propose:

@@ -229,8 +229,7 @@ def run_eval(
         raise ValueError(f"sampling: expected a SamplingParams, received {type(sampling).__name__}.")
     eos = eos_token_ids_of(target_model, tokenizer)
     pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else eos[0]
-    compiled = (CompiledTarget(target_model, {1, *(p.max_proposal_len + 1 for p in proposers.values())})
-                if compile_target else None)
+    compiled = CompiledTarget.for_proposers(target_model, proposers.values()) if compile_target else None
     engines = {n: SpeculativeEngine(target_model, target_layer_ids, p, eos, few_row_linear=few_row_linear,
                                     compiled=compiled)
                for n, p in {BASELINE: NullProposer(), **proposers}.items()}

@@ -190,11 +190,11 @@ def test_run_eval_with_the_compiled_target_is_lossless_and_recorded(target, tmp_
 
     built = []
 
-    def counting(model, lengths):
-        built.append(_compiled(model, lengths))
+    def counting(cls, model, proposers):  # for_proposers' lengths, with the counting backend
+        built.append(_compiled(model, {1, *(p.max_proposal_len + 1 for p in proposers)}))
         return built[-1][0]
 
-    monkeypatch.setattr(run_mod, "CompiledTarget", counting)
+    monkeypatch.setattr(CompiledTarget, "for_proposers", classmethod(counting))
     benches = {"tiny": [BenchmarkPrompt(id=f"p{i}", turns=(f"hello {i}",)) for i in range(2)]}
     res = run_mod.run_eval(target, _FakeChatTokenizer(), [0], {"random": RandomProposer(32, seed=2)}, benches,
                            max_new_tokens=6, sampling=SamplingParams(), seed=0, out_dir=tmp_path, progress=False,
