@@ -7,9 +7,12 @@ domains the demo evaluates: gsm8k's train split and MBPP's non-test problems; se
 eval (the trained draft; with ``--untrained-control``, an untrained draft of the same shape and seed;
 and the training-free n-gram baseline, each against the target-only baseline in the same run) -> report.
 
-Dtypes: the target is loaded once in float32; the cache captures float32 features and training
-runs on them. Answer generation (prepare) and decoding (eval) use ``--dtype`` (``auto``: bfloat16 on
-CUDA or a CPU with native bf16, else float32) on a cast copy of the target; the report records it.
+Dtypes: the target is loaded once in float32. Every stage uses ``--dtype`` (``auto``: bfloat16 on
+CUDA or a CPU with native bf16, else float32): answer generation (prepare), the target forward whose
+features the cache captures (stored in float32), the draft's training forward (bf16 autocast with
+float32 master weights) and decoding (eval), each on a cast copy of the target; the cache manifest,
+the training config and the report record it. So the draft is trained on the features the target
+computes when it decodes (docs/semantics.md, "Dtypes").
 
 Every stage writes under ``output_dir``; running the demo again reuses finished stages (the
 training stage resumes from its latest checkpoint), so an interrupted demo continues where it stopped.
@@ -93,8 +96,8 @@ class DemoConfig:
     # also evaluate the first algorithm's draft at its initialisation (same shape, seed and vocabulary) beside the
     # trained one; off by default: the learning curve's step 0 measures the same draft on the held-out prompts
     untrained_control: bool = False
-    # decoding dtype of the prepare (answer generation) and eval stages: auto (bfloat16 on CUDA or a
-    # CPU with AVX512-BF16/AMX, else float32) | float32 | bfloat16; the cache and training stay float32
+    # dtype of every stage (answer generation, feature capture, the draft's training forward, decoding): auto
+    # (bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else float32) | float32 | bfloat16
     dtype: str = "auto"
     # where every stage runs the target and the draft: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu |
     # cuda | cuda:N
@@ -148,15 +151,14 @@ class DemoConfig:
             max_prompt_tokens=self.prepare_max_prompt_tokens,
             max_turns=1,  # CPU budget: the first answer of each conversation
             seed=self.seed,
-            dtype=self.dtype,  # generation only: the cache captures float32 features
+            dtype=self.dtype,
             device=self.device,
         )
 
     def cache_config(self, prepared: Path, cache_dir: Path) -> CacheConfig:
-        """The cache stage's settings (float32: the demo's figures, README and docs/semantics.md, were
-        measured on a float32 cache)."""
+        """The cache stage's settings: features computed in the demo's ``dtype``, stored in float32."""
         return CacheConfig(input=str(prepared), output_dir=str(cache_dir), max_seq_len=self.max_seq_len,
-                           storage_dtype="float32", device=self.device)
+                           storage_dtype="float32", dtype=self.dtype, device=self.device)
 
     def eval_config(self, checkpoints: list[str], output_dir: Path) -> EvalConfig:
         """The eval stage's settings for the trained ``checkpoints``."""
@@ -195,6 +197,7 @@ class DemoConfig:
             resume="auto",
             heldout_every=self.heldout_every,
             heldout_benchmarks=self.heldout_benchmarks,
+            dtype=self.dtype,
             device=self.device,
         )
 

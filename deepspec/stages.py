@@ -16,10 +16,10 @@ from deepspec.data.cache.verify import verify_target_cache
 from deepspec.data.cache.writer import write_target_cache
 from deepspec.data.estimate import run_estimate
 from deepspec.data.prepare import PrepareConfig, run_prepare
-from deepspec.device import cast_for_decoding, check_device_name, resolve_device, resolve_dtype
+from deepspec.device import cast_for_decoding, check_device_name, check_dtype_name, resolve_device, resolve_dtype
 from deepspec.models.config import unsupported_family_note
 from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
-from deepspec.target.load import load_target, recorded_target_name, require_chat_template
+from deepspec.target.load import load_target, recorded_target_name, require_chat_template, target_fingerprint
 from deepspec.train.loop import train
 from deepspec.utils import format_bytes, torchrun_env
 
@@ -43,10 +43,14 @@ class CacheConfig:
     storage_dtype: str = "bfloat16"  # float32 | bfloat16 | float16 | fp8 (e4m3 + per-token scale)
     # where the target runs: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu | cuda | cuda:N
     device: str = "auto"
+    # the dtype the target runs in to compute the features: float32 | bfloat16 | auto (bfloat16 where the
+    # hardware runs it fast, deepspec.device); match the eval's --dtype to train on the features decoding sees
+    dtype: str = "float32"
     verify: bool = False  # only check every shard of output_dir against its manifest (no target needed)
 
     def __post_init__(self) -> None:
         check_storage_dtype(self.storage_dtype, "cache.storage_dtype")
+        self.dtype = check_dtype_name(self.dtype, "cache.dtype")
         self.device = check_device_name(self.device, "cache.device")
         for name in ("num_target_layers", "max_seq_len", "shard_size"):
             if getattr(self, name) < 1:
@@ -105,10 +109,14 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
             dist.init_process_group("gloo", timeout=datetime.timedelta(days=7))
             created_group = True
     try:
-        if target_model is None:
-            target_model, tokenizer = load_target(cfg.target, device=device, chat_template=cfg.chat_template)
-        else:  # a copy when the caller's target sits on another device
-            target_model = cast_for_decoding(target_model, next(target_model.parameters()).dtype, device)
+        dtype = resolve_dtype(cfg.dtype, device)
+        loaded_here = target_model is None
+        if loaded_here:
+            target_model, tokenizer = load_target(cfg.target, chat_template=cfg.chat_template)
+        # of the weights as loaded (as train and eval take it), before the cast to the capture dtype
+        fingerprint = target_fingerprint(target_model)
+        # a copy when the caller's target has another dtype or device; the stage's own target is cast in place
+        target_model = cast_for_decoding(target_model, dtype, device, in_place=loaded_here)
         require_chat_template(tokenizer, cfg.target)
         note = unsupported_family_note(target_model.config, "cache")
         if note and rank == 0:
@@ -125,6 +133,7 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
             max_seq_len=cfg.max_seq_len,
             shard_size=cfg.shard_size,
             storage_dtype=cfg.storage_dtype,
+            target_fingerprint=fingerprint,
             rank=rank,
             world_size=world_size,
             target=recorded_target_name(cfg.target, cfg.chat_template),

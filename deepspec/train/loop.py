@@ -44,7 +44,15 @@ from deepspec.data.cache.format import check_storage_dtype
 from deepspec.data.cache.reader import TargetCache, check_compatible
 from deepspec.data.chat import render_prompt, target_stop_token_ids
 from deepspec.data.online import OnlineTargetFeatures
-from deepspec.device import check_device_name, cpu_bf16_flags, is_out_of_memory, out_of_memory_error, resolve_device
+from deepspec.device import (
+    cast_for_decoding,
+    check_device_name,
+    cpu_bf16_flags,
+    is_out_of_memory,
+    out_of_memory_error,
+    resolve_device,
+    resolve_dtype,
+)
 from deepspec.eval.benchmarks import BENCHMARKS, load_benchmark
 from deepspec.models.acceptance import AcceptanceCounts
 from deepspec.models.config import draft_backbone
@@ -128,7 +136,9 @@ class TrainConfig:
     warmup_frac: float = 0.04  # fraction of max_steps spent in linear warmup
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global gradient norm
-    dtype: str = "fp32"  # fp32 | bf16 (autocast) for the draft's forward (float32 / bfloat16 are accepted too)
+    # fp32 | bf16 (autocast) for the draft's forward (float32 / bfloat16 are accepted too) | auto (bf16 where
+    # the hardware runs it fast: CUDA, a CPU with AMX / AVX512-BF16; deepspec.device.resolve_dtype)
+    dtype: str = "fp32"
     # DSpark/DFlash: compute the draft logits of the supervised slots one chunk at a time in the loss,
     # recomputed in backward (memory chunk x vocab instead of batch x anchors x block x vocab; each chunk's
     # output layers run once more): auto (on when those logits would exceed 256 MiB in fp32) | on | off
@@ -149,6 +159,11 @@ class TrainConfig:
     heldout_benchmarks: list[str] = dataclasses.field(default_factory=lambda: ["gsm8k", "mt-bench"])  # prompt sets
     heldout_num_prompts: int = 4  # prompts per held-out benchmark (seeded sample, first turn)
     heldout_max_new_tokens: int = 64  # output tokens per held-out prompt
+
+    def uses_bf16(self, device: torch.device) -> bool:
+        """Whether the draft's forward runs under bf16 autocast on ``device`` (``dtype`` bf16, or auto
+        where :func:`deepspec.device.resolve_dtype` picks bfloat16 there)."""
+        return self.dtype == "bf16" or (self.dtype == "auto" and resolve_dtype("auto", device) == torch.bfloat16)
 
     def __post_init__(self) -> None:
         if (self.cache_dir is None) == (self.online_data is None):
@@ -171,8 +186,9 @@ class TrainConfig:
             raise ValueError(f"train.sample_from_anchor: false is z-lab's DFlash layout, for --algorithm dflash only, "
                              f"got it with {self.algorithm!r}; drop --sample-from-anchor false or train dflash")
         self.dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(self.dtype, self.dtype)  # the decoding spelling
-        if self.dtype not in ("fp32", "bf16"):
-            raise ValueError(f"train.dtype: expected 'fp32' or 'bf16' (or 'float32' / 'bfloat16'), got {self.dtype!r}")
+        if self.dtype not in ("fp32", "bf16", "auto"):
+            raise ValueError(f"train.dtype: expected 'fp32', 'bf16' or 'auto' (or 'float32' / 'bfloat16'), got "
+                             f"{self.dtype!r}; auto picks bf16 where the hardware runs it fast")
         if self.chunked_head_loss not in ("auto", "on", "off"):
             raise ValueError(f"train.chunked_head_loss: expected auto, on or off, got {self.chunked_head_loss!r}")
         self.device = check_device_name(self.device, "train.device")
@@ -508,7 +524,7 @@ def _shard_model(model: torch.nn.Module, cfg: TrainConfig, ctx: _Dist) -> torch.
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     mp_policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if cfg.dtype == "bf16"
+        if cfg.uses_bf16(ctx.device)
         else MixedPrecisionPolicy()
     )
     frozen = {p for p in model.parameters() if not p.requires_grad}
@@ -860,7 +876,8 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
         log_rows = _read_log(log_path, upto_step=start_step)
         # purge_step drops events an earlier run logged after the resume point (they are replayed)
         writer = SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1 if start_step else None)
-    heldout = (_HeldoutCurve(cfg, ctx, algorithm, target_model, tokenizer, target_layer_ids, heldout_prompts)
+    heldout = (_HeldoutCurve(cfg, ctx, algorithm, _capture_target(target_model, cache), tokenizer, target_layer_ids,
+                             heldout_prompts)
                if cfg.heldout_every else None)
     elapsed_s = next((r["elapsed_s"] for r in reversed(log_rows) if "elapsed_s" in r), 0.0)
 
@@ -888,7 +905,7 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
     if heldout is not None and start_step == 0:
         evaluate_heldout(0, None)
     model.train()
-    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
+    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=cfg.uses_bf16(ctx.device))
     if cfg.dtype == "bf16" and ctx.device.type == "cpu" and not cpu_bf16_flags() and ctx.is_main:
         _warn("--dtype bf16 on a CPU without native bf16 dot products (no avx512_bf16 / amx_bf16 flag): "
               "autocast converts through float32, so the step gets slower, not faster; --dtype fp32 is the "
@@ -983,13 +1000,22 @@ def _train_out_of_memory(exc: BaseException, cfg: TrainConfig, ctx: _Dist, step:
         f"{cfg.num_anchors} chains x {cfg.block_size} steps")
     vocab = f"draft vocabulary {cfg.draft_vocab_size}" if cfg.draft_vocab_size else "the full vocabulary"
     sizes = (f"step {step}, a micro-batch of {cfg.batch_size} sequences of up to {longest} tokens, {rows} each, "
-             f"{vocab}, {cfg.num_draft_layers} draft layer(s), {cfg.dtype}")
+             f"{vocab}, {cfg.num_draft_layers} draft layer(s), {'bf16' if cfg.uses_bf16(ctx.device) else 'fp32'}")
     fix = ("lower --batch-size (raise --grad-accum-steps to keep the global batch), --num-anchors or "
            "--draft-vocab-size, or train with --dtype bf16"
            + ("" if cfg.algorithm == "eagle3" or cfg.chunked_head_loss == "on" else
               " or --chunked-head-loss on (the draft logits per chunk of slots)")
            + "; samples are cut at --max-seq-len online, at `deepspec cache --max-seq-len` in a cache")
     return out_of_memory_error("train", ctx.device, sizes, fix, exc)
+
+
+def _capture_target(target_model: torch.nn.Module, data) -> torch.nn.Module:
+    """The target as it ran when the training features were captured: a copy cast to a cache's capture
+    dtype (``deepspec cache --dtype bfloat16``), else ``target_model`` itself (float32 caches, online
+    mode). The learning curve's reference is made with it, so the held-out features and greedy outputs
+    come from the same target forward as the features the draft trains on."""
+    capture_dtype = ((getattr(data, "manifest", None) or {}).get("capture") or {}).get("dtype")
+    return target_model if capture_dtype is None else cast_for_decoding(target_model, getattr(torch, capture_dtype))
 
 
 class _HeldoutCurve:

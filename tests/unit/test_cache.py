@@ -5,6 +5,7 @@ Shape legend: T tokens of a sample, H hidden, n target layers, F = n * H feature
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -656,6 +657,39 @@ def test_cache_stage_says_already_complete_instead_of_wrote(model, tmp_path, mon
             f"`deepspec cache --output-dir {tmp_path / 'cache'} --verify` to check every shard's checksum") in second
 
 
+def test_cache_stage_captures_in_its_dtype_keyed_and_fingerprinted_as_loaded(model, tmp_path, monkeypatch):
+    """``cache --dtype bfloat16``: the features are the bf16 target's (the one capture rule on a bf16 copy),
+    the manifest records the capture dtype, the fingerprint is the float32 target's as loaded (train and
+    eval take that one), the caller's target keeps its dtype, and a float32 rerun into the folder is refused."""
+    from deepspec.stages import CacheConfig, run_cache_stage
+    from deepspec.target import load
+
+    monkeypatch.setattr(samples_mod, "render_training_samples", _fake_render_training_samples)
+    monkeypatch.setattr(load, "tokenizer_fingerprint", lambda tok: "tok-A")
+    src = _write_jsonl(tmp_path / "prepared.jsonl", _rows(3))
+    out = tmp_path / "cache"
+    kw = dict(input=str(src), output_dir=str(out), target_layer_ids=LAYER_IDS, shard_size=2, storage_dtype="float32")
+    run_cache_stage(CacheConfig(**kw, dtype="bfloat16"), target_model=model, tokenizer=_StandInTokenizer())
+    assert next(model.parameters()).dtype == torch.float32  # a copy was cast
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["capture"]["dtype"] == "bfloat16"
+    assert manifest["target_fingerprint"] == load.target_fingerprint(model)
+    cache = TargetCache(out)
+    bf16_model = copy.deepcopy(model).to(torch.bfloat16)
+    for i in range(len(cache)):
+        sample = cache[i]
+        ids = sample["input_ids"].long()
+        hidden_TF, last_TH = capture_sample_features(bf16_model, ids, LAYER_IDS)
+        assert torch.equal(sample["target_hidden"], hidden_TF.float())
+        assert torch.equal(sample["target_last_hidden"], last_TH.float())
+        fp32_hidden_TF, _ = capture_sample_features(model, ids, LAYER_IDS)
+        assert not torch.equal(sample["target_hidden"], fp32_hidden_TF)  # the dtype did change the features
+    with pytest.raises(ValueError, match="settings"):
+        run_cache_stage(CacheConfig(**kw, dtype="float32"), target_model=model, tokenizer=_StandInTokenizer())
+    with pytest.raises(ValueError, match="cache.dtype"):
+        CacheConfig(**kw, dtype="half")
+
+
 def test_failed_run_leaves_no_empty_output_folder(model, tmp_path, monkeypatch):
 
     monkeypatch.setattr(samples_mod, "render_training_samples", _fake_render_training_samples)
@@ -705,6 +739,7 @@ def test_cache_and_estimate_default_to_bfloat16_and_the_demo_pins_float32(tmp_pa
     with pytest.raises(_Stop):
         demo.run_demo(cfg)
     assert seen[0].storage_dtype == "float32"
+    assert seen[0].dtype == cfg.dtype == "auto"  # features computed in the dtype the demo decodes in
 
 
 def test_estimate_input_without_tokenizer_files_is_a_clear_error(tmp_path):

@@ -155,3 +155,19 @@ def test_configs_validate_dtype(tmp_path):
         PrepareConfig(input="sharegpt-demo", output=tmp_path / "p.jsonl", dtype="half")
     with pytest.raises(ValueError, match="demo.dtype"):
         DemoConfig(dtype="int8")
+
+
+def test_train_dtype_auto_is_bf16_autocast_where_the_hardware_runs_it_fast(monkeypatch):
+    from deepspec import device as device_mod
+    from deepspec.train.loop import TrainConfig
+
+    cfg = TrainConfig(cache_dir="c", output_dir="o", dtype="auto")
+    assert cfg.dtype == "auto"  # recorded as asked; resolved per device
+    monkeypatch.setattr(device_mod, "cpu_bf16_flags", lambda: ("amx_bf16",))
+    assert cfg.uses_bf16(torch.device("cpu"))
+    monkeypatch.setattr(device_mod, "cpu_bf16_flags", lambda: ())
+    assert not cfg.uses_bf16(torch.device("cpu"))
+    assert TrainConfig(cache_dir="c", output_dir="o", dtype="bfloat16").uses_bf16(torch.device("cpu"))
+    assert not TrainConfig(cache_dir="c", output_dir="o", dtype="float32").uses_bf16(torch.device("cpu"))
+    with pytest.raises(ValueError, match="train.dtype"):
+        TrainConfig(cache_dir="c", output_dir="o", dtype="half")

@@ -86,3 +86,18 @@ def test_heldout_tau_pools_steps_per_benchmark():
     short = HeldoutReference("bench-a", "cut", [0, 5, 6], [7, 8, 9], torch.zeros(6, refs[0].target_hidden_TF.shape[1]))
     with pytest.raises(ValueError, match="needs 104"):
         replay_greedy(PlannedProposer([0, 5, 6, 7, 8, 9]), short, max_new_tokens=100, eos_token_ids=[EOS])
+
+
+def test_the_curve_reference_target_runs_in_the_caches_capture_dtype():
+    """A cache captured in bfloat16 (``deepspec cache --dtype bfloat16``) gets its held-out reference from a
+    bf16 copy of the target; a float32 cache and online data (no capture record) use the target itself."""
+    from types import SimpleNamespace
+
+    from deepspec.train.loop import _capture_target
+
+    target = torch.nn.Linear(4, 4)
+    bf16 = _capture_target(target, SimpleNamespace(manifest={"capture": {"device": "cpu", "dtype": "bfloat16"}}))
+    assert bf16 is not target and bf16.weight.dtype == torch.bfloat16 and target.weight.dtype == torch.float32
+    assert torch.equal(bf16.weight, target.weight.to(torch.bfloat16))
+    assert _capture_target(target, SimpleNamespace(manifest={"capture": {"dtype": "float32"}})) is target
+    assert _capture_target(target, SimpleNamespace(manifest={"format": "online"})) is target

@@ -112,7 +112,7 @@ def test_recipe_flag_sets_defaults_and_flags_win():
     cfg = _parse(["train", "--recipe=cpu", "--cache-dir", "c", "--output-dir", "o", "--num-anchors", "4"])
     assert (cfg.block_size, cfg.draft_vocab_size, cfg.num_anchors) == (3, 8192, 4)
     cfg = _parse(["demo", "--recipe", "cpu"])
-    assert cfg.algorithms == ["dspark", "dflash", "eagle3"] and cfg.num_gsm8k_conversations == 384
+    assert cfg.algorithms == ["dspark", "dflash", "eagle3"] and cfg.num_gsm8k_conversations == 1536
     cfg = _parse(["eval", "--recipe", "qwen3-4b", "--draft", "d", "--output-dir", "o"])
     assert cfg.num_prompts is None and cfg.temperature == 1.0 and "math500" in cfg.benchmarks
 

@@ -415,6 +415,7 @@ def _write_cache_in(
     hidden_size = int(model.config.hidden_size)
     n = len(layer_ids)
     tensors = shard_tensor_dtypes(storage_dtype)
+    capture_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
 
     settings = {  # everything the bytes depend on (not the rank count: shards do not depend on it)
         "format": FORMAT_VERSION,
@@ -430,6 +431,8 @@ def _write_cache_in(
         "source_fingerprint": source_fingerprint,
         # what the chat template reads (stop ids included); not the render date: the probe says if it matters
         "render": None if render is None else {k: v for k, v in render.items() if k != "render_date"},
+        # the features depend on the dtype the target ran in; float32 caches keep the key they always had
+        **({"capture_dtype": capture_dtype} if capture_dtype != "float32" else {}),
     }
     run_key = _run_key(settings)
 
@@ -588,8 +591,7 @@ def _write_cache_in(
             "bytes_per_token_estimate": cache_bytes_per_token(hidden_size, n, storage_dtype),
             # where the target ran (informational, not a setting the bytes are keyed on; the device type only,
             # so the manifest does not depend on the rank count or on which GPU rank 0 had)
-            "capture": {"device": next(model.parameters()).device.type,
-                        "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")},
+            "capture": {"device": next(model.parameters()).device.type, "dtype": capture_dtype},
             "shards": shards,
         }
         atomic_write_json(manifest_path, manifest)
