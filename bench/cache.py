@@ -9,6 +9,8 @@ Measures, side by side in one run with interleaved repetitions, on the same per-
                order; tokens/s counts real tokens only). Not a capture mode (padded batches change
                the low-order bits, see ``capture_sample_features``): it prices the batch-1 rule;
 - ``capture``: :func:`deepspec.target.capture.capture_sample_features` (hooks + feature concat);
+- ``capture-bfloat16``: the same capture by a bfloat16 copy of the target (``deepspec cache --dtype
+               bfloat16``; ``--no-bf16-capture`` skips it);
 - ``write``:   the full cache write of the same samples to a temporary folder
                (:func:`deepspec.data.cache.writer.write_target_cache`, float32 storage): rendering,
                capture, device-to-host copy, shard files, checksums, manifest.
@@ -27,6 +29,7 @@ rendered as they are (their original answers; no regeneration: only the token co
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shutil
 import statistics
@@ -65,6 +68,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions of each mode, interleaved (default: 3)")
     p.add_argument("--storage-dtypes", nargs="+", default=["float32", "bfloat16", "fp8"],
                    help="storage modes for bytes/token (default: float32 bfloat16 fp8)")
+    p.add_argument("--no-bf16-capture", action="store_true",
+                   help="skip the capture by a bfloat16 copy of the target (cache --dtype bfloat16)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave torch's default)")
     p.add_argument("--output-dir", default="runs/bench-cache", help="where the JSON and PNG go")
@@ -142,7 +147,7 @@ def _plot(result: dict, path: Path) -> None:
 
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(10, 4))
     modes = list(result["tok_per_s"])
-    ax_t.bar(modes, [result["tok_per_s"][m] for m in modes], color=["#888", "#bbb", "#3a7", "#37a"])
+    ax_t.bar(modes, [result["tok_per_s"][m] for m in modes])
     ax_t.tick_params(axis="x", labelrotation=20)
     ax_t.set_ylabel("tokens/s (median)")
     ax_t.set_title(f"capture overhead {100 * result['capture_overhead_frac']:+.1f} %")
@@ -185,11 +190,17 @@ def main(argv: list[str] | None = None) -> dict:
     _time_plain(base, ids_list[:2], device)
     _time_plain_batched(base, ids_list[:2], args.batch_size, device)
     _time_capture(model, ids_list[:2], layer_ids, device)
-    times: dict[str, list[float]] = {"plain": [], "plain-batched": [], "capture": [], "capture+write": []}
+    cast = {} if args.no_bf16_capture else {"capture-bfloat16": copy.deepcopy(model).to(torch.bfloat16)}
+    for m in cast.values():
+        _time_capture(m, ids_list[:2], layer_ids, device)
+    times: dict[str, list[float]] = {"plain": [], "plain-batched": [], "capture": [], **{k: [] for k in cast},
+                                     "capture+write": []}
     for rep in range(args.repeats):
         times["plain"].append(_time_plain(base, ids_list, device))
         times["plain-batched"].append(_time_plain_batched(base, ids_list, args.batch_size, device))
         times["capture"].append(_time_capture(model, ids_list, layer_ids, device))
+        for mode, m in cast.items():
+            times[mode].append(_time_capture(m, ids_list, layer_ids, device))
         t0 = time.perf_counter()
         summary = _write(prepared, work / f"write-{rep}", model, tokenizer, layer_ids=layer_ids, args=args,
                          storage_dtype="float32", fingerprints=fingerprints)

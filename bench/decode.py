@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> dict:
     from deepspec.algorithms.ngram.proposer import NGramProposer, check_ngram_range
     from deepspec.algorithms.protocol import cap_proposal_len
     from deepspec.algorithms.registry import check_baselines
-    from deepspec.device import check_dtype_name, dtype_name, resolve_device, resolve_dtype
+    from deepspec.device import cast_for_decoding, check_dtype_name, dtype_name, resolve_device, resolve_dtype
     from deepspec.eval.few_row_linear import check_few_row_mode, few_row_linear_applies
 
     try:
@@ -404,19 +404,21 @@ def main(argv: list[str] | None = None) -> dict:
     from deepspec.algorithms.registry import algorithm_for_model, load_draft
     from deepspec.data.chat import render_prompt
     from deepspec.eval.benchmarks import load_benchmark
-    from deepspec.target.load import load_target
+    from deepspec.target.load import load_target, target_fingerprint
 
     dtype = resolve_dtype(args.dtype, device)
     if args.qwen3_4b:
         model, tokenizer, draft = qwen3_4b_target_and_draft(device, dtype)
         algorithm, args.target = "dspark", "random Qwen3-4B-shaped target"
     else:
-        model, tokenizer = load_target(args.target, dtype=dtype)
-        model.to(device).eval()
+        model, tokenizer = load_target(args.target)
+        # the fingerprint of the weights as loaded (as training recorded it), before the decoding cast
+        fingerprint = target_fingerprint(model)
+        model = cast_for_decoding(model, dtype, device, in_place=True).eval()
         if folder is None:
             algorithm, draft = "dspark", untrained_draft(model, tokenizer)
         else:
-            algorithm, draft = load_draft(folder, target_model=model)
+            algorithm, draft = load_draft(folder, target_model=model, target_fingerprint=fingerprint)
     draft = draft.to(device=device, dtype=dtype).eval()  # the frozen embed / lm_head too
     layer_ids = list(draft.config.target_layer_ids)
     max_pos = model.config.max_position_embeddings
