@@ -34,3 +34,21 @@ def test_summarise_break_even_tau_and_speedup():
     assert figures[decode.HF]["break_even_tau"] is None and figures[decode.HF]["tau"] is None
     assert figures["speculative"]["speedup"] == pytest.approx((0.44 / 11) / (0.62 / 31))
     assert figures["ngram"]["propose_ms"] == pytest.approx(12.5)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # bf16 on a CPU without bf16 units warns; the check is the same
+def test_a_draft_of_the_float32_target_runs_in_bfloat16(tmp_path):
+    """The draft records the fingerprint of the float32 target it was built on; bench/decode in bfloat16
+    checks it against the target as loaded, before the decoding cast (it used to refuse the draft)."""
+    import json
+
+    from deepspec.target.load import load_target
+
+    decode = _decode_module()
+    model, tokenizer = load_target("default")
+    decode.untrained_draft(model, tokenizer).save_pretrained(tmp_path / "draft")
+    decode.main(["--draft", str(tmp_path / "draft"), "--dtype", "bfloat16", "--benchmarks", "gsm8k",
+                 "--num-prompts", "1", "--max-new-tokens", "2", "--repeats", "1", "--temperatures", "0",
+                 "--baselines", "none", "--output-dir", str(tmp_path / "out")])
+    result = json.loads((tmp_path / "out" / "decode_bench.json").read_text())
+    assert result["dtype"] == "bfloat16"
