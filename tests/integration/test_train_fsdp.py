@@ -16,7 +16,10 @@ from safetensors.torch import load_file
 from deepspec.data.cache import write_target_cache_from_samples
 
 _CONNECTION_ERRORS = ("Address already in use", "EADDRINUSE", "Connection refused", "Connection reset",
-                      "Connection closed by peer", "RendezvousConnectionError")
+                      "Connection closed by peer", "RendezvousConnectionError",
+                      # seen once in CI on a loaded 2-core machine: a rank aborted in torch's thread teardown
+                      # after its last step and checkpoint (2026-12-02); a rerun of the same run passed
+                      "terminate called without an active exception")
 from deepspec.target.load import load_target, target_fingerprint, tokenizer_fingerprint
 from deepspec.train.loop import TrainConfig, train
 from tests.integration.test_cache_crash import make_tiny_target, subprocess_env
@@ -65,7 +68,8 @@ def _two_ranks(cache: Path, target: Path, out: Path, *flags: str) -> None:
         shutil.rmtree(out, ignore_errors=True)  # each attempt starts from an empty output folder
         run = subprocess.run(cmd, cwd=repo, env=subprocess_env(), capture_output=True, text=True, timeout=600,
                              check=False)
-        # a loaded machine can lose torchrun's local rendezvous/gloo connection race; retry that once
+        # a loaded machine can lose torchrun's local rendezvous/gloo connection race (or abort in teardown);
+        # retry that once
         if run.returncode == 0 or not any(m in run.stderr for m in _CONNECTION_ERRORS):
             break
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -398,7 +398,7 @@ def test_bf16_on_a_cpu_without_native_bf16_warns_and_the_decoding_spelling_is_ac
     model, tok, cache = setup
     assert _cfg(cache, tmp_path / "a", dtype="bfloat16").dtype == "bf16"
     assert _cfg(cache, tmp_path / "a", dtype="float32").dtype == "fp32"
-    with pytest.raises(ValueError, match="train.dtype: expected 'fp32' or 'bf16'.*got 'fp16'"):
+    with pytest.raises(ValueError, match="train.dtype: expected 'fp32', 'bf16' or 'auto'.*got 'fp16'"):
         _cfg(cache, tmp_path / "a", dtype="fp16")
     monkeypatch.setattr(loop, "cpu_bf16_flags", lambda: ())  # a CPU like the Zen 3 host (AVX2 only)
     train(_cfg(cache, tmp_path / "emulated", dtype="bf16", max_steps=1), target_model=model, tokenizer=tok)
