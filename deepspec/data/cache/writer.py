@@ -66,6 +66,7 @@ from deepspec.data.cache.samples import (
 from deepspec.data.chat import COUNT_KEYS as TURN_COUNT_KEYS
 from deepspec.data.chat import target_stop_token_ids
 from deepspec.data.conversations import read_jsonl
+from deepspec.device import dtype_name
 from deepspec.target import load
 from deepspec.target.capture import (
     _base_model,
@@ -415,7 +416,7 @@ def _write_cache_in(
     hidden_size = int(model.config.hidden_size)
     n = len(layer_ids)
     tensors = shard_tensor_dtypes(storage_dtype)
-    capture_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    capture_dtype = dtype_name(next(model.parameters()).dtype)
 
     settings = {  # everything the bytes depend on (not the rank count: shards do not depend on it)
         "format": FORMAT_VERSION,
