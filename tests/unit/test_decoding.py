@@ -165,3 +165,32 @@ def test_no_checkpoint_field_leaks_not_even_unlisted_ones(sampling_target):
     finally:
         model.generation_config = saved
     assert out[0, len(prompt):].tolist() == want
+
+
+def test_the_output_layer_gets_contiguous_inputs_and_the_hook_is_removed(sampling_target):
+    """transformers slices ``hidden[:, -1:, :]`` at the prefill; a non-contiguous ``[B, 1, H]`` input
+    makes ``torch.matmul`` copy the output weight once per row (pinned_generate's docstring). Every
+    input the output layer sees during a batched pinned_generate is contiguous, the greedy ids are the
+    argmax loop's, and the hook does not outlive the call."""
+    from deepspec.data.backends import _left_pad
+
+    model, tok, _ = sampling_target
+    head = model.get_output_embeddings()
+    seen: list[tuple[int, bool]] = []
+    record = head.register_forward_hook(lambda m, args, out: seen.append((args[0].shape[0], args[0].is_contiguous())))
+    try:
+        prompts = _prompts(tok)
+        ids_BT, mask_BT = _left_pad(prompts, 2)
+        with torch.no_grad():  # without the hook the prefill's input is the non-contiguous slice
+            model(input_ids=ids_BT, attention_mask=mask_BT, logits_to_keep=1)
+        assert seen == [(len(prompts), False)]
+        seen.clear()
+        out = pinned_generate(model, ids_BT, mask_BT, max_new_tokens=8, temperature=0.0, stop_token_ids=[2],
+                              pad_token_id=2)
+        assert len(seen) >= 2 and all(contiguous for _, contiguous in seen)
+        assert not head._forward_pre_hooks
+        for b, prompt in enumerate(prompts):
+            want = argmax_loop(model, prompt, 8, {2})
+            assert out[b, ids_BT.shape[1]:ids_BT.shape[1] + len(want)].tolist() == want
+    finally:
+        record.remove()
