@@ -12,6 +12,9 @@ float32; the JSON records the resolved dtype):
   step without a trained draft: its tau is ~1);
 - ``ngram`` (``--baselines ngram``, the default; ``none`` drops it): the training-free prompt-lookup
   proposer (``deepspec.algorithms.ngram``) with the draft's K;
+- ``lookup-first-nN`` (``--lookup-first N[,N..]``, off by default): the same draft with prompt lookup in
+  front (``deepspec.algorithms.ngram.LookupFirstProposer``): a match of at least N tokens proposes,
+  else the draft does; the share of steps the lookup proposed is printed and recorded;
 - ``hf-generate``: Hugging Face ``generate()`` with the same sampling, the reference the baseline
   is held to.
 
@@ -207,7 +210,9 @@ def print_setting(name: str, r: dict[str, Any]) -> None:
         print(f"{m}: verify forward {_fmt(spec['verify_ms'], '.2f')} ms per step over {_fmt(spec['tau'], '.2f')} "
               f"committed tokens ({_fmt(spec['verify_ms_per_token'], '.2f')} ms per token); propose "
               f"{_fmt(share, '.0%')} of a target-only step; median speedup {r['median_speedups'][m]:.2f}x; output "
-              f"identical to target-only on {r['frac_identical_to_baseline'][m]:.0%} of prompts")
+              f"identical to target-only on {r['frac_identical_to_baseline'][m]:.0%} of prompts"
+              + (f"; {spec['steps_from_lookup']:.0%} of its steps proposed by prompt lookup"
+                 if "steps_from_lookup" in spec else ""))
     print(f"target-only / generate() tokens/s: {r['baseline_vs_generate']:.3f} (median over (prompt, repeat) pairs "
           f"{r['median_baseline_vs_generate']:.3f}); generate() output identical to target-only on "
           f"{r['frac_hf_identical_to_baseline']:.0%} of prompts")
@@ -228,6 +233,11 @@ def goals(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     pooled = greedy["methods"]["speculative"]["speedup"] or 0.0
     out = {"speedup_greedy": {"goal": f">= {SPEEDUP_GOAL}x", "value": pooled, "median": greedy["median_speedup"],
                               "met": min(pooled, greedy["median_speedup"]) >= SPEEDUP_GOAL}}
+    for m, fig in greedy["methods"].items():  # the draft with prompt lookup in front, beside it
+        if m.startswith("lookup-first"):
+            v, med = fig["speedup"] or 0.0, greedy["median_speedups"][m]
+            out[f"speedup_greedy_{m}"] = {"goal": f">= {SPEEDUP_GOAL}x", "value": v, "median": med,
+                                          "met": min(v, med) >= SPEEDUP_GOAL}
     compiled = results.get("compile", False)
     for name, r in results["settings"].items():
         v, m = r["baseline_vs_generate"], r["median_baseline_vs_generate"]
@@ -331,6 +341,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--baselines", default="ngram", help="comma-separated training-free proposers (ngram) or none")
     p.add_argument("--ngram-max", type=int, default=3, help="ngram baseline: longest n-gram matched")
     p.add_argument("--ngram-min", type=int, default=1, help="ngram baseline: shortest n-gram matched")
+    p.add_argument("--lookup-first", default="",
+                   help="comma-separated shortest n-gram matches (e.g. 2,3): per value a method lookup-first-nN, the "
+                        "draft with prompt lookup in front (deepspec.algorithms.ngram.LookupFirstProposer); '' = none")
     p.add_argument("--target", default="default", help="target (default: the embedded SmolLM2-135M)")
     p.add_argument("--benchmarks", default="gsm8k,mt-bench", help="comma-separated benchmarks the prompts come from")
     p.add_argument("--num-prompts", type=int, default=3, help="prompts per benchmark (seeded sample)")
@@ -375,7 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--temperatures: expected at least one temperature")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from deepspec.algorithms.ngram.proposer import NGramProposer, check_ngram_range
+    from deepspec.algorithms.ngram.proposer import LookupFirstProposer, NGramProposer, check_ngram_range
     from deepspec.algorithms.protocol import cap_proposal_len
     from deepspec.algorithms.registry import check_baselines
     from deepspec.device import cast_for_decoding, check_dtype_name, dtype_name, resolve_device, resolve_dtype
@@ -386,6 +399,9 @@ def main(argv: list[str] | None = None) -> dict:
         check_few_row_mode(args.few_row_linear, "--few-row-linear")
         baselines = check_baselines([b for b in args.baselines.split(",") if b], "--baselines")
         check_ngram_range(ngram_max=args.ngram_max, ngram_min=args.ngram_min, field="bench")
+        lookup_first = [int(n) for n in args.lookup_first.split(",") if n.strip()]
+        for n in lookup_first:
+            check_ngram_range(ngram_max=max(n, args.ngram_max), ngram_min=n, field="bench.lookup_first")
         device = resolve_device(args.device, "--device")  # before the draft folder and the target
     except ValueError as exc:
         p.error(str(exc))
@@ -431,10 +447,14 @@ def main(argv: list[str] | None = None) -> dict:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     few_rows = few_row_linear_applies(args.few_row_linear, model)  # the eager engines'
     proposers = {"target-only": NullProposer(), "speculative": proposer}
+    vocab = int(model.get_output_embeddings().weight.shape[0])
     if "ngram" in baselines:
-        proposers["ngram"] = NGramProposer(vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        proposers["ngram"] = NGramProposer(vocab_size=vocab,
                                            num_tokens=proposer.max_proposal_len, ngram_max=args.ngram_max,
                                            ngram_min=args.ngram_min, max_positions=max_pos, device=device)
+    for n in lookup_first:  # the same draft proposer: each engine resets it before every prompt
+        proposers[f"lookup-first-n{n}"] = LookupFirstProposer(proposer, vocab_size=vocab, ngram_max=max(n, args.ngram_max),
+                                                              ngram_min=n, max_positions=max_pos, device=device)
     if args.compile == "on":
         from deepspec.eval.compiled import CompiledTarget
 
@@ -454,9 +474,15 @@ def main(argv: list[str] | None = None) -> dict:
     settings: dict[str, Any] = {}
     for sampling in samplings:
         name = "greedy" if sampling.greedy else f"T={sampling.temperature:g}"
+        combined = {m: p for m, p in proposers.items() if isinstance(p, LookupFirstProposer)}
+        for prop in combined.values():
+            prop.steps_from_lookup = prop.steps_from_draft = 0
         settings[name] = bench_setting(engines, model, prompts, sampling=sampling,
                                        max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed,
                                        eos=eos, pad=pad, device=device)
+        for m, prop in combined.items():  # warm-up steps included
+            settings[name]["methods"][m]["steps_from_lookup"] = prop.steps_from_lookup / max(
+                prop.steps_from_lookup + prop.steps_from_draft, 1)
     results: dict[str, Any] = {
         "target": args.target, "device": str(device), "threads": torch.get_num_threads(),
         "dtype": dtype_name(dtype), "dtype_requested": args.dtype, "few_row_linear": few_rows,
@@ -464,6 +490,7 @@ def main(argv: list[str] | None = None) -> dict:
         "draft": str(folder) if folder is not None else "untrained", "algorithm": algorithm,
         "max_proposal_len": proposer.max_proposal_len, "baselines": baselines,
         "ngram": {"ngram_max": args.ngram_max, "ngram_min": args.ngram_min} if baselines else None,
+        "lookup_first_ngram_min": lookup_first,
         "target_layer_ids": layer_ids, "prompts": [f"{b}:{pr.id}" for b, pr in bench_prompts],
         "prompt_origins": sorted({pr.origin for _, pr in bench_prompts}),
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "seed": args.seed,

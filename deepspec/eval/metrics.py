@@ -81,6 +81,8 @@ METRIC_DEFINITIONS: dict[str, str] = {
     "(expected 1.0 at temperature 0: lossless. At temperature > 0 the outputs differ, only their distribution is the "
     "target's, which the test suite checks with a chi-square test; hf-generate draws from the same random stream as "
     "target-only, so its outputs are identical there too)",
+    "frac_steps_from_lookup": "a draft with prompt lookup in front (`<draft>+lookup`, eval.lookup_first) only: "
+    "fraction of its verify steps whose proposal came from the n-gram lookup (the rest from the draft)",
     "calibration": "confidence-head calibration (None when no step carries confidences). Pairs: per step "
     "with confidence, slots k = 1..min(accepted + 1, proposed), label 1 if k <= accepted else 0 (slots after "
     "the first rejection, and the slot after an accepted EOS, are not reached and excluded); figures "

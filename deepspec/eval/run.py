@@ -112,13 +112,14 @@ def render_benchmark_prompts(tokenizer: Any, benchmarks: Mapping[str, Sequence[B
 
 def _proposer_info(proposer: Proposer) -> dict[str, Any]:
     """A proposer's entry in the report config: type, K, dtype of its model (None without one) and,
-    for the n-gram baseline, its n-gram range."""
-    model = getattr(proposer, "model", None)
+    for the n-gram baseline and a draft with prompt lookup in front, the n-gram range."""
+    lookup = getattr(proposer, "lookup", None)  # LookupFirstProposer: the draft's model, the lookup's range
+    model = getattr(getattr(proposer, "draft", proposer), "model", None)
     info: dict[str, Any] = {"type": type(proposer).__name__, "max_proposal_len": proposer.max_proposal_len,
                             "dtype": dtype_name(next(model.parameters()).dtype) if model is not None else None}
     for key in ("ngram_max", "ngram_min"):
-        if hasattr(proposer, key):
-            info[key] = getattr(proposer, key)
+        if hasattr(lookup or proposer, key):
+            info[key] = getattr(lookup or proposer, key)
     return info
 
 
@@ -260,6 +261,8 @@ def run_eval(
         runs: dict[str, list[GenerationResult]] = {m: [] for m in methods}
         prompts_of: dict[str, list[list[int]]] = {m: [] for m in methods}  # the prompt ids of each result
         turn_of: list[tuple[str, int]] = []  # (prompt id, turn 1..) of each pooled result, in order
+        lookup_counts = {n: (p.steps_from_lookup, p.steps_from_draft) for n, p in proposers.items()
+                         if hasattr(p, "steps_from_lookup")}  # a draft with prompt lookup in front
         for i, (prompt, ids) in enumerate(zip(prompts, rendered[bench])):
             turn_of.extend((prompt.id, t + 1) for t in range(min(num_turns, len(prompt.turns))))
             for name, engine in engines.items():
@@ -296,6 +299,10 @@ def run_eval(
             name: benchmark_metrics(res, baseline=None if name == BASELINE else base, max_k=max_k.get(name, 0))
             for name, res in runs.items()
         }
+        for name, (from_lookup, from_draft) in lookup_counts.items():
+            n_lookup = proposers[name].steps_from_lookup - from_lookup
+            n_all = n_lookup + proposers[name].steps_from_draft - from_draft
+            figures[bench][name]["frac_steps_from_lookup"] = n_lookup / n_all if n_all else None
         if measure_flips:
             with few_row_linear_context(target_model) if few_row_linear else contextlib.nullcontext():
                 argmax_flip_figures(target_model, prompts_of[BASELINE], base, {n: runs[n] for n in proposers},

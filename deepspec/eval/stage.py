@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from deepspec.algorithms.ngram.proposer import DEFAULT_NUM_TOKENS, NGramProposer, check_ngram_range
+from deepspec.algorithms.ngram.proposer import DEFAULT_NUM_TOKENS, LookupFirstProposer, NGramProposer, check_ngram_range
 from deepspec.algorithms.protocol import cap_proposal_len
 from deepspec.algorithms.registry import algorithm_for_model, check_baselines, check_draft_target, load_draft
 from deepspec.data.sources import SourceUnavailableError
@@ -69,6 +69,9 @@ class EvalConfig:
     ngram_max: int = 3  # ngram baseline: longest n-gram matched (tried first)
     ngram_min: int = 1  # ngram baseline: shortest n-gram matched
     ngram_num_tokens: int | None = None  # ngram baseline: K, tokens proposed per step; none = the first draft's K (else 7)
+    # also evaluate each draft with prompt lookup in front (row "<draft>+lookup"; deepspec.algorithms.ngram.
+    # LookupFirstProposer): an n-gram match of at least this many tokens proposes, else the draft; none = off
+    lookup_first: int | None = None
     # every method proposes at most this many tokens per step (vLLM's num_speculative_tokens); none = each
     # proposer's own K (a DSpark/DFlash draft's block size, Eagle3's steps, the ngram baseline's K)
     num_draft_tokens: int | None = None
@@ -97,6 +100,10 @@ class EvalConfig:
         if self.ngram_num_tokens is not None and self.ngram_num_tokens < 1:
             raise ValueError(f"eval.ngram_num_tokens: expected an integer >= 1 or none (the draft's K), "
                              f"got {self.ngram_num_tokens}")
+        lf = self.lookup_first
+        if lf is not None and (isinstance(lf, bool) or not isinstance(lf, int) or lf < 1):
+            raise ValueError(f"eval.lookup_first: expected an integer >= 1 (the shortest n-gram match that proposes "
+                             f"in front of each draft; 2 is a good start) or none (off), got {lf!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"eval.max_new_tokens: expected an integer >= 1, got {self.max_new_tokens}")
         if self.num_prompts is not None and self.num_prompts < 1:
@@ -347,15 +354,18 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
         for name in drafts:
             if name not in thresholded:
                 print(f"[eval] {name}: no confidence head, --confidence-threshold not applied (full proposals)")
-    proposers = {
-        name: algorithm_for_model(model).proposer(
-            model,
-            confidence_threshold=cfg.confidence_threshold if cfg.confidence_threshold > 0 and name in thresholded
-            else None,
-            max_positions=max_positions,
-        )
-        for name, model in drafts.items()
-    }
+
+    def draft_proposer(name: str, model):
+        threshold = cfg.confidence_threshold if cfg.confidence_threshold > 0 and name in thresholded else None
+        return algorithm_for_model(model).proposer(model, confidence_threshold=threshold, max_positions=max_positions)
+
+    proposers = {name: draft_proposer(name, model) for name, model in drafts.items()}
+    if cfg.lookup_first is not None:  # a proposer of its own per row: the rows run interleaved per prompt
+        vocab = int(target_model.get_output_embeddings().weight.shape[0])
+        for name, model in drafts.items():
+            proposers[_unique_name(f"{name}+lookup", proposers)] = LookupFirstProposer(
+                draft_proposer(name, model), vocab_size=vocab, ngram_max=max(cfg.lookup_first, cfg.ngram_max),
+                ngram_min=cfg.lookup_first, max_positions=max_positions, device=device)
     proposers.update(baseline_proposers(cfg, target_model, drafts=proposers, taken=proposers))
     if cfg.num_draft_tokens is not None:
         for proposer in proposers.values():

@@ -310,3 +310,22 @@ def test_engine_ngram_baseline_follows_target_distribution(target, params):
     p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
     p_third = chi_square_pvalue(counts_V, third_V)
     assert p_joint > PASS_P and p_third > PASS_P, (p_joint, p_third)
+
+
+@pytest.mark.parametrize("params", [PLAIN, FILTERED], ids=["plain", "topk_topp"])
+def test_lookup_first_draft_follows_target_distribution(target, params):
+    """Prompt lookup in front of a DSpark draft: steps proposed by the lookup (one-hot q) and steps
+    proposed by the draft (its own q) mix within the same generations; the output is still the
+    target's distribution."""
+    from deepspec.algorithms.ngram.proposer import LookupFirstProposer
+
+    joint_VV, third_V = exact_target_distributions(target, params)
+    trials = 1200
+    # an anchor among the prompt's ids 0, 3, 7, 5 is a 1-gram match: the lookup proposes, else the draft
+    proposer = LookupFirstProposer(untrained_dspark_proposer(target), vocab_size=V, ngram_max=2, ngram_min=1)
+    counts_VV, counts_V, accepted = engine_samples(target, params, trials, seed=2, proposer=proposer)
+    assert proposer.steps_from_lookup > 0.1 * trials and proposer.steps_from_draft > 0.1 * trials
+    assert 0.02 * trials < accepted
+    p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
+    p_third = chi_square_pvalue(counts_V, third_V)
+    assert p_joint > PASS_P and p_third > PASS_P, (p_joint, p_third)

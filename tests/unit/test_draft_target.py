@@ -177,3 +177,30 @@ def test_original_layout_missing_norm_eps_is_an_error(setup, tmp_path):
     (folder / "config.json").write_text(json.dumps(saved))
     with pytest.raises(ValueError, match="key 'rms_norm_eps': expected a value"):
         load_draft(folder)
+
+
+def test_eval_lookup_first_adds_a_row_per_draft_with_its_lookup_share(setup, tmp_path):
+    from deepspec.eval.stage import EvalConfig, run_eval_stage
+
+    tok, targets, folders = setup
+    bench = tmp_path / "gsm8k.jsonl"
+    bench.write_text(json.dumps({"question": "1 + 1 = 1 + 1 = 1 + 1 = ?", "answer": "#### 2"}) + "\n")
+    res = run_eval_stage(EvalConfig(draft=[str(folders["dspark"]), str(folders["eagle3"])], benchmarks=["gsm8k"],
+                                    benchmark_files=[f"gsm8k={bench}"], num_prompts=1, max_new_tokens=24,
+                                    compare_hf_generate=False, lookup_first=1, dtype="float32",
+                                    output_dir=str(tmp_path / "e")),
+                         target_model=targets["A"], tokenizer=tok)
+    names = list(res["config"]["proposers"])
+    drafts = [n for n in names if n.startswith(("dspark:", "eagle3:")) and not n.endswith("+lookup")]
+    assert names == [*drafts, *(f"{n}+lookup" for n in drafts), "ngram"]
+    for n in drafts:
+        info = res["config"]["proposers"][f"{n}+lookup"]
+        assert info["type"] == "LookupFirstProposer" and (info["ngram_max"], info["ngram_min"]) == (3, 1)
+        assert info["max_proposal_len"] == res["config"]["proposers"][n]["max_proposal_len"]
+        assert info["dtype"] == "float32"
+        fig = res["benchmarks"]["gsm8k"][f"{n}+lookup"]
+        assert 0.0 < fig["frac_steps_from_lookup"] <= 1.0  # the prompt repeats itself: the lookup proposes
+        assert fig["frac_identical_to_baseline"] == 1.0
+        assert "frac_steps_from_lookup" not in res["benchmarks"]["gsm8k"][n]
+    with pytest.raises(ValueError, match="eval.lookup_first"):
+        EvalConfig(draft=["x"], output_dir="o", lookup_first=0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deepspec.algorithms.ngram.proposer import NGramProposer, ngram_proposal
-from deepspec.algorithms.protocol import NullProposer
+from deepspec.algorithms.protocol import NullProposer, Proposal, cap_proposal_len
 from deepspec.algorithms.registry import check_baselines
 from deepspec.eval.engine import SpeculativeEngine
 from deepspec.eval.verify import SamplingParams, verify
@@ -186,3 +186,81 @@ def test_baseline_proposers_take_the_drafts_k(target):
     assert list(baseline_proposers(cfg, target, drafts={}, taken={"ngram": None})) == ["ngram#2"]
     assert baseline_proposers(EvalConfig(draft=["x"], output_dir="o", baselines=["none"]), target, drafts={},
                               taken={}) == {}
+
+
+# ----------------------------------------------------------------------------- lookup in front of a draft
+class StubDraft:
+    """A draft that records its calls and proposes ``[60, 61, ..]``; needs features."""
+
+    def __init__(self, k: int = 3):
+        self.max_proposal_len = k
+        self.calls: list[tuple] = []
+        self.features = 0
+
+    def reset(self):
+        self.calls.append(("reset",))
+        self.features = 0
+
+    def extend_context(self, target_hidden_TF, token_ids_T):
+        assert target_hidden_TF is not None and target_hidden_TF.shape[0] == len(token_ids_T)
+        self.features += len(token_ids_T)
+
+    def propose(self, anchor_token, anchor_pos, *, sampling, generator):
+        assert self.features == anchor_pos
+        self.calls.append(("propose", anchor_pos))
+        return Proposal(draft_ids_N=torch.arange(60, 60 + self.max_proposal_len))
+
+
+def test_lookup_first_proposes_a_long_enough_match_else_the_draft():
+    from deepspec.algorithms.ngram.proposer import LookupFirstProposer
+
+    draft = StubDraft()
+    prop = LookupFirstProposer(draft, vocab_size=VOCAB, ngram_max=3, ngram_min=2)
+    assert prop.needs_features and prop.max_proposal_len == 3
+    prop.reset()
+    ctx = [0, 5, 17, 42, 8, 9]
+    prop.extend_context(torch.zeros(len(ctx), 4), ctx)
+    g = SamplingParams()
+    # anchor 17 after ..., 9: the last two tokens (9, 17) never occurred: the draft proposes
+    out = prop.propose(17, len(ctx), sampling=g, generator=None)
+    assert out.draft_ids_N.tolist() == [60, 61, 62] and draft.calls[-1] == ("propose", 6)
+    prop.extend_context(torch.zeros(2, 4), [17, 5])  # committed: 17 (the anchor), 5
+    # anchor 17 after ..., 5: the 2-gram (5, 17) occurred at positions 1-2: the lookup proposes 42, 8, 9
+    out = prop.propose(17, 8, sampling=g, generator=None)
+    assert out.draft_ids_N.tolist() == [42, 8, 9] and draft.calls[-1] == ("propose", 6)
+    assert (prop.steps_from_lookup, prop.steps_from_draft) == (1, 1)
+    # a 1-gram match is not enough with ngram_min 2: 8 occurred, (x, 8) did not
+    prop.extend_context(torch.zeros(1, 4), [17])
+    assert prop.propose(8, 9, sampling=g, generator=None).draft_ids_N.tolist() == [60, 61, 62]
+    # T > 0: the lookup's rows are point masses over the target vocabulary
+    prop.extend_context(torch.zeros(1, 4), [8])
+    out = prop.propose(9, 10, sampling=SamplingParams(temperature=1.0), generator=None)
+    assert out.draft_ids_N.tolist() == [17, 5, 17]
+    assert out.draft_probs_NV.shape == (3, VOCAB) and out.draft_probs_NV.sum(-1).eq(1).all()
+    cap_proposal_len(prop, 2)
+    assert (prop.max_proposal_len, draft.max_proposal_len, prop.lookup.max_proposal_len) == (2, 2, 2)
+    prop.reset()
+    assert draft.calls[-1] == ("reset",) and prop.lookup.tokens == [] and draft.features == 0
+    with pytest.raises(ValueError, match="LookupFirstProposer.draft"):
+        LookupFirstProposer(StubDraft(k=0), vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="ngram_min"):
+        LookupFirstProposer(StubDraft(), vocab_size=VOCAB, ngram_max=2, ngram_min=3)
+
+
+def test_lookup_first_with_a_dspark_draft_is_lossless_greedy(target):
+    from deepspec.algorithms.dspark.config import draft_config_from_target
+    from deepspec.algorithms.dspark.model import DSparkDraftModel
+    from deepspec.algorithms.dspark.proposer import DSparkProposer
+    from deepspec.algorithms.ngram.proposer import LookupFirstProposer
+
+    cfg = draft_config_from_target(target.config, num_draft_layers=1, target_layer_ids=[0], mask_token_id=VOCAB - 1,
+                                   block_size=4, markov_rank=4)
+    torch.manual_seed(0)
+    draft = DSparkProposer(DSparkDraftModel.from_target(target, cfg).eval())
+    prop = LookupFirstProposer(draft, vocab_size=VOCAB, ngram_min=2)
+    eos = [VOCAB + 1]
+    base = SpeculativeEngine(target, [0], NullProposer(), eos)
+    spec = SpeculativeEngine(target, [0], prop, eos)
+    for prompt in PROMPTS:
+        assert spec.generate(prompt, max_new_tokens=40).output_ids == base.generate(prompt, max_new_tokens=40).output_ids
+    assert prop.steps_from_lookup > 0 and prop.steps_from_draft > 0

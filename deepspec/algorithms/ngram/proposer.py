@@ -24,6 +24,7 @@ without capture hooks and passes ``None`` as ``target_hidden_TF`` to :meth:`NGra
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -119,3 +120,74 @@ def check_ngram_range(*, ngram_max: int, ngram_min: int, field: str) -> None:
     if ngram_min > ngram_max:
         raise ValueError(f"{field}.ngram_min: expected <= ngram_max ({ngram_max}), received {ngram_min}; "
                          "lower --ngram-min or raise --ngram-max.")
+
+
+DEFAULT_LOOKUP_FIRST_MIN = 2  # the shortest n-gram match that proposes in front of a draft
+
+
+class LookupFirstProposer:
+    """A draft with prompt lookup in front of it: a long enough n-gram match proposes, else the draft does.
+
+    Each step the lookup of :func:`ngram_proposal` runs first over n = ``ngram_max`` .. ``ngram_min``
+    (``ngram_min`` defaults to 2: a match of a single token predicts poorly); when it finds a match
+    its continuation is the proposal, otherwise the draft proposes (the hybrid of SuffixDecoding,
+    Oliaro et al. 2024, which falls back to a model drafter where its own match is weak, with prompt
+    lookup in place of a suffix tree). It wins where the output copies the context (code, quoted
+    text, a repeated answer), where a small draft is weakest, and costs no draft forward there.
+
+    Lossless at any temperature: which proposer runs is a function of the committed tokens alone
+    (not of any random draw of the step), and each returns the distribution its tokens were drawn
+    from (a point mass for the lookup), so the verify step's rejection sampling (Leviathan et al.
+    2023, Alg. 1, which holds for any ``q``) yields the target's distribution either way.
+
+    Both proposers see every committed position: ``extend_context`` goes to both (the lookup ignores
+    the features), ``reset`` to both. ``needs_features`` is the draft's. ``max_proposal_len`` is the
+    draft's K (setting it, as :func:`deepspec.algorithms.protocol.cap_proposal_len` does, sets both).
+    ``steps_from_lookup`` / ``steps_from_draft`` count the proposals of each kind since construction.
+
+    Args:
+        draft: the draft's proposer (any :class:`~deepspec.algorithms.protocol.Proposer`).
+        vocab_size, max_positions, device: as :class:`NGramProposer`.
+        ngram_max, ngram_min: the n-gram lengths the lookup tries, longest first.
+
+    Raises ValueError (naming the argument) for an invalid n-gram range or a draft with K < 1.
+    """
+
+    def __init__(self, draft: Any, *, vocab_size: int, ngram_max: int = DEFAULT_NGRAM_MAX,
+                 ngram_min: int = DEFAULT_LOOKUP_FIRST_MIN, max_positions: int | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        if int(draft.max_proposal_len) < 1:
+            raise ValueError(f"LookupFirstProposer.draft: expected a proposer with K >= 1, received "
+                             f"{type(draft).__name__} with K = {draft.max_proposal_len}.")
+        self.draft = draft
+        self.lookup = NGramProposer(vocab_size=vocab_size, num_tokens=int(draft.max_proposal_len),
+                                    ngram_max=ngram_max, ngram_min=ngram_min, max_positions=max_positions,
+                                    device=device)
+        self.needs_features = bool(getattr(draft, "needs_features", True))
+        self.steps_from_lookup = 0
+        self.steps_from_draft = 0
+
+    @property
+    def max_proposal_len(self) -> int:
+        return self.lookup.max_proposal_len
+
+    @max_proposal_len.setter
+    def max_proposal_len(self, k: int) -> None:
+        self.lookup.max_proposal_len = self.draft.max_proposal_len = int(k)
+
+    def reset(self) -> None:
+        self.draft.reset()
+        self.lookup.reset()
+
+    def extend_context(self, target_hidden_TF: Tensor | None, token_ids_T: Sequence[int]) -> None:
+        self.draft.extend_context(target_hidden_TF, token_ids_T)
+        self.lookup.extend_context(None, token_ids_T)
+
+    def propose(self, anchor_token: int, anchor_pos: int, *, sampling: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        proposal = self.lookup.propose(anchor_token, anchor_pos, sampling=sampling, generator=generator)
+        if proposal.num_proposed:
+            self.steps_from_lookup += 1
+            return proposal
+        self.steps_from_draft += 1
+        return self.draft.propose(anchor_token, anchor_pos, sampling=sampling, generator=generator)
