@@ -11,10 +11,11 @@ float32; the JSON records the resolved dtype):
   ``--draft untrained``: a freshly initialised draft of the demo's DSpark shape, for the cost of a
   step without a trained draft: its tau is ~1);
 - ``ngram`` (``--baselines ngram``, the default; ``none`` drops it): the training-free prompt-lookup
-  proposer (``deepspec.algorithms.ngram``) with the draft's K;
+  proposer (``deepspec.algorithms.ngram``) with K = ``--lookup-num-tokens`` (default: the draft's K);
 - ``lookup-first-nN`` (``--lookup-first N[,N..]``, off by default): the same draft with prompt lookup in
-  front (``deepspec.algorithms.ngram.LookupFirstProposer``): a match of at least N tokens proposes,
-  else the draft does; the share of steps the lookup proposed is printed and recorded;
+  front (``deepspec.algorithms.ngram.LookupFirstProposer``): a match of at least N tokens proposes up
+  to ``--lookup-num-tokens`` tokens, else the draft does; the share of steps the lookup proposed is
+  printed and recorded;
 - ``hf-generate``: Hugging Face ``generate()`` with the same sampling, the reference the baseline
   is held to.
 
@@ -56,7 +57,8 @@ step costs what a trained draft's does, which is what the goals are about (``--d
     python bench/decode.py --qwen3-4b --draft untrained --compile on --temperatures 0 --baselines none \
         --benchmarks gsm8k --num-prompts 2 --max-new-tokens 128   # on a GPU machine (bench/gpu_check.sh)
 
-``--num-draft-tokens N`` caps every proposal at N tokens (vLLM's ``num_speculative_tokens``);
+``--num-draft-tokens N`` caps the draft's proposals at N tokens (vLLM's ``num_speculative_tokens``;
+the ngram baseline and the lookups follow unless ``--lookup-num-tokens`` is given);
 ``--few-row-linear auto | on | off`` picks the linear path of every engine
 (:mod:`deepspec.eval.few_row_linear`; ``bench/verify_cost.py`` compares the two side by side).
 """
@@ -344,6 +346,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lookup-first", default="",
                    help="comma-separated shortest n-gram matches (e.g. 2,3): per value a method lookup-first-nN, the "
                         "draft with prompt lookup in front (deepspec.algorithms.ngram.LookupFirstProposer); '' = none")
+    p.add_argument("--lookup-num-tokens", type=int, default=0,
+                   help="the most tokens a match proposes in the lookup-first methods, and the ngram baseline's K "
+                        "(0: the draft's K)")
     p.add_argument("--target", default="default", help="target (default: the embedded SmolLM2-135M)")
     p.add_argument("--benchmarks", default="gsm8k,mt-bench", help="comma-separated benchmarks the prompts come from")
     p.add_argument("--num-prompts", type=int, default=3, help="prompts per benchmark (seeded sample)")
@@ -351,7 +356,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=2, help="interleaved passes over all prompts")
     p.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy")
     p.add_argument("--num-draft-tokens", type=int, default=0,
-                   help="tokens proposed per step by the draft and the ngram baseline (0: the draft's own K)")
+                   help="tokens proposed per step by the draft, and by the ngram baseline and lookups without "
+                        "--lookup-num-tokens (0: the draft's own K)")
     p.add_argument("--few-row-linear", default="auto",
                    help="auto | on | off: linear layers over few rows as (W @ x^T)^T (auto: float32 on the CPU)")
     p.add_argument("--qwen3-4b", action="store_true",
@@ -368,6 +374,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.max_new_tokens < 1 or args.repeats < 1:
         p.error("--num-prompts, --max-new-tokens and --repeats must be >= 1")
+    if args.lookup_num_tokens < 0:
+        p.error(f"--lookup-num-tokens: expected an integer >= 1, or 0 for the draft's K, got {args.lookup_num_tokens}")
     if args.num_draft_tokens < 0:
         p.error(f"--num-draft-tokens: expected an integer >= 1, or 0 for the draft's own K, got {args.num_draft_tokens}")
     if args.qwen3_4b and args.draft != "untrained":
@@ -450,11 +458,13 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = int(model.get_output_embeddings().weight.shape[0])
     if "ngram" in baselines:
         proposers["ngram"] = NGramProposer(vocab_size=vocab,
-                                           num_tokens=proposer.max_proposal_len, ngram_max=args.ngram_max,
-                                           ngram_min=args.ngram_min, max_positions=max_pos, device=device)
+                                           num_tokens=args.lookup_num_tokens or proposer.max_proposal_len,
+                                           ngram_max=args.ngram_max, ngram_min=args.ngram_min, max_positions=max_pos,
+                                           device=device)
     for n in lookup_first:  # the same draft proposer: each engine resets it before every prompt
-        proposers[f"lookup-first-n{n}"] = LookupFirstProposer(proposer, vocab_size=vocab, ngram_max=max(n, args.ngram_max),
-                                                              ngram_min=n, max_positions=max_pos, device=device)
+        proposers[f"lookup-first-n{n}"] = LookupFirstProposer(
+            proposer, vocab_size=vocab, ngram_max=max(n, args.ngram_max), ngram_min=n,
+            lookup_num_tokens=args.lookup_num_tokens or None, max_positions=max_pos, device=device)
     if args.compile == "on":
         from deepspec.eval.compiled import CompiledTarget
 
@@ -490,7 +500,7 @@ def main(argv: list[str] | None = None) -> dict:
         "draft": str(folder) if folder is not None else "untrained", "algorithm": algorithm,
         "max_proposal_len": proposer.max_proposal_len, "baselines": baselines,
         "ngram": {"ngram_max": args.ngram_max, "ngram_min": args.ngram_min} if baselines else None,
-        "lookup_first_ngram_min": lookup_first,
+        "lookup_first_ngram_min": lookup_first, "lookup_num_tokens": args.lookup_num_tokens or proposer.max_proposal_len,
         "target_layer_ids": layer_ids, "prompts": [f"{b}:{pr.id}" for b, pr in bench_prompts],
         "prompt_origins": sorted({pr.origin for _, pr in bench_prompts}),
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "seed": args.seed,

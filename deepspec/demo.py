@@ -84,7 +84,7 @@ class DemoConfig:
     eval_num_prompts: int = 3  # prompts per benchmark
     eval_max_new_tokens: int = 48  # per prompt
     temperature: float = 0.0  # eval decoding; 0 = greedy
-    # tokens proposed per step in the eval (every method; vLLM's num_speculative_tokens). On this CPU a float32 verify
+    # tokens each draft proposes per step in the eval (vLLM's num_speculative_tokens). On this CPU a float32 verify
     # over 4 tokens costs 1.0-1.2 one-token steps with the few-row linear path, over 8 tokens 1.5-1.9x
     # (bench/verify_cost.py, docs/results/verify-cost-cpu-2026-11-30), and the demo's draft is rarely accepted past
     # slot 3, so 3 drafts per step win more time than 7; none = the draft's own K
@@ -103,6 +103,13 @@ class DemoConfig:
     # cuda | cuda:N
     device: str = "auto"
     baselines: list[str] = field(default_factory=lambda: ["ngram"])  # training-free proposers in the eval: ngram | none
+    # Prompt lookup proposes 7 tokens: once its first token is accepted the next ones mostly are, and a bf16 verify
+    # over 8 tokens costs about what one over 4 does (docs/results/lookup-first-cpu-2026-12-03).
+    ngram_num_tokens: int | None = 7  # the ngram baseline's K; none = the draft's (after num_draft_tokens)
+    # also evaluate each draft with prompt lookup in front (row "<draft>+lookup"): a match of at least this many
+    # tokens proposes up to lookup_num_tokens tokens (none = the draft's K), else the draft; none = off
+    lookup_first: int | None = 2
+    lookup_num_tokens: int | None = 7
 
     def __post_init__(self) -> None:
         self.dtype = check_dtype_name(self.dtype, "demo.dtype")
@@ -174,6 +181,9 @@ class DemoConfig:
             device=self.device,
             baselines=self.baselines or ["none"],
             num_draft_tokens=self.num_draft_tokens,
+            ngram_num_tokens=self.ngram_num_tokens,
+            lookup_first=self.lookup_first,
+            lookup_num_tokens=self.lookup_num_tokens,
         )
 
     def train_config(self, algorithm: str, cache_dir: Path) -> TrainConfig:

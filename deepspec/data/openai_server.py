@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from deepspec.algorithms.ngram.proposer import check_lookup_settings
 from deepspec.data.backends import GenerationParams, LocalBackend
 from deepspec.data.chat import render_prompt
 from deepspec.device import check_device_name, check_dtype_name, resolve_device
@@ -528,6 +529,10 @@ class ServeConfig:
     # "" = target-only decoding through the same engine
     draft: str = ""
     num_draft_tokens: int | None = None  # tokens proposed per step at most (vLLM's num_speculative_tokens); none = K
+    # prompt lookup in front of the draft (deepspec.algorithms.ngram.LookupFirstProposer): an n-gram match of at
+    # least this many tokens proposes up to lookup_num_tokens tokens (none = the draft's K), else the draft; none = off
+    lookup_first: int | None = None
+    lookup_num_tokens: int | None = None
     # target and draft dtype: auto (bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else float32) | float32 | bfloat16
     dtype: str = "auto"
     # where target and draft decode: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu | cuda | cuda:N
@@ -548,6 +553,7 @@ class ServeConfig:
                              f"got {self.num_draft_tokens}")
         if self.num_draft_tokens is not None and not self.draft:
             raise ValueError("serve.num_draft_tokens: set with no --draft; give the draft to speculate with, or drop it")
+        check_lookup_settings(self.lookup_first, self.lookup_num_tokens, has_draft=bool(self.draft), field="serve")
 
 
 def _port_unavailable(host: str, port: int, exc: OSError) -> ValueError:
@@ -584,14 +590,16 @@ def run_serve_stage(cfg: ServeConfig, *, target_model: Any = None, tokenizer: An
     load.require_chat_template(tokenizer, cfg.target)
     decoder = EngineDecoder(target_model, tokenizer, draft=cfg.draft or None, num_draft_tokens=cfg.num_draft_tokens,
                             dtype=cfg.dtype, device=cfg.device, few_row_linear=cfg.few_row_linear,
-                            allow_target_mismatch=cfg.allow_target_mismatch, cast_in_place=loaded_here)
+                            allow_target_mismatch=cfg.allow_target_mismatch, lookup_first=cfg.lookup_first,
+                            lookup_num_tokens=cfg.lookup_num_tokens, cast_in_place=loaded_here)
     try:
         server = OpenAICompatServer(decoder.target_model, tokenizer, host=cfg.host, port=cfg.port,
                                     model_name=cfg.model_name or cfg.target, decoder=decoder)
     except OSError as exc:  # taken between the check and now
         raise _port_unavailable(cfg.host, cfg.port, exc) from None
-    mode = (f"speculative, draft {decoder.draft_name}, up to {decoder.num_draft_tokens} tokens per step"
-            if decoder.draft_name else "target-only")
+    mode = (f"speculative, draft {decoder.draft_name}"
+            f"{f' behind prompt lookup (matches of {cfg.lookup_first}+ tokens)' if cfg.lookup_first else ''}, "
+            f"up to {decoder.num_draft_tokens} tokens per step" if decoder.draft_name else "target-only")
     print(f"serve: {server.model_name!r} at {server.base_url} (POST /chat/completions, GET /models; {mode}; "
           f"{str(decoder.dtype).removeprefix('torch.')} on {decoder.device}); Ctrl-C stops", flush=True)
     try:

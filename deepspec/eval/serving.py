@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from deepspec.algorithms.ngram.proposer import (DEFAULT_NGRAM_MAX, LookupFirstProposer,
+                                                 check_lookup_settings)
 from deepspec.algorithms.protocol import NullProposer, cap_proposal_len
 from deepspec.algorithms.registry import algorithm_for_model, load_draft
 from deepspec.data.chat import target_stop_token_ids
@@ -75,19 +77,26 @@ class EngineDecoder:
             None = where ``target_model`` already is.
         few_row_linear: ``auto`` | ``on`` | ``off`` (:mod:`deepspec.eval.few_row_linear`).
         allow_target_mismatch: accept a draft whose recorded target fingerprint differs (same shape).
+        lookup_first: prompt lookup in front of the draft (:class:`~deepspec.algorithms.ngram.proposer.
+            LookupFirstProposer`): an n-gram match of at least this many tokens proposes, else the draft;
+            None = the draft alone.
+        lookup_num_tokens: the most tokens a match proposes (None: the draft's K after ``num_draft_tokens``).
         cast_in_place: cast and move ``target_model`` itself instead of a copy (a target nobody else
             holds, such as the one ``deepspec serve`` loads: no second copy in host memory).
 
     Raises:
         FileNotFoundError: no draft at ``draft``.
-        ValueError: a bad dtype or device name, a device that is not there, ``num_draft_tokens < 1``, or
-            a draft made for another target.
+        ValueError: a bad dtype or device name, a device that is not there, ``num_draft_tokens < 1``,
+            ``lookup_first`` or ``lookup_num_tokens`` < 1 or set without a draft, or a draft made for
+            another target.
     """
 
     def __init__(self, target_model: Any, tokenizer: Any, *, draft: str | Path | None = None,
                  num_draft_tokens: int | None = None, dtype: str = "auto", device: str | None = None,
                  few_row_linear: str = "auto", allow_target_mismatch: bool = False,
+                 lookup_first: int | None = None, lookup_num_tokens: int | None = None,
                  cast_in_place: bool = False) -> None:
+        check_lookup_settings(lookup_first, lookup_num_tokens, has_draft=bool(draft), field="serve")
         device = (resolve_device(device, "serve.device") if device is not None
                   else next(target_model.parameters()).device)
         decode_dtype = resolve_dtype(dtype, device)
@@ -109,6 +118,12 @@ class EngineDecoder:
             self.draft_name = f"{algorithm}:{folder}"
         if num_draft_tokens is not None:
             cap_proposal_len(self.proposer, num_draft_tokens)
+        if lookup_first is not None:
+            self.proposer = LookupFirstProposer(
+                self.proposer, vocab_size=int(self.target_model.get_output_embeddings().weight.shape[0]),
+                ngram_max=max(lookup_first, DEFAULT_NGRAM_MAX), ngram_min=lookup_first,
+                lookup_num_tokens=lookup_num_tokens, max_positions=self.target_model.config.max_position_embeddings,
+                device=device)
         self.stop_token_ids = target_stop_token_ids(self.target_model, tokenizer)
         self.few_row_linear = few_row_linear_applies(few_row_linear, self.target_model)
 

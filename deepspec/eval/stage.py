@@ -13,7 +13,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from deepspec.algorithms.ngram.proposer import DEFAULT_NUM_TOKENS, LookupFirstProposer, NGramProposer, check_ngram_range
+from deepspec.algorithms.ngram.proposer import (DEFAULT_NUM_TOKENS, LookupFirstProposer, NGramProposer,
+                                                 check_lookup_settings, check_ngram_range)
 from deepspec.algorithms.protocol import cap_proposal_len
 from deepspec.algorithms.registry import algorithm_for_model, check_baselines, check_draft_target, load_draft
 from deepspec.data.sources import SourceUnavailableError
@@ -68,12 +69,16 @@ class EvalConfig:
     baselines: list[str] = field(default_factory=lambda: ["ngram"])
     ngram_max: int = 3  # ngram baseline: longest n-gram matched (tried first)
     ngram_min: int = 1  # ngram baseline: shortest n-gram matched
-    ngram_num_tokens: int | None = None  # ngram baseline: K, tokens proposed per step; none = the first draft's K (else 7)
+    # ngram baseline: K, tokens proposed per step; none = the first draft's K after num_draft_tokens (else 7)
+    ngram_num_tokens: int | None = None
     # also evaluate each draft with prompt lookup in front (row "<draft>+lookup"; deepspec.algorithms.ngram.
     # LookupFirstProposer): an n-gram match of at least this many tokens proposes, else the draft; none = off
     lookup_first: int | None = None
-    # every method proposes at most this many tokens per step (vLLM's num_speculative_tokens); none = each
-    # proposer's own K (a DSpark/DFlash draft's block size, Eagle3's steps, the ngram baseline's K)
+    # the most tokens a match proposes in the "<draft>+lookup" rows; none = the draft's K after num_draft_tokens
+    lookup_num_tokens: int | None = None
+    # each draft proposes at most this many tokens per step (vLLM's num_speculative_tokens); none = each draft's
+    # own K (a DSpark/DFlash draft's block size, Eagle3's steps). An explicit ngram_num_tokens or
+    # lookup_num_tokens is not capped by it.
     num_draft_tokens: int | None = None
     # linear layers over few rows (a verify forward) as (W @ x^T)^T: auto (float32 on the CPU, where the row-major
     # GEMM over 2-8 rows costs 1.4-2.2x a one-row product; deepspec.eval.few_row_linear) | on | off
@@ -97,13 +102,10 @@ class EvalConfig:
                              f"got {self.num_draft_tokens}")
         self.baselines = check_baselines(self.baselines, "eval.baselines")
         check_ngram_range(ngram_max=self.ngram_max, ngram_min=self.ngram_min, field="eval")
-        if self.ngram_num_tokens is not None and self.ngram_num_tokens < 1:
-            raise ValueError(f"eval.ngram_num_tokens: expected an integer >= 1 or none (the draft's K), "
-                             f"got {self.ngram_num_tokens}")
-        lf = self.lookup_first
-        if lf is not None and (isinstance(lf, bool) or not isinstance(lf, int) or lf < 1):
-            raise ValueError(f"eval.lookup_first: expected an integer >= 1 (the shortest n-gram match that proposes "
-                             f"in front of each draft; 2 is a good start) or none (off), got {lf!r}")
+        ngram_k = self.ngram_num_tokens
+        if ngram_k is not None and (isinstance(ngram_k, bool) or not isinstance(ngram_k, int) or ngram_k < 1):
+            raise ValueError(f"eval.ngram_num_tokens: expected an integer >= 1 or none (the draft's K), got {ngram_k!r}")
+        check_lookup_settings(self.lookup_first, self.lookup_num_tokens, has_draft=True, field="eval")
         if self.max_new_tokens < 1:
             raise ValueError(f"eval.max_new_tokens: expected an integer >= 1, got {self.max_new_tokens}")
         if self.num_prompts is not None and self.num_prompts < 1:
@@ -268,13 +270,15 @@ def baseline_proposers(cfg: EvalConfig, target_model, *, drafts: dict, taken: di
     """The training-free proposers of ``cfg.baselines`` (name -> proposer), for ``target_model``.
 
     The n-gram baseline proposes ``cfg.ngram_num_tokens`` tokens per step, by default as many as the
-    first of ``drafts`` (name -> proposer) does, else 7; its report name is ``ngram`` (``ngram#2``
-    if ``taken`` already holds it).
+    first of ``drafts`` (name -> proposer, already capped by ``cfg.num_draft_tokens``) does, else 7
+    capped by ``cfg.num_draft_tokens``; its report name is ``ngram`` (``ngram#2`` if ``taken`` already
+    holds it).
     """
 
     out = {}
     if "ngram" in cfg.baselines:
-        k = cfg.ngram_num_tokens or next((p.max_proposal_len for p in drafts.values()), DEFAULT_NUM_TOKENS)
+        k = cfg.ngram_num_tokens or next((p.max_proposal_len for p in drafts.values()),
+                                         min(DEFAULT_NUM_TOKENS, cfg.num_draft_tokens or DEFAULT_NUM_TOKENS))
         out[_unique_name("ngram", taken)] = NGramProposer(
             vocab_size=int(target_model.get_output_embeddings().weight.shape[0]), num_tokens=k,
             ngram_max=cfg.ngram_max, ngram_min=cfg.ngram_min,
@@ -357,7 +361,8 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
 
     def draft_proposer(name: str, model):
         threshold = cfg.confidence_threshold if cfg.confidence_threshold > 0 and name in thresholded else None
-        return algorithm_for_model(model).proposer(model, confidence_threshold=threshold, max_positions=max_positions)
+        proposer = algorithm_for_model(model).proposer(model, confidence_threshold=threshold, max_positions=max_positions)
+        return proposer if cfg.num_draft_tokens is None else cap_proposal_len(proposer, cfg.num_draft_tokens)
 
     proposers = {name: draft_proposer(name, model) for name, model in drafts.items()}
     if cfg.lookup_first is not None:  # a proposer of its own per row: the rows run interleaved per prompt
@@ -365,11 +370,9 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
         for name, model in drafts.items():
             proposers[_unique_name(f"{name}+lookup", proposers)] = LookupFirstProposer(
                 draft_proposer(name, model), vocab_size=vocab, ngram_max=max(cfg.lookup_first, cfg.ngram_max),
-                ngram_min=cfg.lookup_first, max_positions=max_positions, device=device)
+                ngram_min=cfg.lookup_first, max_positions=max_positions, device=device,
+                lookup_num_tokens=cfg.lookup_num_tokens)
     proposers.update(baseline_proposers(cfg, target_model, drafts=proposers, taken=proposers))
-    if cfg.num_draft_tokens is not None:
-        for proposer in proposers.values():
-            cap_proposal_len(proposer, cfg.num_draft_tokens)
     return run_eval(
         target_model,
         tokenizer,

@@ -95,10 +95,12 @@ def _create(client, messages, **kwargs):
     return client.chat.completions.create(model="tiny", messages=messages, extra_body=extra, **kwargs)
 
 
-@pytest.mark.parametrize("draft", [None, "dspark", "eagle3"])
+@pytest.mark.parametrize("draft", [None, "dspark", "eagle3", "dspark+lookup"])
 def test_greedy_answers_equal_the_local_backends_streamed_or_not(setup, serve, draft):
     _, _, folders = setup
-    server, client = serve(None if draft is None else folders[draft])
+    lookup = {"lookup_first": 1, "lookup_num_tokens": 6} if draft == "dspark+lookup" else {}
+    draft = draft and draft.removesuffix("+lookup")
+    server, client = serve(None if draft is None else folders[draft], **lookup)
     wanted = _local_answers(setup, 40)
     for messages, want in zip(MESSAGES, wanted):
         answer = _create(client, messages, max_tokens=40, temperature=0)
@@ -116,7 +118,8 @@ def test_greedy_answers_equal_the_local_backends_streamed_or_not(setup, serve, d
             assert stats["draft"] is None and stats["num_draft_tokens"] == 0 and stats["tau"] == 1.0
             assert steps == len(want.token_ids) - 1
         else:
-            assert stats["draft"].startswith(f"{draft}:") and stats["num_speculative_tokens"] == 4
+            assert stats["draft"].startswith(f"{draft}:")
+            assert stats["num_speculative_tokens"] == (6 if lookup else 4)
 
         chunks = list(_create(client, messages, max_tokens=40, temperature=0, stream=True,
                               stream_options={"include_usage": True}))
@@ -267,3 +270,5 @@ def test_serve_with_a_missing_draft_fails_before_loading_the_target(tmp_path, ca
     assert "no draft found" in err and "Traceback" not in err
     assert main(["serve", "--port", "0", "--num-draft-tokens", "2"]) == 2
     assert "no --draft" in capsys.readouterr().err
+    assert main(["serve", "--port", "0", "--lookup-first", "2"]) == 2
+    assert "serve.lookup_first: set with no draft" in capsys.readouterr().err

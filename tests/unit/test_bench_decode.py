@@ -49,6 +49,8 @@ def test_a_draft_of_the_float32_target_runs_in_bfloat16(tmp_path):
     decode.untrained_draft(model, tokenizer).save_pretrained(tmp_path / "draft")
     decode.main(["--draft", str(tmp_path / "draft"), "--dtype", "bfloat16", "--benchmarks", "gsm8k",
                  "--num-prompts", "1", "--max-new-tokens", "2", "--repeats", "1", "--temperatures", "0",
-                 "--baselines", "none", "--output-dir", str(tmp_path / "out")])
+                 "--baselines", "none", "--lookup-first", "2", "--lookup-num-tokens", "5",
+                 "--output-dir", str(tmp_path / "out")])
     result = json.loads((tmp_path / "out" / "decode_bench.json").read_text())
     assert result["dtype"] == "bfloat16"
+    assert result["lookup_num_tokens"] == 5 and "lookup-first-n2" in result["settings"]["greedy"]["methods"]

@@ -188,7 +188,7 @@ def test_eval_lookup_first_adds_a_row_per_draft_with_its_lookup_share(setup, tmp
     res = run_eval_stage(EvalConfig(draft=[str(folders["dspark"]), str(folders["eagle3"])], benchmarks=["gsm8k"],
                                     benchmark_files=[f"gsm8k={bench}"], num_prompts=1, max_new_tokens=24,
                                     compare_hf_generate=False, lookup_first=1, dtype="float32",
-                                    output_dir=str(tmp_path / "e")),
+                                    num_draft_tokens=2, lookup_num_tokens=5, output_dir=str(tmp_path / "e")),
                          target_model=targets["A"], tokenizer=tok)
     names = list(res["config"]["proposers"])
     drafts = [n for n in names if n.startswith(("dspark:", "eagle3:")) and not n.endswith("+lookup")]
@@ -196,11 +196,17 @@ def test_eval_lookup_first_adds_a_row_per_draft_with_its_lookup_share(setup, tmp
     for n in drafts:
         info = res["config"]["proposers"][f"{n}+lookup"]
         assert info["type"] == "LookupFirstProposer" and (info["ngram_max"], info["ngram_min"]) == (3, 1)
-        assert info["max_proposal_len"] == res["config"]["proposers"][n]["max_proposal_len"]
+        # the drafts are capped at num_draft_tokens; an explicit lookup_num_tokens is not
+        assert (info["max_proposal_len"], res["config"]["proposers"][n]["max_proposal_len"]) == (5, 2)
         assert info["dtype"] == "float32"
         fig = res["benchmarks"]["gsm8k"][f"{n}+lookup"]
         assert 0.0 < fig["frac_steps_from_lookup"] <= 1.0  # the prompt repeats itself: the lookup proposes
         assert fig["frac_identical_to_baseline"] == 1.0
         assert "frac_steps_from_lookup" not in res["benchmarks"]["gsm8k"][n]
+    assert res["config"]["proposers"]["ngram"]["max_proposal_len"] == 2  # the first draft's K after the cap
     with pytest.raises(ValueError, match="eval.lookup_first"):
         EvalConfig(draft=["x"], output_dir="o", lookup_first=0)
+    with pytest.raises(ValueError, match="eval.lookup_num_tokens"):
+        EvalConfig(draft=["x"], output_dir="o", lookup_first=2, lookup_num_tokens=0)
+    with pytest.raises(ValueError, match="eval.lookup_num_tokens: set without eval.lookup_first"):
+        EvalConfig(draft=["x"], output_dir="o", lookup_num_tokens=7)

@@ -245,6 +245,28 @@ def test_lookup_first_proposes_a_long_enough_match_else_the_draft():
         LookupFirstProposer(StubDraft(k=0), vocab_size=VOCAB)
     with pytest.raises(ValueError, match="ngram_min"):
         LookupFirstProposer(StubDraft(), vocab_size=VOCAB, ngram_max=2, ngram_min=3)
+    for bad in (0, True):
+        with pytest.raises(ValueError, match="lookup_num_tokens"):
+            LookupFirstProposer(StubDraft(), vocab_size=VOCAB, lookup_num_tokens=bad)
+
+
+def test_lookup_first_match_proposes_up_to_lookup_num_tokens_and_a_cap_bounds_both():
+    from deepspec.algorithms.ngram.proposer import LookupFirstProposer
+
+    draft = StubDraft(k=2)
+    prop = LookupFirstProposer(draft, vocab_size=VOCAB, ngram_max=3, ngram_min=2, lookup_num_tokens=5)
+    assert prop.max_proposal_len == 5
+    prop.reset()
+    ctx = [3, 4, 10, 11, 12, 13, 14, 15, 3]
+    prop.extend_context(torch.zeros(len(ctx), 4), ctx)
+    g = SamplingParams()
+    assert prop.propose(4, len(ctx), sampling=g, generator=None).draft_ids_N.tolist() == [10, 11, 12, 13, 14]
+    prop.extend_context(torch.zeros(1, 4), [4])
+    assert prop.propose(9, len(ctx) + 1, sampling=g, generator=None).draft_ids_N.tolist() == [60, 61]  # the draft's K
+    cap_proposal_len(prop, 3)
+    assert (prop.max_proposal_len, prop.lookup.max_proposal_len, draft.max_proposal_len) == (3, 3, 2)
+    prop.max_proposal_len = 9  # never above what each was built with
+    assert (prop.max_proposal_len, prop.lookup.max_proposal_len, draft.max_proposal_len) == (5, 5, 2)
 
 
 def test_lookup_first_with_a_dspark_draft_is_lossless_greedy(target):
@@ -257,7 +279,7 @@ def test_lookup_first_with_a_dspark_draft_is_lossless_greedy(target):
                                    block_size=4, markov_rank=4)
     torch.manual_seed(0)
     draft = DSparkProposer(DSparkDraftModel.from_target(target, cfg).eval())
-    prop = LookupFirstProposer(draft, vocab_size=VOCAB, ngram_min=2)
+    prop = LookupFirstProposer(draft, vocab_size=VOCAB, ngram_min=2, lookup_num_tokens=7)
     eos = [VOCAB + 1]
     base = SpeculativeEngine(target, [0], NullProposer(), eos)
     spec = SpeculativeEngine(target, [0], prop, eos)

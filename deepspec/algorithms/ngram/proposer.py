@@ -122,6 +122,23 @@ def check_ngram_range(*, ngram_max: int, ngram_min: int, field: str) -> None:
                          "lower --ngram-min or raise --ngram-max.")
 
 
+def check_lookup_settings(lookup_first: Any, lookup_num_tokens: Any, *, has_draft: bool, field: str) -> None:
+    """ValueError (naming ``<field>.lookup_first`` / ``<field>.lookup_num_tokens``) unless each is None or an
+    integer >= 1, and ``lookup_num_tokens`` comes with ``lookup_first`` and both with a draft."""
+    for name, value in (("lookup_first", lookup_first), ("lookup_num_tokens", lookup_num_tokens)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            hint = ("the shortest n-gram match that proposes in front of the draft; 2 is a good start"
+                    if name == "lookup_first" else "the most tokens a match proposes")
+            raise ValueError(f"{field}.{name}: expected an integer >= 1 ({hint}) or none (off / the draft's K), "
+                             f"got {value!r}")
+    if lookup_num_tokens is not None and lookup_first is None:
+        raise ValueError(f"{field}.lookup_num_tokens: set without {field}.lookup_first; give --lookup-first N "
+                         "(2 is a good start) or drop it")
+    if lookup_first is not None and not has_draft:
+        raise ValueError(f"{field}.lookup_first: set with no draft; give the draft to put prompt lookup in front of, "
+                         "or drop it")
+
+
 DEFAULT_LOOKUP_FIRST_MIN = 2  # the shortest n-gram match that proposes in front of a draft
 
 
@@ -141,26 +158,38 @@ class LookupFirstProposer:
     2023, Alg. 1, which holds for any ``q``) yields the target's distribution either way.
 
     Both proposers see every committed position: ``extend_context`` goes to both (the lookup ignores
-    the features), ``reset`` to both. ``needs_features`` is the draft's. ``max_proposal_len`` is the
-    draft's K (setting it, as :func:`deepspec.algorithms.protocol.cap_proposal_len` does, sets both).
-    ``steps_from_lookup`` / ``steps_from_draft`` count the proposals of each kind since construction.
+    the features), ``reset`` to both. ``needs_features`` is the draft's. A match proposes up to
+    ``lookup_num_tokens`` tokens, the draft up to its own K: a lookup that matched tends to go on
+    matching (the n-gram rows of the reports accept most second and third tokens once the first is
+    accepted), while a verify over a few more tokens costs little more than a one-token step
+    (``docs/results/verify-cost-cpu-2026-11-30``), so a longer lookup proposal is cheap to try (Hugging
+    Face's ``prompt_lookup_num_tokens`` defaults to 10). ``max_proposal_len`` is the larger of the two;
+    setting it (as :func:`deepspec.algorithms.protocol.cap_proposal_len` does) caps both at the value,
+    never above what each was built with. ``steps_from_lookup`` / ``steps_from_draft`` count the
+    proposals of each kind since construction.
 
     Args:
         draft: the draft's proposer (any :class:`~deepspec.algorithms.protocol.Proposer`).
         vocab_size, max_positions, device: as :class:`NGramProposer`.
         ngram_max, ngram_min: the n-gram lengths the lookup tries, longest first.
+        lookup_num_tokens: the most tokens a match proposes (None: the draft's K).
 
-    Raises ValueError (naming the argument) for an invalid n-gram range or a draft with K < 1.
+    Raises ValueError (naming the argument) for an invalid n-gram range, a draft with K < 1 or
+    ``lookup_num_tokens < 1``.
     """
 
     def __init__(self, draft: Any, *, vocab_size: int, ngram_max: int = DEFAULT_NGRAM_MAX,
-                 ngram_min: int = DEFAULT_LOOKUP_FIRST_MIN, max_positions: int | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 ngram_min: int = DEFAULT_LOOKUP_FIRST_MIN, lookup_num_tokens: int | None = None,
+                 max_positions: int | None = None, device: torch.device | str = "cpu") -> None:
         if int(draft.max_proposal_len) < 1:
             raise ValueError(f"LookupFirstProposer.draft: expected a proposer with K >= 1, received "
                              f"{type(draft).__name__} with K = {draft.max_proposal_len}.")
+        if lookup_num_tokens is not None and (isinstance(lookup_num_tokens, bool) or int(lookup_num_tokens) < 1):
+            raise ValueError(f"LookupFirstProposer.lookup_num_tokens: expected an integer >= 1 or None (the draft's "
+                             f"K), received {lookup_num_tokens!r}.")
         self.draft = draft
-        self.lookup = NGramProposer(vocab_size=vocab_size, num_tokens=int(draft.max_proposal_len),
+        self._built_len = (int(lookup_num_tokens or draft.max_proposal_len), int(draft.max_proposal_len))
+        self.lookup = NGramProposer(vocab_size=vocab_size, num_tokens=self._built_len[0],
                                     ngram_max=ngram_max, ngram_min=ngram_min, max_positions=max_positions,
                                     device=device)
         self.needs_features = bool(getattr(draft, "needs_features", True))
@@ -169,11 +198,12 @@ class LookupFirstProposer:
 
     @property
     def max_proposal_len(self) -> int:
-        return self.lookup.max_proposal_len
+        return max(self.lookup.max_proposal_len, self.draft.max_proposal_len)
 
     @max_proposal_len.setter
     def max_proposal_len(self, k: int) -> None:
-        self.lookup.max_proposal_len = self.draft.max_proposal_len = int(k)
+        self.lookup.max_proposal_len = min(self._built_len[0], int(k))
+        self.draft.max_proposal_len = min(self._built_len[1], int(k))
 
     def reset(self) -> None:
         self.draft.reset()
