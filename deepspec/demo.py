@@ -393,12 +393,13 @@ def summary_table(results: dict, methods: tuple[str, ...] | None = None) -> str:
     def num(x, spec: str) -> str:
         return "-" if x is None else format(x, spec)
 
-    header = f"{'benchmark':<15}" + "".join(f"{m + ' tau':>24}{'break-even':>11}{'speedup':>9}" for m in methods)
+    width = {m: max(24, len(m) + 6) for m in methods}  # "<method> tau" and at least two spaces before it
+    header = f"{'benchmark':<15}" + "".join(f"{m + ' tau':>{width[m]}}{'break-even':>11}{'speedup':>9}" for m in methods)
     lines = [f"dtype {results['config'].get('dtype', '?')}; break-even = the tau at which speculation pays",
              header, "-" * len(header)]
     for bench, per_method in results["benchmarks"].items():
         cells = "".join(
-            f"{per_method[m]['tau']:>24.2f}{num(per_method[m].get('break_even_tau'), '.2f'):>11}"
+            f"{per_method[m]['tau']:>{width[m]}.2f}{num(per_method[m].get('break_even_tau'), '.2f'):>11}"
             f"{num(per_method[m]['speedup'], '.2f'):>8}x" for m in methods
         )
         lines.append(f"{bench:<15}" + cells)

@@ -155,3 +155,9 @@ def test_demo_summary_table_shows_every_proposer_with_break_even_tau():
     assert text.splitlines()[0].startswith("dtype float32")
     row = next(line for line in text.splitlines() if line.startswith("gsm8k"))
     assert "2.33" in row and "1.00" in row  # dspark tau, break-even tau (10 ms / 10 ms)
+    # a long method name keeps its columns apart, and each row lines up with the header
+    for per_method in res["benchmarks"].values():
+        per_method["dspark-trained+lookup"] = per_method["dspark"]
+    lines = summary_table(res).splitlines()
+    assert "speedup  dspark-trained+lookup tau break-even" in lines[1]
+    assert all(len(line) == len(lines[1]) for line in lines[3:])
