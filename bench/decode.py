@@ -410,6 +410,9 @@ def main(argv: list[str] | None = None) -> dict:
         lookup_first = [int(n) for n in args.lookup_first.split(",") if n.strip()]
         for n in lookup_first:
             check_ngram_range(ngram_max=max(n, args.ngram_max), ngram_min=n, field="bench.lookup_first")
+        if args.lookup_num_tokens and not baselines and not lookup_first:
+            raise ValueError("--lookup-num-tokens: nothing uses it with --baselines none and no --lookup-first; "
+                             "give one of them or drop it")
         device = resolve_device(args.device, "--device")  # before the draft folder and the target
     except ValueError as exc:
         p.error(str(exc))

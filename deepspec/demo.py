@@ -107,9 +107,9 @@ class DemoConfig:
     # over 8 tokens costs about what one over 4 does (docs/results/lookup-first-cpu-2026-12-03).
     ngram_num_tokens: int | None = 7  # the ngram baseline's K; none = the draft's (after num_draft_tokens)
     # also evaluate each draft with prompt lookup in front (row "<draft>+lookup"): a match of at least this many
-    # tokens proposes up to lookup_num_tokens tokens (none = the draft's K), else the draft; none = off
+    # tokens proposes, else the draft; none = off
     lookup_first: int | None = 2
-    lookup_num_tokens: int | None = 7
+    lookup_num_tokens: int | None = 7  # the most tokens a lookup match proposes (none = the draft's K); unused when off
 
     def __post_init__(self) -> None:
         self.dtype = check_dtype_name(self.dtype, "demo.dtype")
@@ -183,7 +183,7 @@ class DemoConfig:
             num_draft_tokens=self.num_draft_tokens,
             ngram_num_tokens=self.ngram_num_tokens,
             lookup_first=self.lookup_first,
-            lookup_num_tokens=self.lookup_num_tokens,
+            lookup_num_tokens=self.lookup_num_tokens if self.lookup_first is not None else None,  # unused when off
         )
 
     def train_config(self, algorithm: str, cache_dir: Path) -> TrainConfig:

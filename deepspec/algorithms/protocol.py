@@ -132,11 +132,16 @@ class Proposal:
             greedy proposer may return ``None`` here.
         confidence_N: float32 ``[N]`` or ``None``: the proposer's own acceptance estimate per slot
             (diagnostics only; a proposer that cuts its proposal on confidence does so itself).
+        max_proposal_len: the most tokens the proposer that made this proposal could have proposed
+            (its K), or ``None``: the proposer's ``max_proposal_len``. Set by a proposer that routes
+            between proposers of different K (:class:`~deepspec.algorithms.ngram.LookupFirstProposer`),
+            so a step's truncation is judged against the K of whichever proposed.
     """
 
     draft_ids_N: Tensor
     draft_probs_NV: Tensor | None = None
     confidence_N: Tensor | None = None
+    max_proposal_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.draft_ids_N.dim() != 1:

@@ -29,7 +29,9 @@ Production serving uses vLLM or SGLang (``deepspec export``). Endpoints:
 - With a decoder: ``stream: true`` answers as server-sent events in OpenAI's chunk format (a role
   chunk, content chunks as the engine commits tokens, a last chunk with ``finish_reason``, a usage
   chunk when ``stream_options.include_usage``, then ``data: [DONE]``); and every answer carries the
-  request's acceptance figures under ``deepspec``: ``draft``, ``num_speculative_tokens``,
+  request's acceptance figures under ``deepspec``: ``draft``, ``num_speculative_tokens`` (the most
+  tokens proposed per step), ``lookup_first`` and ``num_lookup_tokens`` (prompt lookup in front of the
+  draft: the shortest match that proposes and the most tokens it proposes; None when off),
   ``num_verify_steps``, ``num_draft_tokens`` (proposed), ``num_accepted_tokens``, ``tau`` (mean over
   verify steps of accepted + 1) and ``tok_per_s`` (in the last chunk when streamed). Without one,
   streaming is refused (400).
@@ -230,6 +232,7 @@ class OpenAICompatServer:
 
         def acceptance(result) -> dict[str, Any]:
             return {"draft": self.decoder.draft_name, "num_speculative_tokens": self.decoder.num_draft_tokens,
+                    "lookup_first": self.decoder.lookup_first, "num_lookup_tokens": self.decoder.num_lookup_tokens,
                     **result.acceptance()}
 
         if not stream:
@@ -530,9 +533,9 @@ class ServeConfig:
     draft: str = ""
     num_draft_tokens: int | None = None  # tokens proposed per step at most (vLLM's num_speculative_tokens); none = K
     # prompt lookup in front of the draft (deepspec.algorithms.ngram.LookupFirstProposer): an n-gram match of at
-    # least this many tokens proposes up to lookup_num_tokens tokens (none = the draft's K), else the draft; none = off
+    # least this many tokens proposes, else the draft; none = off (2 is a good start)
     lookup_first: int | None = None
-    lookup_num_tokens: int | None = None
+    lookup_num_tokens: int | None = None  # the most tokens a lookup match proposes; none = the draft's K
     # target and draft dtype: auto (bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else float32) | float32 | bfloat16
     dtype: str = "auto"
     # where target and draft decode: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu | cuda | cuda:N
@@ -598,7 +601,7 @@ def run_serve_stage(cfg: ServeConfig, *, target_model: Any = None, tokenizer: An
     except OSError as exc:  # taken between the check and now
         raise _port_unavailable(cfg.host, cfg.port, exc) from None
     mode = (f"speculative, draft {decoder.draft_name}"
-            f"{f' behind prompt lookup (matches of {cfg.lookup_first}+ tokens)' if cfg.lookup_first else ''}, "
+            f"{f' behind prompt lookup (matches of {cfg.lookup_first}+ tokens propose up to {decoder.num_lookup_tokens})' if cfg.lookup_first else ''}, "
             f"up to {decoder.num_draft_tokens} tokens per step" if decoder.draft_name else "target-only")
     print(f"serve: {server.model_name!r} at {server.base_url} (POST /chat/completions, GET /models; {mode}; "
           f"{str(decoder.dtype).removeprefix('torch.')} on {decoder.device}); Ctrl-C stops", flush=True)

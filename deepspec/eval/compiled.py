@@ -117,8 +117,12 @@ class CompiledTarget:
     @classmethod
     def for_proposers(cls, model: torch.nn.Module, proposers: Collection[Any]) -> CompiledTarget:
         """One compiled path for the engines of a run: the one-token step and a verify step of
-        ``K + 1`` tokens for each proposer's ``max_proposal_len`` K (share it with the target-only engine)."""
-        return cls(model, {1, *(int(p.max_proposal_len) + 1 for p in proposers)})
+        ``K + 1`` tokens for each proposer's ``max_proposal_len`` K (share it with the target-only engine);
+        for a draft with prompt lookup in front (a ``draft`` attribute), for the draft's own K too, so its
+        steps do not run padded to the lookup's length."""
+        ks = {int(p.max_proposal_len) for p in proposers}
+        ks |= {int(p.draft.max_proposal_len) for p in proposers if hasattr(p, "draft")}
+        return cls(model, {1, *(k + 1 for k in ks)})
 
     def step_length_for(self, num_tokens: int) -> int | None:
         """The compiled step length a call over ``num_tokens`` tokens runs (the shortest >= it), or None

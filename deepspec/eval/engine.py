@@ -85,6 +85,8 @@ class StepRecord:
     the ``proposer.propose`` call, ``verify_s`` the target forward over ``[anchor, d_1..d_N]``;
     overhead = ``time_s - propose_s - verify_s``. ``confidence``: the proposal's ``confidence_N``
     for the N proposed tokens (after position truncation), or None when the proposer gives none.
+    ``max_proposal_len``: the K of the proposer that made the proposal (``Proposal.max_proposal_len``,
+    else the proposer's), or None when unknown (the metrics then use the row's largest K).
     """
 
     num_proposed: int
@@ -94,6 +96,7 @@ class StepRecord:
     propose_s: float = 0.0
     verify_s: float = 0.0
     confidence: tuple[float, ...] | None = None
+    max_proposal_len: int | None = None
 
 
 @dataclass(kw_only=True)
@@ -376,6 +379,8 @@ class SpeculativeEngine:
                     propose_s=t_verify - t_step,
                     verify_s=t_verified - t_verify,
                     confidence=conf,
+                    max_proposal_len=(proposal.max_proposal_len if proposal.max_proposal_len is not None
+                                      else proposer.max_proposal_len),
                 )
             )
             emit()

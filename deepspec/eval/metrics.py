@@ -42,14 +42,16 @@ METRIC_DEFINITIONS: dict[str, str] = {
     "(list index i holds length i + 1), pooled over prompts",
     "accept_rate_conditional@k": "P(draft k accepted | drafts 1..k-1 accepted and draft k proposed) "
     "= #steps(accepted >= k) / #steps(accepted >= k-1 and proposed >= k)",
-    "accept_rate_prefix@k": "prefix survival: #steps(accepted >= k) / #steps(proposed >= k)",
+    "accept_rate_prefix@k": "prefix survival: #steps(accepted >= k) / #steps(proposed >= k); in a `<draft>+lookup` "
+    "row, k beyond the draft's K counts prompt-lookup steps only",
     "verify_rate": "committed tokens / tokens fed to the target in verify steps (each step feeds anchor + N drafts)",
     "num_accepted_at_k": "number of verify steps whose draft k was accepted (accepted >= k)",
     "num_proposed_at_k": "number of verify steps that proposed at least k drafts",
     "mean_num_proposed": "mean over verify steps of the number of drafts proposed (after position truncation)",
-    "frac_steps_truncated": "fraction of verify steps that proposed fewer than K drafts (K = the proposer's "
-    "max_proposal_len): cut by the confidence threshold or by the target's max positions; a step record "
-    "does not say which (None without steps)",
+    "frac_steps_truncated": "fraction of verify steps that proposed fewer than K drafts (K = the max_proposal_len "
+    "of the proposer that made the step: in a `<draft>+lookup` row the draft's or the lookup's): cut by the "
+    "confidence threshold, the target's max positions or, for prompt lookup, a short or missing match; a step "
+    "record does not say which (None without steps)",
     "time_ms_per_step": "mean wall time of a verify step (propose + target forward + verify + update), ms",
     "propose_ms_per_step": "mean wall time of proposer.propose per verify step, ms",
     "verify_ms_per_step": "mean wall time of the target forward over [anchor, d_1..d_N] per verify step, ms",
@@ -169,7 +171,8 @@ def acceptance_stats(steps: Sequence[StepRecord], max_k: int | None = None) -> A
         accept_rate_conditional=[_ratio(a, r) for a, r in zip(accepted_at, reached_at)],
         accept_rate_prefix=[_ratio(a, p) for a, p in zip(accepted_at, proposed_at)],
         mean_num_proposed=_ratio(sum(s.num_proposed for s in steps), n),
-        frac_steps_truncated=_ratio(sum(s.num_proposed < k_max for s in steps), n),
+        frac_steps_truncated=_ratio(sum(s.num_proposed < (k_max if s.max_proposal_len is None else s.max_proposal_len)
+                                         for s in steps), n),
     )
 
 

@@ -112,7 +112,9 @@ def render_benchmark_prompts(tokenizer: Any, benchmarks: Mapping[str, Sequence[B
 
 def _proposer_info(proposer: Proposer) -> dict[str, Any]:
     """A proposer's entry in the report config: type, K, dtype of its model (None without one) and,
-    for the n-gram baseline and a draft with prompt lookup in front, the n-gram range."""
+    for the n-gram baseline and a draft with prompt lookup in front, the n-gram range; for the latter
+    also each part's K (``lookup_num_tokens``, ``draft_max_proposal_len``; ``max_proposal_len`` is the
+    larger)."""
     lookup = getattr(proposer, "lookup", None)  # LookupFirstProposer: the draft's model, the lookup's range
     model = getattr(getattr(proposer, "draft", proposer), "model", None)
     info: dict[str, Any] = {"type": type(proposer).__name__, "max_proposal_len": proposer.max_proposal_len,
@@ -120,6 +122,9 @@ def _proposer_info(proposer: Proposer) -> dict[str, Any]:
     for key in ("ngram_max", "ngram_min"):
         if hasattr(lookup or proposer, key):
             info[key] = getattr(lookup or proposer, key)
+    if lookup is not None:
+        info["lookup_num_tokens"] = lookup.max_proposal_len
+        info["draft_max_proposal_len"] = proposer.draft.max_proposal_len
     return info
 
 

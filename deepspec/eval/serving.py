@@ -118,6 +118,7 @@ class EngineDecoder:
             self.draft_name = f"{algorithm}:{folder}"
         if num_draft_tokens is not None:
             cap_proposal_len(self.proposer, num_draft_tokens)
+        self.lookup_first = lookup_first
         if lookup_first is not None:
             self.proposer = LookupFirstProposer(
                 self.proposer, vocab_size=int(self.target_model.get_output_embeddings().weight.shape[0]),
@@ -129,8 +130,15 @@ class EngineDecoder:
 
     @property
     def num_draft_tokens(self) -> int:
-        """Tokens proposed per step at most (0: target-only)."""
+        """Tokens proposed per step at most (0: target-only; with prompt lookup in front, the larger of the
+        lookup's and the draft's K: see :attr:`num_lookup_tokens`)."""
         return int(self.proposer.max_proposal_len)
+
+    @property
+    def num_lookup_tokens(self) -> int | None:
+        """Tokens a prompt-lookup match proposes per step at most (None without prompt lookup in front)."""
+        lookup = getattr(self.proposer, "lookup", None)
+        return None if lookup is None else int(lookup.max_proposal_len)
 
     def stop_token_ids_for(self, extra_stop_token_ids: Sequence[int] = ()) -> frozenset[int]:
         """The ids that end a request: the one stop rule plus the request's own ``stop_token_ids``."""

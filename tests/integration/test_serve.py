@@ -120,6 +120,7 @@ def test_greedy_answers_equal_the_local_backends_streamed_or_not(setup, serve, d
         else:
             assert stats["draft"].startswith(f"{draft}:")
             assert stats["num_speculative_tokens"] == (6 if lookup else 4)
+            assert (stats["lookup_first"], stats["num_lookup_tokens"]) == ((1, 6) if lookup else (None, None))
 
         chunks = list(_create(client, messages, max_tokens=40, temperature=0, stream=True,
                               stream_options={"include_usage": True}))

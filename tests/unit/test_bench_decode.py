@@ -54,3 +54,13 @@ def test_a_draft_of_the_float32_target_runs_in_bfloat16(tmp_path):
     result = json.loads((tmp_path / "out" / "decode_bench.json").read_text())
     assert result["dtype"] == "bfloat16"
     assert result["lookup_num_tokens"] == 5 and "lookup-first-n2" in result["settings"]["greedy"]["methods"]
+
+
+def test_lookup_num_tokens_with_nothing_to_use_it_is_refused(capsys):
+    """--lookup-num-tokens sizes the ngram baseline and the lookups in front of the draft; with neither it
+    would be ignored silently, so it is refused (before any model loads)."""
+    decode = _decode_module()
+    with pytest.raises(SystemExit) as exc:
+        decode.main(["--draft", "untrained", "--baselines", "none", "--lookup-num-tokens", "5"])
+    assert exc.value.code == 2
+    assert "--lookup-num-tokens: nothing uses it" in capsys.readouterr().err

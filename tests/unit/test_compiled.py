@@ -211,3 +211,14 @@ def test_eval_config_refuses_compile_with_the_few_row_path_forced_on():
     with pytest.raises(ValueError, match="eval.few_row_linear: on cannot be combined with eval.compile"):
         EvalConfig(draft=["unused"], output_dir="unused", compile=True, few_row_linear="on")
     assert EvalConfig(draft=["unused"], output_dir="unused", compile=True).compile
+
+
+def test_for_proposers_compiles_the_drafts_own_length_behind_prompt_lookup(target):
+    """A draft with prompt lookup in front proposes up to the lookup's K on lookup steps and up to its
+    own K on the others: both verify lengths are compiled, so a draft step is not padded to the lookup's."""
+    from deepspec.algorithms.ngram.proposer import LookupFirstProposer
+
+    draft = RandomProposer(32, seed=2)
+    draft.max_proposal_len = 3
+    lookup_first = LookupFirstProposer(draft, vocab_size=32, lookup_num_tokens=7)
+    assert CompiledTarget.for_proposers(target, [NullProposer(), lookup_first]).step_lengths == [1, 4, 8]

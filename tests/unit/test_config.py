@@ -221,6 +221,11 @@ def test_demo_refuses_bad_training_settings_before_any_stage_runs(tmp_path):
     assert not (tmp_path / "demo").exists()
     cfg = DemoConfig(output_dir=str(tmp_path / "demo"), algorithms=["dspark", "eagle3"])
     assert cfg.train_config("eagle3", tmp_path / "cache").output_dir == str(tmp_path / "demo" / "train-eagle3")
+    with pytest.raises(ValueError, match="demo.lookup_first"):
+        DemoConfig(output_dir=str(tmp_path / "demo"), lookup_first=0)
+    # prompt lookup off: its token count (7 by default) is unused, not an error
+    off = DemoConfig(output_dir=str(tmp_path / "demo"), lookup_first=None).eval_config(["d"], tmp_path / "eval")
+    assert (off.lookup_first, off.lookup_num_tokens) == (None, None)
 
 
 def test_demo_refuses_a_training_folder_filled_with_other_settings(tmp_path):

@@ -198,6 +198,7 @@ def test_eval_lookup_first_adds_a_row_per_draft_with_its_lookup_share(setup, tmp
         assert info["type"] == "LookupFirstProposer" and (info["ngram_max"], info["ngram_min"]) == (3, 1)
         # the drafts are capped at num_draft_tokens; an explicit lookup_num_tokens is not
         assert (info["max_proposal_len"], res["config"]["proposers"][n]["max_proposal_len"]) == (5, 2)
+        assert (info["lookup_num_tokens"], info["draft_max_proposal_len"]) == (5, 2)
         assert info["dtype"] == "float32"
         fig = res["benchmarks"]["gsm8k"][f"{n}+lookup"]
         assert 0.0 < fig["frac_steps_from_lookup"] <= 1.0  # the prompt repeats itself: the lookup proposes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -142,6 +143,10 @@ def test_truncation_figures():
     empty = acceptance_stats([], 3)
     assert empty.mean_num_proposed is None and empty.frac_steps_truncated is None
     assert acceptance_stats([step(0, 0)], 0).frac_steps_truncated == 0.0
+    # Steps of proposers with different K (a draft with prompt lookup in front): each against its own K.
+    mixed = [dataclasses.replace(step(3, 1), max_proposal_len=3), dataclasses.replace(step(3, 3), max_proposal_len=7),
+             dataclasses.replace(step(7, 2), max_proposal_len=7)]
+    assert acceptance_stats(mixed).frac_steps_truncated == pytest.approx(1 / 3)
 
 
 def test_step_timing_breakdown():

@@ -260,9 +260,11 @@ def test_lookup_first_match_proposes_up_to_lookup_num_tokens_and_a_cap_bounds_bo
     ctx = [3, 4, 10, 11, 12, 13, 14, 15, 3]
     prop.extend_context(torch.zeros(len(ctx), 4), ctx)
     g = SamplingParams()
-    assert prop.propose(4, len(ctx), sampling=g, generator=None).draft_ids_N.tolist() == [10, 11, 12, 13, 14]
+    matched = prop.propose(4, len(ctx), sampling=g, generator=None)
+    assert matched.draft_ids_N.tolist() == [10, 11, 12, 13, 14] and matched.max_proposal_len == 5
     prop.extend_context(torch.zeros(1, 4), [4])
-    assert prop.propose(9, len(ctx) + 1, sampling=g, generator=None).draft_ids_N.tolist() == [60, 61]  # the draft's K
+    drafted = prop.propose(9, len(ctx) + 1, sampling=g, generator=None)
+    assert drafted.draft_ids_N.tolist() == [60, 61] and drafted.max_proposal_len == 2  # the draft's K
     cap_proposal_len(prop, 3)
     assert (prop.max_proposal_len, prop.lookup.max_proposal_len, draft.max_proposal_len) == (3, 3, 2)
     prop.max_proposal_len = 9  # never above what each was built with
@@ -286,3 +288,5 @@ def test_lookup_first_with_a_dspark_draft_is_lossless_greedy(target):
     for prompt in PROMPTS:
         assert spec.generate(prompt, max_new_tokens=40).output_ids == base.generate(prompt, max_new_tokens=40).output_ids
     assert prop.steps_from_lookup > 0 and prop.steps_from_draft > 0
+    steps = [s for p in PROMPTS for s in spec.generate(p, max_new_tokens=40).steps]
+    assert {s.max_proposal_len for s in steps} == {4, 7}  # each step judged against its own proposer's K

@@ -23,6 +23,7 @@ without capture hooks and passes ``None`` as ``target_hidden_TF`` to :meth:`NGra
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -184,7 +185,8 @@ class LookupFirstProposer:
         if int(draft.max_proposal_len) < 1:
             raise ValueError(f"LookupFirstProposer.draft: expected a proposer with K >= 1, received "
                              f"{type(draft).__name__} with K = {draft.max_proposal_len}.")
-        if lookup_num_tokens is not None and (isinstance(lookup_num_tokens, bool) or int(lookup_num_tokens) < 1):
+        if lookup_num_tokens is not None and (isinstance(lookup_num_tokens, bool) or not isinstance(lookup_num_tokens, int)
+                                              or lookup_num_tokens < 1):
             raise ValueError(f"LookupFirstProposer.lookup_num_tokens: expected an integer >= 1 or None (the draft's "
                              f"K), received {lookup_num_tokens!r}.")
         self.draft = draft
@@ -218,6 +220,7 @@ class LookupFirstProposer:
         proposal = self.lookup.propose(anchor_token, anchor_pos, sampling=sampling, generator=generator)
         if proposal.num_proposed:
             self.steps_from_lookup += 1
-            return proposal
+            return dataclasses.replace(proposal, max_proposal_len=self.lookup.max_proposal_len)
         self.steps_from_draft += 1
-        return self.draft.propose(anchor_token, anchor_pos, sampling=sampling, generator=generator)
+        proposal = self.draft.propose(anchor_token, anchor_pos, sampling=sampling, generator=generator)
+        return dataclasses.replace(proposal, max_proposal_len=self.draft.max_proposal_len)
