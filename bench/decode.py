@@ -16,6 +16,10 @@ float32; the JSON records the resolved dtype):
   front (``deepspec.algorithms.ngram.LookupFirstProposer``): a match of at least N tokens proposes up
   to ``--lookup-num-tokens`` tokens, else the draft does; the share of steps the lookup proposed is
   printed and recorded;
+- with ``--lookup-corpus prepared.jsonl[,..]`` (prepare-stage outputs: the target's own answers,
+  :mod:`deepspec.algorithms.ngram.corpus`): ``ngram+corpus`` (``--baselines ngram,ngram+corpus``: prompt
+  lookup, then the corpus where the context has no match) and, per N, ``lookup-first-nN+corpus`` (context,
+  then corpus, then the draft) beside the rows without it;
 - ``hf-generate``: Hugging Face ``generate()`` with the same sampling, the reference the baseline
   is held to.
 
@@ -70,12 +74,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN  # noqa: E402
 from deepspec.algorithms.protocol import NullProposer  # noqa: E402
 from deepspec.eval.engine import GenerationResult, SpeculativeEngine  # noqa: E402
 from deepspec.eval.run import hf_generate, eos_token_ids_of  # noqa: E402
@@ -135,14 +141,16 @@ def summarise(runs: dict[str, list[GenerationResult]]) -> dict[str, dict[str, An
 
 
 def bench_setting(engines: dict[str, SpeculativeEngine], model, prompts: list[list[int]], *, sampling: SamplingParams,
-                  max_new_tokens: int, repeats: int, seed: int, eos: list[int], pad: int, device) -> dict[str, Any]:
-    """One sampling setting: warm-up, then ``repeats`` interleaved passes over ``prompts``."""
+                  max_new_tokens: int, repeats: int, seed: int, eos: list[int], pad: int, device,
+                  after_warmup: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """One sampling setting: warm-up, ``after_warmup()``, then ``repeats`` interleaved passes over ``prompts``."""
     def gen(s: int) -> torch.Generator:
         return torch.Generator(device=device).manual_seed(s)
 
     for engine in engines.values():  # warm-up (untimed): allocator, kernels, lazy init
         engine.generate(prompts[0], max_new_tokens=min(8, max_new_tokens), sampling=sampling, generator=gen(seed))
     hf_generate(model, prompts[0], max_new_tokens=min(8, max_new_tokens), sampling=sampling, eos=eos, pad=pad)
+    after_warmup()
 
     from tqdm.auto import tqdm
 
@@ -196,10 +204,10 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def print_setting(name: str, r: dict[str, Any]) -> None:
     print(f"\n== {name} (temperature {r['sampling']['temperature']}) ==")
-    print(f"{'method':<18}{'tok/s':>9}{'speedup':>9}{'tau':>7}{'break-even':>12}{'propose ms':>12}{'verify ms':>11}"
+    print(f"{'method':<24}{'tok/s':>9}{'speedup':>9}{'tau':>7}{'break-even':>12}{'propose ms':>12}{'verify ms':>11}"
           f"{'overhead ms':>13}{'step ms':>9}")
     for m, f in r["methods"].items():
-        print(f"{m:<18}{f['tok_per_s']:>9.1f}{_fmt(f['speedup'], '.2f'):>9}{_fmt(f['tau'], '.2f'):>7}"
+        print(f"{m:<24}{f['tok_per_s']:>9.1f}{_fmt(f['speedup'], '.2f'):>9}{_fmt(f['tau'], '.2f'):>7}"
               f"{_fmt(f['break_even_tau'], '.2f'):>12}{_fmt(f['propose_ms'], '.2f'):>12}{_fmt(f['verify_ms'], '.2f'):>11}"
               f"{_fmt(f['overhead_ms'], '.2f'):>13}{_fmt(f['step_ms'], '.2f'):>9}")
     base = r["methods"]["target-only"]
@@ -214,7 +222,8 @@ def print_setting(name: str, r: dict[str, Any]) -> None:
               f"{_fmt(share, '.0%')} of a target-only step; median speedup {r['median_speedups'][m]:.2f}x; output "
               f"identical to target-only on {r['frac_identical_to_baseline'][m]:.0%} of prompts"
               + (f"; {spec['steps_from_lookup']:.0%} of its steps proposed by prompt lookup"
-                 if "steps_from_lookup" in spec else ""))
+                 if "steps_from_lookup" in spec else "")
+              + (f"; {spec['steps_from_corpus']:.0%} by the corpus" if "steps_from_corpus" in spec else ""))
     print(f"target-only / generate() tokens/s: {r['baseline_vs_generate']:.3f} (median over (prompt, repeat) pairs "
           f"{r['median_baseline_vs_generate']:.3f}); generate() output identical to target-only on "
           f"{r['frac_hf_identical_to_baseline']:.0%} of prompts")
@@ -340,7 +349,13 @@ def main(argv: list[str] | None = None) -> dict:
                         "| float32 | bfloat16")
     p.add_argument("--device", default="auto",
                    help="target and draft device: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu | cuda | cuda:N")
-    p.add_argument("--baselines", default="ngram", help="comma-separated training-free proposers (ngram) or none")
+    p.add_argument("--baselines", default="ngram",
+                   help="comma-separated training-free proposers (ngram, ngram+corpus: needs --lookup-corpus) or none")
+    p.add_argument("--lookup-corpus", default="",
+                   help="comma-separated prepare-stage outputs whose target answers the lookups also search "
+                        "(adds the lookup-first-nN+corpus methods); '' = none")
+    p.add_argument("--corpus-ngram-min", type=int, default=DEFAULT_CORPUS_NGRAM_MIN,
+                   help="the shortest context suffix looked up in the corpus")
     p.add_argument("--ngram-max", type=int, default=3, help="ngram baseline: longest n-gram matched")
     p.add_argument("--ngram-min", type=int, default=1, help="ngram baseline: shortest n-gram matched")
     p.add_argument("--lookup-first", default="",
@@ -396,6 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--temperatures: expected at least one temperature")
     if args.threads:
         torch.set_num_threads(args.threads)
+    from deepspec.algorithms.ngram.corpus import NGramCorpus, check_corpus_use
     from deepspec.algorithms.ngram.proposer import LookupFirstProposer, NGramProposer, check_ngram_range
     from deepspec.algorithms.protocol import cap_proposal_len
     from deepspec.algorithms.registry import check_baselines
@@ -413,8 +429,12 @@ def main(argv: list[str] | None = None) -> dict:
         if args.lookup_num_tokens and not baselines and not lookup_first:
             raise ValueError("--lookup-num-tokens: nothing uses it with --baselines none and no --lookup-first; "
                              "give one of them or drop it")
+        corpus_files = [f for f in args.lookup_corpus.split(",") if f]
+        check_corpus_use(corpus_files, args.corpus_ngram_min, lookup_first=lookup_first[0] if lookup_first else None,
+                         baselines=baselines, field="bench")
+        corpus = NGramCorpus.from_prepared(corpus_files) if corpus_files else None
         device = resolve_device(args.device, "--device")  # before the draft folder and the target
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         p.error(str(exc))
 
     from deepspec.eval.stage import draft_folder
@@ -459,15 +479,16 @@ def main(argv: list[str] | None = None) -> dict:
     few_rows = few_row_linear_applies(args.few_row_linear, model)  # the eager engines'
     proposers = {"target-only": NullProposer(), "speculative": proposer}
     vocab = int(model.get_output_embeddings().weight.shape[0])
-    if "ngram" in baselines:
-        proposers["ngram"] = NGramProposer(vocab_size=vocab,
-                                           num_tokens=args.lookup_num_tokens or proposer.max_proposal_len,
-                                           ngram_max=args.ngram_max, ngram_min=args.ngram_min, max_positions=max_pos,
-                                           device=device)
+    corpus_kw = dict(corpus_ngram_min=args.corpus_ngram_min, max_positions=max_pos, device=device)
+    for name in baselines:  # ngram | ngram+corpus
+        proposers[name] = NGramProposer(vocab_size=vocab, num_tokens=args.lookup_num_tokens or proposer.max_proposal_len,
+                                        ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+                                        corpus=corpus if name == "ngram+corpus" else None, **corpus_kw)
     for n in lookup_first:  # the same draft proposer: each engine resets it before every prompt
-        proposers[f"lookup-first-n{n}"] = LookupFirstProposer(
-            proposer, vocab_size=vocab, ngram_max=max(n, args.ngram_max), ngram_min=n,
-            lookup_num_tokens=args.lookup_num_tokens or None, max_positions=max_pos, device=device)
+        for suffix, with_corpus in (("", None), *((("+corpus", corpus),) if corpus else ())):
+            proposers[f"lookup-first-n{n}{suffix}"] = LookupFirstProposer(
+                proposer, vocab_size=vocab, ngram_max=max(n, args.ngram_max), ngram_min=n,
+                lookup_num_tokens=args.lookup_num_tokens or None, corpus=with_corpus, **corpus_kw)
     if args.compile == "on":
         from deepspec.eval.compiled import CompiledTarget
 
@@ -488,14 +509,23 @@ def main(argv: list[str] | None = None) -> dict:
     for sampling in samplings:
         name = "greedy" if sampling.greedy else f"T={sampling.temperature:g}"
         combined = {m: p for m, p in proposers.items() if isinstance(p, LookupFirstProposer)}
-        for prop in combined.values():
-            prop.steps_from_lookup = prop.steps_from_draft = 0
+        with_corpus = {m: getattr(p, "lookup", p) for m, p in proposers.items()
+                       if getattr(getattr(p, "lookup", p), "corpus", None) is not None}
+
+        def reset_counts() -> None:  # count the timed passes only
+            for prop in combined.values():
+                prop.steps_from_lookup = prop.steps_from_draft = 0
+            for prop in with_corpus.values():
+                prop.steps_from_corpus = 0
+
         settings[name] = bench_setting(engines, model, prompts, sampling=sampling,
                                        max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed,
-                                       eos=eos, pad=pad, device=device)
-        for m, prop in combined.items():  # warm-up steps included
-            settings[name]["methods"][m]["steps_from_lookup"] = prop.steps_from_lookup / max(
-                prop.steps_from_lookup + prop.steps_from_draft, 1)
+                                       eos=eos, pad=pad, device=device, after_warmup=reset_counts)
+        methods = settings[name]["methods"]
+        for m, prop in combined.items():
+            methods[m]["steps_from_lookup"] = prop.steps_from_lookup / max(prop.steps_from_lookup + prop.steps_from_draft, 1)
+        for m, prop in with_corpus.items():
+            methods[m]["steps_from_corpus"] = prop.steps_from_corpus / max(methods[m]["num_steps"], 1)
     results: dict[str, Any] = {
         "target": args.target, "device": str(device), "threads": torch.get_num_threads(),
         "dtype": dtype_name(dtype), "dtype_requested": args.dtype, "few_row_linear": few_rows,
@@ -504,6 +534,9 @@ def main(argv: list[str] | None = None) -> dict:
         "max_proposal_len": proposer.max_proposal_len, "baselines": baselines,
         "ngram": {"ngram_max": args.ngram_max, "ngram_min": args.ngram_min} if baselines else None,
         "lookup_first_ngram_min": lookup_first, "lookup_num_tokens": args.lookup_num_tokens or proposer.max_proposal_len,
+        "lookup_corpus": None if corpus is None else {"files": corpus_files, "num_sequences": corpus.num_sequences,
+                                                      "num_tokens": corpus.num_tokens,
+                                                      "corpus_ngram_min": args.corpus_ngram_min},
         "target_layer_ids": layer_ids, "prompts": [f"{b}:{pr.id}" for b, pr in bench_prompts],
         "prompt_origins": sorted({pr.origin for _, pr in bench_prompts}),
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "seed": args.seed,
@@ -522,7 +555,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "goals" in results:
         print("\ngoals:")
         for key, g in results["goals"].items():
-            print(f"  {key:<30} {g['goal']:>8}  pooled {_fmt(g['value'], '.3f'):>7}  median {_fmt(g['median'], '.3f'):>7}  "
+            print(f"  {key:<40} {g['goal']:>8}  pooled {_fmt(g['value'], '.3f'):>7}  median {_fmt(g['median'], '.3f'):>7}  "
                   f"{'MET' if g['met'] else 'NOT MET'}")
     out = Path(args.output_dir)
     atomic_write_json(out / "decode_bench.json", results)

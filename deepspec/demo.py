@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN
 from deepspec.algorithms.registry import ALGORITHMS, check_baselines, load_draft
 from deepspec.data.prepare import PrepareConfig, summary_path_for
 from deepspec.device import check_device_name, check_dtype_name, resolve_device
@@ -102,7 +103,9 @@ class DemoConfig:
     # where every stage runs the target and the draft: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu |
     # cuda | cuda:N
     device: str = "auto"
-    baselines: list[str] = field(default_factory=lambda: ["ngram"])  # training-free proposers in the eval: ngram | none
+    # training-free proposers in the eval: ngram (prompt lookup) | ngram+corpus (then the demo's regenerated answers,
+    # lookup_corpus) | none
+    baselines: list[str] = field(default_factory=lambda: ["ngram", "ngram+corpus"])
     # Prompt lookup proposes 7 tokens: once its first token is accepted the next ones mostly are, and a bf16 verify
     # over 8 tokens costs about what one over 4 does (docs/results/lookup-first-cpu-2026-12-03).
     ngram_num_tokens: int | None = 7  # the ngram baseline's K; none = the draft's (after num_draft_tokens)
@@ -110,6 +113,10 @@ class DemoConfig:
     # tokens proposes, else the draft; none = off
     lookup_first: int | None = 2
     lookup_num_tokens: int | None = 7  # the most tokens a lookup match proposes (none = the draft's K); unused when off
+    # the lookups (the "+lookup" rows and ngram+corpus) also search the target's answers the demo regenerated
+    # (prepared.jsonl; deepspec.algorithms.ngram.corpus) where the context has no match
+    lookup_corpus: bool = True
+    corpus_ngram_min: int = DEFAULT_CORPUS_NGRAM_MIN  # the shortest context suffix looked up in the corpus
 
     def __post_init__(self) -> None:
         self.dtype = check_dtype_name(self.dtype, "demo.dtype")
@@ -167,6 +174,11 @@ class DemoConfig:
         return CacheConfig(input=str(prepared), output_dir=str(cache_dir), max_seq_len=self.max_seq_len,
                            storage_dtype="float32", dtype=self.dtype, device=self.device)
 
+    @property
+    def prepared_path(self) -> Path:
+        """The demo's regenerated training conversations (one prepared JSONL; the lookups' corpus)."""
+        return Path(self.output_dir) / "prepared.jsonl"
+
     def eval_config(self, checkpoints: list[str], output_dir: Path) -> EvalConfig:
         """The eval stage's settings for the trained ``checkpoints``."""
         return EvalConfig(
@@ -184,6 +196,9 @@ class DemoConfig:
             ngram_num_tokens=self.ngram_num_tokens,
             lookup_first=self.lookup_first,
             lookup_num_tokens=self.lookup_num_tokens if self.lookup_first is not None else None,  # unused when off
+            lookup_corpus=[str(self.prepared_path)] if self.lookup_corpus and (
+                self.lookup_first is not None or "ngram+corpus" in self.baselines) else [],
+            corpus_ngram_min=self.corpus_ngram_min,
         )
 
     def train_config(self, algorithm: str, cache_dir: Path) -> TrainConfig:
@@ -331,7 +346,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     target_model, tokenizer = load.load_target("default")
     timings["load_target_s"] = time.perf_counter() - t0
 
-    prepared = out / "prepared.jsonl"
+    prepared = cfg.prepared_path
     t0 = time.perf_counter()
     if prepared.exists():
         check_reused_prepared(cfg, prepared)

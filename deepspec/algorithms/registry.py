@@ -34,7 +34,7 @@ ALGORITHMS: dict[str, Callable[[], DraftAlgorithm]] = {
 
 # training-free proposers selectable with --baselines (deepspec.algorithms.ngram; built by
 # deepspec.eval.stage.baseline_proposers)
-BASELINES = ("ngram",)
+BASELINES = ("ngram", "ngram+corpus")
 
 
 def get_algorithm(name: str) -> DraftAlgorithm:

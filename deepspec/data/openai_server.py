@@ -54,10 +54,11 @@ import select
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus, check_corpus_use
 from deepspec.algorithms.ngram.proposer import check_lookup_settings
 from deepspec.data.backends import GenerationParams, LocalBackend
 from deepspec.data.chat import render_prompt
@@ -536,6 +537,10 @@ class ServeConfig:
     # least this many tokens proposes, else the draft; none = off (2 is a good start)
     lookup_first: int | None = None
     lookup_num_tokens: int | None = None  # the most tokens a lookup match proposes; none = the draft's K
+    # prepare-stage outputs (JSONL with generated_ids) whose target answers the lookup also searches where the
+    # context has no match (deepspec.algorithms.ngram.corpus); needs lookup_first
+    lookup_corpus: list[str] = field(default_factory=list)
+    corpus_ngram_min: int = DEFAULT_CORPUS_NGRAM_MIN  # the shortest context suffix looked up in the corpus
     # target and draft dtype: auto (bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else float32) | float32 | bfloat16
     dtype: str = "auto"
     # where target and draft decode: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu | cuda | cuda:N
@@ -557,6 +562,8 @@ class ServeConfig:
         if self.num_draft_tokens is not None and not self.draft:
             raise ValueError("serve.num_draft_tokens: set with no --draft; give the draft to speculate with, or drop it")
         check_lookup_settings(self.lookup_first, self.lookup_num_tokens, has_draft=bool(self.draft), field="serve")
+        check_corpus_use(self.lookup_corpus, self.corpus_ngram_min, lookup_first=self.lookup_first, baselines=[],
+                         field="serve")
 
 
 def _port_unavailable(host: str, port: int, exc: OSError) -> ValueError:
@@ -587,6 +594,7 @@ def run_serve_stage(cfg: ServeConfig, *, target_model: Any = None, tokenizer: An
     resolve_device(cfg.device, "serve.device")  # a device that is not there fails before the target loads
     if cfg.draft:
         draft_folder(cfg.draft)  # a wrong --draft fails before the target loads
+    corpus = NGramCorpus.from_prepared(cfg.lookup_corpus) if cfg.lookup_corpus else None  # so does a bad corpus
     loaded_here = target_model is None or tokenizer is None
     if loaded_here:
         target_model, tokenizer = load.load_target(cfg.target, chat_template=cfg.chat_template)
@@ -594,14 +602,16 @@ def run_serve_stage(cfg: ServeConfig, *, target_model: Any = None, tokenizer: An
     decoder = EngineDecoder(target_model, tokenizer, draft=cfg.draft or None, num_draft_tokens=cfg.num_draft_tokens,
                             dtype=cfg.dtype, device=cfg.device, few_row_linear=cfg.few_row_linear,
                             allow_target_mismatch=cfg.allow_target_mismatch, lookup_first=cfg.lookup_first,
-                            lookup_num_tokens=cfg.lookup_num_tokens, cast_in_place=loaded_here)
+                            lookup_num_tokens=cfg.lookup_num_tokens, corpus=corpus,
+                            corpus_ngram_min=cfg.corpus_ngram_min, cast_in_place=loaded_here)
     try:
         server = OpenAICompatServer(decoder.target_model, tokenizer, host=cfg.host, port=cfg.port,
                                     model_name=cfg.model_name or cfg.target, decoder=decoder)
     except OSError as exc:  # taken between the check and now
         raise _port_unavailable(cfg.host, cfg.port, exc) from None
     mode = (f"speculative, draft {decoder.draft_name}"
-            f"{f' behind prompt lookup (matches of {cfg.lookup_first}+ tokens propose up to {decoder.num_lookup_tokens})' if cfg.lookup_first else ''}, "
+            f"{f' behind prompt lookup (matches of {cfg.lookup_first}+ tokens propose up to {decoder.num_lookup_tokens})' if cfg.lookup_first else ''}"
+            f"{f' and a corpus of {corpus.num_tokens:,} answer tokens' if corpus is not None else ''}, "
             f"up to {decoder.num_draft_tokens} tokens per step" if decoder.draft_name else "target-only")
     print(f"serve: {server.model_name!r} at {server.base_url} (POST /chat/completions, GET /models; {mode}; "
           f"{str(decoder.dtype).removeprefix('torch.')} on {decoder.device}); Ctrl-C stops", flush=True)

@@ -84,7 +84,11 @@ METRIC_DEFINITIONS: dict[str, str] = {
     "target's, which the test suite checks with a chi-square test; hf-generate draws from the same random stream as "
     "target-only, so its outputs are identical there too)",
     "frac_steps_from_lookup": "a draft with prompt lookup in front (`<draft>+lookup`, eval.lookup_first) only: "
-    "fraction of its verify steps whose proposal came from the n-gram lookup (the rest from the draft)",
+    "fraction of its verify steps whose proposal came from the n-gram lookup (the rest from the draft); with a "
+    "lookup corpus this includes frac_steps_from_corpus",
+    "frac_steps_from_corpus": "a lookup with a corpus of the target's answers (`<draft>+lookup` with "
+    "eval.lookup_corpus, `ngram+corpus`) only: fraction of its verify steps whose proposal came from the corpus "
+    "(the context had no match)",
     "calibration": "confidence-head calibration (None when no step carries confidences). Pairs: per step "
     "with confidence, slots k = 1..min(accepted + 1, proposed), label 1 if k <= accepted else 0 (slots after "
     "the first rejection, and the slot after an accepted EOS, are not reached and excluded); figures "

@@ -268,6 +268,9 @@ def run_eval(
         turn_of: list[tuple[str, int]] = []  # (prompt id, turn 1..) of each pooled result, in order
         lookup_counts = {n: (p.steps_from_lookup, p.steps_from_draft) for n, p in proposers.items()
                          if hasattr(p, "steps_from_lookup")}  # a draft with prompt lookup in front
+        corpus_lookups = {n: getattr(p, "lookup", p) for n, p in proposers.items()
+                          if getattr(getattr(p, "lookup", p), "corpus", None) is not None}  # lookups with a corpus
+        corpus_counts = {n: p.steps_from_corpus for n, p in corpus_lookups.items()}
         for i, (prompt, ids) in enumerate(zip(prompts, rendered[bench])):
             turn_of.extend((prompt.id, t + 1) for t in range(min(num_turns, len(prompt.turns))))
             for name, engine in engines.items():
@@ -308,6 +311,10 @@ def run_eval(
             n_lookup = proposers[name].steps_from_lookup - from_lookup
             n_all = n_lookup + proposers[name].steps_from_draft - from_draft
             figures[bench][name]["frac_steps_from_lookup"] = n_lookup / n_all if n_all else None
+        for name, before in corpus_counts.items():
+            n_all = sum(len(r.steps) for r in runs[name])
+            figures[bench][name]["frac_steps_from_corpus"] = (
+                (corpus_lookups[name].steps_from_corpus - before) / n_all if n_all else None)
         if measure_flips:
             with few_row_linear_context(target_model) if few_row_linear else contextlib.nullcontext():
                 argmax_flip_figures(target_model, prompts_of[BASELINE], base, {n: runs[n] for n in proposers},

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus
 from deepspec.algorithms.ngram.proposer import (DEFAULT_NGRAM_MAX, LookupFirstProposer,
                                                  check_lookup_settings)
 from deepspec.algorithms.protocol import NullProposer, cap_proposal_len
@@ -81,22 +82,29 @@ class EngineDecoder:
             LookupFirstProposer`): an n-gram match of at least this many tokens proposes, else the draft;
             None = the draft alone.
         lookup_num_tokens: the most tokens a match proposes (None: the draft's K after ``num_draft_tokens``).
+        corpus, corpus_ngram_min: a corpus of the target's earlier answers
+            (:class:`~deepspec.algorithms.ngram.corpus.NGramCorpus`) the lookup asks where the context has
+            no match, before the draft; needs ``lookup_first``.
         cast_in_place: cast and move ``target_model`` itself instead of a copy (a target nobody else
             holds, such as the one ``deepspec serve`` loads: no second copy in host memory).
 
     Raises:
         FileNotFoundError: no draft at ``draft``.
         ValueError: a bad dtype or device name, a device that is not there, ``num_draft_tokens < 1``,
-            ``lookup_first`` or ``lookup_num_tokens`` < 1 or set without a draft, or a draft made for
-            another target.
+            ``lookup_first`` or ``lookup_num_tokens`` < 1 or set without a draft, a corpus without
+            ``lookup_first``, or a draft made for another target.
     """
 
     def __init__(self, target_model: Any, tokenizer: Any, *, draft: str | Path | None = None,
                  num_draft_tokens: int | None = None, dtype: str = "auto", device: str | None = None,
                  few_row_linear: str = "auto", allow_target_mismatch: bool = False,
                  lookup_first: int | None = None, lookup_num_tokens: int | None = None,
+                 corpus: NGramCorpus | None = None, corpus_ngram_min: int = DEFAULT_CORPUS_NGRAM_MIN,
                  cast_in_place: bool = False) -> None:
         check_lookup_settings(lookup_first, lookup_num_tokens, has_draft=bool(draft), field="serve")
+        if corpus is not None and lookup_first is None:
+            raise ValueError("serve.lookup_corpus: set without serve.lookup_first; the corpus is searched by the "
+                             "prompt lookup in front of the draft: give --lookup-first N or drop it")
         device = (resolve_device(device, "serve.device") if device is not None
                   else next(target_model.parameters()).device)
         decode_dtype = resolve_dtype(dtype, device)
@@ -124,7 +132,7 @@ class EngineDecoder:
                 self.proposer, vocab_size=int(self.target_model.get_output_embeddings().weight.shape[0]),
                 ngram_max=max(lookup_first, DEFAULT_NGRAM_MAX), ngram_min=lookup_first,
                 lookup_num_tokens=lookup_num_tokens, max_positions=self.target_model.config.max_position_embeddings,
-                device=device)
+                device=device, corpus=corpus, corpus_ngram_min=corpus_ngram_min)
         self.stop_token_ids = target_stop_token_ids(self.target_model, tokenizer)
         self.few_row_linear = few_row_linear_applies(few_row_linear, self.target_model)
 

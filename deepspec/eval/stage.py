@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus, check_corpus_use
 from deepspec.algorithms.ngram.proposer import (DEFAULT_NUM_TOKENS, LookupFirstProposer, NGramProposer,
                                                  check_lookup_settings, check_ngram_range)
 from deepspec.algorithms.protocol import cap_proposal_len
@@ -65,7 +66,8 @@ class EvalConfig:
     # where target and drafts decode: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu | cuda | cuda:N;
     # the report records it
     device: str = "auto"
-    # training-free proposers evaluated beside the drafts: ngram (prompt lookup) | none
+    # training-free proposers evaluated beside the drafts: ngram (prompt lookup) | ngram+corpus (prompt lookup, then
+    # the lookup_corpus where the context has no match) | none
     baselines: list[str] = field(default_factory=lambda: ["ngram"])
     ngram_max: int = 3  # ngram baseline: longest n-gram matched (tried first)
     ngram_min: int = 1  # ngram baseline: shortest n-gram matched
@@ -76,6 +78,11 @@ class EvalConfig:
     lookup_first: int | None = None
     # the most tokens a match proposes in the "<draft>+lookup" rows; none = the draft's K after num_draft_tokens
     lookup_num_tokens: int | None = None
+    # prepare-stage outputs (JSONL with generated_ids) whose target answers the lookup also searches when the
+    # context has no match (deepspec.algorithms.ngram.corpus): in the "<draft>+lookup" rows and the ngram+corpus
+    # baseline
+    lookup_corpus: list[str] = field(default_factory=list)
+    corpus_ngram_min: int = DEFAULT_CORPUS_NGRAM_MIN  # the shortest context suffix looked up in the corpus
     # each draft proposes at most this many tokens per step (vLLM's num_speculative_tokens); none = each draft's
     # own K (a DSpark/DFlash draft's block size, Eagle3's steps). An explicit ngram_num_tokens or
     # lookup_num_tokens is not capped by it.
@@ -106,6 +113,8 @@ class EvalConfig:
         if ngram_k is not None and (isinstance(ngram_k, bool) or not isinstance(ngram_k, int) or ngram_k < 1):
             raise ValueError(f"eval.ngram_num_tokens: expected an integer >= 1 or none (the draft's K), got {ngram_k!r}")
         check_lookup_settings(self.lookup_first, self.lookup_num_tokens, has_draft=True, field="eval")
+        check_corpus_use(self.lookup_corpus, self.corpus_ngram_min, lookup_first=self.lookup_first,
+                         baselines=self.baselines, field="eval")
         if self.max_new_tokens < 1:
             raise ValueError(f"eval.max_new_tokens: expected an integer >= 1, got {self.max_new_tokens}")
         if self.num_prompts is not None and self.num_prompts < 1:
@@ -266,24 +275,27 @@ def _unique_name(name: str, taken: dict) -> str:
     return candidate
 
 
-def baseline_proposers(cfg: EvalConfig, target_model, *, drafts: dict, taken: dict) -> dict:
+def baseline_proposers(cfg: EvalConfig, target_model, *, drafts: dict, taken: dict,
+                       corpus: NGramCorpus | None = None) -> dict:
     """The training-free proposers of ``cfg.baselines`` (name -> proposer), for ``target_model``.
 
-    The n-gram baseline proposes ``cfg.ngram_num_tokens`` tokens per step, by default as many as the
+    The n-gram baselines propose ``cfg.ngram_num_tokens`` tokens per step, by default as many as the
     first of ``drafts`` (name -> proposer, already capped by ``cfg.num_draft_tokens``) does, else 7
-    capped by ``cfg.num_draft_tokens``; its report name is ``ngram`` (``ngram#2`` if ``taken`` already
-    holds it).
+    capped by ``cfg.num_draft_tokens``; their report names are ``ngram`` (prompt lookup) and
+    ``ngram+corpus`` (prompt lookup, then ``corpus`` where the context has no match), with ``#2``
+    appended if ``taken`` already holds the name.
     """
 
     out = {}
-    if "ngram" in cfg.baselines:
-        k = cfg.ngram_num_tokens or next((p.max_proposal_len for p in drafts.values()),
-                                         min(DEFAULT_NUM_TOKENS, cfg.num_draft_tokens or DEFAULT_NUM_TOKENS))
-        out[_unique_name("ngram", taken)] = NGramProposer(
+    k = cfg.ngram_num_tokens or next((p.max_proposal_len for p in drafts.values()),
+                                     min(DEFAULT_NUM_TOKENS, cfg.num_draft_tokens or DEFAULT_NUM_TOKENS))
+    for name in cfg.baselines:  # "ngram" | "ngram+corpus"
+        out[_unique_name(name, taken)] = NGramProposer(
             vocab_size=int(target_model.get_output_embeddings().weight.shape[0]), num_tokens=k,
             ngram_max=cfg.ngram_max, ngram_min=cfg.ngram_min,
             max_positions=target_model.config.max_position_embeddings,
-            device=next(target_model.parameters()).device)
+            device=next(target_model.parameters()).device,
+            corpus=corpus if name == "ngram+corpus" else None, corpus_ngram_min=cfg.corpus_ngram_min)
     return out
 
 
@@ -313,6 +325,7 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
     device = resolve_device(cfg.device, "eval.device")
     folders = [draft_folder(path) for path in cfg.draft] if drafts is None else []
     benchmarks, skipped = load_eval_benchmarks(cfg)
+    corpus = NGramCorpus.from_prepared(cfg.lookup_corpus) if cfg.lookup_corpus else None
     dtype = resolve_dtype(cfg.dtype, device)
     loaded_here = target_model is None
     if loaded_here:
@@ -371,8 +384,8 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
             proposers[_unique_name(f"{name}+lookup", proposers)] = LookupFirstProposer(
                 draft_proposer(name, model), vocab_size=vocab, ngram_max=max(cfg.lookup_first, cfg.ngram_max),
                 ngram_min=cfg.lookup_first, max_positions=max_positions, device=device,
-                lookup_num_tokens=cfg.lookup_num_tokens)
-    proposers.update(baseline_proposers(cfg, target_model, drafts=proposers, taken=proposers))
+                lookup_num_tokens=cfg.lookup_num_tokens, corpus=corpus, corpus_ngram_min=cfg.corpus_ngram_min)
+    proposers.update(baseline_proposers(cfg, target_model, drafts=proposers, taken=proposers, corpus=corpus))
     return run_eval(
         target_model,
         tokenizer,
@@ -397,5 +410,8 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
             "confidence_threshold": {n: cfg.confidence_threshold for n in thresholded if cfg.confidence_threshold > 0},
             "target_fingerprint": fingerprint,
             "target_check": target_check,
+            "lookup_corpus": None if corpus is None else {"files": list(cfg.lookup_corpus),
+                                                          "num_sequences": corpus.num_sequences,
+                                                          "num_tokens": corpus.num_tokens},
         },
     )

@@ -329,3 +329,24 @@ def test_lookup_first_draft_follows_target_distribution(target, params):
     p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
     p_third = chi_square_pvalue(counts_V, third_V)
     assert p_joint > PASS_P and p_third > PASS_P, (p_joint, p_third)
+
+
+@pytest.mark.parametrize("params", [PLAIN, FILTERED], ids=["plain", "topk_topp"])
+def test_lookup_first_with_a_corpus_follows_target_distribution(target, params):
+    """Context lookup, then a corpus of earlier answers, then the draft: steps of all three kinds mix
+    within the same generations (the corpus holds only some tokens, so some anchors reach the draft);
+    the output is still the target's distribution."""
+    from deepspec.algorithms.ngram.corpus import NGramCorpus
+    from deepspec.algorithms.ngram.proposer import LookupFirstProposer
+
+    joint_VV, third_V = exact_target_distributions(target, params)
+    trials = 1200
+    corpus = NGramCorpus([[3, 7, 5, 9, 3, 2], [7, 7, 5, 3, 1], [5, 2, 9]], ngram_max=2)
+    proposer = LookupFirstProposer(untrained_dspark_proposer(target), vocab_size=V, ngram_max=2, ngram_min=2,
+                                   corpus=corpus, corpus_ngram_min=1)
+    counts_VV, counts_V, accepted = engine_samples(target, params, trials, seed=4, proposer=proposer)
+    assert proposer.lookup.steps_from_corpus > 0.1 * trials and proposer.steps_from_draft > 0.1 * trials
+    assert 0.02 * trials < accepted
+    p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
+    p_third = chi_square_pvalue(counts_V, third_V)
+    assert p_joint > PASS_P and p_third > PASS_P, (p_joint, p_third)

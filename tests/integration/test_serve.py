@@ -95,13 +95,17 @@ def _create(client, messages, **kwargs):
     return client.chat.completions.create(model="tiny", messages=messages, extra_body=extra, **kwargs)
 
 
-@pytest.mark.parametrize("draft", [None, "dspark", "eagle3", "dspark+lookup"])
+@pytest.mark.parametrize("draft", [None, "dspark", "eagle3", "dspark+lookup", "dspark+lookup+corpus"])
 def test_greedy_answers_equal_the_local_backends_streamed_or_not(setup, serve, draft):
+    from deepspec.algorithms.ngram.corpus import NGramCorpus
+
     _, _, folders = setup
-    lookup = {"lookup_first": 1, "lookup_num_tokens": 6} if draft == "dspark+lookup" else {}
-    draft = draft and draft.removesuffix("+lookup")
-    server, client = serve(None if draft is None else folders[draft], **lookup)
     wanted = _local_answers(setup, 40)
+    lookup = {"lookup_first": 1, "lookup_num_tokens": 6} if draft and "+lookup" in draft else {}
+    if draft and draft.endswith("+corpus"):  # the target's own answers: the corpus proposes often
+        lookup.update(corpus=NGramCorpus([w.token_ids for w in wanted]), corpus_ngram_min=2)
+    draft = draft and draft.split("+")[0]
+    server, client = serve(None if draft is None else folders[draft], **lookup)
     for messages, want in zip(MESSAGES, wanted):
         answer = _create(client, messages, max_tokens=40, temperature=0)
         choice = answer.choices[0]
@@ -273,3 +277,5 @@ def test_serve_with_a_missing_draft_fails_before_loading_the_target(tmp_path, ca
     assert "no --draft" in capsys.readouterr().err
     assert main(["serve", "--port", "0", "--lookup-first", "2"]) == 2
     assert "serve.lookup_first: set with no draft" in capsys.readouterr().err
+    assert main(["serve", "--port", "0", "--draft", str(tmp_path), "--lookup-corpus", str(tmp_path / "p.jsonl")]) == 2
+    assert "serve.lookup_corpus: nothing reads it" in capsys.readouterr().err

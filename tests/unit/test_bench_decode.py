@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from deepspec.eval.engine import GenerationResult, StepRecord
@@ -64,3 +66,15 @@ def test_lookup_num_tokens_with_nothing_to_use_it_is_refused(capsys):
         decode.main(["--draft", "untrained", "--baselines", "none", "--lookup-num-tokens", "5"])
     assert exc.value.code == 2
     assert "--lookup-num-tokens: nothing uses it" in capsys.readouterr().err
+
+
+def test_a_lookup_corpus_with_nothing_to_read_it_is_refused(capsys, tmp_path):
+    decode = _decode_module()
+    for argv, message in ((["--lookup-corpus", str(tmp_path / "p.jsonl")], "bench.lookup_corpus: nothing reads it"),
+                          (["--baselines", "ngram+corpus"], "bench.baselines: ngram\\+corpus needs bench.lookup_corpus"),
+                          (["--baselines", "ngram+corpus", "--lookup-corpus", str(tmp_path / "p.jsonl")],
+                           "p.jsonl is not a file")):
+        with pytest.raises(SystemExit) as exc:
+            decode.main(["--draft", "untrained", *argv])
+        assert exc.value.code == 2
+        assert re.search(message, capsys.readouterr().err), argv

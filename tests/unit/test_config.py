@@ -226,6 +226,13 @@ def test_demo_refuses_bad_training_settings_before_any_stage_runs(tmp_path):
     # prompt lookup off: its token count (7 by default) is unused, not an error
     off = DemoConfig(output_dir=str(tmp_path / "demo"), lookup_first=None).eval_config(["d"], tmp_path / "eval")
     assert (off.lookup_first, off.lookup_num_tokens) == (None, None)
+    # the lookups search the demo's regenerated answers; with nothing reading them, no corpus is passed
+    on = DemoConfig(output_dir=str(tmp_path / "demo")).eval_config(["d"], tmp_path / "eval")
+    assert on.lookup_corpus == [str(tmp_path / "demo" / "prepared.jsonl")] and "ngram+corpus" in on.baselines
+    bare = DemoConfig(output_dir=str(tmp_path / "demo"), lookup_first=None, baselines=["ngram"])
+    assert bare.eval_config(["d"], tmp_path / "eval").lookup_corpus == []
+    with pytest.raises(ValueError, match=r"demo.baselines: ngram\+corpus needs demo.lookup_corpus"):
+        DemoConfig(output_dir=str(tmp_path / "demo"), lookup_corpus=False)
 
 
 def test_demo_refuses_a_training_folder_filled_with_other_settings(tmp_path):

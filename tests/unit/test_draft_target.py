@@ -211,3 +211,31 @@ def test_eval_lookup_first_adds_a_row_per_draft_with_its_lookup_share(setup, tmp
         EvalConfig(draft=["x"], output_dir="o", lookup_first=2, lookup_num_tokens=0)
     with pytest.raises(ValueError, match="eval.lookup_num_tokens: set without eval.lookup_first"):
         EvalConfig(draft=["x"], output_dir="o", lookup_num_tokens=7)
+
+
+def test_eval_lookup_corpus_feeds_the_lookup_rows_and_the_ngram_corpus_baseline(setup, tmp_path):
+    from deepspec.eval.stage import EvalConfig, run_eval_stage
+
+    tok, targets, folders = setup
+    bench = tmp_path / "gsm8k.jsonl"
+    bench.write_text(json.dumps({"question": "What is 2 + 3?", "answer": "#### 5"}) + "\n")
+    common = dict(draft=[str(folders["dspark"])], benchmarks=["gsm8k"], benchmark_files=[f"gsm8k={bench}"],
+                  num_prompts=1, max_new_tokens=24, compare_hf_generate=False, dtype="float32", num_draft_tokens=2)
+    # the corpus: the target's own answer to the same prompt, as prepare would have written it
+    first = run_eval_stage(EvalConfig(**common, baselines=["none"], output_dir=str(tmp_path / "e0")),
+                           target_model=targets["A"], tokenizer=tok)
+    answer = tok(first["samples"]["gsm8k"]["target-only"][0]["output"], add_special_tokens=False)["input_ids"]
+    prepared = tmp_path / "prepared.jsonl"
+    prepared.write_text(json.dumps({"id": "x", "generated_ids": [None, answer]}) + "\n")
+    res = run_eval_stage(EvalConfig(**common, baselines=["ngram", "ngram+corpus"], lookup_first=2,
+                                    lookup_corpus=[str(prepared)], output_dir=str(tmp_path / "e1")),
+                         target_model=targets["A"], tokenizer=tok)
+    figures = res["benchmarks"]["gsm8k"]
+    lookup = next(n for n in figures if n.endswith("+lookup"))
+    assert res["config"]["lookup_corpus"] == {"files": [str(prepared)], "num_sequences": 1, "num_tokens": len(answer)}
+    for name in (lookup, "ngram+corpus"):
+        assert figures[name]["frac_steps_from_corpus"] > 0.0, name  # the corpus holds the answer: it proposes
+        assert figures[name]["frac_identical_to_baseline"] == 1.0
+    assert figures["ngram+corpus"]["tau"] > figures["ngram"]["tau"]
+    assert "frac_steps_from_corpus" not in figures["ngram"]
+    assert "frac_steps_from_corpus" in res["definitions"]

@@ -290,3 +290,122 @@ def test_lookup_first_with_a_dspark_draft_is_lossless_greedy(target):
     assert prop.steps_from_lookup > 0 and prop.steps_from_draft > 0
     steps = [s for p in PROMPTS for s in spec.generate(p, max_new_tokens=40).steps]
     assert {s.max_proposal_len for s in steps} == {4, 7}  # each step judged against its own proposer's K
+
+
+# ----------------------------------------------------------------------------- a corpus of earlier answers
+def slow_followers(sequences, ngram):
+    """Every token that follows ``ngram`` inside one of ``sequences``, with its count."""
+    from collections import Counter
+
+    n = len(ngram)
+    return Counter(s[i + n] for s in sequences for i in range(len(s) - n) if list(s[i:i + n]) == list(ngram))
+
+
+def test_corpus_followers_match_a_slow_count_and_never_span_two_sequences():
+    from deepspec.algorithms.ngram.corpus import NGramCorpus
+
+    rng = random.Random(1)
+    seqs = [[rng.randrange(5) for _ in range(rng.randint(0, 25))] for _ in range(40)]
+    corpus = NGramCorpus(seqs, ngram_max=3)
+    assert (corpus.num_sequences, corpus.num_tokens) == (sum(1 for s in seqs if s), sum(map(len, seqs)))
+    for n in (1, 2, 3):
+        for ngram in {tuple(s[i:i + n]) for s in seqs for i in range(len(s) - n + 1)} | {(4,) * n}:
+            counts = slow_followers(seqs, ngram)
+            if not counts:
+                assert corpus.follower(ngram) is None
+                continue
+            best = min(counts, key=lambda t: (-counts[t], t))  # most frequent, the smallest id on a tie
+            assert corpus.follower(ngram) == (best, counts[best], sum(counts.values())), ngram
+    two = NGramCorpus([[1, 2], [3, 4]], ngram_max=2)
+    assert two.follower([2]) is None and two.follower([2, 3]) is None  # 2 -> 3 crosses the boundary
+    assert two.follower([]) is None and two.follower([1, 2, 3]) is None  # empty, longer than ngram_max
+    with pytest.raises(ValueError, match="NGramCorpus.sequences"):
+        NGramCorpus([[1, -2]])
+    with pytest.raises(ValueError, match="NGramCorpus.ngram_max"):
+        NGramCorpus([[1, 2]], ngram_max=0)
+
+
+def test_corpus_continuation_follows_the_longest_held_suffix():
+    from deepspec.algorithms.ngram.corpus import NGramCorpus
+
+    corpus = NGramCorpus([[1, 2, 3, 4, 5], [9, 2, 3, 7, 8], [2, 3, 7]], ngram_max=3)
+    # (2, 3) is followed by 7 twice and 4 once; (1, 2, 3) by 4 only: the longer suffix wins
+    assert corpus.continuation([0, 1, 2, 3], max_len=5, ngram_min=2) == [4, 5]  # (3, 4, 5) then nothing held
+    assert corpus.continuation([0, 6, 2, 3], max_len=5, ngram_min=2) == [7, 8]
+    assert corpus.continuation([0, 6, 2, 3], max_len=1, ngram_min=2) == [7]
+    assert corpus.continuation([0, 6, 2, 3], max_len=5, ngram_min=3) == []  # (6, 2, 3) is not held
+    assert corpus.continuation([3], max_len=5, ngram_min=2) == []  # the context is shorter than ngram_min
+
+
+def test_corpus_from_prepared_reads_the_targets_answers_and_names_bad_rows(tmp_path):
+    import json
+
+    from deepspec.algorithms.ngram.corpus import NGramCorpus
+
+    good = tmp_path / "prepared.jsonl"
+    rows = [{"id": "a", "generated_ids": [None, [5, 6, 7]]}, {"id": "b", "generated_ids": [None, [5, 6, 8], None, [1]]}]
+    good.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    corpus = NGramCorpus.from_prepared([good])
+    assert (corpus.num_sequences, corpus.num_tokens) == (3, 7)
+    assert corpus.follower([5, 6]) == (7, 1, 2)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"id": "c", "messages": []}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl row 2 has no 'generated_ids'"):
+        NGramCorpus.from_prepared([good, bad])
+    bad.write_text("{not json\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl row 1 is not JSON"):
+        NGramCorpus.from_prepared([bad])
+    with pytest.raises(FileNotFoundError, match="missing.jsonl is not a file"):
+        NGramCorpus.from_prepared([tmp_path / "missing.jsonl"])
+
+
+def test_ngram_proposer_asks_the_corpus_only_where_the_context_has_no_match():
+    from deepspec.algorithms.ngram.corpus import NGramCorpus
+
+    corpus = NGramCorpus([[20, 21, 22, 23, 24]], ngram_max=3)
+    prop = NGramProposer(vocab_size=VOCAB, num_tokens=3, ngram_max=2, ngram_min=2, corpus=corpus, corpus_ngram_min=2)
+    g = SamplingParams()
+    prop.extend_context(None, [1, 20])
+    assert prop.propose(21, 2, sampling=g, generator=None).draft_ids_N.tolist() == [22, 23, 24]  # from the corpus
+    prop.extend_context(None, [21, 22, 5, 20])
+    # (20, 21) now also occurs in the context (followed by 22, 5, 20): the context wins
+    assert prop.propose(21, 6, sampling=g, generator=None).draft_ids_N.tolist() == [22, 5, 20]
+    assert prop.steps_from_corpus == 1
+    prop.reset()
+    prop.extend_context(None, [1, 2])
+    assert prop.propose(3, 2, sampling=g, generator=None).num_proposed == 0  # neither holds a match
+    for bad in (0, 4, True):
+        with pytest.raises(ValueError, match="NGramProposer.corpus_ngram_min"):
+            NGramProposer(vocab_size=VOCAB, corpus=corpus, corpus_ngram_min=bad)
+
+
+@pytest.mark.parametrize("ngram_min", [1, 2])
+def test_engine_greedy_with_a_corpus_is_lossless(target, ngram_min):
+    from deepspec.algorithms.ngram.corpus import NGramCorpus
+
+    eos = [VOCAB + 1]
+    base = SpeculativeEngine(target, [0], NullProposer(), eos)
+    refs = [base.generate(p, max_new_tokens=40).output_ids for p in PROMPTS]
+    # the target's own answers to two prompts, and noise: the corpus predicts the third prompt's answer in part
+    rng = random.Random(0)
+    corpus = NGramCorpus([refs[0], refs[1], [rng.randrange(VOCAB) for _ in range(200)]], ngram_max=3)
+    prop = NGramProposer(vocab_size=VOCAB, num_tokens=4, ngram_min=2, corpus=corpus, corpus_ngram_min=ngram_min)
+    spec = SpeculativeEngine(target, [0], prop, eos)
+    for prompt, ref in zip(PROMPTS, refs):
+        assert spec.generate(prompt, max_new_tokens=40).output_ids == ref
+    assert prop.steps_from_corpus > 0
+
+
+def test_corpus_settings_are_checked_together():
+    from deepspec.algorithms.ngram.corpus import check_corpus_use
+
+    check_corpus_use(["p.jsonl"], 3, lookup_first=2, baselines=["ngram"], field="eval")
+    check_corpus_use(["p.jsonl"], 3, lookup_first=None, baselines=["ngram+corpus"], field="eval")
+    check_corpus_use([], 3, lookup_first=None, baselines=["ngram"], field="eval")
+    with pytest.raises(ValueError, match="eval.baselines: ngram\\+corpus needs eval.lookup_corpus"):
+        check_corpus_use([], 3, lookup_first=2, baselines=["ngram+corpus"], field="eval")
+    with pytest.raises(ValueError, match="eval.lookup_corpus: nothing reads it"):
+        check_corpus_use(["p.jsonl"], 3, lookup_first=None, baselines=["ngram"], field="eval")
+    for bad in (0, 5, True, "3"):
+        with pytest.raises(ValueError, match="eval.corpus_ngram_min"):
+            check_corpus_use(["p.jsonl"], bad, lookup_first=2, baselines=[], field="eval")

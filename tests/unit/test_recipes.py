@@ -27,7 +27,7 @@ PATHS = {
     "prepare": dict(input="in.jsonl", output=Path("out.jsonl")),
     "cache": dict(input="prepared.jsonl", output_dir="cache"),
     "train": dict(cache_dir="cache", output_dir="train"),
-    "eval": dict(draft=["train"], output_dir="eval"),
+    "eval": dict(draft=["train"], output_dir="eval", lookup_corpus=["prepared.jsonl"]),
     "demo": {},
 }
 
@@ -48,6 +48,8 @@ def test_every_table_of_every_recipe_builds_its_stage_config(name):
         given = dict(PATHS[stage])
         if settings.get("backend") == "openai":  # the servers are the user's
             given["base_urls"] = ["http://localhost:8000/v1"]
+        if stage == "eval" and settings.get("lookup_first") is None and "ngram+corpus" not in settings.get("baselines", []):
+            del given["lookup_corpus"]  # nothing in this recipe's eval reads a corpus
         cfg = cls(**{**settings, **given})  # __post_init__ validates the values together
         for key, value in settings.items():
             assert getattr(cfg, key) == value, (stage, key)
@@ -68,7 +70,7 @@ def test_the_demo_recipe_is_what_the_demo_runs(tmp_path):
         }
         for stage, expected in built.items():
             paths = {k: getattr(expected, k) for k in ("input", "output", "output_dir", "cache_dir", "draft",
-                                                         "num_conversations", "resume")
+                                                         "num_conversations", "resume", "lookup_corpus")
                      if hasattr(expected, k) and k not in recipe.settings(stage, type(expected))}
             from_recipe = type(expected)(**recipe.settings(stage, type(expected)), **paths)
             assert from_recipe == expected, f"recipe {name} [{stage}] differs from the demo's {stage} config"

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus
 from deepspec.algorithms.protocol import Proposal
 from deepspec.target.decoding import SamplingParams
 
@@ -66,25 +67,37 @@ class NGramProposer:
         ngram_max, ngram_min: the n-gram lengths tried, longest first (``1 <= ngram_min <= ngram_max``).
         max_positions: the target's ``max_position_embeddings``: no draft token at a position ``>=`` it.
         device: where the returned tensors live (the target's device).
+        corpus: an :class:`~deepspec.algorithms.ngram.corpus.NGramCorpus` of the target's earlier answers
+            asked when the context has no match (None: the context only); ``steps_from_corpus`` counts
+            the proposals it made.
+        corpus_ngram_min: the shortest context suffix looked up in the corpus, in [1, ``corpus.ngram_max``]
+            (:meth:`~deepspec.algorithms.ngram.corpus.NGramCorpus.continuation`).
 
-    Raises ValueError (naming the argument) for K < 1, V < 1 or an invalid n-gram range.
+    Raises ValueError (naming the argument) for K < 1, V < 1, an invalid n-gram range or ``corpus_ngram_min``.
     """
 
     needs_features = False
 
     def __init__(self, *, vocab_size: int, num_tokens: int = DEFAULT_NUM_TOKENS, ngram_max: int = DEFAULT_NGRAM_MAX,
                  ngram_min: int = DEFAULT_NGRAM_MIN, max_positions: int | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", corpus: NGramCorpus | None = None,
+                 corpus_ngram_min: int = DEFAULT_CORPUS_NGRAM_MIN) -> None:
         check_ngram_range(ngram_max=ngram_max, ngram_min=ngram_min, field="NGramProposer")
         if num_tokens < 1:
             raise ValueError(f"NGramProposer.num_tokens: expected K >= 1, received {num_tokens}.")
         if vocab_size < 1:
             raise ValueError(f"NGramProposer.vocab_size: expected >= 1, received {vocab_size}.")
+        if corpus is not None and (isinstance(corpus_ngram_min, bool) or not isinstance(corpus_ngram_min, int)
+                                   or not 1 <= corpus_ngram_min <= corpus.ngram_max):
+            raise ValueError(f"NGramProposer.corpus_ngram_min: expected an integer in [1, {corpus.ngram_max}] (the "
+                             f"corpus's ngram_max), received {corpus_ngram_min!r}.")
         self.vocab_size = int(vocab_size)
         self.max_proposal_len = int(num_tokens)
         self.ngram_max, self.ngram_min = int(ngram_max), int(ngram_min)
         self.max_positions = max_positions
         self.device = torch.device(device)
+        self.corpus, self.corpus_ngram_min = corpus, corpus_ngram_min
+        self.steps_from_corpus = 0
         self.tokens: list[int] = []
 
     def reset(self) -> None:
@@ -103,8 +116,11 @@ class NGramProposer:
             n_max = min(n_max, self.max_positions - 1 - int(anchor_pos))
         if n_max <= 0:
             return Proposal.empty(self.device)
-        ids = ngram_proposal([*self.tokens, int(anchor_token)], ngram_max=self.ngram_max, ngram_min=self.ngram_min,
-                             num_tokens=n_max)
+        context = [*self.tokens, int(anchor_token)]
+        ids = ngram_proposal(context, ngram_max=self.ngram_max, ngram_min=self.ngram_min, num_tokens=n_max)
+        if not ids and self.corpus is not None:
+            ids = self.corpus.continuation(context, max_len=n_max, ngram_min=self.corpus_ngram_min)
+            self.steps_from_corpus += bool(ids)
         draft_ids_N = torch.tensor(ids, dtype=torch.long, device=self.device)
         probs_NV = None
         if not sampling.greedy:  # a point mass on each proposed token
@@ -174,6 +190,8 @@ class LookupFirstProposer:
         vocab_size, max_positions, device: as :class:`NGramProposer`.
         ngram_max, ngram_min: the n-gram lengths the lookup tries, longest first.
         lookup_num_tokens: the most tokens a match proposes (None: the draft's K).
+        corpus, corpus_ngram_min: a corpus of the target's earlier answers the lookup asks when the
+            context has no match, before the draft (as :class:`NGramProposer`).
 
     Raises ValueError (naming the argument) for an invalid n-gram range, a draft with K < 1 or
     ``lookup_num_tokens < 1``.
@@ -181,7 +199,8 @@ class LookupFirstProposer:
 
     def __init__(self, draft: Any, *, vocab_size: int, ngram_max: int = DEFAULT_NGRAM_MAX,
                  ngram_min: int = DEFAULT_LOOKUP_FIRST_MIN, lookup_num_tokens: int | None = None,
-                 max_positions: int | None = None, device: torch.device | str = "cpu") -> None:
+                 max_positions: int | None = None, device: torch.device | str = "cpu",
+                 corpus: NGramCorpus | None = None, corpus_ngram_min: int = DEFAULT_CORPUS_NGRAM_MIN) -> None:
         if int(draft.max_proposal_len) < 1:
             raise ValueError(f"LookupFirstProposer.draft: expected a proposer with K >= 1, received "
                              f"{type(draft).__name__} with K = {draft.max_proposal_len}.")
@@ -193,7 +212,7 @@ class LookupFirstProposer:
         self._built_len = (int(lookup_num_tokens or draft.max_proposal_len), int(draft.max_proposal_len))
         self.lookup = NGramProposer(vocab_size=vocab_size, num_tokens=self._built_len[0],
                                     ngram_max=ngram_max, ngram_min=ngram_min, max_positions=max_positions,
-                                    device=device)
+                                    device=device, corpus=corpus, corpus_ngram_min=corpus_ngram_min)
         self.needs_features = bool(getattr(draft, "needs_features", True))
         self.steps_from_lookup = 0
         self.steps_from_draft = 0
