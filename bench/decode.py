@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--temperatures: expected at least one temperature")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from deepspec.algorithms.ngram.corpus import NGramCorpus, check_corpus_use
+    from deepspec.algorithms.ngram.corpus import NGramCorpus, check_corpus_use, check_corpus_vocab
     from deepspec.algorithms.ngram.proposer import LookupFirstProposer, NGramProposer, check_ngram_range
     from deepspec.algorithms.protocol import cap_proposal_len
     from deepspec.algorithms.registry import check_baselines
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> dict:
         corpus_files = [f for f in args.lookup_corpus.split(",") if f]
         check_corpus_use(corpus_files, args.corpus_ngram_min, lookup_first=lookup_first[0] if lookup_first else None,
                          baselines=baselines, field="bench")
-        corpus = NGramCorpus.from_prepared(corpus_files) if corpus_files else None
+        corpus = NGramCorpus.from_prepared(corpus_files, field="bench.lookup_corpus") if corpus_files else None
         device = resolve_device(args.device, "--device")  # before the draft folder and the target
     except (ValueError, FileNotFoundError) as exc:
         p.error(str(exc))
@@ -479,6 +479,11 @@ def main(argv: list[str] | None = None) -> dict:
     few_rows = few_row_linear_applies(args.few_row_linear, model)  # the eager engines'
     proposers = {"target-only": NullProposer(), "speculative": proposer}
     vocab = int(model.get_output_embeddings().weight.shape[0])
+    try:
+        if corpus is not None:
+            check_corpus_vocab(corpus, vocab, "bench.lookup_corpus")
+    except ValueError as exc:
+        p.error(str(exc))
     corpus_kw = dict(corpus_ngram_min=args.corpus_ngram_min, max_positions=max_pos, device=device)
     for name in baselines:  # ngram | ngram+corpus
         proposers[name] = NGramProposer(vocab_size=vocab, num_tokens=args.lookup_num_tokens or proposer.max_proposal_len,

@@ -141,6 +141,9 @@ class DemoConfig:
             raise ValueError(f"demo: no training conversations; give one of demo.{', demo.'.join(counts)} a value >= 1")
         if not self.eval_benchmarks:
             raise ValueError("demo.eval_benchmarks: expected at least one benchmark name (or 'all')")
+        if "ngram+corpus" in self.baselines and not self.lookup_corpus:
+            raise ValueError("demo.baselines: ngram+corpus needs demo.lookup_corpus (the demo's regenerated answers): "
+                             "give --lookup-corpus true or drop the baseline")
         try:  # the eval settings too (benchmark names, temperature, ...), named by the demo's own fields
             self.eval_config(["draft"], Path(self.output_dir) / "eval")
         except ValueError as exc:

@@ -562,7 +562,7 @@ class ServeConfig:
         if self.num_draft_tokens is not None and not self.draft:
             raise ValueError("serve.num_draft_tokens: set with no --draft; give the draft to speculate with, or drop it")
         check_lookup_settings(self.lookup_first, self.lookup_num_tokens, has_draft=bool(self.draft), field="serve")
-        check_corpus_use(self.lookup_corpus, self.corpus_ngram_min, lookup_first=self.lookup_first, baselines=[],
+        check_corpus_use(self.lookup_corpus, self.corpus_ngram_min, lookup_first=self.lookup_first, baselines=None,
                          field="serve")
 
 
@@ -594,7 +594,8 @@ def run_serve_stage(cfg: ServeConfig, *, target_model: Any = None, tokenizer: An
     resolve_device(cfg.device, "serve.device")  # a device that is not there fails before the target loads
     if cfg.draft:
         draft_folder(cfg.draft)  # a wrong --draft fails before the target loads
-    corpus = NGramCorpus.from_prepared(cfg.lookup_corpus) if cfg.lookup_corpus else None  # so does a bad corpus
+    corpus = (NGramCorpus.from_prepared(cfg.lookup_corpus, field="serve.lookup_corpus")  # so does a bad corpus
+              if cfg.lookup_corpus else None)
     loaded_here = target_model is None or tokenizer is None
     if loaded_here:
         target_model, tokenizer = load.load_target(cfg.target, chat_template=cfg.chat_template)

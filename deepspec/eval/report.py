@@ -223,8 +223,8 @@ def _draft_dtypes(cfg: Mapping[str, Any]) -> str:
 
 
 def _setup_lines(cfg: Mapping[str, Any]) -> list[str]:
-    """Proposal lengths and linear path, confidence thresholds, where each benchmark's prompts came
-    from, and the benchmarks skipped."""
+    """Proposal lengths and linear path, the lookup corpus, confidence thresholds, where each benchmark's
+    prompts came from, and the benchmarks skipped."""
     lines = []
     proposers = cfg.get("proposers") or {}
     if proposers:
@@ -233,6 +233,11 @@ def _setup_lines(cfg: Mapping[str, Any]) -> list[str]:
             + ("; few-row linear path on (deepspec.eval.few_row_linear)" if cfg.get("few_row_linear") else "")
             + ("; the target decodes on the compiled path, static KV cache + torch.compile (deepspec.eval.compiled)"
                if cfg.get("compile") else "") + "."]
+    corpus = cfg.get("lookup_corpus")
+    if isinstance(corpus, Mapping):
+        lines += ["", f"Lookup corpus (deepspec.algorithms.ngram.corpus; searched where the context has no match, "
+                  f"share of steps in frac_steps_from_corpus): {corpus.get('num_sequences')} answers, "
+                  f"{corpus.get('num_tokens')} tokens, from {', '.join(map(str, corpus.get('files') or []))}."]
     if cfg.get("confidence_threshold"):
         lines += ["", "Confidence threshold (proposals cut at the first slot below it; calibration then sees only "
                   "the slots kept): " + ", ".join(f"{m} {t}" for m, t in cfg["confidence_threshold"].items()) + "."]

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus
+from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus, check_corpus_vocab
 from deepspec.algorithms.ngram.proposer import (DEFAULT_NGRAM_MAX, LookupFirstProposer,
                                                  check_lookup_settings)
 from deepspec.algorithms.protocol import NullProposer, cap_proposal_len
@@ -127,6 +127,9 @@ class EngineDecoder:
         if num_draft_tokens is not None:
             cap_proposal_len(self.proposer, num_draft_tokens)
         self.lookup_first = lookup_first
+        if corpus is not None:
+            check_corpus_vocab(corpus, int(self.target_model.get_output_embeddings().weight.shape[0]),
+                               "serve.lookup_corpus")
         if lookup_first is not None:
             self.proposer = LookupFirstProposer(
                 self.proposer, vocab_size=int(self.target_model.get_output_embeddings().weight.shape[0]),

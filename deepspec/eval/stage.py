@@ -13,7 +13,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus, check_corpus_use
+from deepspec.algorithms.ngram.corpus import (DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus, check_corpus_use,
+                                               check_corpus_vocab)
 from deepspec.algorithms.ngram.proposer import (DEFAULT_NUM_TOKENS, LookupFirstProposer, NGramProposer,
                                                  check_lookup_settings, check_ngram_range)
 from deepspec.algorithms.protocol import cap_proposal_len
@@ -325,7 +326,7 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
     device = resolve_device(cfg.device, "eval.device")
     folders = [draft_folder(path) for path in cfg.draft] if drafts is None else []
     benchmarks, skipped = load_eval_benchmarks(cfg)
-    corpus = NGramCorpus.from_prepared(cfg.lookup_corpus) if cfg.lookup_corpus else None
+    corpus = NGramCorpus.from_prepared(cfg.lookup_corpus, field="eval.lookup_corpus") if cfg.lookup_corpus else None
     dtype = resolve_dtype(cfg.dtype, device)
     loaded_here = target_model is None
     if loaded_here:
@@ -378,8 +379,10 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
         return proposer if cfg.num_draft_tokens is None else cap_proposal_len(proposer, cfg.num_draft_tokens)
 
     proposers = {name: draft_proposer(name, model) for name, model in drafts.items()}
+    vocab = int(target_model.get_output_embeddings().weight.shape[0])
+    if corpus is not None:
+        check_corpus_vocab(corpus, vocab, "eval.lookup_corpus")
     if cfg.lookup_first is not None:  # a proposer of its own per row: the rows run interleaved per prompt
-        vocab = int(target_model.get_output_embeddings().weight.shape[0])
         for name, model in drafts.items():
             proposers[_unique_name(f"{name}+lookup", proposers)] = LookupFirstProposer(
                 draft_proposer(name, model), vocab_size=vocab, ngram_max=max(cfg.lookup_first, cfg.ngram_max),

@@ -231,7 +231,7 @@ def test_demo_refuses_bad_training_settings_before_any_stage_runs(tmp_path):
     assert on.lookup_corpus == [str(tmp_path / "demo" / "prepared.jsonl")] and "ngram+corpus" in on.baselines
     bare = DemoConfig(output_dir=str(tmp_path / "demo"), lookup_first=None, baselines=["ngram"])
     assert bare.eval_config(["d"], tmp_path / "eval").lookup_corpus == []
-    with pytest.raises(ValueError, match=r"demo.baselines: ngram\+corpus needs demo.lookup_corpus"):
+    with pytest.raises(ValueError, match=r"demo.baselines: ngram\+corpus needs demo.lookup_corpus .*--lookup-corpus true"):
         DemoConfig(output_dir=str(tmp_path / "demo"), lookup_corpus=False)
 
 

@@ -239,3 +239,4 @@ def test_eval_lookup_corpus_feeds_the_lookup_rows_and_the_ngram_corpus_baseline(
     assert figures["ngram+corpus"]["tau"] > figures["ngram"]["tau"]
     assert "frac_steps_from_corpus" not in figures["ngram"]
     assert "frac_steps_from_corpus" in res["definitions"]
+    assert f"Lookup corpus (deepspec.algorithms.ngram.corpus" in (tmp_path / "e1" / "eval_report.md").read_text()

@@ -349,14 +349,27 @@ def test_corpus_from_prepared_reads_the_targets_answers_and_names_bad_rows(tmp_p
     assert (corpus.num_sequences, corpus.num_tokens) == (3, 7)
     assert corpus.follower([5, 6]) == (7, 1, 2)
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"id": "c", "messages": []}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl row 2 has no 'generated_ids'"):
+    bad.write_text(json.dumps(rows[0]) + "\n" + json.dumps([5, 6]) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl row 2 is not a JSON object"):
         NGramCorpus.from_prepared([good, bad])
     bad.write_text("{not json\n")
     with pytest.raises(ValueError, match=r"bad.jsonl row 1 is not JSON"):
         NGramCorpus.from_prepared([bad])
-    with pytest.raises(FileNotFoundError, match="missing.jsonl is not a file"):
-        NGramCorpus.from_prepared([tmp_path / "missing.jsonl"])
+    with pytest.raises(FileNotFoundError, match="eval.lookup_corpus: .*missing.jsonl is not a file"):
+        NGramCorpus.from_prepared([tmp_path / "missing.jsonl"], field="eval.lookup_corpus")
+    for ids, turn in (([1, 2, 3], 0), ([None, [1, "a"]], 1), ([[1.5]], 0), ([[True]], 0), ([[10**30]], 0), ([[-1]], 0)):
+        bad.write_text(json.dumps({"generated_ids": ids}) + "\n")
+        with pytest.raises(ValueError, match=rf"bad.jsonl row 1: 'generated_ids' turn {turn} is not a list of integer"):
+            NGramCorpus.from_prepared([bad])
+    bad.write_text(json.dumps({"generated_ids": "1 2 3"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl row 1: 'generated_ids' is str, expected a list"):
+        NGramCorpus.from_prepared([bad])
+    # a row without ids (a server that answered with text only) adds nothing; no ids at all is an error
+    text_only = tmp_path / "text.jsonl"
+    text_only.write_text(json.dumps({"id": "t", "messages": []}) + "\n")
+    assert NGramCorpus.from_prepared([good, text_only]).rows_without_ids == 1
+    with pytest.raises(ValueError, match=r"no answer token ids .*\(1 rows without 'generated_ids'"):
+        NGramCorpus.from_prepared([text_only])
 
 
 def test_ngram_proposer_asks_the_corpus_only_where_the_context_has_no_match():
@@ -377,6 +390,10 @@ def test_ngram_proposer_asks_the_corpus_only_where_the_context_has_no_match():
     for bad in (0, 4, True):
         with pytest.raises(ValueError, match="NGramProposer.corpus_ngram_min"):
             NGramProposer(vocab_size=VOCAB, corpus=corpus, corpus_ngram_min=bad)
+    # an id outside the target's vocabulary (a corpus of another target) is refused before decoding
+    with pytest.raises(ValueError, match="NGramProposer.corpus: the corpus holds token id 24, outside the target's "
+                                         "vocabulary of 20"):
+        NGramProposer(vocab_size=20, corpus=corpus)
 
 
 @pytest.mark.parametrize("ngram_min", [1, 2])
@@ -409,3 +426,7 @@ def test_corpus_settings_are_checked_together():
     for bad in (0, 5, True, "3"):
         with pytest.raises(ValueError, match="eval.corpus_ngram_min"):
             check_corpus_use(["p.jsonl"], bad, lookup_first=2, baselines=[], field="eval")
+    with pytest.raises(ValueError, match="eval.lookup_corpus: expected a list of files, got the single string"):
+        check_corpus_use("p.jsonl", 3, lookup_first=2, baselines=[], field="eval")
+    with pytest.raises(ValueError, match="serve.lookup_corpus: nothing reads it; give --lookup-first N with a --draft"):
+        check_corpus_use(["p.jsonl"], 3, lookup_first=None, baselines=None, field="serve")

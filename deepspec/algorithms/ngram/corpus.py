@@ -19,7 +19,7 @@ The proposal depends on the committed tokens alone, so it is a point mass like p
 lossless at any temperature behind rejection sampling.
 
 Storage: per n, the sorted 64-bit hashes of the n-grams with their most frequent follower, its count
-and the n-gram's count (four flat numpy arrays, 24 bytes per distinct n-gram); a lookup is one binary
+and the n-gram's count (four flat numpy arrays, 32 bytes per distinct n-gram); a lookup is one binary
 search. Two n-grams with the same hash would share an entry: with 64-bit hashes the chance is about
 (distinct n-grams)^2 / 2^65 (1e-7 at 2e6 n-grams), and a collision could only cost acceptance, never
 correctness (the target verifies every token).
@@ -56,6 +56,8 @@ class NGramCorpus:
         ngram_max: the longest n-gram counted (>= 1).
 
     Raises ValueError naming ``sequences`` for a negative id and ``ngram_max`` for a value < 1.
+    ``max_token_id`` is the largest id held (-1 when empty): a proposer checks it against its target's
+    vocabulary.
     """
 
     def __init__(self, sequences: Iterable[Sequence[int]], *, ngram_max: int = DEFAULT_CORPUS_NGRAM_MAX) -> None:
@@ -68,6 +70,8 @@ class NGramCorpus:
             raise ValueError("NGramCorpus.sequences: expected token ids >= 0, found a negative id.")
         self.num_sequences = len(seqs)
         self.num_tokens = int(sum(s.size for s in seqs))
+        self.max_token_id = max((int(s.max()) for s in seqs), default=-1)
+        self.rows_without_ids = 0  # rows of a prepared file that held no token ids (from_prepared)
         # One array, a -1 between sequences: an n-gram containing -1 spans two and is skipped.
         flat = np.concatenate([np.append(s, -1) for s in seqs]) if seqs else np.zeros(0, dtype=np.int64)
         self._tables: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
@@ -84,17 +88,24 @@ class NGramCorpus:
                 self._tables.append(_aggregate(h[valid], flat[valid]))
 
     @classmethod
-    def from_prepared(cls, paths: Sequence[str | Path], *, ngram_max: int = DEFAULT_CORPUS_NGRAM_MAX) -> "NGramCorpus":
-        """The corpus of the target's answers in prepare-stage outputs (JSONL rows with ``generated_ids``:
-        one list of ids per assistant turn the target wrote, None for the others).
+    def from_prepared(cls, paths: Sequence[str | Path], *, ngram_max: int = DEFAULT_CORPUS_NGRAM_MAX,
+                      field: str = "lookup_corpus") -> "NGramCorpus":
+        """The corpus of the target's answers in prepare-stage outputs (JSONL rows whose ``generated_ids``
+        holds one list of ids per assistant turn the target wrote, None for the others).
 
-        Raises FileNotFoundError naming a missing path, and ValueError naming the file and row of a row
-        that is not JSON or has no ``generated_ids`` (a file `deepspec prepare` did not write: run it first).
+        A row without ``generated_ids`` (a server that answered with text only) adds nothing; ``rows_without_ids``
+        counts them. Errors name ``field`` (the flag's config field), the file and the row.
+
+        Raises:
+            FileNotFoundError: a path that is not a file.
+            ValueError: a row that is not a JSON object, a ``generated_ids`` that is not a list of
+                turns each None or a list of integer ids >= 0, or no answer tokens in all the files.
         """
         sequences: list[list[int]] = []
+        rows_without = 0
         for path in map(Path, paths):
             if not path.is_file():
-                raise FileNotFoundError(f"lookup_corpus: {path} is not a file; give prepare-stage outputs "
+                raise FileNotFoundError(f"{field}: {path} is not a file; give prepare-stage outputs "
                                         "(`deepspec prepare ... --output prepared.jsonl`).")
             with path.open(encoding="utf-8") as f:
                 for row, line in enumerate(f, 1):
@@ -103,13 +114,21 @@ class NGramCorpus:
                     try:
                         record = json.loads(line)
                     except json.JSONDecodeError as exc:
-                        raise ValueError(f"lookup_corpus: {path} row {row} is not JSON ({exc.msg}).") from None
-                    ids = record.get("generated_ids") if isinstance(record, dict) else None
-                    if not isinstance(ids, list):
-                        raise ValueError(f"lookup_corpus: {path} row {row} has no 'generated_ids' list; the corpus is "
-                                         "the target's answers as `deepspec prepare` writes them.")
-                    sequences.extend(turn for turn in ids if turn)
-        return cls(sequences, ngram_max=ngram_max)
+                        raise ValueError(f"{field}: {path} row {row} is not JSON ({exc.msg}).") from None
+                    if not isinstance(record, dict):
+                        raise ValueError(f"{field}: {path} row {row} is not a JSON object; give prepare-stage outputs.")
+                    ids = record.get("generated_ids")
+                    if ids is None:
+                        rows_without += 1
+                        continue
+                    sequences.extend(_checked_turns(ids, f"{field}: {path} row {row}"))
+        if not sequences:
+            raise ValueError(f"{field}: no answer token ids in {', '.join(map(str, paths))} ({rows_without} rows "
+                             "without 'generated_ids': a server that returned text only); prepare with the local "
+                             "backend or a server that returns token ids, or drop the corpus.")
+        corpus = cls(sequences, ngram_max=ngram_max)
+        corpus.rows_without_ids = rows_without
+        return corpus
 
     def follower(self, ngram: Sequence[int]) -> tuple[int, int, int] | None:
         """``(most frequent follower, its count, the n-gram's count)`` of ``ngram``, or None when the corpus
@@ -146,23 +165,55 @@ class NGramCorpus:
         return out
 
 
+def _checked_turns(turns: object, where: str) -> list[list[int]]:
+    """The non-empty turns of a row's ``generated_ids`` (a list of None or lists of ids in [0, 2^31));
+    ValueError naming ``where`` and the turn otherwise."""
+    if not isinstance(turns, list):
+        raise ValueError(f"{where}: 'generated_ids' is {type(turns).__name__}, expected a list with one entry per "
+                         "turn (None, or the target's token ids).")
+    out = []
+    for t, turn in enumerate(turns):
+        if turn is None:
+            continue
+        if not isinstance(turn, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < 2**31
+                                             for i in turn):
+            raise ValueError(f"{where}: 'generated_ids' turn {t} is not a list of integer token ids in [0, 2^31).")
+        if turn:
+            out.append(turn)
+    return out
+
+
+def check_corpus_vocab(corpus: "NGramCorpus", vocab_size: int, field: str) -> None:
+    """ValueError naming ``field`` when ``corpus`` holds a token id outside ``[0, vocab_size)``: it was
+    prepared with another target's tokenizer, and proposing its ids would index past the target's vocabulary."""
+    if corpus.max_token_id >= vocab_size:
+        raise ValueError(f"{field}: the corpus holds token id {corpus.max_token_id}, outside the target's vocabulary "
+                         f"of {vocab_size}; it was prepared with another target: give prepare outputs of this one.")
+
+
 def check_corpus_use(lookup_corpus: Sequence[str], corpus_ngram_min: object, *, lookup_first: int | None,
-                     baselines: Sequence[str], field: str) -> None:
+                     baselines: Sequence[str] | None, field: str,
+                     corpus_hint: str = "prepare-stage outputs: --lookup-corpus prepared.jsonl") -> None:
     """ValueError naming ``<field>.lookup_corpus`` / ``<field>.corpus_ngram_min`` / ``<field>.baselines``
     unless the corpus settings are usable: ``corpus_ngram_min`` in [1, :data:`DEFAULT_CORPUS_NGRAM_MAX`],
     the ``ngram+corpus`` baseline only with a corpus, and a corpus only with something that reads it
-    (``lookup_first`` or that baseline). The files are checked when read (:meth:`NGramCorpus.from_prepared`):
+    (``lookup_first`` or that baseline; ``baselines`` None: a stage without baselines, such as serve);
+    ``corpus_hint`` says how to give a corpus in the error. The files are checked when read (:meth:`NGramCorpus.from_prepared`):
     a stage may name one that an earlier stage of the same run writes."""
+    if isinstance(lookup_corpus, (str, Path)):
+        raise ValueError(f"{field}.lookup_corpus: expected a list of files, got the single string {str(lookup_corpus)!r}; "
+                         "wrap it in a list")
     if (isinstance(corpus_ngram_min, bool) or not isinstance(corpus_ngram_min, int)
             or not 1 <= corpus_ngram_min <= DEFAULT_CORPUS_NGRAM_MAX):
         raise ValueError(f"{field}.corpus_ngram_min: expected an integer in [1, {DEFAULT_CORPUS_NGRAM_MAX}] (the "
                          f"shortest context suffix looked up in the corpus; 3 is a good start), got {corpus_ngram_min!r}")
-    if "ngram+corpus" in baselines and not lookup_corpus:
-        raise ValueError(f"{field}.baselines: ngram+corpus needs {field}.lookup_corpus (prepare-stage outputs: "
-                         "--lookup-corpus prepared.jsonl); give it or drop the baseline")
-    if lookup_corpus and lookup_first is None and "ngram+corpus" not in baselines:
-        raise ValueError(f"{field}.lookup_corpus: nothing reads it; give --lookup-first N (prompt lookup and the "
-                         "corpus in front of the draft) or the baseline ngram+corpus, or drop it")
+    if baselines is not None and "ngram+corpus" in baselines and not lookup_corpus:
+        raise ValueError(f"{field}.baselines: ngram+corpus needs {field}.lookup_corpus ({corpus_hint}); give it or "
+                         "drop the baseline")
+    if lookup_corpus and lookup_first is None and "ngram+corpus" not in (baselines or ()):
+        readers = ("--lookup-first N with a --draft" if baselines is None else
+                   "--lookup-first N (prompt lookup and the corpus in front of the draft) or the baseline ngram+corpus")
+        raise ValueError(f"{field}.lookup_corpus: nothing reads it; give {readers}, or drop it")
 
 
 def _aggregate(keys: np.ndarray, followers: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

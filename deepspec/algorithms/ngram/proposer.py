@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus
+from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus, check_corpus_vocab
 from deepspec.algorithms.protocol import Proposal
 from deepspec.target.decoding import SamplingParams
 
@@ -73,7 +73,8 @@ class NGramProposer:
         corpus_ngram_min: the shortest context suffix looked up in the corpus, in [1, ``corpus.ngram_max``]
             (:meth:`~deepspec.algorithms.ngram.corpus.NGramCorpus.continuation`).
 
-    Raises ValueError (naming the argument) for K < 1, V < 1, an invalid n-gram range or ``corpus_ngram_min``.
+    Raises ValueError (naming the argument) for K < 1, V < 1, an invalid n-gram range or ``corpus_ngram_min``,
+    or a corpus holding a token id >= V (prepared with another target).
     """
 
     needs_features = False
@@ -91,6 +92,8 @@ class NGramProposer:
                                    or not 1 <= corpus_ngram_min <= corpus.ngram_max):
             raise ValueError(f"NGramProposer.corpus_ngram_min: expected an integer in [1, {corpus.ngram_max}] (the "
                              f"corpus's ngram_max), received {corpus_ngram_min!r}.")
+        if corpus is not None:
+            check_corpus_vocab(corpus, vocab_size, "NGramProposer.corpus")
         self.vocab_size = int(vocab_size)
         self.max_proposal_len = int(num_tokens)
         self.ngram_max, self.ngram_min = int(ngram_max), int(ngram_min)
