@@ -99,7 +99,7 @@ class NGramCorpus:
         Raises:
             FileNotFoundError: a path that is not a file.
             ValueError: a row that is not a JSON object, a ``generated_ids`` that is not a list of
-                turns each None or a list of integer ids >= 0, or no answer tokens in all the files.
+                turns each None or a list of integer ids in [0, 2^31), or no answer tokens in all the files.
         """
         sequences: list[list[int]] = []
         rows_without = 0
