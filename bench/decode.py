@@ -73,8 +73,8 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -412,7 +412,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     from deepspec.algorithms.ngram.corpus import NGramCorpus, check_corpus_use, check_corpus_vocab
-    from deepspec.algorithms.ngram.proposer import LookupFirstProposer, NGramProposer, check_ngram_range
+    from deepspec.algorithms.ngram.proposer import (LookupFirstProposer, NGramProposer, check_ngram_range,
+                                                    corpus_lookup)
     from deepspec.algorithms.protocol import cap_proposal_len
     from deepspec.algorithms.registry import check_baselines
     from deepspec.device import cast_for_decoding, check_dtype_name, dtype_name, resolve_device, resolve_dtype
@@ -484,16 +485,16 @@ def main(argv: list[str] | None = None) -> dict:
             check_corpus_vocab(corpus, vocab, "bench.lookup_corpus")
     except ValueError as exc:
         p.error(str(exc))
-    corpus_kw = dict(corpus_ngram_min=args.corpus_ngram_min, max_positions=max_pos, device=device)
+    lookup_kw = dict(corpus_ngram_min=args.corpus_ngram_min, max_positions=max_pos, device=device)
     for name in baselines:  # ngram | ngram+corpus
         proposers[name] = NGramProposer(vocab_size=vocab, num_tokens=args.lookup_num_tokens or proposer.max_proposal_len,
                                         ngram_max=args.ngram_max, ngram_min=args.ngram_min,
-                                        corpus=corpus if name == "ngram+corpus" else None, **corpus_kw)
+                                        corpus=corpus if name == "ngram+corpus" else None, **lookup_kw)
     for n in lookup_first:  # the same draft proposer: each engine resets it before every prompt
         for suffix, with_corpus in (("", None), *((("+corpus", corpus),) if corpus else ())):
             proposers[f"lookup-first-n{n}{suffix}"] = LookupFirstProposer(
                 proposer, vocab_size=vocab, ngram_max=max(n, args.ngram_max), ngram_min=n,
-                lookup_num_tokens=args.lookup_num_tokens or None, corpus=with_corpus, **corpus_kw)
+                lookup_num_tokens=args.lookup_num_tokens or None, corpus=with_corpus, **lookup_kw)
     if args.compile == "on":
         from deepspec.eval.compiled import CompiledTarget
 
@@ -514,8 +515,7 @@ def main(argv: list[str] | None = None) -> dict:
     for sampling in samplings:
         name = "greedy" if sampling.greedy else f"T={sampling.temperature:g}"
         combined = {m: p for m, p in proposers.items() if isinstance(p, LookupFirstProposer)}
-        with_corpus = {m: getattr(p, "lookup", p) for m, p in proposers.items()
-                       if getattr(getattr(p, "lookup", p), "corpus", None) is not None}
+        with_corpus = {m: corpus_lookup(p) for m, p in proposers.items() if corpus_lookup(p) is not None}
 
         def reset_counts() -> None:  # count the timed passes only
             for prop in combined.values():

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from deepspec.algorithms.ngram.proposer import DEFAULT_NUM_TOKENS
+from deepspec.algorithms.ngram.proposer import DEFAULT_NUM_TOKENS, corpus_lookup
 from deepspec.algorithms.protocol import NullProposer, Proposer
 from deepspec.data.chat import render_prompt, target_stop_token_ids
 from deepspec.device import dtype_name, is_out_of_memory, out_of_memory_error
@@ -268,8 +268,7 @@ def run_eval(
         turn_of: list[tuple[str, int]] = []  # (prompt id, turn 1..) of each pooled result, in order
         lookup_counts = {n: (p.steps_from_lookup, p.steps_from_draft) for n, p in proposers.items()
                          if hasattr(p, "steps_from_lookup")}  # a draft with prompt lookup in front
-        corpus_lookups = {n: getattr(p, "lookup", p) for n, p in proposers.items()
-                          if getattr(getattr(p, "lookup", p), "corpus", None) is not None}  # lookups with a corpus
+        corpus_lookups = {n: corpus_lookup(p) for n, p in proposers.items() if corpus_lookup(p) is not None}
         corpus_counts = {n: p.steps_from_corpus for n, p in corpus_lookups.items()}
         for i, (prompt, ids) in enumerate(zip(prompts, rendered[bench])):
             turn_of.extend((prompt.id, t + 1) for t in range(min(num_turns, len(prompt.turns))))

@@ -132,6 +132,13 @@ class NGramProposer:
         return Proposal(draft_ids_N=draft_ids_N, draft_probs_NV=probs_NV)
 
 
+def corpus_lookup(proposer: Any) -> NGramProposer | None:
+    """The :class:`NGramProposer` with a corpus that ``proposer`` proposes through (itself, or the lookup of a
+    :class:`LookupFirstProposer`), else None; its ``steps_from_corpus`` counts the corpus's proposals."""
+    lookup = getattr(proposer, "lookup", proposer)
+    return lookup if getattr(lookup, "corpus", None) is not None else None
+
+
 def check_ngram_range(*, ngram_max: int, ngram_min: int, field: str) -> None:
     """ValueError (naming ``field``) unless ``1 <= ngram_min <= ngram_max``."""
     for name, value in (("ngram_max", ngram_max), ("ngram_min", ngram_min)):
