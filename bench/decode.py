@@ -411,7 +411,8 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--temperatures: expected at least one temperature")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from deepspec.algorithms.ngram.corpus import NGramCorpus, check_corpus_use, check_corpus_vocab
+    from deepspec.algorithms.ngram.corpus import (NGramCorpus, answered_prompts_warning, check_corpus_use,
+                                                   check_corpus_vocab, prompts_answered)
     from deepspec.algorithms.ngram.proposer import (LookupFirstProposer, NGramProposer, check_ngram_range,
                                                     corpus_lookup)
     from deepspec.algorithms.protocol import cap_proposal_len
@@ -510,6 +511,11 @@ def main(argv: list[str] | None = None) -> dict:
                      for pr in load_benchmark(b, max_samples=args.num_prompts, seed=args.seed,
                                               local_dir=args.benchmarks_dir)]
     prompts = [render_prompt(tokenizer, pr.messages) for _, pr in bench_prompts]
+    answered = {} if corpus is None else prompts_answered(
+        corpus, {b: [pr.turns[0] for bb, pr in bench_prompts if bb == b] for b in benchmarks})
+    if answered:
+        print("bench/decode: " + answered_prompts_warning(
+            answered, {b: sum(bb == b for bb, _ in bench_prompts) for b in benchmarks}, "--lookup-corpus"), file=sys.stderr)
     t0 = time.perf_counter()
     settings: dict[str, Any] = {}
     for sampling in samplings:
@@ -541,7 +547,8 @@ def main(argv: list[str] | None = None) -> dict:
         "lookup_first_ngram_min": lookup_first, "lookup_num_tokens": args.lookup_num_tokens or proposer.max_proposal_len,
         "lookup_corpus": None if corpus is None else {"files": corpus_files, "num_sequences": corpus.num_sequences,
                                                       "num_tokens": corpus.num_tokens,
-                                                      "corpus_ngram_min": args.corpus_ngram_min},
+                                                      "corpus_ngram_min": args.corpus_ngram_min,
+                                                      "prompts_answered": answered},
         "target_layer_ids": layer_ids, "prompts": [f"{b}:{pr.id}" for b, pr in bench_prompts],
         "prompt_origins": sorted({pr.origin for _, pr in bench_prompts}),
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "seed": args.seed,

@@ -238,6 +238,11 @@ def _setup_lines(cfg: Mapping[str, Any]) -> list[str]:
         lines += ["", f"Lookup corpus (deepspec.algorithms.ngram.corpus; searched where the context has no match, "
                   f"share of steps in frac_steps_from_corpus): {corpus.get('num_sequences')} answers, "
                   f"{corpus.get('num_tokens')} tokens, from {', '.join(map(str, corpus.get('files') or []))}."]
+        answered = corpus.get("prompts_answered") or {}
+        if answered:
+            lines[-1] += (" It holds the target's own answers to evaluated prompts ("
+                          + ", ".join(f"{name} {n}" for name, n in answered.items())
+                          + "): the rows that read it replay those answers, so their tau is not a held-out figure.")
     if cfg.get("confidence_threshold"):
         lines += ["", "Confidence threshold (proposals cut at the first slot below it; calibration then sees only "
                   "the slots kept): " + ", ".join(f"{m} {t}" for m, t in cfg["confidence_threshold"].items()) + "."]

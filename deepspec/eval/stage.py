@@ -13,8 +13,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from deepspec.algorithms.ngram.corpus import (DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus, check_corpus_use,
-                                               check_corpus_vocab)
+from deepspec.algorithms.ngram.corpus import (DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus, answered_prompts_warning,
+                                               check_corpus_use, check_corpus_vocab, prompts_answered)
 from deepspec.algorithms.ngram.proposer import (DEFAULT_NUM_TOKENS, LookupFirstProposer, NGramProposer,
                                                  check_lookup_settings, check_ngram_range)
 from deepspec.algorithms.protocol import cap_proposal_len
@@ -327,6 +327,11 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
     folders = [draft_folder(path) for path in cfg.draft] if drafts is None else []
     benchmarks, skipped = load_eval_benchmarks(cfg)
     corpus = NGramCorpus.from_prepared(cfg.lookup_corpus, field="eval.lookup_corpus") if cfg.lookup_corpus else None
+    answered = {} if corpus is None else prompts_answered(
+        corpus, {name: [p.turns[0] for p in prompts] for name, prompts in benchmarks.items()})
+    if answered:
+        print("[eval] " + answered_prompts_warning(answered, {n: len(p) for n, p in benchmarks.items()},
+                                                   "eval.lookup_corpus"), file=sys.stderr, flush=True)
     dtype = resolve_dtype(cfg.dtype, device)
     loaded_here = target_model is None
     if loaded_here:
@@ -415,6 +420,7 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
             "target_check": target_check,
             "lookup_corpus": None if corpus is None else {"files": list(cfg.lookup_corpus),
                                                           "num_sequences": corpus.num_sequences,
-                                                          "num_tokens": corpus.num_tokens},
+                                                          "num_tokens": corpus.num_tokens,
+                                                          "prompts_answered": answered},
         },
     )

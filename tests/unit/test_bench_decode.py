@@ -39,23 +39,31 @@ def test_summarise_break_even_tau_and_speedup():
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # bf16 on a CPU without bf16 units warns; the check is the same
-def test_a_draft_of_the_float32_target_runs_in_bfloat16(tmp_path):
+def test_a_draft_of_the_float32_target_runs_in_bfloat16(tmp_path, capsys):
     """The draft records the fingerprint of the float32 target it was built on; bench/decode in bfloat16
-    checks it against the target as loaded, before the decoding cast (it used to refuse the draft)."""
+    checks it against the target as loaded, before the decoding cast (it used to refuse the draft).
+    A lookup corpus that holds the answer to a benched prompt is said to be one (a memorisation figure)."""
     import json
 
+    from deepspec.eval.benchmarks import load_benchmark
     from deepspec.target.load import load_target
 
     decode = _decode_module()
     model, tokenizer = load_target("default")
     decode.untrained_draft(model, tokenizer).save_pretrained(tmp_path / "draft")
+    prompt = load_benchmark("gsm8k", max_samples=1, seed=0)[0].turns[0]
+    prepared = tmp_path / "prepared.jsonl"
+    prepared.write_text(json.dumps({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": "4"}],
+                                    "generated_ids": [None, [19, 20]]}) + "\n")
     decode.main(["--draft", str(tmp_path / "draft"), "--dtype", "bfloat16", "--benchmarks", "gsm8k",
                  "--num-prompts", "1", "--max-new-tokens", "2", "--repeats", "1", "--temperatures", "0",
                  "--baselines", "none", "--lookup-first", "2", "--lookup-num-tokens", "5",
-                 "--output-dir", str(tmp_path / "out")])
+                 "--lookup-corpus", str(prepared), "--seed", "0", "--output-dir", str(tmp_path / "out")])
     result = json.loads((tmp_path / "out" / "decode_bench.json").read_text())
     assert result["dtype"] == "bfloat16"
-    assert result["lookup_num_tokens"] == 5 and "lookup-first-n2" in result["settings"]["greedy"]["methods"]
+    assert result["lookup_num_tokens"] == 5 and "lookup-first-n2+corpus" in result["settings"]["greedy"]["methods"]
+    assert result["lookup_corpus"]["prompts_answered"] == {"gsm8k": 1}
+    assert "--lookup-corpus holds the target's own answers to evaluated prompts (gsm8k 1/1)" in capsys.readouterr().err
 
 
 def test_lookup_num_tokens_with_nothing_to_use_it_is_refused(capsys):

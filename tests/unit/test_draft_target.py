@@ -213,7 +213,8 @@ def test_eval_lookup_first_adds_a_row_per_draft_with_its_lookup_share(setup, tmp
         EvalConfig(draft=["x"], output_dir="o", lookup_num_tokens=7)
 
 
-def test_eval_lookup_corpus_feeds_the_lookup_rows_and_the_ngram_corpus_baseline(setup, tmp_path):
+def test_eval_lookup_corpus_feeds_the_lookup_rows_and_the_ngram_corpus_baseline(setup, tmp_path, capsys):
+    from deepspec.eval.benchmarks import load_benchmark
     from deepspec.eval.stage import EvalConfig, run_eval_stage
 
     tok, targets, folders = setup
@@ -226,17 +227,25 @@ def test_eval_lookup_corpus_feeds_the_lookup_rows_and_the_ngram_corpus_baseline(
                            target_model=targets["A"], tokenizer=tok)
     answer = tok(first["samples"]["gsm8k"]["target-only"][0]["output"], add_special_tokens=False)["input_ids"]
     prepared = tmp_path / "prepared.jsonl"
-    prepared.write_text(json.dumps({"id": "x", "generated_ids": [None, answer]}) + "\n")
+    prompt = load_benchmark("gsm8k", max_samples=1, path=bench)[0].turns[0]
+    messages = [{"role": "user", "content": prompt + "\n"}, {"role": "assistant", "content": "..."}]
+    prepared.write_text(json.dumps({"id": "x", "messages": messages, "generated_ids": [None, answer]}) + "\n")
+    capsys.readouterr()
     res = run_eval_stage(EvalConfig(**common, baselines=["ngram", "ngram+corpus"], lookup_first=2,
                                     lookup_corpus=[str(prepared)], output_dir=str(tmp_path / "e1")),
                          target_model=targets["A"], tokenizer=tok)
     figures = res["benchmarks"]["gsm8k"]
     lookup = next(n for n in figures if n.endswith("+lookup"))
-    assert res["config"]["lookup_corpus"] == {"files": [str(prepared)], "num_sequences": 1, "num_tokens": len(answer)}
+    # the corpus answers the evaluated prompt itself: said on stderr, in the config and in the report
+    assert res["config"]["lookup_corpus"] == {"files": [str(prepared)], "num_sequences": 1, "num_tokens": len(answer),
+                                              "prompts_answered": {"gsm8k": 1}}
+    assert "eval.lookup_corpus holds the target's own answers to evaluated prompts (gsm8k 1/1)" in capsys.readouterr().err
     for name in (lookup, "ngram+corpus"):
         assert figures[name]["frac_steps_from_corpus"] > 0.0, name  # the corpus holds the answer: it proposes
         assert figures[name]["frac_identical_to_baseline"] == 1.0
     assert figures["ngram+corpus"]["tau"] > figures["ngram"]["tau"]
     assert "frac_steps_from_corpus" not in figures["ngram"]
     assert "frac_steps_from_corpus" in res["definitions"]
-    assert f"Lookup corpus (deepspec.algorithms.ngram.corpus" in (tmp_path / "e1" / "eval_report.md").read_text()
+    report = (tmp_path / "e1" / "eval_report.md").read_text()
+    assert "Lookup corpus (deepspec.algorithms.ngram.corpus" in report
+    assert "own answers to evaluated prompts (gsm8k 1): the rows that read it replay those answers" in report

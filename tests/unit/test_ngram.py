@@ -364,6 +364,20 @@ def test_corpus_from_prepared_reads_the_targets_answers_and_names_bad_rows(tmp_p
     bad.write_text(json.dumps({"generated_ids": "1 2 3"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl row 1: 'generated_ids' is str, expected a list"):
         NGramCorpus.from_prepared([bad])
+    # the user turns a row with ids answered (whitespace around them aside): a corpus that answers an evaluated prompt
+    from deepspec.algorithms.ngram.corpus import prompts_answered
+
+    chat = [{"role": "user", "content": q} for q in ("Q1 ", "Q2", "Q3", "Q4")]
+    chat[1::2] = [{"role": "assistant", "content": "A1"}, {"role": "assistant", "content": "A3"}]
+    chat += [{"role": "user", "content": "Q5"}, {"role": "assistant", "content": "A5"}]
+    rows = [{"messages": chat, "generated_ids": [None, [1, 2], None, None, None, [3]]},  # A3 is not the target's
+            {"messages": [{"role": "user", "content": "Q6"}, {"role": "assistant", "content": "A6"}]}]
+    asked = tmp_path / "asked.jsonl"
+    asked.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    corpus = NGramCorpus.from_prepared([asked])
+    assert [corpus.answers_prompt(q) for q in ("Q1", "\nQ5", "Q3", "Q6", "A1", "Q")] == [True, True] + [False] * 4
+    assert prompts_answered(corpus, {"a": ["Q1", "Q3", "Q5"], "b": ["Q3"]}) == {"a": 2}
+    assert not NGramCorpus([[1, 2]]).answers_prompt("Q1")  # built from ids alone: no prompts known
     # a row without ids (a server that answered with text only) adds nothing; no ids at all is an error
     text_only = tmp_path / "text.jsonl"
     text_only.write_text(json.dumps({"id": "t", "messages": []}) + "\n")

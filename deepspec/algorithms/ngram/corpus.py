@@ -28,7 +28,7 @@ correctness (the target verifies every token).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +72,7 @@ class NGramCorpus:
         self.num_tokens = int(sum(s.size for s in seqs))
         self.max_token_id = max((int(s.max()) for s in seqs), default=-1)
         self.rows_without_ids = 0  # rows of a prepared file that held no token ids (from_prepared)
+        self._prompt_keys: set[int] = set()  # the user turns answered in the rows read (from_prepared)
         # One array, a -1 between sequences: an n-gram containing -1 spans two and is skipped.
         flat = np.concatenate([np.append(s, -1) for s in seqs]) if seqs else np.zeros(0, dtype=np.int64)
         self._tables: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
@@ -102,6 +103,7 @@ class NGramCorpus:
                 turns each None or a list of integer ids in [0, 2^31), or no answer tokens in all the files.
         """
         sequences: list[list[int]] = []
+        prompt_keys: set[int] = set()
         rows_without = 0
         for path in map(Path, paths):
             if not path.is_file():
@@ -122,13 +124,21 @@ class NGramCorpus:
                         rows_without += 1
                         continue
                     sequences.extend(_checked_turns(ids, f"{field}: {path} row {row}"))
+                    prompt_keys.update(_answered_user_turns(record.get("messages"), ids))
         if not sequences:
             raise ValueError(f"{field}: no answer token ids in {', '.join(map(str, paths))} ({rows_without} rows "
                              "without 'generated_ids': a server that returned text only); prepare with the local "
                              "backend or a server that returns token ids, or drop the corpus.")
         corpus = cls(sequences, ngram_max=ngram_max)
         corpus.rows_without_ids = rows_without
+        corpus._prompt_keys = prompt_keys
         return corpus
+
+    def answers_prompt(self, prompt: str) -> bool:
+        """Whether a row read by :meth:`from_prepared` holds the target's answer (token ids) to the user turn ``prompt`` (compared with
+        surrounding whitespace stripped): the corpus then holds the target's own answer to it, and a lookup
+        evaluated on that prompt reads its answer (a memorisation check, not a held-out figure)."""
+        return _prompt_key(prompt) in self._prompt_keys
 
     def follower(self, ngram: Sequence[int]) -> tuple[int, int, int] | None:
         """``(most frequent follower, its count, the n-gram's count)`` of ``ngram``, or None when the corpus
@@ -163,6 +173,37 @@ class NGramCorpus:
             out.append(found[0])
             window = [*window[1:], found[0]] if len(window) == self.ngram_max else [*window, found[0]]
         return out
+
+
+def _prompt_key(text: str) -> int:
+    """A key of a user turn for :meth:`NGramCorpus.answers_prompt` (Python's string hash: stable within a process)."""
+    return hash(text.strip())
+
+
+def _answered_user_turns(messages: object, ids: list) -> set[int]:
+    """Keys of the user turns of a prepared row whose next message is an answer with token ids
+    (``generated_ids`` holds one entry per message, prepare's row format)."""
+    if not isinstance(messages, list):
+        return set()
+    return {_prompt_key(m["content"]) for i, m in enumerate(messages[:-1])
+            if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str)
+            and i + 1 < len(ids) and ids[i + 1]}
+
+
+def prompts_answered(corpus: "NGramCorpus", prompts: Mapping[str, Sequence[str]]) -> dict[str, int]:
+    """Per benchmark (name -> its prompts' first user turns), how many prompts the corpus holds the target's
+    answer to (:meth:`NGramCorpus.answers_prompt`); benchmarks with none are left out."""
+    counts = {name: sum(map(corpus.answers_prompt, texts)) for name, texts in prompts.items()}
+    return {name: n for name, n in counts.items() if n}
+
+
+def answered_prompts_warning(answered: Mapping[str, int], totals: Mapping[str, int], field: str) -> str:
+    """The warning printed when the corpus of ``field`` holds answers to evaluated prompts (``answered``
+    from :func:`prompts_answered`, ``totals``: prompts per benchmark)."""
+    counts = ", ".join(f"{name} {n}/{totals[name]}" for name, n in answered.items())
+    return (f"warning: {field} holds the target's own answers to evaluated prompts ({counts}): the rows that read "
+            "the corpus replay those answers, so their tau is a memorisation figure, not a held-out one; for a "
+            "held-out figure give a corpus prepared from other prompts")
 
 
 def _checked_turns(turns: object, where: str) -> list[list[int]]:
