@@ -411,8 +411,8 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--temperatures: expected at least one temperature")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from deepspec.algorithms.ngram.corpus import (NGramCorpus, answered_prompts_warning, check_corpus_use,
-                                                   check_corpus_vocab, prompts_answered)
+    from deepspec.algorithms.ngram.corpus import (NGramCorpus, check_corpus_use, check_corpus_vocab,
+                                                   check_prompts_in_corpus)
     from deepspec.algorithms.ngram.proposer import (LookupFirstProposer, NGramProposer, check_ngram_range,
                                                     corpus_lookup)
     from deepspec.algorithms.protocol import cap_proposal_len
@@ -455,6 +455,12 @@ def main(argv: list[str] | None = None) -> dict:
     from deepspec.eval.benchmarks import load_benchmark
     from deepspec.target.load import load_target, target_fingerprint
 
+    bench_prompts = [(b, pr) for b in benchmarks
+                     for pr in load_benchmark(b, max_samples=args.num_prompts, seed=args.seed,
+                                              local_dir=args.benchmarks_dir)]
+    answered = {} if corpus is None else check_prompts_in_corpus(
+        corpus, {b: [(pr.id, pr.turns[0]) for bb, pr in bench_prompts if bb == b] for b in benchmarks},
+        "--lookup-corpus", log=lambda line: print(f"bench/decode: {line}", file=sys.stderr))
     dtype = resolve_dtype(args.dtype, device)
     if args.qwen3_4b:
         model, tokenizer, draft = qwen3_4b_target_and_draft(device, dtype)
@@ -507,15 +513,7 @@ def main(argv: list[str] | None = None) -> dict:
         engines = {name: SpeculativeEngine(model, layer_ids, prop, eos, few_row_linear=few_rows)
                    for name, prop in proposers.items()}
 
-    bench_prompts = [(b, pr) for b in benchmarks
-                     for pr in load_benchmark(b, max_samples=args.num_prompts, seed=args.seed,
-                                              local_dir=args.benchmarks_dir)]
     prompts = [render_prompt(tokenizer, pr.messages) for _, pr in bench_prompts]
-    answered = {} if corpus is None else prompts_answered(
-        corpus, {b: [pr.turns[0] for bb, pr in bench_prompts if bb == b] for b in benchmarks})
-    if answered:
-        print("bench/decode: " + answered_prompts_warning(
-            answered, {b: sum(bb == b for bb, _ in bench_prompts) for b in benchmarks}, "--lookup-corpus"), file=sys.stderr)
     t0 = time.perf_counter()
     settings: dict[str, Any] = {}
     for sampling in samplings:

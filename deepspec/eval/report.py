@@ -241,7 +241,7 @@ def _setup_lines(cfg: Mapping[str, Any]) -> list[str]:
         answered = corpus.get("prompts_answered") or {}
         if answered:
             lines[-1] += (" It holds the target's own answers to evaluated prompts ("
-                          + ", ".join(f"{name} {n}" for name, n in answered.items())
+                          + ", ".join(f"{name} {v['answered']} of {v['of']}" for name, v in answered.items())
                           + "): the rows that read it replay those answers, so their tau is not a held-out figure.")
     if cfg.get("confidence_threshold"):
         lines += ["", "Confidence threshold (proposals cut at the first slot below it; calibration then sees only "

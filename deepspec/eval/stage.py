@@ -8,13 +8,14 @@ on. The CLI (``deepspec.cli``) builds :class:`EvalConfig` from its flags and cal
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from deepspec.algorithms.ngram.corpus import (DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus, answered_prompts_warning,
-                                               check_corpus_use, check_corpus_vocab, prompts_answered)
+from deepspec.algorithms.ngram.corpus import (DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus, check_corpus_use,
+                                               check_corpus_vocab, check_prompts_in_corpus)
 from deepspec.algorithms.ngram.proposer import (DEFAULT_NUM_TOKENS, LookupFirstProposer, NGramProposer,
                                                  check_lookup_settings, check_ngram_range)
 from deepspec.algorithms.protocol import cap_proposal_len
@@ -319,19 +320,14 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
 
 def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, drafts: dict | None) -> dict:
     """:func:`run_eval_stage` once its output folder exists."""
-    import sys
-
-
     # Everything the user controls is checked before the target loads (minutes for a large model).
     device = resolve_device(cfg.device, "eval.device")
     folders = [draft_folder(path) for path in cfg.draft] if drafts is None else []
     benchmarks, skipped = load_eval_benchmarks(cfg)
     corpus = NGramCorpus.from_prepared(cfg.lookup_corpus, field="eval.lookup_corpus") if cfg.lookup_corpus else None
-    answered = {} if corpus is None else prompts_answered(
-        corpus, {name: [p.turns[0] for p in prompts] for name, prompts in benchmarks.items()})
-    if answered:
-        print("[eval] " + answered_prompts_warning(answered, {n: len(p) for n, p in benchmarks.items()},
-                                                   "eval.lookup_corpus"), file=sys.stderr, flush=True)
+    answered = {} if corpus is None else check_prompts_in_corpus(
+        corpus, {name: [(p.id, p.turns[0]) for p in prompts] for name, prompts in benchmarks.items()},
+        "eval.lookup_corpus", log=lambda line: print(f"[eval] {line}", file=sys.stderr, flush=True))
     dtype = resolve_dtype(cfg.dtype, device)
     loaded_here = target_model is None
     if loaded_here:

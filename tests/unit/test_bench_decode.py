@@ -62,8 +62,9 @@ def test_a_draft_of_the_float32_target_runs_in_bfloat16(tmp_path, capsys):
     result = json.loads((tmp_path / "out" / "decode_bench.json").read_text())
     assert result["dtype"] == "bfloat16"
     assert result["lookup_num_tokens"] == 5 and "lookup-first-n2+corpus" in result["settings"]["greedy"]["methods"]
-    assert result["lookup_corpus"]["prompts_answered"] == {"gsm8k": 1}
-    assert "--lookup-corpus holds the target's own answers to evaluated prompts (gsm8k 1/1)" in capsys.readouterr().err
+    assert result["lookup_corpus"]["prompts_answered"]["gsm8k"]["answered"] == 1
+    assert (f"--lookup-corpus ({prepared}) holds the target's own answers to evaluated prompts (gsm8k 1/1)"
+            in capsys.readouterr().err)
 
 
 def test_lookup_num_tokens_with_nothing_to_use_it_is_refused(capsys):

@@ -238,8 +238,10 @@ def test_eval_lookup_corpus_feeds_the_lookup_rows_and_the_ngram_corpus_baseline(
     lookup = next(n for n in figures if n.endswith("+lookup"))
     # the corpus answers the evaluated prompt itself: said on stderr, in the config and in the report
     assert res["config"]["lookup_corpus"] == {"files": [str(prepared)], "num_sequences": 1, "num_tokens": len(answer),
-                                              "prompts_answered": {"gsm8k": 1}}
-    assert "eval.lookup_corpus holds the target's own answers to evaluated prompts (gsm8k 1/1)" in capsys.readouterr().err
+                                              "prompts_answered": {"gsm8k": {"answered": 1, "of": 1,
+                                                                             "ids": ["gsm8k-test-0000"]}}}
+    assert (f"eval.lookup_corpus ({prepared}) holds the target's own answers to evaluated prompts (gsm8k 1/1)"
+            in capsys.readouterr().err)
     for name in (lookup, "ngram+corpus"):
         assert figures[name]["frac_steps_from_corpus"] > 0.0, name  # the corpus holds the answer: it proposes
         assert figures[name]["frac_identical_to_baseline"] == 1.0
@@ -248,4 +250,4 @@ def test_eval_lookup_corpus_feeds_the_lookup_rows_and_the_ngram_corpus_baseline(
     assert "frac_steps_from_corpus" in res["definitions"]
     report = (tmp_path / "e1" / "eval_report.md").read_text()
     assert "Lookup corpus (deepspec.algorithms.ngram.corpus" in report
-    assert "own answers to evaluated prompts (gsm8k 1): the rows that read it replay those answers" in report
+    assert "own answers to evaluated prompts (gsm8k 1 of 1): the rows that read it replay those answers" in report

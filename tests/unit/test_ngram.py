@@ -359,13 +359,13 @@ def test_corpus_from_prepared_reads_the_targets_answers_and_names_bad_rows(tmp_p
         NGramCorpus.from_prepared([tmp_path / "missing.jsonl"], field="eval.lookup_corpus")
     for ids, turn in (([1, 2, 3], 0), ([None, [1, "a"]], 1), ([[1.5]], 0), ([[True]], 0), ([[10**30]], 0), ([[-1]], 0)):
         bad.write_text(json.dumps({"generated_ids": ids}) + "\n")
-        with pytest.raises(ValueError, match=rf"bad.jsonl row 1: 'generated_ids' turn {turn} is not a list of integer"):
+        with pytest.raises(ValueError, match=rf"bad.jsonl row 1: 'generated_ids' entry {turn} \(message {turn}\) is not a list of integer"):
             NGramCorpus.from_prepared([bad])
     bad.write_text(json.dumps({"generated_ids": "1 2 3"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl row 1: 'generated_ids' is str, expected a list"):
         NGramCorpus.from_prepared([bad])
     # the user turns a row with ids answered (whitespace around them aside): a corpus that answers an evaluated prompt
-    from deepspec.algorithms.ngram.corpus import prompts_answered
+    from deepspec.algorithms.ngram.corpus import check_prompts_in_corpus
 
     chat = [{"role": "user", "content": q} for q in ("Q1 ", "Q2", "Q3", "Q4")]
     chat[1::2] = [{"role": "assistant", "content": "A1"}, {"role": "assistant", "content": "A3"}]
@@ -374,9 +374,19 @@ def test_corpus_from_prepared_reads_the_targets_answers_and_names_bad_rows(tmp_p
             {"messages": [{"role": "user", "content": "Q6"}, {"role": "assistant", "content": "A6"}]}]
     asked = tmp_path / "asked.jsonl"
     asked.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    corpus = NGramCorpus.from_prepared([asked])
+    corpus = NGramCorpus.from_prepared([asked, good], field="eval.lookup_corpus")
     assert [corpus.answers_prompt(q) for q in ("Q1", "\nQ5", "Q3", "Q6", "A1", "Q")] == [True, True] + [False] * 4
-    assert prompts_answered(corpus, {"a": ["Q1", "Q3", "Q5"], "b": ["Q3"]}) == {"a": 2}
+    logged = []
+    answered = check_prompts_in_corpus(corpus, {"a": [("a0", "Q1"), ("a1", "Q3"), ("a2", "Q5")], "b": [("b0", "Q3")]},
+                                       "eval.lookup_corpus", log=logged.append)
+    assert answered == {"a": {"answered": 2, "of": 3, "ids": ["a0", "a2"]}}
+    assert logged[0].startswith(f"warning: eval.lookup_corpus ({asked}, {good}) holds the target's own answers to "
+                                "evaluated prompts (a 2/3)")
+    assert logged[1] == (f"note: 2 rows of eval.lookup_corpus ({asked}, {good}) have token ids but no 'messages': "
+                         "whether they answer evaluated prompts was not checked")  # the two rows of `good`
+    logged.clear()
+    assert check_prompts_in_corpus(NGramCorpus.from_prepared([asked]), {"b": [("b0", "Q3")]}, "f", log=logged.append) == {}
+    assert logged == []
     assert not NGramCorpus([[1, 2]]).answers_prompt("Q1")  # built from ids alone: no prompts known
     # a row without ids (a server that answered with text only) adds nothing; no ids at all is an error
     text_only = tmp_path / "text.jsonl"

@@ -73,6 +73,8 @@ class NGramCorpus:
         self.max_token_id = max((int(s.max()) for s in seqs), default=-1)
         self.rows_without_ids = 0  # rows of a prepared file that held no token ids (from_prepared)
         self._prompt_keys: set[int] = set()  # the user turns answered in the rows read (from_prepared)
+        self.rows_without_messages = 0  # rows with ids but no messages: not checked by answers_prompt
+        self.files: list[str] = []  # the prepared files read (from_prepared)
         # One array, a -1 between sequences: an n-gram containing -1 spans two and is skipped.
         flat = np.concatenate([np.append(s, -1) for s in seqs]) if seqs else np.zeros(0, dtype=np.int64)
         self._tables: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
@@ -92,7 +94,7 @@ class NGramCorpus:
     def from_prepared(cls, paths: Sequence[str | Path], *, ngram_max: int = DEFAULT_CORPUS_NGRAM_MAX,
                       field: str = "lookup_corpus") -> "NGramCorpus":
         """The corpus of the target's answers in prepare-stage outputs (JSONL rows whose ``generated_ids``
-        holds one list of ids per assistant turn the target wrote, None for the others).
+        holds one entry per message: the ids of an assistant turn the target wrote, else None).
 
         A row without ``generated_ids`` (a server that answered with text only) adds nothing; ``rows_without_ids``
         counts them. Errors name ``field`` (the flag's config field), the file and the row.
@@ -104,7 +106,7 @@ class NGramCorpus:
         """
         sequences: list[list[int]] = []
         prompt_keys: set[int] = set()
-        rows_without = 0
+        rows_without = rows_without_messages = 0
         for path in map(Path, paths):
             if not path.is_file():
                 raise FileNotFoundError(f"{field}: {path} is not a file; give prepare-stage outputs "
@@ -124,7 +126,11 @@ class NGramCorpus:
                         rows_without += 1
                         continue
                     sequences.extend(_checked_turns(ids, f"{field}: {path} row {row}"))
-                    prompt_keys.update(_answered_user_turns(record.get("messages"), ids))
+                    messages = record.get("messages")
+                    if isinstance(messages, list) and messages:
+                        prompt_keys.update(_answered_user_turns(messages, ids))
+                    else:
+                        rows_without_messages += 1
         if not sequences:
             raise ValueError(f"{field}: no answer token ids in {', '.join(map(str, paths))} ({rows_without} rows "
                              "without 'generated_ids': a server that returned text only); prepare with the local "
@@ -132,6 +138,8 @@ class NGramCorpus:
         corpus = cls(sequences, ngram_max=ngram_max)
         corpus.rows_without_ids = rows_without
         corpus._prompt_keys = prompt_keys
+        corpus.rows_without_messages = rows_without_messages
+        corpus.files = [str(path) for path in paths]
         return corpus
 
     def answers_prompt(self, prompt: str) -> bool:
@@ -180,30 +188,43 @@ def _prompt_key(text: str) -> int:
     return hash(text.strip())
 
 
-def _answered_user_turns(messages: object, ids: list) -> set[int]:
+def _answered_user_turns(messages: list, ids: list) -> set[int]:
     """Keys of the user turns of a prepared row whose next message is an answer with token ids
     (``generated_ids`` holds one entry per message, prepare's row format)."""
-    if not isinstance(messages, list):
-        return set()
     return {_prompt_key(m["content"]) for i, m in enumerate(messages[:-1])
             if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str)
             and i + 1 < len(ids) and ids[i + 1]}
 
 
-def prompts_answered(corpus: "NGramCorpus", prompts: Mapping[str, Sequence[str]]) -> dict[str, int]:
-    """Per benchmark (name -> its prompts' first user turns), how many prompts the corpus holds the target's
-    answer to (:meth:`NGramCorpus.answers_prompt`); benchmarks with none are left out."""
-    counts = {name: sum(map(corpus.answers_prompt, texts)) for name, texts in prompts.items()}
-    return {name: n for name, n in counts.items() if n}
+def check_prompts_in_corpus(corpus: "NGramCorpus", prompts: Mapping[str, Sequence[tuple[str, str]]], field: str,
+                            log=print) -> dict[str, dict]:
+    """Which evaluated prompts the corpus holds the target's own answer to (:meth:`NGramCorpus.answers_prompt`:
+    the first user turn equal to a user turn a corpus row answered, whitespace around it aside; the same
+    question in other words or another prompt format is not caught).
 
+    Args:
+        prompts: benchmark name -> its prompts as ``(prompt id, first user turn)``.
+        field: the setting that gave the corpus, named in the warning.
+        log: where the warning goes (one line), when some prompt is answered or some row could not be checked.
 
-def answered_prompts_warning(answered: Mapping[str, int], totals: Mapping[str, int], field: str) -> str:
-    """The warning printed when the corpus of ``field`` holds answers to evaluated prompts (``answered``
-    from :func:`prompts_answered`, ``totals``: prompts per benchmark)."""
-    counts = ", ".join(f"{name} {n}/{totals[name]}" for name, n in answered.items())
-    return (f"warning: {field} holds the target's own answers to evaluated prompts ({counts}): the rows that read "
-            "the corpus replay those answers, so their tau is a memorisation figure, not a held-out one; for a "
-            "held-out figure give a corpus prepared from other prompts")
+    Returns ``{benchmark: {"answered": n, "of": prompts, "ids": [...]}}`` for the benchmarks with an answered
+    prompt: rows that read such a corpus replay the answers (a memorisation figure, not a held-out one).
+    """
+    out = {}
+    for name, items in prompts.items():
+        ids = [pid for pid, text in items if corpus.answers_prompt(text)]
+        if ids:
+            out[name] = {"answered": len(ids), "of": len(items), "ids": ids}
+    files = ", ".join(corpus.files) or "the corpus"
+    if out:
+        counts = ", ".join(f"{name} {v['answered']}/{v['of']}" for name, v in out.items())
+        log(f"warning: {field} ({files}) holds the target's own answers to evaluated prompts ({counts}): the rows "
+            "that read the corpus replay those answers, so their tau is a memorisation figure, not a held-out one; "
+            "for a held-out figure give a corpus prepared from other prompts")
+    if corpus.rows_without_messages:
+        log(f"note: {corpus.rows_without_messages} rows of {field} ({files}) have token ids but no 'messages': "
+            "whether they answer evaluated prompts was not checked")
+    return out
 
 
 def _checked_turns(turns: object, where: str) -> list[list[int]]:
@@ -218,7 +239,8 @@ def _checked_turns(turns: object, where: str) -> list[list[int]]:
             continue
         if not isinstance(turn, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < 2**31
                                              for i in turn):
-            raise ValueError(f"{where}: 'generated_ids' turn {t} is not a list of integer token ids in [0, 2^31).")
+            raise ValueError(f"{where}: 'generated_ids' entry {t} (message {t}) is not a list of integer token ids "
+                             "in [0, 2^31).")
         if turn:
             out.append(turn)
     return out
