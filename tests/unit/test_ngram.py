@@ -359,7 +359,8 @@ def test_corpus_from_prepared_reads_the_targets_answers_and_names_bad_rows(tmp_p
         NGramCorpus.from_prepared([tmp_path / "missing.jsonl"], field="eval.lookup_corpus")
     for ids, turn in (([1, 2, 3], 0), ([None, [1, "a"]], 1), ([[1.5]], 0), ([[True]], 0), ([[10**30]], 0), ([[-1]], 0)):
         bad.write_text(json.dumps({"generated_ids": ids}) + "\n")
-        with pytest.raises(ValueError, match=rf"bad.jsonl row 1: 'generated_ids' entry {turn} \(message {turn}\) is not a list of integer"):
+        message = rf"bad.jsonl row 1: 'generated_ids' entry {turn} \(message {turn}\) is not a list of integer"
+        with pytest.raises(ValueError, match=message):
             NGramCorpus.from_prepared([bad])
     bad.write_text(json.dumps({"generated_ids": "1 2 3"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl row 1: 'generated_ids' is str, expected a list"):

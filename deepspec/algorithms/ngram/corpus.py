@@ -143,9 +143,9 @@ class NGramCorpus:
         return corpus
 
     def answers_prompt(self, prompt: str) -> bool:
-        """Whether a row read by :meth:`from_prepared` holds the target's answer (token ids) to the user turn ``prompt`` (compared with
-        surrounding whitespace stripped): the corpus then holds the target's own answer to it, and a lookup
-        evaluated on that prompt reads its answer (a memorisation check, not a held-out figure)."""
+        """Whether a row read by :meth:`from_prepared` holds the target's answer (token ids) to the user turn
+        ``prompt`` (compared with surrounding whitespace stripped): a lookup evaluated on that prompt then
+        reads its own answer (a memorisation figure, not a held-out one). False for a corpus built from ids."""
         return _prompt_key(prompt) in self._prompt_keys
 
     def follower(self, ngram: Sequence[int]) -> tuple[int, int, int] | None:
