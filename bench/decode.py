@@ -364,6 +364,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lookup-num-tokens", type=int, default=0,
                    help="the most tokens a match proposes in the lookup-first methods, and the ngram baseline's K "
                         "(0: the draft's K)")
+    p.add_argument("--tree-widths", default="0",
+                   help="comma-separated draft-tree settings compared side by side (greedy; deepspec.eval.engine): 0 = "
+                        "chains (the rows above); W >= 1 adds lookup-first-nN-treeW rows (the match verified beside the "
+                        "draft) and, for W >= 2, a speculative-treeW row (a DSpark/DFlash draft tree of W per slot)")
     p.add_argument("--target", default="default", help="target (default: the embedded SmolLM2-135M)")
     p.add_argument("--benchmarks", default="gsm8k,mt-bench", help="comma-separated benchmarks the prompts come from")
     p.add_argument("--num-prompts", type=int, default=3, help="prompts per benchmark (seeded sample)")
@@ -426,6 +430,13 @@ def main(argv: list[str] | None = None) -> dict:
         baselines = check_baselines([b for b in args.baselines.split(",") if b], "--baselines")
         check_ngram_range(ngram_max=args.ngram_max, ngram_min=args.ngram_min, field="bench")
         lookup_first = [int(n) for n in args.lookup_first.split(",") if n.strip()]
+        tree_widths = [int(w) for w in args.tree_widths.split(",") if w.strip()] or [0]
+        if any(w < 0 for w in tree_widths):
+            raise ValueError(f"--tree-widths: expected comma-separated integers >= 0, got {args.tree_widths!r}")
+        if max(tree_widths) and args.compile == "on":
+            raise ValueError("--tree-widths: draft trees need the eager target path; give 0 with --compile on")
+        if 1 in tree_widths and not lookup_first:
+            raise ValueError("--tree-widths: 1 adds lookup-first rows only; give --lookup-first N or drop it")
         for n in lookup_first:
             check_ngram_range(ngram_max=max(n, args.ngram_max), ngram_min=n, field="bench.lookup_first")
         if args.lookup_num_tokens and not baselines and not lookup_first:
@@ -497,11 +508,22 @@ def main(argv: list[str] | None = None) -> dict:
         proposers[name] = NGramProposer(vocab_size=vocab, num_tokens=args.lookup_num_tokens or proposer.max_proposal_len,
                                         ngram_max=args.ngram_max, ngram_min=args.ngram_min,
                                         corpus=corpus if name == "ngram+corpus" else None, **lookup_kw)
-    for n in lookup_first:  # the same draft proposer: each engine resets it before every prompt
-        for suffix, with_corpus in (("", None), *((("+corpus", corpus),) if corpus else ())):
-            proposers[f"lookup-first-n{n}{suffix}"] = LookupFirstProposer(
-                proposer, vocab_size=vocab, ngram_max=max(n, args.ngram_max), ngram_min=n,
-                lookup_num_tokens=args.lookup_num_tokens or None, corpus=with_corpus, **lookup_kw)
+    tree_drafts = {}
+    for w in tree_widths:
+        if w > 1:
+            if not hasattr(proposer, "tree_width"):
+                p.error(f"--tree-widths: {algorithm} drafts propose chains only; give widths 0 or 1")
+            tree_drafts[w] = algorithm_for_model(draft).proposer(draft, max_positions=max_pos)
+            tree_drafts[w].tree_width = w
+            if args.num_draft_tokens:
+                cap_proposal_len(tree_drafts[w], args.num_draft_tokens)
+            proposers[f"speculative-tree{w}"] = tree_drafts[w]
+    for w in tree_widths:
+        for n in lookup_first:  # the same draft proposer: each engine resets it before every prompt
+            for suffix, with_corpus in (("", None), *((("+corpus", corpus),) if corpus else ())):
+                proposers[f"lookup-first-n{n}{f'-tree{w}' if w else ''}{suffix}"] = LookupFirstProposer(
+                    tree_drafts.get(w, proposer), vocab_size=vocab, ngram_max=max(n, args.ngram_max), ngram_min=n,
+                    lookup_num_tokens=args.lookup_num_tokens or None, corpus=with_corpus, tree=w >= 1, **lookup_kw)
     if args.compile == "on":
         from deepspec.eval.compiled import CompiledTarget
 
@@ -542,7 +564,7 @@ def main(argv: list[str] | None = None) -> dict:
         "draft": str(folder) if folder is not None else "untrained", "algorithm": algorithm,
         "max_proposal_len": proposer.max_proposal_len, "baselines": baselines,
         "ngram": {"ngram_max": args.ngram_max, "ngram_min": args.ngram_min} if baselines else None,
-        "lookup_first_ngram_min": lookup_first, "lookup_num_tokens": args.lookup_num_tokens or proposer.max_proposal_len,
+        "lookup_first_ngram_min": lookup_first, "tree_widths": tree_widths, "lookup_num_tokens": args.lookup_num_tokens or proposer.max_proposal_len,
         "lookup_corpus": None if corpus is None else {"files": corpus_files, "num_sequences": corpus.num_sequences,
                                                       "num_tokens": corpus.num_tokens,
                                                       "corpus_ngram_min": args.corpus_ngram_min,

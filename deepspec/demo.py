@@ -117,6 +117,9 @@ class DemoConfig:
     # (prepared.jsonl; deepspec.algorithms.ngram.corpus) where the context has no match
     lookup_corpus: bool = True
     corpus_ngram_min: int = DEFAULT_CORPUS_NGRAM_MIN  # the shortest context suffix looked up in the corpus
+    # greedy steps verify a draft tree (eval.tree_width): 0 = off; 1 = the "+lookup" rows verify the match beside the
+    # draft's chain; W >= 2 = the DSpark/DFlash drafts also propose W branches per slot
+    tree_width: int = 0
 
     def __post_init__(self) -> None:
         self.dtype = check_dtype_name(self.dtype, "demo.dtype")
@@ -202,6 +205,7 @@ class DemoConfig:
             lookup_corpus=[str(self.prepared_path)] if self.lookup_corpus and (
                 self.lookup_first is not None or "ngram+corpus" in self.baselines) else [],
             corpus_ngram_min=self.corpus_ngram_min,
+            tree_width=self.tree_width,
         )
 
     def train_config(self, algorithm: str, cache_dir: Path) -> TrainConfig:

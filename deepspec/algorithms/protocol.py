@@ -42,6 +42,8 @@ Legend: B batch, S padded sequence length, A anchors per sequence, H target hidd
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -136,12 +138,21 @@ class Proposal:
             (its K), or ``None``: the proposer's ``max_proposal_len``. Set by a proposer that routes
             between proposers of different K (:class:`~deepspec.algorithms.ngram.LookupFirstProposer`),
             so a step's truncation is judged against the K of whichever proposed.
+        parents_N: ``None`` for a chain (``d_i`` follows ``d_{i-1}``), or a draft tree (greedy only):
+            node ``i``'s parent, ``-1`` for the anchor, else an earlier node (``parents_N[i] < i``), no
+            two siblings with the same token (build one with :class:`DraftTree`). Node ``i`` sits at
+            position ``anchor_pos + depth_i``; the target verifies every node in one forward with a
+            tree attention mask and the longest path it agrees with is accepted (SpecInfer, Miao et
+            al. 2024, s.4; EAGLE-2, Li et al. 2024, s.4). A tree carries no ``draft_probs_NV`` and no
+            ``confidence_N``: rejection sampling over several branches is not implemented, so at
+            T > 0 proposers return chains.
     """
 
     draft_ids_N: Tensor
     draft_probs_NV: Tensor | None = None
     confidence_N: Tensor | None = None
     max_proposal_len: int | None = None
+    parents_N: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.draft_ids_N.dim() != 1:
@@ -156,15 +167,111 @@ class Proposal:
                 f"Proposal.draft_probs_NV: expected shape [N={self.draft_ids_N.shape[0]}, V], received "
                 f"{tuple(self.draft_probs_NV.shape)}; give one draft distribution per draft token."
             )
+        if self.parents_N is not None:
+            n = self.num_proposed
+            if len(self.parents_N) != n:
+                raise ValueError(f"Proposal.parents_N: expected one parent per draft token ({n}), received "
+                                 f"{len(self.parents_N)}.")
+            bad = next((i for i, p in enumerate(self.parents_N) if not -1 <= p < i), None)
+            if bad is not None:
+                raise ValueError(f"Proposal.parents_N[{bad}]: expected -1 (the anchor) or an earlier node "
+                                 f"(0..{bad - 1}), received {self.parents_N[bad]}; list parents before children.")
+            if self.draft_probs_NV is not None or self.confidence_N is not None:
+                raise ValueError("Proposal.parents_N: a draft tree is verified greedily and carries no "
+                                 "draft_probs_NV or confidence_N; propose a chain at T > 0.")
 
     @property
     def num_proposed(self) -> int:
+        """N: the proposal's draft tokens (a tree's nodes)."""
         return int(self.draft_ids_N.shape[0])
+
+    @property
+    def depths_N(self) -> list[int]:
+        """Each draft token's depth: 1 for the anchor's children (a chain's ``d_i`` has depth ``i``)."""
+        if self.parents_N is None:
+            return list(range(1, self.num_proposed + 1))
+        depths: list[int] = []
+        for p in self.parents_N:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return depths
+
+    @property
+    def depth(self) -> int:
+        """The most draft tokens one step can accept: N for a chain, the longest path of a tree."""
+        return max(self.depths_N, default=0)
+
+    def truncated(self, max_depth: int) -> "Proposal":
+        """This proposal without the tokens deeper than ``max_depth`` (the engine's cut at the target's
+        ``max_position_embeddings``): a chain's first ``max_depth`` tokens, a tree's nodes of depth
+        ``<= max_depth`` (renumbered, parents still before children). Returns ``self`` when nothing is cut."""
+        max_depth = max(int(max_depth), 0)
+        if self.depth <= max_depth:
+            return self
+        if self.parents_N is None:
+            return dataclasses.replace(
+                self, draft_ids_N=self.draft_ids_N[:max_depth],
+                draft_probs_NV=None if self.draft_probs_NV is None else self.draft_probs_NV[:max_depth],
+                confidence_N=None if self.confidence_N is None else self.confidence_N[:max_depth])
+        keep = [i for i, d in enumerate(self.depths_N) if d <= max_depth]
+        new_index = {old: new for new, old in enumerate(keep)}
+        return dataclasses.replace(
+            self, draft_ids_N=self.draft_ids_N[keep],
+            parents_N=tuple(-1 if self.parents_N[i] < 0 else new_index[self.parents_N[i]] for i in keep))
 
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> "Proposal":
         """A proposal of zero tokens (the engine then does a plain target-only step)."""
         return Proposal(draft_ids_N=torch.zeros(0, dtype=torch.long, device=device))
+
+
+class DraftTree:
+    """Builds a draft tree (:attr:`Proposal.parents_N`) from paths, merging shared prefixes.
+
+    ``add(parent, token)`` returns the node of ``token`` under ``parent`` (``-1``: the anchor), creating
+    it unless that sibling exists, so several candidate continuations (a draft's branches, a prompt
+    lookup's match) become one trie with distinct siblings, the form greedy tree verification reads.
+    """
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self._children: dict[tuple[int, int], int] = {}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int) -> int:
+        """The node index of ``token`` as a child of node ``parent`` (-1: the anchor)."""
+        key = (int(parent), int(token))
+        node = self._children.get(key)
+        if node is None:
+            node = self._children[key] = len(self.tokens)
+            self.tokens.append(key[1])
+            self.parents.append(key[0])
+        return node
+
+    def add_path(self, tokens: Sequence[int], parent: int = -1) -> list[int]:
+        """Add ``tokens`` as a path below ``parent``; returns its nodes."""
+        nodes = []
+        for t in tokens:
+            parent = self.add(parent, t)
+            nodes.append(parent)
+        return nodes
+
+    def add_proposal(self, proposal: Proposal) -> None:
+        """Add a chain's tokens, or a tree's nodes (merged where they repeat a path already here), below the anchor."""
+        parents = proposal.parents_N
+        if parents is None:
+            self.add_path(proposal.draft_ids_N.tolist())
+            return
+        nodes: list[int] = []
+        for p, t in zip(parents, proposal.draft_ids_N.tolist()):
+            nodes.append(self.add(-1 if p < 0 else nodes[p], t))
+
+    def to_proposal(self, device: torch.device | str = "cpu", **kwargs: Any) -> Proposal:
+        """The tree as a :class:`Proposal` (``kwargs``: its other fields, e.g. ``max_proposal_len``)."""
+        return Proposal(draft_ids_N=torch.tensor(self.tokens, dtype=torch.long, device=device),
+                        parents_N=tuple(self.parents), **kwargs)
 
 
 @runtime_checkable

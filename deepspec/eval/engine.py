@@ -12,7 +12,13 @@ anchor (its features come from the next step's forward). ``NullProposer`` (N = 0
 target-only decoding: the speedup baseline runs the very same code.
 
 Scope and choices:
-- Batch size 1 (no padding, no ragged acceptance across a batch); the attention mask is implicit.
+- Batch size 1 (no padding, no ragged acceptance across a batch); the attention mask is implicit,
+  except for a draft tree (``Proposal.parents_N``, greedy only): its nodes are fed after the anchor at
+  positions ``anchor_pos + depth`` under :func:`tree_attention_mask`, verified by
+  :func:`~deepspec.eval.verify.verify_tree_greedy` (the longest path the target agrees with), and the
+  accepted path's KV entries are moved to consecutive positions before the crop
+  (:func:`compact_kv_cache`). The step is then the same: features of the anchor and the accepted path
+  go to ``extend_context``, the argmax after the path is the new anchor.
 - Sampling (:class:`~deepspec.target.decoding.SamplingParams`): ``None`` or temperature 0 is greedy;
   at T > 0 the first token is drawn from ``sampling_probs(prefill logits)`` and every verify step
   uses the same params (the draft's ``q`` and the target's ``p`` go through the same top-k / top-p
@@ -68,7 +74,7 @@ import torch
 from deepspec.algorithms.protocol import Proposer, draw_token
 from deepspec.eval.compiled import CompiledTarget
 from deepspec.eval.few_row_linear import few_row_linear
-from deepspec.eval.verify import verify
+from deepspec.eval.verify import verify, verify_tree_greedy
 from deepspec.target.capture import target_forward, target_logits
 from deepspec.target.decoding import SamplingParams
 
@@ -87,6 +93,8 @@ class StepRecord:
     for the N proposed tokens (after position truncation), or None when the proposer gives none.
     ``max_proposal_len``: the K of the proposer that made the proposal (``Proposal.max_proposal_len``,
     else the proposer's), or None when unknown (the metrics then use the row's largest K).
+    ``num_draft_nodes``: for a draft tree, the nodes the target verified beside the anchor (``num_proposed``
+    is then the tree's depth, the most tokens the step could accept); None for a chain (N nodes).
     """
 
     num_proposed: int
@@ -97,6 +105,7 @@ class StepRecord:
     verify_s: float = 0.0
     confidence: tuple[float, ...] | None = None
     max_proposal_len: int | None = None
+    num_draft_nodes: int | None = None
 
 
 @dataclass(kw_only=True)
@@ -126,6 +135,47 @@ def _check_croppable(cache: Any) -> None:
             f"crop_kv_cache: the target's KV cache ({type(cache).__name__}) cannot be cropped; speculative "
             "decoding needs a croppable cache (transformers DynamicCache without sliding/linear layers)."
         )
+
+
+def compact_kv_cache(cache: Any, start: int, keep: Sequence[int]) -> None:
+    """Keep the cache entries at positions ``start + keep[j]`` as ``start + j`` and drop the rest after ``start``.
+
+    After a draft tree's verify forward the cache holds ``[anchor, node_1..node_N]`` from ``start``; the
+    accepted path (``keep``: ``0`` for the anchor, then ``1 + node`` per accepted node, increasing) moves
+    to consecutive positions, which are the positions its keys were rotated for (a node at depth ``d``
+    was fed at ``start + d``). Then the cache is cropped to ``start + len(keep)``. Raises RuntimeError
+    for a cache without per-layer ``keys`` / ``values`` tensors (only a transformers ``DynamicCache`` of
+    full layers is compacted), and whatever :func:`crop_kv_cache` raises.
+    """
+    keep = [int(k) for k in keep]
+    if keep != list(range(len(keep))):  # a chain's prefix needs the crop alone
+        layers = getattr(cache, "layers", None)
+        if not layers or not all(isinstance(getattr(la, "keys", None), torch.Tensor) for la in layers):
+            raise RuntimeError(f"compact_kv_cache: the target's KV cache ({type(cache).__name__}) has no per-layer "
+                               "keys/values tensors to move; draft trees need a DynamicCache of full layers.")
+        dst = slice(start, start + len(keep))
+        for layer in layers:
+            src = torch.tensor(keep, device=layer.keys.device) + start
+            layer.keys[:, :, dst] = layer.keys[:, :, src]
+            layer.values[:, :, dst] = layer.values[:, :, src]
+    crop_kv_cache(cache, start + len(keep))
+
+
+def tree_attention_mask(parents_N: Sequence[int], past_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Bool ``[1, 1, N+1, past_len + N+1]`` (True = attend) for a verify forward over ``[anchor, tree nodes]``.
+
+    Every row sees the ``past_len`` cached positions; the anchor (row 0) sees itself, node ``i``
+    (row ``i + 1``) the anchor, its ancestors and itself (``parents_N``: -1 for the anchor's children,
+    see :attr:`~deepspec.algorithms.protocol.Proposal.parents_N`). A chain gives the causal mask.
+    """
+    n1 = len(parents_N) + 1
+    tree = torch.zeros(n1, n1, dtype=torch.bool)
+    tree[0, 0] = True
+    for i, p in enumerate(parents_N):
+        tree[i + 1] = tree[p + 1]
+        tree[i + 1, i + 1] = True
+    mask = torch.cat([torch.ones(n1, past_len, dtype=torch.bool), tree], dim=1)
+    return mask.to(device)[None, None]
 
 
 def crop_kv_cache(cache: Any, new_len: int) -> None:
@@ -216,9 +266,17 @@ class SpeculativeEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _forward(self, ids: list[int], start_pos: int, cache: Any, *, compute_logits: bool) -> Any:
+    def _forward(self, ids: list[int], start_pos: int, cache: Any, *, compute_logits: bool,
+                 parents: Sequence[int] | None = None, depths: Sequence[int] | None = None) -> Any:
+        """The target over ``ids`` from ``start_pos``; with ``parents`` / ``depths`` (a draft tree after the
+        anchor) at positions ``start_pos + depth`` under :func:`tree_attention_mask`."""
         input_ids_BT = torch.tensor([ids], dtype=torch.long, device=self.device)
-        position_ids_BT = torch.arange(start_pos, start_pos + len(ids), device=self.device).unsqueeze(0)
+        kwargs: dict[str, Any] = {}
+        if parents is None:
+            position_ids_BT = torch.arange(start_pos, start_pos + len(ids), device=self.device).unsqueeze(0)
+        else:
+            position_ids_BT = torch.tensor([[start_pos, *(start_pos + d for d in depths)]], device=self.device)
+            kwargs["attention_mask_BT"] = tree_attention_mask(parents, start_pos, self.device)
         return self.forward_fn(
             self.target_model,
             input_ids_BT,
@@ -227,6 +285,7 @@ class SpeculativeEngine:
             past_key_values=cache,
             use_cache=True,
             compute_logits=compute_logits,
+            **kwargs,
         )
 
     def generate(
@@ -338,41 +397,45 @@ class SpeculativeEngine:
             t_step = time.perf_counter()
             # Propose, truncated so every fed position is < max_position_embeddings.
             proposal = proposer.propose(anchor, anchor_pos, sampling=sampling, generator=generator)
-            n = min(proposal.num_proposed, self.max_positions - 1 - anchor_pos)
-            draft_ids_N = proposal.draft_ids_N[:n]
-            draft_probs_NV = None if proposal.draft_probs_NV is None else proposal.draft_probs_NV[:n]
+            proposal = proposal.truncated(self.max_positions - 1 - anchor_pos)
+            parents = proposal.parents_N
+            if parents is not None and (not sampling.greedy or self.compiled is not None):
+                raise RuntimeError(f"{type(proposer).__name__} proposed a draft tree, which is verified greedily "
+                                   "with a dynamic KV cache only; propose chains at T > 0 and with a compiled target.")
+            draft_ids_N = proposal.draft_ids_N
             draft_list = draft_ids_N.tolist()
+            depths = proposal.depths_N if parents is not None else None
             sync()
             t_verify = time.perf_counter()
 
-            # Verify: one target forward over [anchor, d_1..d_N].
-            out = self._forward([anchor, *draft_list], anchor_pos, cache, compute_logits=True)
+            # Verify: one target forward over [anchor, d_1..d_N] (a draft tree: under its tree mask).
+            out = self._forward([anchor, *draft_list], anchor_pos, cache, compute_logits=True,
+                                parents=parents, depths=depths)
             cache = out.past_key_values
             sync()
             t_verified = time.perf_counter()
-            res = verify(
-                draft_ids_N,
-                draft_probs_NV,
-                out.logits_BTV[0],
-                sampling=sampling,
-                generator=generator,
-                eos_token_ids=self.eos_token_ids,
-            )
+            if parents is None:
+                res = verify(draft_ids_N, proposal.draft_probs_NV, out.logits_BTV[0], sampling=sampling,
+                             generator=generator, eos_token_ids=self.eos_token_ids)
+                keep = list(range(res.num_accepted + 1))
+            else:
+                res, path = verify_tree_greedy(draft_ids_N, parents, out.logits_BTV[0], eos_token_ids=self.eos_token_ids)
+                keep = [0, *(1 + i for i in path)]
 
             # Commit accepted + 1; keep KV and features of the verified positions anchor..anchor+accepted.
             num_verified = res.num_accepted + 1
-            crop_kv_cache(cache, anchor_pos + num_verified)
+            compact_kv_cache(cache, anchor_pos, keep)
             if can_propose:
-                proposer.extend_context(out.target_hidden_BTF[0, :num_verified] if uses_features else None,
-                                        [anchor, *draft_list[: res.num_accepted]])
+                proposer.extend_context(out.target_hidden_BTF[0, keep] if uses_features else None,
+                                        [anchor, *res.committed[: res.num_accepted]])
             result.output_ids.extend(res.committed)
             anchor, anchor_pos = res.committed[-1], anchor_pos + num_verified
-            conf = None if proposal.confidence_N is None else tuple(proposal.confidence_N[:n].tolist())
+            conf = None if proposal.confidence_N is None else tuple(proposal.confidence_N.tolist())
             sync()
             t_end = time.perf_counter()
             result.steps.append(
                 StepRecord(
-                    num_proposed=n,
+                    num_proposed=proposal.depth,
                     num_accepted=res.num_accepted,
                     num_committed=len(res.committed),
                     time_s=t_end - t_step,
@@ -381,6 +444,7 @@ class SpeculativeEngine:
                     confidence=conf,
                     max_proposal_len=(proposal.max_proposal_len if proposal.max_proposal_len is not None
                                       else proposer.max_proposal_len),
+                    num_draft_nodes=None if parents is None else proposal.num_proposed,
                 )
             )
             emit()

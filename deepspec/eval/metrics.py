@@ -163,7 +163,7 @@ def acceptance_stats(steps: Sequence[StepRecord], max_k: int | None = None) -> A
     accepted_at = [sum(s.num_accepted >= k for s in steps) for k in range(1, k_max + 1)]
     proposed_at = [sum(s.num_proposed >= k for s in steps) for k in range(1, k_max + 1)]
     reached_at = [sum(s.num_accepted >= k - 1 and s.num_proposed >= k for s in steps) for k in range(1, k_max + 1)]
-    fed = sum(s.num_proposed + 1 for s in steps)
+    fed = sum((s.num_proposed if s.num_draft_nodes is None else s.num_draft_nodes) + 1 for s in steps)
     committed = sum(s.num_committed for s in steps)
     return AcceptanceStats(
         num_steps=n,

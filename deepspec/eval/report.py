@@ -222,6 +222,14 @@ def _draft_dtypes(cfg: Mapping[str, Any]) -> str:
     return " (drafts: " + ", ".join(f"{n} {d}" for n, d in dtypes.items()) + ")"
 
 
+def _tree_note(info: Mapping[str, Any]) -> str:
+    """`` (...)`` saying how a method's greedy steps use draft trees (deepspec.eval.engine), or ''."""
+    parts = [f"draft tree {info['tree_width']} per slot"] if info.get("tree_width") else []
+    if info.get("lookup_tree"):
+        parts.append("match verified beside the draft")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def _setup_lines(cfg: Mapping[str, Any]) -> list[str]:
     """Proposal lengths and linear path, the lookup corpus, confidence thresholds, where each benchmark's
     prompts came from, and the benchmarks skipped."""
@@ -229,7 +237,7 @@ def _setup_lines(cfg: Mapping[str, Any]) -> list[str]:
     proposers = cfg.get("proposers") or {}
     if proposers:
         lines += ["", "Tokens proposed per step (K): " + ", ".join(
-            f"{m} {p.get('max_proposal_len')}" for m, p in proposers.items())
+            f"{m} {p.get('max_proposal_len')}" + _tree_note(p) for m, p in proposers.items())
             + ("; few-row linear path on (deepspec.eval.few_row_linear)" if cfg.get("few_row_linear") else "")
             + ("; the target decodes on the compiled path, static KV cache + torch.compile (deepspec.eval.compiled)"
                if cfg.get("compile") else "") + "."]

@@ -114,7 +114,8 @@ def _proposer_info(proposer: Proposer) -> dict[str, Any]:
     """A proposer's entry in the report config: type, K, dtype of its model (None without one) and,
     for the n-gram baseline and a draft with prompt lookup in front, the n-gram range; for the latter
     also each part's K (``lookup_num_tokens``, ``draft_max_proposal_len``; ``max_proposal_len`` is the
-    larger)."""
+    larger) and whether the match is verified beside the draft (``lookup_tree``); ``tree_width`` for a
+    draft that proposes draft trees."""
     lookup = getattr(proposer, "lookup", None)  # LookupFirstProposer: the draft's model, the lookup's range
     model = getattr(getattr(proposer, "draft", proposer), "model", None)
     info: dict[str, Any] = {"type": type(proposer).__name__, "max_proposal_len": proposer.max_proposal_len,
@@ -125,6 +126,10 @@ def _proposer_info(proposer: Proposer) -> dict[str, Any]:
     if lookup is not None:
         info["lookup_num_tokens"] = lookup.max_proposal_len
         info["draft_max_proposal_len"] = proposer.draft.max_proposal_len
+        info["lookup_tree"] = bool(getattr(proposer, "tree", False))
+    width = getattr(getattr(proposer, "draft", proposer), "tree_width", 1)
+    if width > 1:
+        info["tree_width"] = width
     return info
 
 

@@ -89,6 +89,10 @@ class EvalConfig:
     # own K (a DSpark/DFlash draft's block size, Eagle3's steps). An explicit ngram_num_tokens or
     # lookup_num_tokens is not capped by it.
     num_draft_tokens: int | None = None
+    # greedy steps verify a draft tree in one target forward (deepspec.eval.engine): 0 = off (chains; a "+lookup" row
+    # then proposes the match or the draft); W >= 1 = each "+lookup" row verifies its match beside the draft's
+    # proposal, and each DSpark/DFlash draft proposes W branches per slot (1: its chain; Eagle3 keeps its chain)
+    tree_width: int = 0
     # linear layers over few rows (a verify forward) as (W @ x^T)^T: auto (float32 on the CPU, where the row-major
     # GEMM over 2-8 rows costs 1.4-2.2x a one-row product; deepspec.eval.few_row_linear) | on | off
     few_row_linear: str = "auto"
@@ -115,6 +119,18 @@ class EvalConfig:
         if ngram_k is not None and (isinstance(ngram_k, bool) or not isinstance(ngram_k, int) or ngram_k < 1):
             raise ValueError(f"eval.ngram_num_tokens: expected an integer >= 1 or none (the draft's K), got {ngram_k!r}")
         check_lookup_settings(self.lookup_first, self.lookup_num_tokens, has_draft=True, field="eval")
+        if isinstance(self.tree_width, bool) or not isinstance(self.tree_width, int) or self.tree_width < 0:
+            raise ValueError(f"eval.tree_width: expected an integer >= 0 (0: chains; 1: the +lookup rows verify the "
+                             f"match beside the draft; 2-4: also draft trees), got {self.tree_width!r}")
+        if self.tree_width > 1 and self.confidence_threshold > 0:
+            raise ValueError(f"eval.tree_width: a draft tree is not cut by confidence; drop --confidence-threshold "
+                             f"or give --tree-width 0 or 1 (got {self.tree_width})")
+        if self.tree_width and self.compile:
+            raise ValueError("eval.tree_width: draft trees need the eager target path (a dynamic KV cache whose "
+                             "accepted entries are moved); give --tree-width 0 with --compile")
+        if self.tree_width and self.temperature > 0:
+            print(f"[eval] tree_width {self.tree_width}: draft trees are verified greedily; at temperature "
+                  f"{self.temperature} every step proposes a chain")
         check_corpus_use(self.lookup_corpus, self.corpus_ngram_min, lookup_first=self.lookup_first,
                          baselines=self.baselines, field="eval")
         if self.max_new_tokens < 1:
@@ -377,6 +393,8 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
     def draft_proposer(name: str, model):
         threshold = cfg.confidence_threshold if cfg.confidence_threshold > 0 and name in thresholded else None
         proposer = algorithm_for_model(model).proposer(model, confidence_threshold=threshold, max_positions=max_positions)
+        if cfg.tree_width > 1 and hasattr(proposer, "tree_width"):
+            proposer.tree_width = cfg.tree_width
         return proposer if cfg.num_draft_tokens is None else cap_proposal_len(proposer, cfg.num_draft_tokens)
 
     proposers = {name: draft_proposer(name, model) for name, model in drafts.items()}
@@ -388,7 +406,8 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
             proposers[_unique_name(f"{name}+lookup", proposers)] = LookupFirstProposer(
                 draft_proposer(name, model), vocab_size=vocab, ngram_max=max(cfg.lookup_first, cfg.ngram_max),
                 ngram_min=cfg.lookup_first, max_positions=max_positions, device=device,
-                lookup_num_tokens=cfg.lookup_num_tokens, corpus=corpus, corpus_ngram_min=cfg.corpus_ngram_min)
+                lookup_num_tokens=cfg.lookup_num_tokens, corpus=corpus, corpus_ngram_min=cfg.corpus_ngram_min,
+                tree=cfg.tree_width >= 1)
     proposers.update(baseline_proposers(cfg, target_model, drafts=proposers, taken=proposers, corpus=corpus))
     return run_eval(
         target_model,

@@ -35,7 +35,7 @@ state, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -141,6 +141,43 @@ def verify_greedy(draft_ids_N: Tensor, target_logits_N1V: Tensor, *, eos_token_i
     target_ids_N1 = target_logits_N1V.argmax(dim=-1).to(draft_ids_N.device)
     num_accepted = accepted_prefix_len(draft_ids_N == target_ids_N1[:n])
     return _finish(draft_ids_N.tolist(), num_accepted, int(target_ids_N1[num_accepted]), eos_token_ids)
+
+
+def verify_tree_greedy(draft_ids_N: Tensor, parents_N: Sequence[int], target_logits_N1V: Tensor, *,
+                       eos_token_ids: Collection[int]) -> tuple[VerifyResult, list[int]]:
+    """Greedy verify of a draft tree (:attr:`~deepspec.algorithms.protocol.Proposal.parents_N`).
+
+    Row 0 of ``target_logits_N1V`` ``[N+1, V]`` is the anchor's prediction, row ``i + 1`` node ``i``'s
+    (the target forward ran over ``[anchor, d_1..d_N]`` with a tree mask: every node sees the context,
+    the anchor and its own ancestors only). From the anchor, the walk moves to the child whose token
+    is the target's argmax while there is one, so it accepts the longest path the target agrees with
+    (SpecInfer, Miao et al. 2024, s.4), and commits the argmax after it; the EOS rule is
+    :func:`verify_greedy`'s. On a chain (``parents_N = [-1, 0, .., N-2]``) it equals
+    :func:`verify_greedy`. Siblings must have distinct tokens (:class:`~deepspec.algorithms.protocol.DraftTree`).
+
+    Returns ``(result, path)``: ``path`` the accepted nodes in order (``len(path) == num_accepted``).
+    Raises ValueError on mismatched shapes.
+    """
+    _check_shapes(draft_ids_N, target_logits_N1V)
+    if len(parents_N) != draft_ids_N.shape[0]:
+        raise ValueError(f"verify_tree_greedy: expected one parent per draft token ({draft_ids_N.shape[0]}), "
+                         f"received {len(parents_N)}.")
+    target_ids = target_logits_N1V.argmax(dim=-1).tolist()
+    tokens = draft_ids_N.tolist()
+    children: dict[tuple[int, int], int] = {(int(p), t): i for i, (p, t) in enumerate(zip(parents_N, tokens))}
+    path: list[int] = []
+    node = -1  # the anchor
+    while True:
+        nxt = target_ids[node + 1]
+        child = children.get((node, nxt))
+        if child is None:
+            break
+        path.append(child)
+        node = child
+        if nxt in eos_token_ids:
+            break
+    accepted = [tokens[i] for i in path]
+    return _finish(accepted, len(path), target_ids[node + 1], eos_token_ids), path
 
 
 def verify_sampling(

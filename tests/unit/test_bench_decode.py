@@ -58,10 +58,14 @@ def test_a_draft_of_the_float32_target_runs_in_bfloat16(tmp_path, capsys):
     decode.main(["--draft", str(tmp_path / "draft"), "--dtype", "bfloat16", "--benchmarks", "gsm8k",
                  "--num-prompts", "1", "--max-new-tokens", "2", "--repeats", "1", "--temperatures", "0",
                  "--baselines", "none", "--lookup-first", "2", "--lookup-num-tokens", "5",
-                 "--lookup-corpus", str(prepared), "--seed", "0", "--output-dir", str(tmp_path / "out")])
+                 "--lookup-corpus", str(prepared), "--seed", "0", "--tree-widths", "0,2",
+                 "--output-dir", str(tmp_path / "out")])
     result = json.loads((tmp_path / "out" / "decode_bench.json").read_text())
     assert result["dtype"] == "bfloat16"
-    assert result["lookup_num_tokens"] == 5 and "lookup-first-n2+corpus" in result["settings"]["greedy"]["methods"]
+    methods = result["settings"]["greedy"]["methods"]
+    assert result["lookup_num_tokens"] == 5 and "lookup-first-n2+corpus" in methods
+    assert result["tree_widths"] == [0, 2]
+    assert {"speculative-tree2", "lookup-first-n2-tree2", "lookup-first-n2-tree2+corpus"} <= set(methods)
     assert result["lookup_corpus"]["prompts_answered"]["gsm8k"]["answered"] == 1
     assert (f"--lookup-corpus ({prepared}) holds the target's own answers to evaluated prompts (gsm8k 1/1)"
             in capsys.readouterr().err)
@@ -87,3 +91,14 @@ def test_a_lookup_corpus_with_nothing_to_read_it_is_refused(capsys, tmp_path):
             decode.main(["--draft", "untrained", *argv])
         assert exc.value.code == 2
         assert re.search(message, capsys.readouterr().err), argv
+
+
+def test_bad_tree_widths_are_refused(capsys):
+    decode = _decode_module()
+    for argv, message in ((["--tree-widths", "-1"], "--tree-widths: expected comma-separated integers >= 0"),
+                          (["--tree-widths", "1"], "--tree-widths: 1 adds lookup-first rows only"),
+                          (["--tree-widths", "2", "--compile", "on"], "draft trees need the eager target path")):
+        with pytest.raises(SystemExit) as exc:
+            decode.main(["--draft", "untrained", *argv])
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err, argv

@@ -40,6 +40,9 @@ def test_caps_and_file_overrides_parse():
         ({"top_p": 0.0, "temperature": 1.0}, "eval.top_p"),
         ({"temperature": -1.0}, "eval.temperature"),
         ({"num_prompts": 0}, "eval.num_prompts"),
+        ({"tree_width": -1}, "eval.tree_width: expected an integer >= 0"),
+        ({"tree_width": 2, "confidence_threshold": 0.5}, "eval.tree_width: a draft tree is not cut by confidence"),
+        ({"tree_width": 1, "compile": True}, "eval.tree_width: draft trees need the eager target path"),
     ],
 )
 def test_bad_values_name_the_field(kwargs, needle):

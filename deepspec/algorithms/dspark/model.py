@@ -425,6 +425,18 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
             feats = feats_1r[0]
         return logits_V, self._confidence(hidden_D, feats), state
 
+    def slot_logits(self, hidden_D: Tensor, base_logits_V: Tensor, prev_ids_X: Tensor,
+                    state_X: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """:meth:`slot_step` for X candidates of one slot at once (a draft tree's nodes, which share the
+        slot's hidden state): ``(logits fp32 [X, N], Markov state [X, ...] | None)``; no confidence.
+        ``prev_ids_X``: each candidate's previous *target* id; ``state_X``: None at slot 0."""
+        logits_XV = base_logits_V.float().expand(prev_ids_X.shape[0], -1)
+        if self.markov_head is None:
+            return logits_XV, state_X
+        hidden_XD = hidden_D.unsqueeze(0).expand(prev_ids_X.shape[0], -1)
+        bias_XV, _, state_X = self.markov_head.step(prev_ids_X, hidden_XD, state_X)
+        return logits_XV + bias_XV, state_X
+
     # ------------------------------------------------------------------ training forward
     def forward_train(self, input_ids_BS: Tensor, target_hidden_BSF: Tensor, anchor_pos_BA: Tensor,
                       block_valid_BA: Tensor, *, use_flex: bool | None = None,

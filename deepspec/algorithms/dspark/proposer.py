@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from deepspec.algorithms.dspark.model import DSparkDraftModel
-from deepspec.algorithms.protocol import Proposal, draw_token
+from deepspec.algorithms.protocol import DraftTree, Proposal, draw_token
 from deepspec.models.vocab import scatter_to_target
 from deepspec.target.decoding import SamplingParams
 
@@ -37,14 +37,29 @@ class DSparkProposer:
     ``confidence_threshold`` set, the proposal is cut before the first slot with ``c_k`` below it.
     ``max_positions`` (the target's ``max_position_embeddings``): draft tokens never land at a
     position ``>= max_positions``.
+
+    ``tree_width`` W > 1 (greedy only; at T > 0 the proposal is the chain above): a draft tree of up
+    to W nodes per slot (EAGLE-2's expansion, Li et al. 2024, s.4, on DSpark's slots). Slot ``k``
+    expands each of the W nodes kept at slot ``k - 1`` (the anchor at slot 0) with the Markov head fed
+    that node's token, scores each child by the path's summed draft log-probability, and keeps the W
+    best children; the greedy chain is always kept, so the tree holds the chain proposal and a greedy
+    step accepts at least what the chain would. ``W * K`` nodes, ``1 + W * (K - 1)`` slot steps (the
+    block forward is shared). The target verifies them all in one forward
+    (:attr:`~deepspec.algorithms.protocol.Proposal.parents_N`).
     """
 
-    def __init__(self, model, *, confidence_threshold: float | None = None, max_positions: int | None = None):
+    def __init__(self, model, *, confidence_threshold: float | None = None, max_positions: int | None = None,
+                 tree_width: int = 1):
         if not isinstance(model, DSparkDraftModel):
             raise ValueError(f"DSparkProposer.model: expected a DSparkDraftModel, received {type(model).__name__}.")
         if confidence_threshold is not None and model.confidence_head is None:
             raise ValueError("DSparkProposer.confidence_threshold: expected None for a draft without a confidence "
                              f"head, received {confidence_threshold}. Drop the threshold or load a DSpark draft.")
+        check_tree_width(tree_width, "DSparkProposer.tree_width")
+        if tree_width > 1 and confidence_threshold is not None:
+            raise ValueError("DSparkProposer.tree_width: a draft tree is not cut by confidence; give tree_width 1 "
+                             f"with confidence_threshold {confidence_threshold}, or drop the threshold.")
+        self.tree_width = int(tree_width)
         self.model = model.eval()
         self.max_proposal_len = int(model.config.num_draft_slots)
         self.confidence_threshold = confidence_threshold
@@ -78,6 +93,8 @@ class DSparkProposer:
         base_KV = base_KV.float()  # the slots' fp32 logits in one conversion (a no-op in fp32)
         dev = hidden_KD.device
         prev = torch.tensor([int(anchor_token)], device=dev)
+        if self.tree_width > 1 and sampling.greedy:
+            return self._propose_tree(hidden_KD, base_KV, prev, n_max)
         ids, probs_rows, conf = [], [], []
         markov_state = None  # the Markov head's state along the block (rnn variant; None otherwise)
         for k in range(n_max):
@@ -100,3 +117,36 @@ class DSparkProposer:
             draft_probs_NV=torch.stack(probs_rows) if probs_rows else None,
             confidence_N=torch.stack(conf).float() if conf else None,
         )
+
+    def _propose_tree(self, hidden_KD: Tensor, base_KV: Tensor, anchor_1: Tensor, n_max: int) -> Proposal:
+        """The greedy draft tree of the class docstring over the block's first ``n_max`` slots."""
+        m, width = self.model, self.tree_width
+        tree = DraftTree()
+        nodes, prev_X, state_X = [-1], anchor_1, None  # the kept nodes of the last slot (-1: the anchor)
+        score_X = torch.zeros(1, device=anchor_1.device)  # their paths' summed draft log-probabilities
+        greedy = 0  # which of them is on the greedy chain
+        for k in range(n_max):
+            logits_XW, state_X = m.slot_logits(hidden_KD[k], base_KV[k], prev_X, state_X)
+            top = torch.log_softmax(logits_XW, dim=-1).topk(width, dim=-1)  # [X, width]
+            scores = (score_X[:, None] + top.values).flatten()
+            order = scores.argsort(descending=True)[:width].tolist()
+            chain = greedy * width  # the greedy node's best child
+            if chain not in order:  # the greedy chain stays in the tree
+                order[-1] = chain
+            parent_X = [i // width for i in order]
+            draft_ids = top.indices.flatten()[order]
+            tok_X = m.target_ids(draft_ids)
+            nodes = [tree.add(nodes[p], t) for p, t in zip(parent_X, tok_X.tolist())]
+            greedy = order.index(chain)
+            score_X, prev_X = scores[order], tok_X
+            if state_X is not None:
+                state_X = state_X[parent_X]
+        return tree.to_proposal(anchor_1.device)
+
+
+def check_tree_width(value: object, field: str) -> int:
+    """``value`` when it is an integer >= 1 (1: chains, the default); ValueError naming ``field`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{field}: expected an integer >= 1 (1: a chain of drafts; 2-4: a draft tree verified in "
+                         f"one target forward, greedy only), received {value!r}.")
+    return value

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus, check_corpus_vocab
-from deepspec.algorithms.protocol import Proposal
+from deepspec.algorithms.protocol import DraftTree, Proposal
 from deepspec.target.decoding import SamplingParams
 
 DEFAULT_NGRAM_MAX = 3
@@ -202,6 +202,11 @@ class LookupFirstProposer:
         lookup_num_tokens: the most tokens a match proposes (None: the draft's K).
         corpus, corpus_ngram_min: a corpus of the target's earlier answers the lookup asks when the
             context has no match, before the draft (as :class:`NGramProposer`).
+        tree: at T = 0, propose the match *and* the draft's proposal (a chain or a draft tree), merged
+            into one draft tree the target verifies in one forward, instead of choosing: the step
+            accepts whichever path the target agrees with longest, so a match no longer takes a
+            step from a draft that would have done better. ``steps_from_lookup`` then counts the
+            steps with a match among their branches. At T > 0 the choice above stands.
 
     Raises ValueError (naming the argument) for an invalid n-gram range, a draft with K < 1 or
     ``lookup_num_tokens < 1``.
@@ -210,7 +215,8 @@ class LookupFirstProposer:
     def __init__(self, draft: Any, *, vocab_size: int, ngram_max: int = DEFAULT_NGRAM_MAX,
                  ngram_min: int = DEFAULT_LOOKUP_FIRST_MIN, lookup_num_tokens: int | None = None,
                  max_positions: int | None = None, device: torch.device | str = "cpu",
-                 corpus: NGramCorpus | None = None, corpus_ngram_min: int = DEFAULT_CORPUS_NGRAM_MIN) -> None:
+                 corpus: NGramCorpus | None = None, corpus_ngram_min: int = DEFAULT_CORPUS_NGRAM_MIN,
+                 tree: bool = False) -> None:
         if int(draft.max_proposal_len) < 1:
             raise ValueError(f"LookupFirstProposer.draft: expected a proposer with K >= 1, received "
                              f"{type(draft).__name__} with K = {draft.max_proposal_len}.")
@@ -224,6 +230,7 @@ class LookupFirstProposer:
                                     ngram_max=ngram_max, ngram_min=ngram_min, max_positions=max_positions,
                                     device=device, corpus=corpus, corpus_ngram_min=corpus_ngram_min)
         self.needs_features = bool(getattr(draft, "needs_features", True))
+        self.tree = bool(tree)
         self.steps_from_lookup = 0
         self.steps_from_draft = 0
 
@@ -247,6 +254,12 @@ class LookupFirstProposer:
     def propose(self, anchor_token: int, anchor_pos: int, *, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
         proposal = self.lookup.propose(anchor_token, anchor_pos, sampling=sampling, generator=generator)
+        if proposal.num_proposed and self.tree and sampling.greedy:
+            self.steps_from_lookup += 1
+            tree = DraftTree()
+            tree.add_path(proposal.draft_ids_N.tolist())
+            tree.add_proposal(self.draft.propose(anchor_token, anchor_pos, sampling=sampling, generator=generator))
+            return tree.to_proposal(proposal.draft_ids_N.device, max_proposal_len=self.max_proposal_len)
         if proposal.num_proposed:
             self.steps_from_lookup += 1
             return dataclasses.replace(proposal, max_proposal_len=self.lookup.max_proposal_len)
