@@ -202,15 +202,17 @@ def _dspark_draft(target, use_heads=True):
 
     cfg = draft_config_from_target(target.config, num_draft_layers=1, target_layer_ids=LAYER_IDS,
                                    mask_token_id=VOCAB - 1, block_size=K, markov_rank=8,
-                                   use_markov_head=use_heads, use_confidence_head=use_heads)
+                                   use_markov_head=use_heads, use_confidence_head=use_heads,
+                                   **({} if use_heads else {"confidence_weight": 0.0}))
     torch.manual_seed(0)
     return DSparkDraftModel.from_target(target, cfg).float().eval()
 
 
-def test_dspark_tree_holds_the_chain_and_is_lossless(target):
+@pytest.mark.parametrize("use_heads", [True, False])  # DSpark; DFlash (no Markov head: the same logits per parent)
+def test_dspark_tree_holds_the_chain_and_is_lossless(target, use_heads):
     from deepspec.algorithms.dspark.proposer import DSparkProposer
 
-    draft = _dspark_draft(target)
+    draft = _dspark_draft(target, use_heads)
     chain, tree = DSparkProposer(draft), DSparkProposer(draft, tree_width=3)
     cache = DynamicCache()
     out = target_forward(target, torch.tensor([PROMPT]), LAYER_IDS, past_key_values=cache, use_cache=True)
