@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                    check_prompts_in_corpus)
     from deepspec.algorithms.ngram.proposer import (LookupFirstProposer, NGramProposer, check_ngram_range,
                                                     corpus_lookup)
-    from deepspec.algorithms.protocol import cap_proposal_len
+    from deepspec.algorithms.protocol import cap_proposal_len, set_draft_tree_width
     from deepspec.algorithms.registry import check_baselines
     from deepspec.device import cast_for_decoding, check_dtype_name, dtype_name, resolve_device, resolve_dtype
     from deepspec.eval.few_row_linear import check_few_row_mode, few_row_linear_applies
@@ -513,8 +513,7 @@ def main(argv: list[str] | None = None) -> dict:
         if w > 1:
             if not hasattr(proposer, "tree_width"):
                 p.error(f"--tree-widths: {algorithm} drafts propose chains only; give widths 0 or 1")
-            tree_drafts[w] = algorithm_for_model(draft).proposer(draft, max_positions=max_pos)
-            tree_drafts[w].tree_width = w
+            tree_drafts[w] = set_draft_tree_width(algorithm_for_model(draft).proposer(draft, max_positions=max_pos), w)
             if args.num_draft_tokens:
                 cap_proposal_len(tree_drafts[w], args.num_draft_tokens)
             proposers[f"speculative-tree{w}"] = tree_drafts[w]

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN
+from deepspec.algorithms.protocol import check_tree_setting
 from deepspec.algorithms.registry import ALGORITHMS, check_baselines, load_draft
 from deepspec.data.prepare import PrepareConfig, summary_path_for
 from deepspec.device import check_device_name, check_dtype_name, resolve_device
@@ -125,6 +126,7 @@ class DemoConfig:
         self.dtype = check_dtype_name(self.dtype, "demo.dtype")
         self.device = check_device_name(self.device, "demo.device")
         self.baselines = check_baselines(self.baselines, "demo.baselines")
+        check_tree_setting(self.tree_width, "demo.tree_width")
 
         unknown = [a for a in self.algorithms if a not in ALGORITHMS]
         if unknown or not self.algorithms or len(set(self.algorithms)) != len(self.algorithms):

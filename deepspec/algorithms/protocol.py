@@ -352,6 +352,31 @@ def draw_token(
     return tok, q_V
 
 
+def check_tree_setting(value: object, field: str, *, has_draft: bool = True) -> int:
+    """The ``--tree-width`` setting (eval, serve, demo): ``value`` when it is an integer >= 0 (and 0 without a
+    draft), else ValueError naming ``field``.
+
+    0: chains. 1: a draft with prompt lookup in front verifies the match beside the draft's proposal
+    (``LookupFirstProposer(tree=True)``). W >= 2: also draft trees of W nodes per slot from drafts that
+    can propose them (:func:`set_draft_tree_width`). Greedy steps only."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{field}: expected an integer >= 0 (0: chains; 1: prompt lookup's match verified beside the "
+                         f"draft; 2-4: also draft trees of that many nodes per slot), got {value!r}")
+    if value and not has_draft:
+        raise ValueError(f"{field}: set with no draft; draft trees come from a draft (and prompt lookup in front of "
+                         "it): give --draft, or drop --tree-width")
+    return value
+
+
+def set_draft_tree_width(proposer: Proposer, tree_width: int) -> Proposer:
+    """Apply the ``--tree-width`` setting to a draft's proposer; returns it. With ``tree_width >= 2`` a proposer
+    that can propose draft trees (one with a ``tree_width`` attribute: DSpark, DFlash) proposes that many nodes
+    per slot; other proposers (Eagle3) and smaller settings keep chains."""
+    if tree_width >= 2 and hasattr(proposer, "tree_width"):
+        proposer.tree_width = int(tree_width)
+    return proposer
+
+
 def cap_proposal_len(proposer: Proposer, num_draft_tokens: int) -> Proposer:
     """Make ``proposer`` propose at most ``num_draft_tokens`` tokens per step (vLLM's
     ``num_speculative_tokens``); returns it. Every proposer here reads ``max_proposal_len`` as the

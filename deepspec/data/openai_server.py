@@ -60,6 +60,7 @@ from typing import Any
 
 from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus, check_corpus_use
 from deepspec.algorithms.ngram.proposer import check_lookup_settings
+from deepspec.algorithms.protocol import check_tree_setting
 from deepspec.data.backends import GenerationParams, LocalBackend
 from deepspec.data.chat import render_prompt
 from deepspec.device import check_device_name, check_dtype_name, resolve_device
@@ -541,6 +542,9 @@ class ServeConfig:
     # context has no match (deepspec.algorithms.ngram.corpus); needs lookup_first
     lookup_corpus: list[str] = field(default_factory=list)
     corpus_ngram_min: int = DEFAULT_CORPUS_NGRAM_MIN  # the shortest context suffix looked up in the corpus
+    # greedy requests verify draft trees in one target forward (docs/semantics.md, "Draft trees"): 0 = chains; 1 = the
+    # lookup's match beside the draft's chain; W >= 2 = also W DSpark/DFlash nodes per slot; sampled requests: chains
+    tree_width: int = 0
     # target and draft dtype: auto (bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else float32) | float32 | bfloat16
     dtype: str = "auto"
     # where target and draft decode: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu | cuda | cuda:N
@@ -564,6 +568,7 @@ class ServeConfig:
         check_lookup_settings(self.lookup_first, self.lookup_num_tokens, has_draft=bool(self.draft), field="serve")
         check_corpus_use(self.lookup_corpus, self.corpus_ngram_min, lookup_first=self.lookup_first, baselines=None,
                          field="serve")
+        check_tree_setting(self.tree_width, "serve.tree_width", has_draft=bool(self.draft))
 
 
 def _port_unavailable(host: str, port: int, exc: OSError) -> ValueError:
@@ -604,7 +609,8 @@ def run_serve_stage(cfg: ServeConfig, *, target_model: Any = None, tokenizer: An
                             dtype=cfg.dtype, device=cfg.device, few_row_linear=cfg.few_row_linear,
                             allow_target_mismatch=cfg.allow_target_mismatch, lookup_first=cfg.lookup_first,
                             lookup_num_tokens=cfg.lookup_num_tokens, corpus=corpus,
-                            corpus_ngram_min=cfg.corpus_ngram_min, cast_in_place=loaded_here)
+                            corpus_ngram_min=cfg.corpus_ngram_min, tree_width=cfg.tree_width,
+                            cast_in_place=loaded_here)
     try:
         server = OpenAICompatServer(decoder.target_model, tokenizer, host=cfg.host, port=cfg.port,
                                     model_name=cfg.model_name or cfg.target, decoder=decoder)
@@ -612,7 +618,8 @@ def run_serve_stage(cfg: ServeConfig, *, target_model: Any = None, tokenizer: An
         raise _port_unavailable(cfg.host, cfg.port, exc) from None
     mode = (f"speculative, draft {decoder.draft_name}"
             f"{f' behind prompt lookup (matches of {cfg.lookup_first}+ tokens propose up to {decoder.num_lookup_tokens})' if cfg.lookup_first else ''}"
-            f"{f' and a corpus of {corpus.num_tokens:,} answer tokens' if corpus is not None else ''}, "
+            f"{f' and a corpus of {corpus.num_tokens:,} answer tokens' if corpus is not None else ''}"
+            f"{f', draft trees (--tree-width {cfg.tree_width}) for greedy requests' if cfg.tree_width else ''}, "
             f"up to {decoder.num_draft_tokens} tokens per step" if decoder.draft_name else "target-only")
     print(f"serve: {server.model_name!r} at {server.base_url} (POST /chat/completions, GET /models; {mode}; "
           f"{str(decoder.dtype).removeprefix('torch.')} on {decoder.device}); Ctrl-C stops", flush=True)

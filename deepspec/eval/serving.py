@@ -25,7 +25,7 @@ import torch
 from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus, check_corpus_vocab
 from deepspec.algorithms.ngram.proposer import (DEFAULT_NGRAM_MAX, LookupFirstProposer,
                                                  check_lookup_settings)
-from deepspec.algorithms.protocol import NullProposer, cap_proposal_len
+from deepspec.algorithms.protocol import NullProposer, cap_proposal_len, check_tree_setting, set_draft_tree_width
 from deepspec.algorithms.registry import algorithm_for_model, load_draft
 from deepspec.data.chat import target_stop_token_ids
 from deepspec.device import cast_for_decoding, resolve_device, resolve_dtype
@@ -85,6 +85,9 @@ class EngineDecoder:
         corpus, corpus_ngram_min: a corpus of the target's earlier answers
             (:class:`~deepspec.algorithms.ngram.corpus.NGramCorpus`) the lookup asks where the context has
             no match, before the draft; needs ``lookup_first``.
+        tree_width: greedy requests verify draft trees (:func:`~deepspec.algorithms.protocol.check_tree_setting`:
+            0 chains; 1 the lookup's match beside the draft; W >= 2 also W DSpark/DFlash nodes per slot);
+            sampled requests propose chains.
         cast_in_place: cast and move ``target_model`` itself instead of a copy (a target nobody else
             holds, such as the one ``deepspec serve`` loads: no second copy in host memory).
 
@@ -92,7 +95,7 @@ class EngineDecoder:
         FileNotFoundError: no draft at ``draft``.
         ValueError: a bad dtype or device name, a device that is not there, ``num_draft_tokens < 1``,
             ``lookup_first`` or ``lookup_num_tokens`` < 1 or set without a draft, a corpus without
-            ``lookup_first``, or a draft made for another target.
+            ``lookup_first``, a ``tree_width`` below 0 or above 0 without a draft, or a draft made for another target.
     """
 
     def __init__(self, target_model: Any, tokenizer: Any, *, draft: str | Path | None = None,
@@ -100,8 +103,9 @@ class EngineDecoder:
                  few_row_linear: str = "auto", allow_target_mismatch: bool = False,
                  lookup_first: int | None = None, lookup_num_tokens: int | None = None,
                  corpus: NGramCorpus | None = None, corpus_ngram_min: int = DEFAULT_CORPUS_NGRAM_MIN,
-                 cast_in_place: bool = False) -> None:
+                 tree_width: int = 0, cast_in_place: bool = False) -> None:
         check_lookup_settings(lookup_first, lookup_num_tokens, has_draft=bool(draft), field="serve")
+        check_tree_setting(tree_width, "serve.tree_width", has_draft=bool(draft))
         if corpus is not None and lookup_first is None:
             raise ValueError("serve.lookup_corpus: set without serve.lookup_first; the corpus is searched by the "
                              "prompt lookup in front of the draft: give --lookup-first N or drop it")
@@ -120,8 +124,8 @@ class EngineDecoder:
             algorithm, model = load_draft(folder, target_model=self.target_model, target_fingerprint=fingerprint,
                                           allow_target_mismatch=allow_target_mismatch)
             model = cast_for_decoding(model, decode_dtype, device, in_place=True).eval()  # loaded here
-            self.proposer = algorithm_for_model(model).proposer(
-                model, max_positions=self.target_model.config.max_position_embeddings)
+            self.proposer = set_draft_tree_width(algorithm_for_model(model).proposer(
+                model, max_positions=self.target_model.config.max_position_embeddings), tree_width)
             self.target_layer_ids = list(model.config.target_layer_ids)
             self.draft_name = f"{algorithm}:{folder}"
         if num_draft_tokens is not None:
@@ -135,7 +139,7 @@ class EngineDecoder:
                 self.proposer, vocab_size=int(self.target_model.get_output_embeddings().weight.shape[0]),
                 ngram_max=max(lookup_first, DEFAULT_NGRAM_MAX), ngram_min=lookup_first,
                 lookup_num_tokens=lookup_num_tokens, max_positions=self.target_model.config.max_position_embeddings,
-                device=device, corpus=corpus, corpus_ngram_min=corpus_ngram_min)
+                device=device, corpus=corpus, corpus_ngram_min=corpus_ngram_min, tree=tree_width >= 1)
         self.stop_token_ids = target_stop_token_ids(self.target_model, tokenizer)
         self.few_row_linear = few_row_linear_applies(few_row_linear, self.target_model)
 
@@ -174,5 +178,5 @@ class EngineDecoder:
         out = engine.generate(list(prompt_ids), max_new_tokens=max_new_tokens, sampling=sampling, generator=generator,
                               on_tokens=on_tokens)
         return ServeResult(output_ids=out.output_ids, finish_reason="stop" if out.stop_reason == "eos" else "length",
-                           num_verify_steps=len(out.steps), num_draft_tokens=sum(s.num_proposed for s in out.steps),
+                           num_verify_steps=len(out.steps), num_draft_tokens=sum(s.num_draft_nodes or s.num_proposed for s in out.steps),
                            num_accepted_tokens=sum(s.num_accepted for s in out.steps), time_s=out.total_time_s)

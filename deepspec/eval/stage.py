@@ -18,7 +18,7 @@ from deepspec.algorithms.ngram.corpus import (DEFAULT_CORPUS_NGRAM_MIN, NGramCor
                                                check_corpus_vocab, check_prompts_in_corpus)
 from deepspec.algorithms.ngram.proposer import (DEFAULT_NUM_TOKENS, LookupFirstProposer, NGramProposer,
                                                  check_lookup_settings, check_ngram_range)
-from deepspec.algorithms.protocol import cap_proposal_len
+from deepspec.algorithms.protocol import cap_proposal_len, check_tree_setting, set_draft_tree_width
 from deepspec.algorithms.registry import algorithm_for_model, check_baselines, check_draft_target, load_draft
 from deepspec.data.sources import SourceUnavailableError
 from deepspec.device import cast_for_decoding, check_device_name, check_dtype_name, resolve_device, resolve_dtype
@@ -119,9 +119,7 @@ class EvalConfig:
         if ngram_k is not None and (isinstance(ngram_k, bool) or not isinstance(ngram_k, int) or ngram_k < 1):
             raise ValueError(f"eval.ngram_num_tokens: expected an integer >= 1 or none (the draft's K), got {ngram_k!r}")
         check_lookup_settings(self.lookup_first, self.lookup_num_tokens, has_draft=True, field="eval")
-        if isinstance(self.tree_width, bool) or not isinstance(self.tree_width, int) or self.tree_width < 0:
-            raise ValueError(f"eval.tree_width: expected an integer >= 0 (0: chains; 1: the +lookup rows verify the "
-                             f"match beside the draft; 2-4: also draft trees), got {self.tree_width!r}")
+        check_tree_setting(self.tree_width, "eval.tree_width")
         if self.tree_width > 1 and self.confidence_threshold > 0:
             raise ValueError(f"eval.tree_width: a draft tree is not cut by confidence; drop --confidence-threshold "
                              f"or give --tree-width 0 or 1 (got {self.tree_width})")
@@ -393,8 +391,7 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
     def draft_proposer(name: str, model):
         threshold = cfg.confidence_threshold if cfg.confidence_threshold > 0 and name in thresholded else None
         proposer = algorithm_for_model(model).proposer(model, confidence_threshold=threshold, max_positions=max_positions)
-        if cfg.tree_width > 1 and hasattr(proposer, "tree_width"):
-            proposer.tree_width = cfg.tree_width
+        set_draft_tree_width(proposer, cfg.tree_width)
         return proposer if cfg.num_draft_tokens is None else cap_proposal_len(proposer, cfg.num_draft_tokens)
 
     proposers = {name: draft_proposer(name, model) for name, model in drafts.items()}

@@ -265,6 +265,25 @@ def test_the_engine_decoder_refuses_a_draft_for_another_target(setup):
     assert len(result.output_ids) <= 5 and result.num_draft_tokens <= result.num_verify_steps
 
 
+def test_the_engine_decoder_with_draft_trees_matches_target_only(setup):
+    """--tree-width 2 with prompt lookup in front: greedy requests verify trees (the lookup's match beside a
+    DSpark tree) and answer exactly what target-only decoding does (float32); sampled requests use chains."""
+    target, tok, folders = setup
+    plain = EngineDecoder(target, tok, dtype="float32")
+    trees = EngineDecoder(target, tok, draft=folders["dspark"], dtype="float32", lookup_first=1, tree_width=2)
+    assert trees.proposer.tree and trees.proposer.draft.tree_width == 2
+    for messages in MESSAGES:
+        prompt = render_prompt(tok, messages)
+        want = plain.generate(prompt, max_new_tokens=16, sampling=SamplingParams())
+        got = trees.generate(prompt, max_new_tokens=16, sampling=SamplingParams())
+        assert got.output_ids == want.output_ids
+        assert got.num_draft_tokens > got.num_verify_steps  # several nodes verified per step
+    sampled = trees.generate(prompt, max_new_tokens=8, sampling=SamplingParams(temperature=1.0), seed=0)
+    assert 1 <= len(sampled.output_ids) <= 8
+    with pytest.raises(ValueError, match="serve.tree_width: set with no draft"):
+        EngineDecoder(target, tok, tree_width=1)
+
+
 def test_serve_with_a_missing_draft_fails_before_loading_the_target(tmp_path, capsys, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the target was loaded before the error")
@@ -277,5 +296,7 @@ def test_serve_with_a_missing_draft_fails_before_loading_the_target(tmp_path, ca
     assert "no --draft" in capsys.readouterr().err
     assert main(["serve", "--port", "0", "--lookup-first", "2"]) == 2
     assert "serve.lookup_first: set with no draft" in capsys.readouterr().err
+    assert main(["serve", "--port", "0", "--tree-width", "1"]) == 2
+    assert "serve.tree_width: set with no draft" in capsys.readouterr().err
     assert main(["serve", "--port", "0", "--draft", str(tmp_path), "--lookup-corpus", str(tmp_path / "p.jsonl")]) == 2
     assert "serve.lookup_corpus: nothing reads it" in capsys.readouterr().err
