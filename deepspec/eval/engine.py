@@ -14,7 +14,8 @@ target-only decoding: the speedup baseline runs the very same code.
 Scope and choices:
 - Batch size 1 (no padding, no ragged acceptance across a batch); the attention mask is implicit,
   except for a draft tree (``Proposal.parents_N``, greedy only): its nodes are fed after the anchor at
-  positions ``anchor_pos + depth`` under :func:`tree_attention_mask`, verified by
+  positions ``anchor_pos + depth`` under :func:`target_tree_mask` (sliding-window layers keep their
+  window), verified by
   :func:`~deepspec.eval.verify.verify_tree_greedy` (the longest path the target agrees with), and the
   accepted path's KV entries are moved to consecutive positions before the crop
   (:func:`compact_kv_cache`). The step is then the same: features of the anchor and the accepted path
@@ -161,21 +162,55 @@ def compact_kv_cache(cache: Any, start: int, keep: Sequence[int]) -> None:
     crop_kv_cache(cache, start + len(keep))
 
 
-def tree_attention_mask(parents_N: Sequence[int], past_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def tree_attention_mask(parents_N: Sequence[int], past_len: int, device: torch.device | str = "cpu", *,
+                        sliding_window: int | None = None) -> torch.Tensor:
     """Bool ``[1, 1, N+1, past_len + N+1]`` (True = attend) for a verify forward over ``[anchor, tree nodes]``.
 
     Every row sees the ``past_len`` cached positions; the anchor (row 0) sees itself, node ``i``
     (row ``i + 1``) the anchor, its ancestors and itself (``parents_N``: -1 for the anchor's children,
-    see :attr:`~deepspec.algorithms.protocol.Proposal.parents_N`). A chain gives the causal mask.
+    see :attr:`~deepspec.algorithms.protocol.Proposal.parents_N`). A chain gives the causal mask. With
+    ``sliding_window`` W a row at position ``q`` sees only keys at positions ``k > q - W`` (the rule of
+    transformers' sliding-window layers; a node at depth ``d`` sits at ``past_len + d``).
     """
     n1 = len(parents_N) + 1
     tree = torch.zeros(n1, n1, dtype=torch.bool)
     tree[0, 0] = True
+    depth = [0] * n1
     for i, p in enumerate(parents_N):
         tree[i + 1] = tree[p + 1]
         tree[i + 1, i + 1] = True
+        depth[i + 1] = depth[p + 1] + 1
     mask = torch.cat([torch.ones(n1, past_len, dtype=torch.bool), tree], dim=1)
+    if sliding_window is not None:
+        q_pos = past_len + torch.tensor(depth)
+        k_pos = torch.cat([torch.arange(past_len), q_pos])
+        mask &= (q_pos[:, None] - k_pos[None, :]) < int(sliding_window)
     return mask.to(device)[None, None]
+
+
+def target_tree_mask(config: Any, parents_N: Sequence[int], past_len: int,
+                     device: torch.device | str = "cpu") -> torch.Tensor | dict[str, torch.Tensor]:
+    """The attention mask a draft tree's verify forward gives a transformers model with ``config``.
+
+    A model with per-layer attention types (``config.layer_types``, e.g. Gemma 3's sliding and full layers)
+    takes a dict by type, and its sliding layers' masks keep their window (a 4-D mask is used as it is,
+    so the window must be in it). A model without ``layer_types`` but with ``config.sliding_window``
+    (Mistral-style: every layer slides) gets one mask with the window; any other model one tree mask.
+    Raises RuntimeError for a layer type other than full or sliding attention (a chunked or linear
+    layer cannot take a tree mask).
+    """
+    window = getattr(config, "sliding_window", None)
+    types = set(getattr(config, "layer_types", None) or ())
+    if not types:
+        return tree_attention_mask(parents_N, past_len, device, sliding_window=window)
+    unknown = types - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise RuntimeError(f"draft trees: the target has {', '.join(sorted(unknown))} layers, which take no tree "
+                           "attention mask; decode it with chains (--tree-width 0).")
+    if types == {"full_attention"}:
+        return tree_attention_mask(parents_N, past_len, device)
+    return {t: tree_attention_mask(parents_N, past_len, device,
+                                   sliding_window=window if t == "sliding_attention" else None) for t in types}
 
 
 def crop_kv_cache(cache: Any, new_len: int) -> None:
@@ -269,14 +304,14 @@ class SpeculativeEngine:
     def _forward(self, ids: list[int], start_pos: int, cache: Any, *, compute_logits: bool,
                  parents: Sequence[int] | None = None, depths: Sequence[int] | None = None) -> Any:
         """The target over ``ids`` from ``start_pos``; with ``parents`` / ``depths`` (a draft tree after the
-        anchor) at positions ``start_pos + depth`` under :func:`tree_attention_mask`."""
+        anchor) at positions ``start_pos + depth`` under :func:`target_tree_mask`."""
         input_ids_BT = torch.tensor([ids], dtype=torch.long, device=self.device)
         kwargs: dict[str, Any] = {}
         if parents is None:
             position_ids_BT = torch.arange(start_pos, start_pos + len(ids), device=self.device).unsqueeze(0)
         else:
             position_ids_BT = torch.tensor([[start_pos, *(start_pos + d for d in depths)]], device=self.device)
-            kwargs["attention_mask_BT"] = tree_attention_mask(parents, start_pos, self.device)
+            kwargs["attention_mask_BT"] = target_tree_mask(self.target_model.config, parents, start_pos, self.device)
         return self.forward_fn(
             self.target_model,
             input_ids_BT,

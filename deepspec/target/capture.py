@@ -220,8 +220,8 @@ def target_forward(
             the final hidden state, logits and KV cache (the target-only decoding baseline).
         attention_mask_BT: [B, past + T] 1 = real token, 0 = padding (left or right). With a KV
             cache it covers the cached tokens too (HF convention). A 4-D bool ``[B, 1, T, past + T]``
-            (True = attend) is passed to the model as it is (a draft tree's mask, with explicit
-            ``position_ids_BT``).
+            (True = attend), or a dict of them by layer type for a model with ``config.layer_types``, is
+            passed to the model as it is (a draft tree's mask, with explicit ``position_ids_BT``).
         position_ids_BT: long [B, T]. If None and ``attention_mask_BT`` is given, derived from
             the mask (:func:`positions_from_attention_mask`); if both are None, the model's own
             default (``past_len + arange(T)``).

@@ -11,11 +11,11 @@ from transformers import DynamicCache
 
 from deepspec.algorithms.ngram.proposer import LookupFirstProposer
 from deepspec.algorithms.protocol import DraftTree, Proposal
-from deepspec.eval.engine import SpeculativeEngine, compact_kv_cache, tree_attention_mask
+from deepspec.eval.engine import SpeculativeEngine, compact_kv_cache, target_tree_mask, tree_attention_mask
 from deepspec.eval.verify import SamplingParams, verify_greedy, verify_tree_greedy
 from deepspec.target.capture import target_forward
 from tests.unit.test_engine import (K, LAYER_IDS, PROMPT, VOCAB, CheckingProposer, eos_token_id_unused,  # noqa: F401
-                                    hf_greedy, target)
+                                    gemma3_target, hf_greedy, target)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -96,6 +96,43 @@ def test_tree_attention_mask():
                                           [1, 0, 0, 1, 0], [1, 0, 0, 1, 1]]
     chain = tree_attention_mask([-1, 0, 1], past_len=0)[0, 0]
     assert torch.equal(chain, torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+
+
+def test_sliding_window_tree_masks():
+    """A sliding layer's row at position q sees keys at positions > q - W only (transformers' rule); a model
+    with per-layer types gets a mask per type, one without them a windowed mask or a plain one."""
+    full = tree_attention_mask([-1, 0, -1], past_len=3)[0, 0]
+    slid = tree_attention_mask([-1, 0, -1], past_len=3, sliding_window=2)[0, 0]
+    # rows: anchor (pos 3), node 0 (pos 4), node 1 (pos 5), node 2 (pos 4); key positions 0 1 2 | 3 4 5 4
+    assert slid.int().tolist() == [[0, 0, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 1, 1, 0],
+                                   [0, 0, 0, 1, 0, 0, 1]]
+    assert torch.equal(slid, full & slid)
+
+    class Cfg:
+        sliding_window = 2
+        layer_types = ["sliding_attention", "full_attention"]
+
+    masks = target_tree_mask(Cfg(), [-1, 0, -1], 3)
+    assert set(masks) == {"sliding_attention", "full_attention"}
+    assert torch.equal(masks["full_attention"][0, 0], full) and torch.equal(masks["sliding_attention"][0, 0], slid)
+    Cfg.layer_types = None
+    assert torch.equal(target_tree_mask(Cfg(), [-1, 0, -1], 3)[0, 0], slid)  # every layer slides
+    Cfg.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(RuntimeError, match="chunked_attention layers, which take no tree attention mask"):
+        target_tree_mask(Cfg(), [-1], 3)
+
+
+def test_gemma3_sliding_window_tree_decoding_matches_hf_generate(gemma3_target):
+    """Gemma 3 with a window of 3 (every step crosses it): draft trees decode exactly HF's greedy output."""
+    max_new = 20
+    ref = hf_greedy(gemma3_target, PROMPT, max_new + K + 1, 1)
+    width = gemma3_target.config.hidden_size * len(LAYER_IDS)
+    forward = TreeForward()
+    engine = SpeculativeEngine(gemma3_target, LAYER_IDS, PlantedTreeProposer(width, PROMPT + ref, [2, 0, K, 1]), [1],
+                               forward_fn=forward)
+    res = engine.generate(PROMPT, max_new_tokens=max_new)
+    assert res.output_ids == ref[:max_new] and forward.tree_calls == len(res.steps)
+    assert sum(s.num_accepted for s in res.steps) > len(res.steps)
 
 
 def test_tree_forward_and_compaction_equal_the_accepted_path_fed_as_a_chain(target):
