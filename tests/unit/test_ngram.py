@@ -455,3 +455,5 @@ def test_corpus_settings_are_checked_together():
         check_corpus_use("p.jsonl", 3, lookup_first=2, baselines=[], field="eval")
     with pytest.raises(ValueError, match="serve.lookup_corpus: nothing reads it; give --lookup-first N with a --draft"):
         check_corpus_use(["p.jsonl"], 3, lookup_first=None, baselines=None, field="serve")
+    with pytest.raises(ValueError, match="bench.corpus_ngram_min: 2 with no bench.lookup_corpus, so nothing reads it"):
+        check_corpus_use([], 2, lookup_first=2, baselines=["ngram"], field="bench")

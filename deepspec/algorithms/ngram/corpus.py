@@ -258,7 +258,8 @@ def check_corpus_use(lookup_corpus: Sequence[str], corpus_ngram_min: object, *, 
                      baselines: Sequence[str] | None, field: str,
                      corpus_hint: str = "prepare-stage outputs: --lookup-corpus prepared.jsonl") -> None:
     """ValueError naming ``<field>.lookup_corpus`` / ``<field>.corpus_ngram_min`` / ``<field>.baselines``
-    unless the corpus settings are usable: ``corpus_ngram_min`` in [1, :data:`DEFAULT_CORPUS_NGRAM_MAX`],
+    unless the corpus settings are usable: ``corpus_ngram_min`` in [1, :data:`DEFAULT_CORPUS_NGRAM_MAX`] (and its
+    default without a corpus),
     the ``ngram+corpus`` baseline only with a corpus, and a corpus only with something that reads it
     (``lookup_first`` or that baseline; ``baselines`` None: a stage without baselines, such as serve);
     ``corpus_hint`` says how to give a corpus in the error. The files are checked when read (:meth:`NGramCorpus.from_prepared`):
@@ -270,6 +271,9 @@ def check_corpus_use(lookup_corpus: Sequence[str], corpus_ngram_min: object, *, 
             or not 1 <= corpus_ngram_min <= DEFAULT_CORPUS_NGRAM_MAX):
         raise ValueError(f"{field}.corpus_ngram_min: expected an integer in [1, {DEFAULT_CORPUS_NGRAM_MAX}] (the "
                          f"shortest context suffix looked up in the corpus; 3 is a good start), got {corpus_ngram_min!r}")
+    if corpus_ngram_min != DEFAULT_CORPUS_NGRAM_MIN and not lookup_corpus:
+        raise ValueError(f"{field}.corpus_ngram_min: {corpus_ngram_min} with no {field}.lookup_corpus, so nothing reads "
+                         f"it; give a corpus ({corpus_hint}) or drop it")
     if baselines is not None and "ngram+corpus" in baselines and not lookup_corpus:
         raise ValueError(f"{field}.baselines: ngram+corpus needs {field}.lookup_corpus ({corpus_hint}); give it or "
                          "drop the baseline")
