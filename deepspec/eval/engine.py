@@ -155,8 +155,8 @@ def compact_kv_cache(cache: Any, start: int, keep: Sequence[int]) -> None:
             raise RuntimeError(f"compact_kv_cache: the target's KV cache ({type(cache).__name__}) has no per-layer "
                                "keys/values tensors to move; draft trees need a DynamicCache of full layers.")
         dst = slice(start, start + len(keep))
+        src = torch.tensor(keep, device=layers[0].keys.device) + start
         for layer in layers:
-            src = torch.tensor(keep, device=layer.keys.device) + start
             layer.keys[:, :, dst] = layer.keys[:, :, src]
             layer.values[:, :, dst] = layer.values[:, :, src]
     crop_kv_cache(cache, start + len(keep))

@@ -257,7 +257,7 @@ class LookupFirstProposer:
         if proposal.num_proposed and self.tree and sampling.greedy:
             self.steps_from_lookup += 1
             tree = DraftTree()
-            tree.add_path(proposal.draft_ids_N.tolist())
+            tree.add_proposal(proposal)
             tree.add_proposal(self.draft.propose(anchor_token, anchor_pos, sampling=sampling, generator=generator))
             return tree.to_proposal(proposal.draft_ids_N.device, max_proposal_len=self.max_proposal_len)
         if proposal.num_proposed:
