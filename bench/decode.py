@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="the most tokens a match proposes in the lookup-first methods, and the ngram baseline's K "
                         "(0: the draft's K)")
     p.add_argument("--tree-widths", default="0",
-                   help="comma-separated draft-tree settings compared side by side (greedy; deepspec.eval.engine): 0 = "
+                   help="comma-separated draft-tree settings compared side by side (deepspec.eval.engine): 0 = "
                         "chains (the rows above); W >= 1 adds lookup-first-nN-treeW rows (the match verified beside the "
                         "draft) and, for W >= 2, a speculative-treeW row (a DSpark/DFlash draft tree of W per slot)")
     p.add_argument("--target", default="default", help="target (default: the embedded SmolLM2-135M)")

@@ -138,14 +138,18 @@ class Proposal:
             (its K), or ``None``: the proposer's ``max_proposal_len``. Set by a proposer that routes
             between proposers of different K (:class:`~deepspec.algorithms.ngram.LookupFirstProposer`),
             so a step's truncation is judged against the K of whichever proposed.
-        parents_N: ``None`` for a chain (``d_i`` follows ``d_{i-1}``), or a draft tree (greedy only):
-            node ``i``'s parent, ``-1`` for the anchor, else an earlier node (``parents_N[i] < i``), no
-            two siblings with the same token (build one with :class:`DraftTree`). Node ``i`` sits at
-            position ``anchor_pos + depth_i``; the target verifies every node in one forward with a
-            tree attention mask and the longest path it agrees with is accepted (SpecInfer, Miao et
-            al. 2024, s.4; EAGLE-2, Li et al. 2024, s.4). A tree carries no ``draft_probs_NV`` and no
-            ``confidence_N``: rejection sampling over several branches is not implemented, so at
-            T > 0 proposers return chains.
+        parents_N: ``None`` for a chain (``d_i`` follows ``d_{i-1}``), or a draft tree: node ``i``'s
+            parent, ``-1`` for the anchor, else an earlier node (``parents_N[i] < i``), no two siblings
+            with the same token (build one with :class:`DraftTree`). Node ``i`` sits at position
+            ``anchor_pos + depth_i``; the target verifies every node in one forward with a tree
+            attention mask and walks the tree with its own tokens (greedy: the longest path it agrees
+            with; T > 0: its draws; :func:`~deepspec.eval.verify.verify_tree`; SpecInfer, Miao et al.
+            2024, s.4; EAGLE-2, Li et al. 2024, s.4). A tree carries no ``confidence_N``. At T > 0 its
+            ``draft_probs_NV`` (optional) gives the distribution each node was drawn from: a node
+            *sampled* from the draft's ``q`` has ``q`` as its row, a *chosen* node (top-k, a lookup's
+            match) a point mass on its token; ``None`` means every node was chosen. A sampled node must
+            come before any sibling whose choice depended on it (SpecInfer's multi-step speculative
+            sampling tests a node's children in order; :func:`~deepspec.eval.verify.verify_tree`).
     """
 
     draft_ids_N: Tensor
@@ -176,9 +180,9 @@ class Proposal:
             if bad is not None:
                 raise ValueError(f"Proposal.parents_N[{bad}]: expected -1 (the anchor) or an earlier node "
                                  f"(0..{bad - 1}), received {self.parents_N[bad]}; list parents before children.")
-            if self.draft_probs_NV is not None or self.confidence_N is not None:
-                raise ValueError("Proposal.parents_N: a draft tree is verified greedily and carries no "
-                                 "draft_probs_NV or confidence_N; propose a chain at T > 0.")
+            if self.confidence_N is not None:
+                raise ValueError("Proposal.parents_N: a draft tree carries no confidence_N (it is not cut by "
+                                 "confidence); drop it, or propose a chain.")
 
     @property
     def num_proposed(self) -> int:
@@ -229,25 +233,32 @@ class DraftTree:
 
     ``add(parent, token)`` returns the node of ``token`` under ``parent`` (``-1``: the anchor), creating
     it unless that sibling exists, so several candidate continuations (a draft's branches, a prompt
-    lookup's match) become one trie with distinct siblings, the form greedy tree verification reads.
+    lookup's match) become one trie with distinct siblings, the form tree verification reads. At T > 0
+    ``add(.., q_V=q)`` marks a node sampled from ``q`` (:attr:`Proposal.parents_N`); a node added again
+    keeps what it was first added as, which is exact: after a chosen node is rejected the target gives
+    its token probability 0, so a later sampled copy would be rejected too.
     """
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self._children: dict[tuple[int, int], int] = {}
+        self._probs: dict[int, Tensor] = {}  # node -> the q it was sampled from
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, parent: int, token: int) -> int:
-        """The node index of ``token`` as a child of node ``parent`` (-1: the anchor)."""
+    def add(self, parent: int, token: int, q_V: Tensor | None = None) -> int:
+        """The node index of ``token`` as a child of node ``parent`` (-1: the anchor); ``q_V`` fp32 ``[V]``:
+        the distribution over target ids a new node was sampled from (None: chosen)."""
         key = (int(parent), int(token))
         node = self._children.get(key)
         if node is None:
             node = self._children[key] = len(self.tokens)
             self.tokens.append(key[1])
             self.parents.append(key[0])
+            if q_V is not None:
+                self._probs[node] = q_V
         return node
 
     def add_path(self, tokens: Sequence[int], parent: int = -1) -> list[int]:
@@ -259,19 +270,27 @@ class DraftTree:
         return nodes
 
     def add_proposal(self, proposal: Proposal) -> None:
-        """Add a chain's tokens, or a tree's nodes (merged where they repeat a path already here), below the anchor."""
-        parents = proposal.parents_N
-        if parents is None:
-            self.add_path(proposal.draft_ids_N.tolist())
-            return
+        """Add a chain's tokens, or a tree's nodes (merged where they repeat a path already here), below the
+        anchor, with the distributions they were drawn from (``draft_probs_NV``; a point mass: chosen)."""
+        probs = proposal.draft_probs_NV
+        parents = proposal.parents_N if proposal.parents_N is not None else range(-1, proposal.num_proposed - 1)
         nodes: list[int] = []
-        for p, t in zip(parents, proposal.draft_ids_N.tolist()):
-            nodes.append(self.add(-1 if p < 0 else nodes[p], t))
+        for i, (p, t) in enumerate(zip(parents, proposal.draft_ids_N.tolist())):
+            q_V = None if probs is None or bool(probs[i, t] == 1) else probs[i]
+            nodes.append(self.add(-1 if p < 0 else nodes[p], t, q_V))
 
     def to_proposal(self, device: torch.device | str = "cpu", **kwargs: Any) -> Proposal:
-        """The tree as a :class:`Proposal` (``kwargs``: its other fields, e.g. ``max_proposal_len``)."""
-        return Proposal(draft_ids_N=torch.tensor(self.tokens, dtype=torch.long, device=device),
-                        parents_N=tuple(self.parents), **kwargs)
+        """The tree as a :class:`Proposal` (``kwargs``: its other fields, e.g. ``max_proposal_len``): with
+        ``draft_probs_NV`` when a node was sampled (the chosen nodes' rows point masses), else None."""
+        ids = torch.tensor(self.tokens, dtype=torch.long, device=device)
+        probs = None
+        if self._probs:
+            first = next(iter(self._probs.values()))
+            probs = first.new_zeros(len(self.tokens), first.shape[-1])
+            probs[torch.arange(len(self.tokens)), ids.to(first.device)] = 1.0
+            for node, q_V in self._probs.items():
+                probs[node] = q_V
+        return Proposal(draft_ids_N=ids, parents_N=tuple(self.parents), draft_probs_NV=probs, **kwargs)
 
 
 @runtime_checkable
@@ -358,7 +377,7 @@ def check_tree_setting(value: object, field: str, *, has_draft: bool = True) -> 
 
     0: chains. 1: a draft with prompt lookup in front verifies the match beside the draft's proposal
     (``LookupFirstProposer(tree=True)``). W >= 2: also draft trees of W nodes per slot from drafts that
-    can propose them (:func:`set_draft_tree_width`). Greedy steps only."""
+    can propose them (:func:`set_draft_tree_width`)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{field}: expected an integer >= 0 (0: chains; 1: prompt lookup's match verified beside the "
                          f"draft; 2-4: also draft trees of that many nodes per slot), got {value!r}")

@@ -542,8 +542,8 @@ class ServeConfig:
     # context has no match (deepspec.algorithms.ngram.corpus); needs lookup_first
     lookup_corpus: list[str] = field(default_factory=list)
     corpus_ngram_min: int = DEFAULT_CORPUS_NGRAM_MIN  # the shortest context suffix looked up in the corpus
-    # greedy requests verify draft trees in one target forward (docs/semantics.md, "Draft trees"): 0 = chains; 1 = the
-    # lookup's match beside the draft's chain; W >= 2 = also W DSpark/DFlash nodes per slot; sampled requests: chains
+    # requests verify draft trees in one target forward (docs/semantics.md, "Draft trees"): 0 = chains; 1 = the
+    # lookup's match beside the draft's chain; W >= 2 = also W DSpark/DFlash nodes per slot
     tree_width: int = 0
     # target and draft dtype: auto (bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else float32) | float32 | bfloat16
     dtype: str = "auto"
@@ -619,7 +619,7 @@ def run_serve_stage(cfg: ServeConfig, *, target_model: Any = None, tokenizer: An
     mode = (f"speculative, draft {decoder.draft_name}"
             f"{f' behind prompt lookup (matches of {cfg.lookup_first}+ tokens propose up to {decoder.num_lookup_tokens})' if cfg.lookup_first else ''}"
             f"{f' and a corpus of {corpus.num_tokens:,} answer tokens' if corpus is not None else ''}"
-            f"{f', draft trees (--tree-width {cfg.tree_width}) for greedy requests' if cfg.tree_width else ''}, "
+            f"{f', draft trees (--tree-width {cfg.tree_width})' if cfg.tree_width else ''}, "
             f"up to {decoder.num_draft_tokens} tokens per step" if decoder.draft_name else "target-only")
     print(f"serve: {server.model_name!r} at {server.base_url} (POST /chat/completions, GET /models; {mode}; "
           f"{str(decoder.dtype).removeprefix('torch.')} on {decoder.device}); Ctrl-C stops", flush=True)

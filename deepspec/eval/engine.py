@@ -13,13 +13,13 @@ target-only decoding: the speedup baseline runs the very same code.
 
 Scope and choices:
 - Batch size 1 (no padding, no ragged acceptance across a batch); the attention mask is implicit,
-  except for a draft tree (``Proposal.parents_N``, greedy only): its nodes are fed after the anchor at
-  positions ``anchor_pos + depth`` under :func:`target_tree_mask` (sliding-window layers keep their
-  window), verified by
-  :func:`~deepspec.eval.verify.verify_tree_greedy` (the longest path the target agrees with), and the
-  accepted path's KV entries are moved to consecutive positions before the crop
-  (:func:`compact_kv_cache`). The step is then the same: features of the anchor and the accepted path
-  go to ``extend_context``, the argmax after the path is the new anchor.
+  except for a draft tree (``Proposal.parents_N``): its nodes are fed after the anchor at positions
+  ``anchor_pos + depth`` under :func:`target_tree_mask` (sliding-window layers keep their window),
+  verified by :func:`~deepspec.eval.verify.verify_tree` (greedy: the longest path the target agrees
+  with; T > 0: SpecInfer's multi-step speculative sampling), and the accepted path's KV entries are moved to
+  consecutive positions before the crop (:func:`compact_kv_cache`). The step is then the same:
+  features of the anchor and the accepted path go to ``extend_context``, the token after the path is
+  the new anchor.
 - Sampling (:class:`~deepspec.target.decoding.SamplingParams`): ``None`` or temperature 0 is greedy;
   at T > 0 the first token is drawn from ``sampling_probs(prefill logits)`` and every verify step
   uses the same params (the draft's ``q`` and the target's ``p`` go through the same top-k / top-p
@@ -75,11 +75,9 @@ import torch
 from deepspec.algorithms.protocol import Proposer, draw_token
 from deepspec.eval.compiled import CompiledTarget
 from deepspec.eval.few_row_linear import few_row_linear
-from deepspec.eval.verify import verify, verify_tree_greedy
+from deepspec.eval.verify import GREEDY, verify, verify_tree
 from deepspec.target.capture import target_forward, target_logits
 from deepspec.target.decoding import SamplingParams
-
-GREEDY = SamplingParams()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -434,9 +432,9 @@ class SpeculativeEngine:
             proposal = proposer.propose(anchor, anchor_pos, sampling=sampling, generator=generator)
             proposal = proposal.truncated(self.max_positions - 1 - anchor_pos)
             parents = proposal.parents_N
-            if parents is not None and (not sampling.greedy or self.compiled is not None):
-                raise RuntimeError(f"{type(proposer).__name__} proposed a draft tree, which is verified greedily "
-                                   "with a dynamic KV cache only; propose chains at T > 0 and with a compiled target.")
+            if parents is not None and self.compiled is not None:
+                raise RuntimeError(f"{type(proposer).__name__} proposed a draft tree, which needs a dynamic KV cache "
+                                   "(its accepted entries are moved); propose chains with a compiled target.")
             draft_ids_N = proposal.draft_ids_N
             draft_list = draft_ids_N.tolist()
             depths = proposal.depths_N if parents is not None else None
@@ -454,7 +452,8 @@ class SpeculativeEngine:
                              generator=generator, eos_token_ids=self.eos_token_ids)
                 keep = list(range(res.num_accepted + 1))
             else:
-                res, path = verify_tree_greedy(draft_ids_N, parents, out.logits_BTV[0], eos_token_ids=self.eos_token_ids)
+                res, path = verify_tree(draft_ids_N, parents, out.logits_BTV[0], draft_probs_NV=proposal.draft_probs_NV,
+                                        sampling=sampling, generator=generator, eos_token_ids=self.eos_token_ids)
                 keep = [0, *(1 + i for i in path)]
 
             # Commit accepted + 1; keep KV and features of the verified positions anchor..anchor+accepted.

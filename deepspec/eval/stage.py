@@ -89,7 +89,7 @@ class EvalConfig:
     # own K (a DSpark/DFlash draft's block size, Eagle3's steps). An explicit ngram_num_tokens or
     # lookup_num_tokens is not capped by it.
     num_draft_tokens: int | None = None
-    # greedy steps verify a draft tree in one target forward (deepspec.eval.engine): 0 = off (chains; a "+lookup" row
+    # steps verify a draft tree in one target forward (deepspec.eval.engine; at T > 0 by the target's own draws): 0 = off (chains; a "+lookup" row
     # then proposes the match or the draft); W >= 1 = each "+lookup" row verifies its match beside the draft's
     # proposal, and each DSpark/DFlash draft proposes W branches per slot (1: its chain; Eagle3 keeps its chain)
     tree_width: int = 0
@@ -126,9 +126,6 @@ class EvalConfig:
         if self.tree_width and self.compile:
             raise ValueError("eval.tree_width: draft trees need the eager target path (a dynamic KV cache whose "
                              "accepted entries are moved); give --tree-width 0 with --compile")
-        if self.tree_width and self.temperature > 0:
-            print(f"[eval] tree_width {self.tree_width}: draft trees are verified greedily; at temperature "
-                  f"{self.temperature} every step proposes a chain")
         check_corpus_use(self.lookup_corpus, self.corpus_ngram_min, lookup_first=self.lookup_first,
                          baselines=self.baselines, field="eval")
         if self.max_new_tokens < 1:

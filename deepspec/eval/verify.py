@@ -21,13 +21,18 @@ with Speculative Sampling", Alg. 2):
   the first rejection the replacement is sampled from ``normalise(max(0, p - q))``, falling back to
   ``p`` when that mass is 0. If all are accepted, a bonus token is sampled from the last target
   distribution.
+- A draft tree (:func:`verify_tree`): walk from the anchor to an accepted child while there is one
+  (greedy: the child holding the target's argmax; T > 0: SpecInfer's multi-step speculative sampling,
+  the rule above applied to a node's children in turn on the residual); one more token is committed
+  where the walk stops.
 - EOS: an accepted EOS inside the proposal ends the step there: the committed tokens stop at the
   EOS and no bonus / residual token is drawn. ``num_accepted`` then counts the accepted drafts up to
   and including the EOS.
 
 Generator use (what makes results reproducible): a
 T > 0 step draws ``torch.rand(N)`` (the uniforms) and then exactly one ``torch.multinomial`` draw
-(residual or bonus), both from the step's generator; a greedy step draws nothing.
+(residual or bonus), both from the step's generator; a T > 0 tree step draws one uniform per child
+it tests and one ``torch.multinomial`` where it stops; a greedy step draws nothing.
 
 All probabilities are fp32. Functions take tensors and return tensors or a small dataclass; no
 state, no I/O.
@@ -43,6 +48,8 @@ from torch import Tensor
 
 # the one sampling rule and the distribution it samples from (both re-exported here)
 from deepspec.target.decoding import SamplingParams, sampling_probs
+
+GREEDY = SamplingParams()  # temperature 0: the argmax path
 
 
 # ----------------------------------------------------------------------------- acceptance rules
@@ -143,41 +150,88 @@ def verify_greedy(draft_ids_N: Tensor, target_logits_N1V: Tensor, *, eos_token_i
     return _finish(draft_ids_N.tolist(), num_accepted, int(target_ids_N1[num_accepted]), eos_token_ids)
 
 
-def verify_tree_greedy(draft_ids_N: Tensor, parents_N: Sequence[int], target_logits_N1V: Tensor, *,
-                       eos_token_ids: Collection[int]) -> tuple[VerifyResult, list[int]]:
-    """Greedy verify of a draft tree (:attr:`~deepspec.algorithms.protocol.Proposal.parents_N`).
+def verify_tree(draft_ids_N: Tensor, parents_N: Sequence[int], target_logits_N1V: Tensor, *,
+                draft_probs_NV: Tensor | None = None, sampling: SamplingParams = GREEDY,
+                generator: torch.Generator | None = None,
+                eos_token_ids: Collection[int]) -> tuple[VerifyResult, list[int]]:
+    """Verify a draft tree (:attr:`~deepspec.algorithms.protocol.Proposal.parents_N`) by walking it.
 
     Row 0 of ``target_logits_N1V`` ``[N+1, V]`` is the anchor's prediction, row ``i + 1`` node ``i``'s
     (the target forward ran over ``[anchor, d_1..d_N]`` with a tree mask: every node sees the context,
-    the anchor and its own ancestors only). From the anchor, the walk moves to the child whose token
-    is the target's argmax while there is one, so it accepts the longest path the target agrees with
-    (SpecInfer, Miao et al. 2024, s.4), and commits the argmax after it; the EOS rule is
-    :func:`verify_greedy`'s. On a chain (``parents_N = [-1, 0, .., N-2]``) it equals
-    :func:`verify_greedy`. Siblings must have distinct tokens (:class:`~deepspec.algorithms.protocol.DraftTree`).
+    the anchor and its own ancestors only). The walk starts at the anchor, moves to an accepted child
+    while there is one, and commits one more token where it stops; the EOS rule is
+    :func:`verify_greedy`'s. Siblings have distinct tokens (:class:`~deepspec.algorithms.protocol.DraftTree`).
+
+    - Greedy (``sampling`` temperature 0, the default): the accepted child is the one holding the
+      target's argmax, so the walk accepts the longest path the target agrees with (SpecInfer, Miao
+      et al. 2024, s.4), then commits the argmax. On a chain it equals :func:`verify_greedy`.
+    - Temperature > 0: SpecInfer's multi-step speculative sampling (s.4.2). At a node, with ``p`` the
+      target's ``sampling_probs`` of its row, the children are tested in order: child ``c``, drawn
+      from ``q_c`` (row ``c`` of ``draft_probs_NV``; ``None``: every node a point mass on its token,
+      i.e. chosen, not sampled), is accepted when ``u * q_c(c) < p(c)`` (one uniform each), else ``p``
+      becomes ``normalise(max(0, p - q_c))`` and the next child is tested; when none is accepted, one
+      token is drawn from the last ``p``. This is rejection sampling repeated on the residual, so
+      every committed token follows the target's distribution given the tokens before it (lossless)
+      provided each sampled child was drawn from its ``q_c`` after its elder siblings were fixed.
+      A chosen child is accepted with probability ``p(c)`` of the residual it meets; on a chain of
+      sampled nodes this is :func:`verify_sampling`'s rule.
+
+    Args:
+        draft_ids_N: int ``[N]`` node tokens; parents_N: ``N`` parents (-1: the anchor; parents first).
+        target_logits_N1V: ``[N+1, V]`` (any float dtype).
+        draft_probs_NV: fp32 ``[N, V]`` or None (T > 0 only; read per tested child).
+        sampling, generator: as :func:`verify`; at T > 0 one uniform per child tested and one
+            ``torch.multinomial`` where the walk stops.
 
     Returns ``(result, path)``: ``path`` the accepted nodes in order (``len(path) == num_accepted``).
-    Raises ValueError on mismatched shapes.
+    Raises ValueError on mismatched shapes or a ``sampling`` that is not a SamplingParams.
     """
     _check_shapes(draft_ids_N, target_logits_N1V)
-    if len(parents_N) != draft_ids_N.shape[0]:
-        raise ValueError(f"verify_tree_greedy: expected one parent per draft token ({draft_ids_N.shape[0]}), "
-                         f"received {len(parents_N)}.")
-    target_ids = target_logits_N1V.argmax(dim=-1).tolist()
+    n = draft_ids_N.shape[0]
+    if len(parents_N) != n:
+        raise ValueError(f"verify_tree: expected one parent per draft token ({n}), received {len(parents_N)}.")
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling: expected a SamplingParams, received {type(sampling).__name__}.")
     tokens = draft_ids_N.tolist()
-    children: dict[tuple[int, int], int] = {(int(p), t): i for i, (p, t) in enumerate(zip(parents_N, tokens))}
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents_N):
+        children.setdefault(int(p), []).append(i)
     path: list[int] = []
     node = -1  # the anchor
-    while True:
-        nxt = target_ids[node + 1]
-        child = children.get((node, nxt))
-        if child is None:
-            break
-        path.append(child)
-        node = child
-        if nxt in eos_token_ids:
-            break
-    accepted = [tokens[i] for i in path]
-    return _finish(accepted, len(path), target_ids[node + 1], eos_token_ids), path
+    if sampling.greedy:
+        target_ids = target_logits_N1V.argmax(dim=-1).tolist()
+        by_token = {(int(p), t): i for i, (p, t) in enumerate(zip(parents_N, tokens))}
+        while (child := by_token.get((node, target_ids[node + 1]))) is not None:
+            path.append(child)
+            node = child
+            if tokens[child] in eos_token_ids:
+                break
+        extra = target_ids[node + 1]
+    else:
+        if draft_probs_NV is not None:
+            _check_draft_probs(draft_probs_NV, n, target_logits_N1V.shape[1])
+        while True:
+            p_V = sampling_probs(target_logits_N1V[node + 1], sampling)
+            accepted = None
+            for child in children.get(node, ()):
+                t = tokens[child]
+                q_V = (draft_probs_NV[child].to(p_V.device).float() if draft_probs_NV is not None
+                       else torch.zeros_like(p_V).index_fill_(0, torch.tensor([t], device=p_V.device), 1.0))
+                u = _uniforms(1, generator, p_V.device)
+                if bool(accept_mask(p_V[t:t + 1], q_V[t:t + 1], u)[0]):
+                    accepted = child
+                    break
+                p_V = residual_distribution(p_V, q_V)
+            if accepted is None:
+                extra = _sample(p_V, generator)
+                break
+            path.append(accepted)
+            node = accepted
+            if tokens[accepted] in eos_token_ids:
+                extra = tokens[accepted]  # unused: the EOS rule stops at the accepted EOS
+                break
+    accepted_tokens = [tokens[i] for i in path]
+    return _finish(accepted_tokens, len(path), extra, eos_token_ids), path
 
 
 def verify_sampling(

@@ -13,8 +13,12 @@ every committed token follow the target's distribution whatever the draft propos
 - the same on a tiny random Gemma 3 target (sliding-window layers of window 2 beside a global one,
   scaled embeddings, final-logit soft-capping at 3) with an untrained DSpark draft of it: the
   prefill's and every verify step's logits must be soft-capped as the model's own forward;
+- draft trees at T > 0 (``verify_tree``: the walk follows the target's own draws): the committed
+  sequence of a fixed tree follows the target exactly (verify level), and DSpark's trees, alone and
+  with prompt lookup's match beside them, keep the engine's output the target's (engine level);
 - power: a deliberately broken acceptance rule (always accept, or no residual) fails the same test,
-  and so does an engine whose prefill drops the soft-capping.
+  and so does an engine whose prefill drops the soft-capping, a tree verified with either broken
+  rule, or a tree walk that takes the argmax at T > 0.
 
 The p-values come from the chi-square distribution (cells with expected count < 5 pooled); a
 token with target probability 0 (filtered out) must never appear. Everything is seeded.
@@ -27,7 +31,7 @@ import torch
 
 import deepspec.eval.verify as verify_mod
 from deepspec.algorithms.protocol import Proposal, draw_token
-from deepspec.eval.verify import SamplingParams, sampling_probs, verify
+from deepspec.eval.verify import SamplingParams, sampling_probs, verify, verify_tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -119,6 +123,108 @@ def test_verify_level_broken_rule_is_rejected(monkeypatch, broken):
     assert chi_square_pvalue(first, p_N1V[0]) < FAIL_P
 
 
+# a fixed tree over V tokens: the anchor's children 1 and 2; node 0 (token 1) has child 3 (node 2)
+TREE_IDS, TREE_PARENTS = torch.tensor([1, 2, 3]), (-1, -1, 0)
+
+
+def _exact_tree_commits(p_N1V: torch.Tensor) -> dict[tuple[int, ...], float]:
+    """Every committed sequence of one tree step and its probability, when each token the walk meets is a
+    draw from the target row of the node it stands at (rows: anchor, node 0, node 1, node 2)."""
+    p = p_N1V.double()
+    out: dict[tuple[int, ...], float] = {}
+    for y1 in range(V):
+        if y1 == 1:
+            for y2 in range(V):
+                if y2 == 3:
+                    for y3 in range(V):
+                        out[(1, 3, y3)] = float(p[0, 1] * p[1, 3] * p[3, y3])
+                else:
+                    out[(1, y2)] = float(p[0, 1] * p[1, y2])
+        elif y1 == 2:
+            for y2 in range(V):
+                out[(2, y2)] = float(p[0, 2] * p[2, y2])
+        else:
+            out[(y1,)] = float(p[0, y1])
+    return out
+
+
+@pytest.mark.parametrize("params", [PLAIN, FILTERED], ids=["plain", "topk_topp"])
+def test_verify_level_tree_commits_follow_target(params):
+    g = torch.Generator().manual_seed(3)
+    logits_N1V = torch.randn(4, V, generator=g) * 1.5
+    logits_N1V[0, 1] += 2.0  # the branch through node 0 and node 2 is walked often
+    logits_N1V[1, 3] += 2.0
+    exact = _exact_tree_commits(sampling_probs(logits_N1V, params))
+    cells = {seq: i for i, seq in enumerate(exact)}
+    counts = torch.zeros(len(cells))
+    for _ in range(6000):
+        res, path = verify_tree(TREE_IDS, TREE_PARENTS, logits_N1V, sampling=params, generator=g, eos_token_ids=())
+        assert [TREE_IDS[i] for i in path] == res.committed[:-1] and res.num_accepted == len(path)
+        counts[cells[tuple(res.committed)]] += 1
+    assert sum(counts[i] for seq, i in cells.items() if len(seq) == 3) > 100  # the deepest path is walked
+    probs = torch.tensor(list(exact.values()))
+    assert chi_square_pvalue(counts, probs) > PASS_P
+
+
+def _sampled_chain_tree_counts(params: SamplingParams, trials: int):
+    """Counts of the first committed token and of (first, second) pairs over ``trials`` steps of the tree of
+    :func:`test_verify_level_tree_with_a_sampled_chain_follows_target`; with p0 and the rows after each first token."""
+    g = torch.Generator().manual_seed(4)
+    logits0_V = torch.randn(V, generator=g) * 1.5
+    logits1_VV = torch.randn(V, V, generator=g) * 1.5  # the target's row after each first token
+    q0_V = sampling_probs(torch.randn(V, generator=g) * 1.5, params)
+    q1_VV = sampling_probs(torch.randn(V, V, generator=g) * 1.5, params)
+    score_V = torch.randn(V, generator=g)
+    first, pairs = torch.zeros(V), torch.zeros(V, V)
+    for _ in range(trials):
+        s = int(torch.multinomial(q0_V, 1, generator=g))
+        d = int(score_V.masked_fill(torch.arange(V) == s, float("-inf")).argmax())
+        s2 = int(torch.multinomial(q1_VV[s], 1, generator=g))
+        ids = torch.tensor([s, d, s2, (d + 1) % V])
+        probs = torch.zeros(4, V)
+        probs[0], probs[2] = q0_V, q1_VV[s]
+        probs[1, d] = probs[3, (d + 1) % V] = 1.0
+        rows = torch.stack([logits0_V, logits1_VV[s], logits1_VV[d], logits0_V, logits0_V])
+        res, _ = verify_tree(ids, (-1, -1, 0, 1), rows, draft_probs_NV=probs, sampling=params, generator=g,
+                             eos_token_ids=())
+        first[res.committed[0]] += 1
+        if len(res.committed) >= 2:
+            pairs[res.committed[0], res.committed[1]] += 1
+    return first, pairs, sampling_probs(logits0_V, params), sampling_probs(logits1_VV, params)
+
+
+@pytest.mark.parametrize("params", [PLAIN, FILTERED], ids=["plain", "topk_topp"])
+def test_verify_level_tree_with_a_sampled_chain_follows_target(params):
+    """A tree as DSpark builds it at T > 0: under the anchor, s ~ q0 first, then d, the best other token by a
+    fixed score (chosen after s, so it depends on s); under s, s2 ~ q1[s]; under d, a chosen child. The first
+    committed token follows p0 and, where a second is committed, it follows the target row of the first."""
+    first, pairs, p0_V, p1_VV = _sampled_chain_tree_counts(params, trials=6000)
+    assert pairs.sum() > 300
+    assert chi_square_pvalue(first, p0_V) > PASS_P
+    expected = pairs.sum(1, keepdim=True) * p1_VV  # second | first
+    assert chi_square_pvalue(pairs.flatten(), (expected / expected.sum()).flatten()) > PASS_P
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN_RULES))
+def test_verify_level_tree_with_a_broken_rule_is_rejected(monkeypatch, broken):
+    monkeypatch.setattr(verify_mod, *BROKEN_RULES[broken])
+    first, _, p0_V, _ = _sampled_chain_tree_counts(PLAIN, trials=3000)
+    assert chi_square_pvalue(first, p0_V) < FAIL_P
+
+
+def test_verify_level_tree_walk_by_argmax_is_rejected():
+    """The same test rejects a walk that takes the argmax at T > 0 (greedy verify under sampling)."""
+    g = torch.Generator().manual_seed(3)
+    logits_N1V = torch.randn(4, V, generator=g) * 1.5
+    exact = _exact_tree_commits(sampling_probs(logits_N1V, PLAIN))
+    cells = {seq: i for i, seq in enumerate(exact)}
+    counts = torch.zeros(len(cells))
+    for _ in range(2000):
+        res, _ = verify_tree(TREE_IDS, TREE_PARENTS, logits_N1V, generator=g, eos_token_ids=())  # greedy
+        counts[cells[tuple(res.committed)]] += 1
+    assert chi_square_pvalue(counts, torch.tensor(list(exact.values()))) < FAIL_P
+
+
 # ----------------------------------------------------------------------------- engine level
 @pytest.fixture(scope="module")
 def target():
@@ -150,7 +256,7 @@ def gemma3_target():
     return model
 
 
-def untrained_dspark_proposer(model, seed: int = 3):
+def untrained_dspark_proposer(model, seed: int = 3, tree_width: int = 1):
     """An untrained DSpark drafter of ``model`` (target layer 0's features, full vocabulary)."""
     from deepspec.algorithms.dspark.config import draft_config_from_target
     from deepspec.algorithms.dspark.model import DSparkDraftModel
@@ -159,7 +265,7 @@ def untrained_dspark_proposer(model, seed: int = 3):
     cfg = draft_config_from_target(model.config, num_draft_layers=1, target_layer_ids=[0], mask_token_id=V - 1,
                                    block_size=3, markov_rank=4)
     torch.manual_seed(seed)
-    return DSparkProposer(DSparkDraftModel.from_target(model, cfg).eval(), max_positions=32)
+    return DSparkProposer(DSparkDraftModel.from_target(model, cfg).eval(), max_positions=32, tree_width=tree_width)
 
 
 class BigramProposer:
@@ -347,6 +453,37 @@ def test_lookup_first_with_a_corpus_follows_target_distribution(target, params):
     counts_VV, counts_V, accepted = engine_samples(target, params, trials, seed=4, proposer=proposer)
     assert proposer.lookup.steps_from_corpus > 0.1 * trials and proposer.steps_from_draft > 0.1 * trials
     assert 0.02 * trials < accepted
+    p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
+    p_third = chi_square_pvalue(counts_V, third_V)
+    assert p_joint > PASS_P and p_third > PASS_P, (p_joint, p_third)
+
+
+@pytest.mark.parametrize("params", [PLAIN, FILTERED], ids=["plain", "topk_topp"])
+def test_dspark_tree_sampling_follows_target_distribution(target, params):
+    """DSpark's draft trees at T > 0 (3 nodes per slot, chosen from the draft's filtered distribution),
+    verified by the target's own draws: the output is the target's distribution."""
+    joint_VV, third_V = exact_target_distributions(target, params)
+    trials = 1200
+    proposer = untrained_dspark_proposer(target, tree_width=3)
+    counts_VV, counts_V, accepted = engine_samples(target, params, trials, seed=5, proposer=proposer)
+    assert 0.05 * trials < accepted < 2.9 * trials  # drafts are accepted and rejected (K = 3)
+    p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
+    p_third = chi_square_pvalue(counts_V, third_V)
+    assert p_joint > PASS_P and p_third > PASS_P, (p_joint, p_third)
+
+
+@pytest.mark.parametrize("params", [PLAIN, FILTERED], ids=["plain", "topk_topp"])
+def test_lookup_beside_a_dspark_tree_follows_target_distribution(target, params):
+    """Prompt lookup's match verified beside DSpark's tree at T > 0 (tree steps and draft-only tree steps
+    mix): the output is the target's distribution."""
+    from deepspec.algorithms.ngram.proposer import LookupFirstProposer
+
+    joint_VV, third_V = exact_target_distributions(target, params)
+    trials = 1200
+    proposer = LookupFirstProposer(untrained_dspark_proposer(target, tree_width=3), vocab_size=V, ngram_max=2,
+                                   ngram_min=1, tree=True)
+    counts_VV, counts_V, accepted = engine_samples(target, params, trials, seed=6, proposer=proposer)
+    assert proposer.steps_from_lookup > 0.1 * trials and proposer.steps_from_draft > 0.1 * trials
     p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
     p_third = chi_square_pvalue(counts_V, third_V)
     assert p_joint > PASS_P and p_third > PASS_P, (p_joint, p_third)

@@ -266,8 +266,8 @@ def test_the_engine_decoder_refuses_a_draft_for_another_target(setup):
 
 
 def test_the_engine_decoder_with_draft_trees_matches_target_only(setup):
-    """--tree-width 2 with prompt lookup in front: greedy requests verify trees (the lookup's match beside a
-    DSpark tree) and answer exactly what target-only decoding does (float32); sampled requests use chains."""
+    """--tree-width 2 with prompt lookup in front: requests verify trees (the lookup's match beside a DSpark
+    tree); greedy ones answer exactly what target-only decoding does (float32), sampled ones verify trees too."""
     target, tok, folders = setup
     plain = EngineDecoder(target, tok, dtype="float32")
     trees = EngineDecoder(target, tok, draft=folders["dspark"], dtype="float32", lookup_first=1, tree_width=2)
@@ -279,7 +279,7 @@ def test_the_engine_decoder_with_draft_trees_matches_target_only(setup):
         assert got.output_ids == want.output_ids
         assert got.num_draft_tokens > got.num_verify_steps  # several nodes verified per step
     sampled = trees.generate(prompt, max_new_tokens=8, sampling=SamplingParams(temperature=1.0), seed=0)
-    assert 1 <= len(sampled.output_ids) <= 8
+    assert 1 <= len(sampled.output_ids) <= 8 and sampled.num_draft_tokens > sampled.num_verify_steps
     with pytest.raises(ValueError, match="serve.tree_width: set with no draft"):
         EngineDecoder(target, tok, tree_width=1)
 

@@ -1,4 +1,4 @@
-"""Draft trees: the Proposal form, greedy tree verification, the tree mask, KV compaction, and the engine
+"""Draft trees: the Proposal form, tree verification, the tree mask, KV compaction, and the engine
 lossless with tree proposers (a planted tree, DSpark's tree, prompt lookup beside the draft)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from deepspec.algorithms.ngram.proposer import LookupFirstProposer
 from deepspec.algorithms.protocol import DraftTree, Proposal
 from deepspec.eval.engine import SpeculativeEngine, compact_kv_cache, target_tree_mask, tree_attention_mask
-from deepspec.eval.verify import SamplingParams, verify_greedy, verify_tree_greedy
+from deepspec.eval.verify import SamplingParams, verify_greedy, verify_tree
 from deepspec.target.capture import target_forward
 from tests.unit.test_engine import (K, LAYER_IDS, PROMPT, VOCAB, CheckingProposer, eos_token_id_unused,  # noqa: F401
                                     gemma3_target, hf_greedy, target)
@@ -38,8 +38,24 @@ def test_proposal_tree_validation_names_the_field():
         Proposal(draft_ids_N=torch.tensor([1, 2]), parents_N=(-1,))
     with pytest.raises(ValueError, match=r"parents_N\[1\]: expected -1 \(the anchor\) or an earlier node"):
         Proposal(draft_ids_N=torch.tensor([1, 2]), parents_N=(-1, 1))
-    with pytest.raises(ValueError, match="greedily"):
-        Proposal(draft_ids_N=torch.tensor([1]), parents_N=(-1,), draft_probs_NV=torch.ones(1, 4) / 4)
+    with pytest.raises(ValueError, match="carries no confidence_N"):
+        Proposal(draft_ids_N=torch.tensor([1]), parents_N=(-1,), confidence_N=torch.ones(1))
+
+
+def test_draft_tree_keeps_what_each_node_was_drawn_from():
+    """At T > 0 a sampled node keeps its q; chosen nodes get point masses; a repeated node keeps its first kind."""
+    q = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    tree = DraftTree()
+    tree.add_path([2])  # a lookup's match: chosen
+    tree.add_proposal(Proposal(draft_ids_N=torch.tensor([2, 3]), draft_probs_NV=torch.stack([q, q])))  # 2 repeats
+    tree.add(-1, 1, q)
+    p = tree.to_proposal()
+    assert p.draft_ids_N.tolist() == [2, 3, 1] and p.parents_N == (-1, 0, -1)
+    assert p.draft_probs_NV.tolist() == [[0, 0, 1, 0], q.tolist(), q.tolist()]
+    assert DraftTree().to_proposal().draft_probs_NV is None
+    only_chosen = DraftTree()
+    only_chosen.add_path([1, 2])
+    assert only_chosen.to_proposal().draft_probs_NV is None
 
 
 def test_truncated_cuts_chains_and_trees_by_depth():
@@ -68,7 +84,7 @@ def test_tree_verify_equals_chain_verify_on_chains():
         drafts = torch.randint(0, 4, (n,), generator=gen)  # a small vocab: many accepts and EOS hits
         logits = torch.randn(n + 1, 4, generator=gen)
         chain = verify_greedy(drafts, logits, eos_token_ids={3})
-        tree, path = verify_tree_greedy(drafts, tuple(range(-1, n - 1)), logits, eos_token_ids={3})
+        tree, path = verify_tree(drafts, tuple(range(-1, n - 1)), logits, eos_token_ids={3})
         assert tree == chain, trial
         assert path == list(range(chain.num_accepted))
 
@@ -77,16 +93,16 @@ def test_tree_verify_follows_the_branch_the_target_agrees_with():
     # anchor -> {7 -> {8, 9}, 6 -> {5}}; the target says 7, 9, then 11
     ids, parents = torch.tensor([7, 8, 6, 9, 5]), (-1, 0, -1, 0, 2)
     rows = [7, 9, 0, 0, 11, 0]  # row i+1 belongs to node i: node 0 (7) -> 9, node 3 (9) -> 11
-    res, path = verify_tree_greedy(ids, parents, _logits_with_argmax(rows), eos_token_ids={1})
+    res, path = verify_tree(ids, parents, _logits_with_argmax(rows), eos_token_ids={1})
     assert path == [0, 3] and res.num_accepted == 2 and res.committed == [7, 9, 11] and not res.hit_eos
     rows = [6, 0, 0, 1, 0, 0]  # 6 accepted, then the target says EOS (1), not node 4's 5
-    res, path = verify_tree_greedy(ids, parents, _logits_with_argmax(rows), eos_token_ids={1})
+    res, path = verify_tree(ids, parents, _logits_with_argmax(rows), eos_token_ids={1})
     assert path == [2] and res.committed == [6, 1] and res.hit_eos
     ids, parents = torch.tensor([1, 4]), (-1, 0)  # an accepted EOS ends the step there
-    res, path = verify_tree_greedy(ids, parents, _logits_with_argmax([1, 4, 4]), eos_token_ids={1})
+    res, path = verify_tree(ids, parents, _logits_with_argmax([1, 4, 4]), eos_token_ids={1})
     assert path == [0] and res.committed == [1] and res.num_accepted == 1 and res.hit_eos
     with pytest.raises(ValueError, match="one parent per draft token"):
-        verify_tree_greedy(ids, (-1,), _logits_with_argmax([1, 4, 4]), eos_token_ids={1})
+        verify_tree(ids, (-1,), _logits_with_argmax([1, 4, 4]), eos_token_ids={1})
 
 
 def test_tree_attention_mask():
@@ -224,13 +240,17 @@ def test_engine_accepts_the_planted_branch_and_stays_lossless(target):
     assert proposer.tokens == (PROMPT + res.output_ids)[: len(proposer.tokens)]
 
 
-def test_engine_refuses_a_tree_at_temperature_above_zero(target):
+def test_engine_verifies_trees_at_temperature_above_zero_reproducibly(target):
+    """At T > 0 a tree is verified by the target's own draws (the distribution tests are in
+    tests/integration/test_lossless_sampling.py): a seeded generator gives the same output twice."""
     width = target.config.hidden_size * len(LAYER_IDS)
-    engine = SpeculativeEngine(target, LAYER_IDS, PlantedTreeProposer(width, PROMPT * 20, [1]),
-                               [eos_token_id_unused()])
-    with pytest.raises(RuntimeError, match="draft tree, which is verified greedily"):
-        engine.generate(PROMPT, max_new_tokens=5, sampling=SamplingParams(temperature=1.0),
-                        generator=torch.Generator().manual_seed(0))
+    proposer = PlantedTreeProposer(width, PROMPT * 20, [1])
+    engine = SpeculativeEngine(target, LAYER_IDS, proposer, [eos_token_id_unused()], forward_fn=TreeForward())
+    hot = SamplingParams(temperature=1.0)
+    runs = [engine.generate(PROMPT, max_new_tokens=12, sampling=hot, generator=torch.Generator().manual_seed(0))
+            for _ in range(2)]
+    assert runs[0].output_ids == runs[1].output_ids and len(runs[0].output_ids) == 12
+    assert all(s.num_draft_nodes is not None for s in runs[0].steps)
 
 
 def _dspark_draft(target, use_heads=True):
@@ -266,9 +286,18 @@ def test_dspark_tree_holds_the_chain_and_is_lossless(target, use_heads):
         node = next(i for i, (p, x) in enumerate(zip(t.parents_N, t.draft_ids_N.tolist())) if p == node and x == tok)
         path.append(node)
     assert len(path) == K
-    sampled = tree.propose(9, len(PROMPT), sampling=SamplingParams(temperature=1.0),
-                           generator=torch.Generator().manual_seed(0))
-    assert sampled.parents_N is None and sampled.draft_probs_NV is not None  # chains at T > 0
+    top2 = SamplingParams(temperature=1.0, top_k=2)  # at T > 0 the tree is chosen within the filtered support
+    sampled = tree.propose(9, len(PROMPT), sampling=top2, generator=torch.Generator().manual_seed(0))
+    assert sampled.parents_N is not None and sampled.depth == K
+    rows, ids = sampled.draft_probs_NV, sampled.draft_ids_N
+    chosen = rows[torch.arange(len(ids)), ids] == 1  # point masses; the rest: the sampled chain, q rows
+    assert int((~chosen).sum()) <= K and torch.allclose(rows.sum(-1), torch.ones(len(ids)))
+    sampled_nodes = [i for i in range(len(ids)) if not chosen[i]]
+    assert all(sampled.parents_N[b] == a for a, b in zip(sampled_nodes, sampled_nodes[1:]))  # one chain
+    assert all(min(j for j, p in enumerate(sampled.parents_N) if p == sampled.parents_N[i]) == i
+               for i in sampled_nodes)  # each tested first among its siblings
+    assert [sampled.depths_N.count(d) for d in range(1, K + 1)] == [2] + [3] * (K - 1)
+    assert max(sampled.parents_N.count(i) for i in range(-1, sampled.num_proposed)) == 2  # 2 survive top-k 2
 
     max_new = 20
     ref = hf_greedy(target, PROMPT, max_new, eos_token_id_unused())
@@ -309,11 +338,11 @@ def test_lookup_beside_the_draft_verifies_both_and_is_lossless(target):
     with_match = [s for s in res.steps if s.num_draft_nodes is not None]
     assert with_match and both.steps_from_lookup == len(with_match)
     assert all(s.num_draft_nodes > K for s in with_match)  # the match and the draft's chain, both verified
-    # at T > 0 the choice stands: a match proposes alone, as a chain
+    # at T > 0 too, the match and the draft's (sampled) chain are verified side by side
     both.reset()
     both.extend_context(torch.zeros(len(prompt) - 1, width), prompt[:-1])
     p = both.propose(prompt[-1], len(prompt) - 1, sampling=SamplingParams(temperature=1.0), generator=None)
-    assert p.parents_N is None and p.num_proposed > 0
+    assert p.parents_N is not None and p.num_proposed > K and p.draft_probs_NV is None
 
 
 def test_the_report_says_which_methods_verify_trees(target):

@@ -11,7 +11,7 @@ from torch import Tensor
 from deepspec.algorithms.dspark.model import DSparkDraftModel
 from deepspec.algorithms.protocol import DraftTree, Proposal, draw_token
 from deepspec.models.vocab import scatter_to_target
-from deepspec.target.decoding import SamplingParams
+from deepspec.target.decoding import SamplingParams, sampling_probs
 
 
 class DSparkProposer:
@@ -38,13 +38,17 @@ class DSparkProposer:
     ``max_positions`` (the target's ``max_position_embeddings``): draft tokens never land at a
     position ``>= max_positions``.
 
-    ``tree_width`` W > 1 (greedy only; at T > 0 the proposal is the chain above): a draft tree of up
-    to W nodes per slot (EAGLE-2's expansion, Li et al. 2024, s.4, on DSpark's slots). Slot ``k``
-    expands each of the W nodes kept at slot ``k - 1`` (the anchor at slot 0) with the Markov head fed
-    that node's token, scores each child by the path's summed draft log-probability, and keeps the W
-    best children; the greedy chain is always kept, so the tree holds the chain proposal and a greedy
-    step accepts at least what the chain would. ``W * K`` nodes, ``1 + W * (K - 1)`` slot steps (the
-    block forward is shared). The target verifies them all in one forward
+    ``tree_width`` W > 1: a draft tree of up to W nodes per slot (EAGLE-2's expansion, Li et al. 2024,
+    s.4, on DSpark's slots). Slot ``k`` expands each of the W nodes kept at slot ``k - 1`` (the anchor at
+    slot 0) with the Markov head fed that node's token, scores each child by the path's summed draft
+    log-probability (at T > 0 of ``sampling_probs``, so tokens the filters drop are never proposed),
+    and keeps the chain's next node and the W - 1 best other children. The chain is the one the
+    chain proposer above would propose: greedy, the argmax path, so a greedy step accepts at least what
+    the chain would; at T > 0 sampled from ``q`` (its rows are the tree's ``draft_probs_NV``, every
+    other node a chosen point mass, listed after it), so the target's multi-step speculative sampling
+    (:func:`~deepspec.eval.verify.verify_tree`) tests the sampled chain by rejection sampling first and
+    the chosen siblings on the residual. ``W * K`` nodes, ``1 + W * (K - 1)`` slot steps (the block
+    forward is shared). The target verifies them all in one forward
     (:attr:`~deepspec.algorithms.protocol.Proposal.parents_N`).
     """
 
@@ -93,8 +97,8 @@ class DSparkProposer:
         base_KV = base_KV.float()  # the slots' fp32 logits in one conversion (a no-op in fp32)
         dev = hidden_KD.device
         prev = torch.tensor([int(anchor_token)], device=dev)
-        if self.tree_width > 1 and sampling.greedy:
-            return self._propose_tree(hidden_KD, base_KV, prev, n_max)
+        if self.tree_width > 1:
+            return self._propose_tree(hidden_KD, base_KV, prev, n_max, sampling, generator)
         ids, probs_rows, conf = [], [], []
         markov_state = None  # the Markov head's state along the block (rnn variant; None otherwise)
         for k in range(n_max):
@@ -118,27 +122,35 @@ class DSparkProposer:
             confidence_N=torch.stack(conf).float() if conf else None,
         )
 
-    def _propose_tree(self, hidden_KD: Tensor, base_KV: Tensor, anchor_1: Tensor, n_max: int) -> Proposal:
-        """The greedy draft tree of the class docstring over the block's first ``n_max`` slots."""
+    def _propose_tree(self, hidden_KD: Tensor, base_KV: Tensor, anchor_1: Tensor, n_max: int,
+                      sampling: SamplingParams, generator: torch.Generator | None) -> Proposal:
+        """The draft tree of the class docstring over the block's first ``n_max`` slots: per slot, the chain's
+        next node first (greedy: the argmax; T > 0: sampled from ``q``, the only sampled node), then the
+        W - 1 best other children, all chosen after it (the order :func:`~deepspec.eval.verify.verify_tree`
+        needs at T > 0)."""
         m, width = self.model, self.tree_width
         tree = DraftTree()
         nodes, prev_X, state_X = [-1], anchor_1, None  # the kept nodes of the last slot (-1: the anchor)
         score_X = torch.zeros(1, device=anchor_1.device)  # their paths' summed draft log-probabilities
-        greedy = 0  # which of them is on the greedy chain
+        chain = 0  # which of them is on the chain (kept first)
         for k in range(n_max):
             logits_XW, state_X = m.slot_logits(hidden_KD[k], base_KV[k], prev_X, state_X)
-            top = torch.log_softmax(logits_XW, dim=-1).topk(width, dim=-1)  # [X, width]
-            scores = (score_X[:, None] + top.values).flatten()
-            order = scores.argsort(descending=True)[:width].tolist()
-            chain = greedy * width  # the greedy node's best child
-            if chain not in order:  # the greedy chain stays in the tree
-                order[-1] = chain
-            parent_X = [i // width for i in order]
-            draft_ids = top.indices.flatten()[order]
+            logp_XW = (torch.log_softmax(logits_XW, dim=-1) if sampling.greedy
+                       else sampling_probs(logits_XW, sampling).log())  # filtered tokens: -inf
+            chain_id, q_W = draw_token(logits_XW[chain], sampling, generator)  # the argmax when greedy
+            top = logp_XW.topk(width, dim=-1)  # [X, width]
+            scores, top_ids = (score_X[:, None] + top.values).flatten(), top.indices.flatten()
+            chain_flat = [chain * width + j for j in range(width) if int(top_ids[chain * width + j]) == int(chain_id)]
+            others = [i for i in scores.argsort(descending=True).tolist()
+                      if scores[i] > float("-inf") and i not in chain_flat][: width - 1]
+            parent_X = [chain] + [i // width for i in others]
+            draft_ids = torch.cat([chain_id, top_ids[others]])
             tok_X = m.target_ids(draft_ids)
-            nodes = [tree.add(nodes[p], t) for p, t in zip(parent_X, tok_X.tolist())]
-            greedy = order.index(chain)
-            score_X, prev_X = scores[order], tok_X
+            q_V = None if q_W is None else (q_W if m.d2t is None else scatter_to_target(q_W, m.d2t, m.config.vocab_size))
+            nodes = [tree.add(nodes[p], t, q_V if j == 0 else None)
+                     for j, (p, t) in enumerate(zip(parent_X, tok_X.tolist()))]
+            score_X = torch.cat([score_X[chain] + logp_XW[chain, chain_id], scores[others]])
+            chain, prev_X = 0, tok_X
             if state_X is not None:
                 state_X = state_X[parent_X]
         return tree.to_proposal(anchor_1.device)
@@ -148,5 +160,5 @@ def check_tree_width(value: object, field: str) -> int:
     """``value`` when it is an integer >= 1 (1: chains, the default); ValueError naming ``field`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{field}: expected an integer >= 1 (1: a chain of drafts; 2-4: a draft tree verified in "
-                         f"one target forward, greedy only), received {value!r}.")
+                         f"one target forward), received {value!r}.")
     return value

@@ -202,11 +202,13 @@ class LookupFirstProposer:
         lookup_num_tokens: the most tokens a match proposes (None: the draft's K).
         corpus, corpus_ngram_min: a corpus of the target's earlier answers the lookup asks when the
             context has no match, before the draft (as :class:`NGramProposer`).
-        tree: at T = 0, propose the match *and* the draft's proposal (a chain or a draft tree), merged
-            into one draft tree the target verifies in one forward, instead of choosing: the step
-            accepts whichever path the target agrees with longest, so a match no longer takes a
-            step from a draft that would have done better. ``steps_from_lookup`` then counts the
-            steps with a match among their branches. At T > 0 the choice above stands.
+        tree: propose the match *and* the draft's proposal (a chain or a draft tree), merged into one
+            draft tree the target verifies in one forward, instead of choosing: the step accepts
+            whichever path the target's tokens walk (greedy: the one it agrees with longest), so a
+            match no longer takes a step from a draft that would have done better.
+            ``steps_from_lookup`` then counts the steps with a match among their branches. At T > 0
+            the draft's sampled chain enters the tree as chosen nodes, verified by the target's own
+            draws (:func:`~deepspec.eval.verify.verify_tree`) instead of by rejection sampling.
 
     Raises ValueError (naming the argument) for an invalid n-gram range, a draft with K < 1 or
     ``lookup_num_tokens < 1``.
@@ -254,7 +256,7 @@ class LookupFirstProposer:
     def propose(self, anchor_token: int, anchor_pos: int, *, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
         proposal = self.lookup.propose(anchor_token, anchor_pos, sampling=sampling, generator=generator)
-        if proposal.num_proposed and self.tree and sampling.greedy:
+        if proposal.num_proposed and self.tree:
             self.steps_from_lookup += 1
             tree = DraftTree()
             tree.add_proposal(proposal)
