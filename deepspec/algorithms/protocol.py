@@ -220,6 +220,7 @@ class Proposal:
         new_index = {old: new for new, old in enumerate(keep)}
         return dataclasses.replace(
             self, draft_ids_N=self.draft_ids_N[keep],
+            draft_probs_NV=None if self.draft_probs_NV is None else self.draft_probs_NV[keep],
             parents_N=tuple(-1 if self.parents_N[i] < 0 else new_index[self.parents_N[i]] for i in keep))
 
     @staticmethod
@@ -234,9 +235,11 @@ class DraftTree:
     ``add(parent, token)`` returns the node of ``token`` under ``parent`` (``-1``: the anchor), creating
     it unless that sibling exists, so several candidate continuations (a draft's branches, a prompt
     lookup's match) become one trie with distinct siblings, the form tree verification reads. At T > 0
-    ``add(.., q_V=q)`` marks a node sampled from ``q`` (:attr:`Proposal.parents_N`); a node added again
-    keeps what it was first added as, which is exact: after a chosen node is rejected the target gives
-    its token probability 0, so a later sampled copy would be rejected too.
+    ``add(.., q_V=q)`` marks a node sampled from ``q`` (:attr:`Proposal.parents_N`). Only a *chosen* copy
+    may merge into an existing node, which is exact: once a node is rejected its token has probability 0
+    in the residual, so the copy would be rejected and would leave the residual as it is. A sampled copy
+    may not: rejected, it would still change the residual (``max(0, p - q)``). So add sampled proposals
+    (a draft's) before chosen ones (a lookup's match); :meth:`add` raises ValueError otherwise.
     """
 
     def __init__(self) -> None:
@@ -250,9 +253,15 @@ class DraftTree:
 
     def add(self, parent: int, token: int, q_V: Tensor | None = None) -> int:
         """The node index of ``token`` as a child of node ``parent`` (-1: the anchor); ``q_V`` fp32 ``[V]``:
-        the distribution over target ids a new node was sampled from (None: chosen)."""
+        the distribution over target ids a new node was sampled from (None: chosen).
+
+        Raises ValueError when a sampled node (``q_V`` given) repeats a node already in the tree."""
         key = (int(parent), int(token))
         node = self._children.get(key)
+        if node is not None and q_V is not None:
+            raise ValueError(f"DraftTree.add: token {key[1]} under node {key[0]} is already in the tree, and a sampled "
+                             "copy cannot merge into it (its rejection would change the residual); add sampled "
+                             "proposals before chosen ones.")
         if node is None:
             node = self._children[key] = len(self.tokens)
             self.tokens.append(key[1])

@@ -223,7 +223,7 @@ def _draft_dtypes(cfg: Mapping[str, Any]) -> str:
 
 
 def _tree_note(info: Mapping[str, Any]) -> str:
-    """`` (...)`` saying how a method's greedy steps use draft trees (deepspec.eval.engine), or ''."""
+    """`` (...)`` saying how a method's steps use draft trees (deepspec.eval.engine), or ''."""
     parts = [f"draft tree {info['tree_width']} per slot"] if info.get("tree_width") else []
     if info.get("lookup_tree"):
         parts.append("match verified beside the draft")

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import deepspec.eval.verify as verify_mod
-from deepspec.algorithms.protocol import Proposal, draw_token
+from deepspec.algorithms.protocol import DraftTree, Proposal, draw_token
 from deepspec.eval.verify import SamplingParams, sampling_probs, verify, verify_tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -210,6 +210,38 @@ def test_verify_level_tree_with_a_broken_rule_is_rejected(monkeypatch, broken):
     monkeypatch.setattr(verify_mod, *BROKEN_RULES[broken])
     first, _, p0_V, _ = _sampled_chain_tree_counts(PLAIN, trials=3000)
     assert chi_square_pvalue(first, p0_V) < FAIL_P
+
+
+def _lookup_beside_a_sampled_draft_first_tokens(draft_first: bool, trials: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """First committed tokens over 3 tokens, p = (.5, .25, .25): a draft token s ~ q = (.5, .5, 0) and a
+    lookup's chosen token 0 beside it, the draft's node first (DraftTree's order), or the match first with
+    a sampled copy of it dropped (the order that is not exact: rejected, the copy would change the residual)."""
+    g = torch.Generator().manual_seed(5)
+    p_V, q_V = torch.tensor([0.5, 0.25, 0.25]), torch.tensor([0.5, 0.5, 0.0])
+    logits_N1V = p_V.log().expand(3, 3)
+    first = torch.zeros(3)
+    for _ in range(trials):
+        s = int(torch.multinomial(q_V, 1, generator=g))
+        if draft_first:
+            tree = DraftTree()
+            tree.add(-1, s, q_V)
+            tree.add_path([0])
+            prop = tree.to_proposal()
+            ids, probs = prop.draft_ids_N, prop.draft_probs_NV
+        else:  # the match first; a sampled copy of it merged away
+            ids = torch.tensor([0] if s == 0 else [0, s])
+            probs = torch.stack([torch.tensor([1.0, 0, 0])] + ([q_V] if s else []))
+        res, _ = verify_tree(ids, (-1,) * len(ids), logits_N1V[: len(ids) + 1], draft_probs_NV=probs,
+                             sampling=PLAIN, generator=g, eos_token_ids=())
+        first[res.committed[0]] += 1
+    return first, p_V
+
+
+def test_verify_level_lookup_beside_a_sampled_draft_follows_target():
+    first, p_V = _lookup_beside_a_sampled_draft_first_tokens(draft_first=True, trials=6000)
+    assert chi_square_pvalue(first, p_V) > PASS_P
+    first, p_V = _lookup_beside_a_sampled_draft_first_tokens(draft_first=False, trials=6000)
+    assert chi_square_pvalue(first, p_V) < FAIL_P  # the other order is biased: (.5, .375, .125)
 
 
 def test_verify_level_tree_walk_by_argmax_is_rejected():

@@ -4,6 +4,7 @@ lossless with tree proposers (a planted tree, DSpark's tree, prompt lookup besid
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -43,15 +44,18 @@ def test_proposal_tree_validation_names_the_field():
 
 
 def test_draft_tree_keeps_what_each_node_was_drawn_from():
-    """At T > 0 a sampled node keeps its q; chosen nodes get point masses; a repeated node keeps its first kind."""
+    """At T > 0 a sampled node keeps its q and chosen nodes get point masses; a chosen copy merges into an
+    existing node, a sampled copy may not (its rejection would change the residual)."""
     q = torch.tensor([0.1, 0.2, 0.3, 0.4])
     tree = DraftTree()
-    tree.add_path([2])  # a lookup's match: chosen
-    tree.add_proposal(Proposal(draft_ids_N=torch.tensor([2, 3]), draft_probs_NV=torch.stack([q, q])))  # 2 repeats
+    tree.add_proposal(Proposal(draft_ids_N=torch.tensor([2, 3]), draft_probs_NV=torch.stack([q, q])))  # sampled
+    tree.add_path([2, 0])  # a lookup's match: chosen, merging at 2
     tree.add(-1, 1, q)
     p = tree.to_proposal()
-    assert p.draft_ids_N.tolist() == [2, 3, 1] and p.parents_N == (-1, 0, -1)
-    assert p.draft_probs_NV.tolist() == [[0, 0, 1, 0], q.tolist(), q.tolist()]
+    assert p.draft_ids_N.tolist() == [2, 3, 0, 1] and p.parents_N == (-1, 0, 0, -1)
+    assert p.draft_probs_NV.tolist() == [q.tolist(), q.tolist(), [1, 0, 0, 0], q.tolist()]
+    with pytest.raises(ValueError, match="a sampled copy cannot merge"):
+        tree.add(-1, 2, q)
     assert DraftTree().to_proposal().draft_probs_NV is None
     only_chosen = DraftTree()
     only_chosen.add_path([1, 2])
@@ -68,6 +72,9 @@ def test_truncated_cuts_chains_and_trees_by_depth():
     assert cut.draft_ids_N.tolist() == [1, 4] and cut.parents_N == (-1, -1)
     cut = tree.truncated(2)
     assert cut.draft_ids_N.tolist() == [1, 2, 4, 5] and cut.parents_N == (-1, 0, -1, 2)
+    probs = torch.eye(6)[[1, 2, 3, 4, 5]]  # a tree at T > 0: one row per node, cut with it
+    cut = dataclasses.replace(tree, draft_probs_NV=probs).truncated(2)
+    assert cut.draft_probs_NV.argmax(-1).tolist() == [1, 2, 4, 5]
 
 
 # ----------------------------------------------------------------------------- greedy tree verification

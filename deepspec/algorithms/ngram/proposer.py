@@ -182,7 +182,8 @@ class LookupFirstProposer:
     Lossless at any temperature: which proposer runs is a function of the committed tokens alone
     (not of any random draw of the step), and each returns the distribution its tokens were drawn
     from (a point mass for the lookup), so the verify step's rejection sampling (Leviathan et al.
-    2023, Alg. 1, which holds for any ``q``) yields the target's distribution either way.
+    2023, Alg. 1, which holds for any ``q``) yields the target's distribution either way. With
+    ``tree`` both run and one tree holds both proposals: see there.
 
     Both proposers see every committed position: ``extend_context`` goes to both (the lookup ignores
     the features), ``reset`` to both. ``needs_features`` is the draft's. A match proposes up to
@@ -206,9 +207,12 @@ class LookupFirstProposer:
             draft tree the target verifies in one forward, instead of choosing: the step accepts
             whichever path the target's tokens walk (greedy: the one it agrees with longest), so a
             match no longer takes a step from a draft that would have done better.
-            ``steps_from_lookup`` then counts the steps with a match among their branches. At T > 0
-            the draft's sampled chain enters the tree as chosen nodes, verified by the target's own
-            draws (:func:`~deepspec.eval.verify.verify_tree`) instead of by rejection sampling.
+            ``steps_from_lookup`` then counts the steps with a match among their branches. The draft's
+            proposal goes in first, with the distributions it was drawn from, and the match (chosen
+            nodes) after it, merging where it repeats the draft's tokens: at T > 0 the target tests
+            the draft's sampled nodes by rejection sampling before the match on the residual
+            (multi-step speculative sampling, :func:`~deepspec.eval.verify.verify_tree`; the order
+            :class:`~deepspec.algorithms.protocol.DraftTree` needs to stay lossless).
 
     Raises ValueError (naming the argument) for an invalid n-gram range, a draft with K < 1 or
     ``lookup_num_tokens < 1``.
@@ -258,9 +262,9 @@ class LookupFirstProposer:
         proposal = self.lookup.propose(anchor_token, anchor_pos, sampling=sampling, generator=generator)
         if proposal.num_proposed and self.tree:
             self.steps_from_lookup += 1
-            tree = DraftTree()
-            tree.add_proposal(proposal)
+            tree = DraftTree()  # the draft's (possibly sampled) nodes first, then the chosen match
             tree.add_proposal(self.draft.propose(anchor_token, anchor_pos, sampling=sampling, generator=generator))
+            tree.add_proposal(proposal)
             return tree.to_proposal(proposal.draft_ids_N.device, max_proposal_len=self.max_proposal_len)
         if proposal.num_proposed:
             self.steps_from_lookup += 1
