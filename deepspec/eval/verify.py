@@ -193,9 +193,6 @@ def verify_tree(draft_ids_N: Tensor, parents_N: Sequence[int], target_logits_N1V
     if not isinstance(sampling, SamplingParams):
         raise ValueError(f"sampling: expected a SamplingParams, received {type(sampling).__name__}.")
     tokens = draft_ids_N.tolist()
-    children: dict[int, list[int]] = {}
-    for i, p in enumerate(parents_N):
-        children.setdefault(int(p), []).append(i)
     path: list[int] = []
     node = -1  # the anchor
     if sampling.greedy:
@@ -210,6 +207,9 @@ def verify_tree(draft_ids_N: Tensor, parents_N: Sequence[int], target_logits_N1V
     else:
         if draft_probs_NV is not None:
             _check_draft_probs(draft_probs_NV, n, target_logits_N1V.shape[1])
+        children: dict[int, list[int]] = {}  # each node's children, in the order they are tested
+        for i, p in enumerate(parents_N):
+            children.setdefault(int(p), []).append(i)
         while True:
             p_V = sampling_probs(target_logits_N1V[node + 1], sampling)
             accepted = None

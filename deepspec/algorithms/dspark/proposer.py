@@ -140,9 +140,9 @@ class DSparkProposer:
             chain_id, q_W = draw_token(logits_XW[chain], sampling, generator)  # the argmax when greedy
             top = logp_XW.topk(width, dim=-1)  # [X, width]
             scores, top_ids = (score_X[:, None] + top.values).flatten(), top.indices.flatten()
-            chain_flat = [chain * width + j for j in range(width) if int(top_ids[chain * width + j]) == int(chain_id)]
+            ids, chain_key = top_ids.tolist(), (chain, int(chain_id))  # the chain's node is not an "other"
             others = [i for i in scores.argsort(descending=True).tolist()
-                      if scores[i] > float("-inf") and i not in chain_flat][: width - 1]
+                      if scores[i] > float("-inf") and (i // width, ids[i]) != chain_key][: width - 1]
             parent_X = [chain] + [i // width for i in others]
             draft_ids = torch.cat([chain_id, top_ids[others]])
             tok_X = m.target_ids(draft_ids)
