@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tree-widths", default="0",
                    help="comma-separated draft-tree settings compared side by side (deepspec.eval.engine): 0 = "
                         "chains (the rows above); W >= 1 adds lookup-first-nN-treeW rows (the match verified beside the "
-                        "draft) and, for W >= 2, a speculative-treeW row (a DSpark/DFlash draft tree of W per slot)")
+                        "draft) and, for W >= 2, a speculative-treeW row (a draft tree of W nodes per slot)")
     p.add_argument("--target", default="default", help="target (default: the embedded SmolLM2-135M)")
     p.add_argument("--benchmarks", default="gsm8k,mt-bench", help="comma-separated benchmarks the prompts come from")
     p.add_argument("--num-prompts", type=int, default=3, help="prompts per benchmark (seeded sample)")

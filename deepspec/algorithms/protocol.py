@@ -302,6 +302,68 @@ class DraftTree:
         return Proposal(draft_ids_N=ids, parents_N=tuple(self.parents), draft_probs_NV=probs, **kwargs)
 
 
+@dataclass
+class TreeLevel:
+    """The nodes a draft tree keeps at one depth (:func:`grow_draft_tree`): ``nodes`` their indices in the
+    :class:`DraftTree` (``[-1]``: the anchor, before the first level), ``scores_X`` fp32 ``[X]`` their paths'
+    summed draft log-probabilities, ``parent_X`` the index in the previous level of each one's parent (so a
+    drafter gathers its per-node state with it), ``token_ids_X`` int64 ``[X]`` their target ids. Node 0 is
+    the chain's (the path the chain proposer would draft)."""
+
+    nodes: list[int]
+    scores_X: Tensor
+    parent_X: list[int]
+    token_ids_X: Tensor
+
+    @staticmethod
+    def root(anchor_token: int, device: torch.device | str) -> "TreeLevel":
+        """The level before the first: the anchor alone."""
+        return TreeLevel([-1], torch.zeros(1, device=device), [0], torch.tensor([int(anchor_token)], device=device))
+
+
+def grow_draft_tree(tree: DraftTree, level: TreeLevel, logits_XW: Tensor, *, width: int, sampling: SamplingParams,
+                    generator: torch.Generator | None, draft: Any) -> TreeLevel:
+    """One depth of a draft tree (EAGLE-2's expansion, Li et al. 2024, s.4): the next level's nodes, added to
+    ``tree``.
+
+    ``logits_XW`` (any float dtype) are the draft's next-token logits below each of ``level``'s X nodes, over
+    its W draft ids; ``draft`` maps them to target ids (``target_ids``, ``target_probs``:
+    :class:`~deepspec.models.draft_common.DraftVocabMixin`). Each child is scored by its path's summed
+    log-probability: of the softmax when greedy, of ``sampling_probs`` at T > 0, so tokens the filters drop
+    are never proposed. The level keeps, in this order, the chain's next node (below node 0; greedy the
+    argmax, at T > 0 drawn from ``q`` by :func:`draw_token`, the tree's only sampled node at that depth,
+    added with its ``q`` over target ids) and the ``width - 1`` best-scored other children (chosen nodes).
+    That order is what :func:`~deepspec.eval.verify.verify_tree` needs at T > 0: the sampled chain is
+    tested first by rejection sampling, the chosen siblings on the residual. Fewer than ``width`` nodes
+    when the filters leave fewer children.
+    """
+    logp_XW = (torch.log_softmax(logits_XW.float(), dim=-1) if sampling.greedy
+               else sampling_probs(logits_XW, sampling).log())  # filtered tokens: -inf
+    chain_id, q_W = draw_token(logits_XW[0], sampling, generator)  # the argmax when greedy
+    top = logp_XW.topk(min(width, logp_XW.shape[-1]), dim=-1)  # [X, width]
+    per_parent = top.indices.shape[-1]
+    scores, top_ids = (level.scores_X[:, None] + top.values).flatten(), top.indices.flatten()
+    ids, chain_key = top_ids.tolist(), (0, int(chain_id))  # the chain's node is not an "other"
+    others = [i for i in scores.argsort(descending=True).tolist()
+              if scores[i] > float("-inf") and (i // per_parent, ids[i]) != chain_key][: width - 1]
+    parent_X = [0] + [i // per_parent for i in others]
+    token_ids_X = draft.target_ids(torch.cat([chain_id, top_ids[others]]))
+    q_V = draft.target_probs(q_W)
+    nodes = [tree.add(level.nodes[p], t, q_V if j == 0 else None)
+             for j, (p, t) in enumerate(zip(parent_X, token_ids_X.tolist()))]
+    scores_X = torch.cat([level.scores_X[:1] + logp_XW[0, chain_id], scores[others]])
+    return TreeLevel(nodes, scores_X, parent_X, token_ids_X)
+
+
+def check_tree_width(value: object, field: str) -> int:
+    """A drafter's ``tree_width``: ``value`` when it is an integer >= 1 (1: chains, the default); ValueError
+    naming ``field`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{field}: expected an integer >= 1 (1: a chain of drafts; 2-4: a draft tree verified in "
+                         f"one target forward), received {value!r}.")
+    return value
+
+
 @runtime_checkable
 class Proposer(Protocol):
     """The interface every drafting algorithm implements (DSpark, DFlash, Eagle3, baselines).
@@ -398,8 +460,8 @@ def check_tree_setting(value: object, field: str, *, has_draft: bool = True) -> 
 
 def set_draft_tree_width(proposer: Proposer, tree_width: int) -> Proposer:
     """Apply the ``--tree-width`` setting to a draft's proposer; returns it. With ``tree_width >= 2`` a proposer
-    that can propose draft trees (one with a ``tree_width`` attribute: DSpark, DFlash) proposes that many nodes
-    per slot; other proposers (Eagle3) and smaller settings keep chains."""
+    that can propose draft trees (one with a ``tree_width`` attribute: DSpark, DFlash, Eagle3) proposes that many
+    nodes per slot; other proposers and smaller settings keep chains."""
     if tree_width >= 2 and hasattr(proposer, "tree_width"):
         proposer.tree_width = int(tree_width)
     return proposer

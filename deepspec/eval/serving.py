@@ -86,7 +86,7 @@ class EngineDecoder:
             (:class:`~deepspec.algorithms.ngram.corpus.NGramCorpus`) the lookup asks where the context has
             no match, before the draft; needs ``lookup_first``.
         tree_width: requests verify draft trees (:func:`~deepspec.algorithms.protocol.check_tree_setting`:
-            0 chains; 1 the lookup's match beside the draft; W >= 2 also W DSpark/DFlash nodes per slot;
+            0 chains; 1 the lookup's match beside the draft; W >= 2 also W draft nodes per slot;
             sampled requests walk the tree with the target's own draws).
         cast_in_place: cast and move ``target_model`` itself instead of a copy (a target nobody else
             holds, such as the one ``deepspec serve`` loads: no second copy in host memory).

@@ -91,7 +91,7 @@ class EvalConfig:
     num_draft_tokens: int | None = None
     # steps verify a draft tree in one target forward (deepspec.eval.engine; at T > 0 by the target's own draws): 0 = off (chains; a "+lookup" row
     # then proposes the match or the draft); W >= 1 = each "+lookup" row verifies its match beside the draft's
-    # proposal, and each DSpark/DFlash draft proposes W branches per slot (1: its chain; Eagle3 keeps its chain)
+    # proposal, and each draft (DSpark, DFlash, Eagle3) proposes a tree of W nodes per slot (1: its chain)
     tree_width: int = 0
     # linear layers over few rows (a verify forward) as (W @ x^T)^T: auto (float32 on the CPU, where the row-major
     # GEMM over 2-8 rows costs 1.4-2.2x a one-row product; deepspec.eval.few_row_linear) | on | off

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from deepspec.models.vocab import validate_d2t
+from deepspec.models.vocab import scatter_to_target, validate_d2t
 from deepspec.target.load import target_fingerprint
 
 
@@ -74,6 +74,14 @@ class DraftVocabMixin:
         """Draft ids (indices into the logits) -> target ids (int64, same shape); the identity without
         a reduced vocabulary."""
         return draft_ids.long() if self.d2t is None else self.d2t[draft_ids.long()]
+
+    def target_probs(self, q_W: Tensor | None) -> Tensor | None:
+        """A draft distribution over draft ids (fp32 ``[..., W]``) -> over target ids ``[..., V]``, zeros outside
+        the draft vocabulary (:func:`~deepspec.models.vocab.scatter_to_target`); the identity without a reduced
+        vocabulary, and None (greedy: no distribution) stays None."""
+        if q_W is None or self.d2t is None:
+            return q_W
+        return scatter_to_target(q_W, self.d2t, self.config.vocab_size)
 
     @property
     def target_lm_head_weight(self) -> Tensor:

@@ -300,6 +300,17 @@ def untrained_dspark_proposer(model, seed: int = 3, tree_width: int = 1):
     return DSparkProposer(DSparkDraftModel.from_target(model, cfg).eval(), max_positions=32, tree_width=tree_width)
 
 
+def untrained_eagle3_proposer(model, seed: int = 3, tree_width: int = 1):
+    """An untrained Eagle3 drafter of ``model`` (target layer 0's features, 3 steps, full vocabulary)."""
+    from deepspec.algorithms.eagle3.config import eagle3_config_from_target
+    from deepspec.algorithms.eagle3.model import Eagle3DraftModel
+    from deepspec.algorithms.eagle3.proposer import Eagle3Proposer
+
+    cfg = eagle3_config_from_target(model.config, target_layer_ids=[0], ttt_steps=3)
+    torch.manual_seed(seed)
+    return Eagle3Proposer(Eagle3DraftModel.from_target(model, cfg).eval(), max_positions=32, tree_width=tree_width)
+
+
 class BigramProposer:
     """An untrained stand-in drafter: slot logits are a fixed random table row of the previous token
     (the anchor, then the token just drafted), so ``q`` has nothing to do with the target's ``p``.
@@ -498,6 +509,21 @@ def test_dspark_tree_sampling_follows_target_distribution(target, params):
     trials = 1200
     proposer = untrained_dspark_proposer(target, tree_width=3)
     counts_VV, counts_V, accepted = engine_samples(target, params, trials, seed=5, proposer=proposer)
+    assert 0.05 * trials < accepted < 2.9 * trials  # drafts are accepted and rejected (K = 3)
+    p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
+    p_third = chi_square_pvalue(counts_V, third_V)
+    assert p_joint > PASS_P and p_third > PASS_P, (p_joint, p_third)
+
+
+@pytest.mark.parametrize("tree_width", [1, 3], ids=["chain", "tree3"])
+@pytest.mark.parametrize("params", [PLAIN, FILTERED], ids=["plain", "topk_topp"])
+def test_eagle3_sampling_follows_target_distribution(target, params, tree_width):
+    """Eagle3's chains, and its draft trees (3 nodes per depth, each depth drafted in one step), at T > 0,
+    verified by the target's own draws: the output is the target's distribution."""
+    joint_VV, third_V = exact_target_distributions(target, params)
+    trials = 1200
+    proposer = untrained_eagle3_proposer(target, tree_width=tree_width)
+    counts_VV, counts_V, accepted = engine_samples(target, params, trials, seed=7, proposer=proposer)
     assert 0.05 * trials < accepted < 2.9 * trials  # drafts are accepted and rejected (K = 3)
     p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
     p_third = chi_square_pvalue(counts_V, third_V)

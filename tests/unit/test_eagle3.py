@@ -144,8 +144,27 @@ def test_training_forward_matches_inference_chain(target):
         assert torch.allclose(h, outs[0][0, t], atol=1e-5)
         ck, cv = [], []
         for k in range(1, 5):
-            h = d.chain_step(cache, ck, cv, ids[0, t + 1 + k], h, t + k)
+            h = d.tree_step(cache, ck, cv, ids[0, t + 1 + k].view(1), h.view(1, -1), t + k)[0]
             assert torch.allclose(h, outs[k][0, t], atol=1e-5), (t, k)
+
+
+def test_tree_step_equals_a_chain_along_each_path(target):
+    """Nodes of one depth drafted together, each seeing only its ancestors' steps (``visible_XM``), give the
+    outputs a chain along that node's path gives: a tree of 2 nodes at depth 1 and 3 at depth 2."""
+    d = make_draft(target).eval()
+    ids, lm, feats, last = sample(target, S=16)
+    cache = d.new_cache()
+    h0 = d.commit_rows(cache, ids[0, 1:9], feats[0, :8])[-1]  # rows 0..7; the drafted tokens follow position 8
+    a, b, a1, a2, b1 = 11, 12, 13, 14, 15
+    sk, sv = [], []
+    h1 = d.tree_step(cache, sk, sv, torch.tensor([a, b]), torch.stack([h0, h0]), 8)  # no earlier steps
+    visible = torch.tensor([[True, False], [True, False], [False, True]])  # a1, a2 under a; b1 under b
+    h2 = d.tree_step(cache, sk, sv, torch.tensor([a1, a2, b1]), h1[[0, 0, 1]], 9, visible)
+    for path, want in (((a,), h1[0]), ((b,), h1[1]), ((a, a1), h2[0]), ((a, a2), h2[1]), ((b, b1), h2[2])):
+        ck, cv, h = [], [], h0
+        for j, tok in enumerate(path):
+            h = d.tree_step(cache, ck, cv, torch.tensor([tok]), h.view(1, -1), 8 + j)[0]
+        assert torch.allclose(h, want, atol=1e-5), path
 
 
 def test_chain_rows_forward_equals_the_all_rows_forward(target):
@@ -262,6 +281,57 @@ def test_engine_sampling_and_position_cap(target, trained_draft):
     assert res.output_ids == ref.output_ids
     with pytest.raises(ValueError, match="token ids"):
         Eagle3Proposer(trained_draft).extend_context(torch.zeros(2, 64), [1])
+
+
+@pytest.mark.parametrize("which", ["random", "trained"])
+def test_tree_holds_the_chain_and_engine_stays_lossless(target, trained_draft, which):
+    """A greedy tree of 3 per depth contains the chain the chain proposer drafts (so a step accepts at least
+    as much), has 3 nodes at every depth, and decoding with trees gives the target's greedy output."""
+    draft = make_draft(target, steps=4).eval() if which == "random" else trained_draft
+    K = draft.config.ttt_steps
+    prompt = PROMPTS[0]
+    feats, _ = features(target, torch.tensor([prompt]))
+    chain, tree = Eagle3Proposer(draft), Eagle3Proposer(draft, tree_width=3)
+    greedy = SamplingParams()
+    for p in (chain, tree):
+        p.extend_context(feats[0, :-1], prompt[:-1])
+    c = chain.propose(prompt[-1], len(prompt) - 1, sampling=greedy, generator=None)
+    t = tree.propose(prompt[-1], len(prompt) - 1, sampling=greedy, generator=None)
+    assert c.parents_N is None and t.parents_N is not None and t.draft_probs_NV is None
+    assert [t.depths_N.count(d) for d in range(1, K + 1)] == [3] * K
+    node = -1
+    for tok in c.draft_ids_N.tolist():  # the chain is a path of the tree
+        node = next(i for i, (p, x) in enumerate(zip(t.parents_N, t.draft_ids_N.tolist())) if p == node and x == tok)
+    accepted = 0
+    for prompt in PROMPTS:
+        ref = _engine(target, NullProposer()).generate(prompt, max_new_tokens=30)
+        res = _engine(target, Eagle3Proposer(draft, tree_width=3)).generate(prompt, max_new_tokens=30)
+        assert res.output_ids == ref.output_ids, prompt
+        assert all(s.num_draft_nodes == 3 * K for s in res.steps if s.num_proposed == K)
+        accepted += sum(s.num_accepted for s in res.steps)
+    if which == "trained":
+        assert accepted > 0
+
+
+def test_tree_at_temperature_above_zero_and_with_a_reduced_vocabulary(target):
+    """At T > 0 (top-k 2) the tree's one sampled path carries its q rows over target ids (only draft-vocabulary
+    ids), every other node is a chosen point mass listed after its sampled sibling; the width is checked."""
+    draft = reduced_eagle3(target, torch.arange(0, V, 2))
+    prompt = PROMPTS[2]
+    feats, _ = features(target, torch.tensor([prompt]))
+    proposer = Eagle3Proposer(draft, k=3, tree_width=3)
+    proposer.extend_context(feats[0, :-1], prompt[:-1])
+    t = proposer.propose(prompt[-1], len(prompt) - 1, sampling=SamplingParams(temperature=1.0, top_k=2),
+                         generator=torch.Generator().manual_seed(0))
+    ids, rows = t.draft_ids_N, t.draft_probs_NV
+    assert set(ids.tolist()) <= set(range(0, V, 2)) and float(rows[:, 1::2].sum()) == 0.0
+    chosen = rows[torch.arange(len(ids)), ids] == 1
+    sampled = [i for i in range(len(ids)) if not chosen[i]]
+    assert len(sampled) == 3 and all(t.parents_N[b] == a for a, b in zip(sampled, sampled[1:]))  # one path
+    assert all(min(j for j, p in enumerate(t.parents_N) if p == t.parents_N[i]) == i for i in sampled)
+    assert [t.depths_N.count(d) for d in (1, 2, 3)] == [2, 3, 3]  # top-k 2 leaves 2 children of the anchor
+    with pytest.raises(ValueError, match=r"Eagle3Proposer.tree_width: expected an integer >= 1"):
+        Eagle3Proposer(draft, tree_width=0)
 
 
 # ----------------------------------------------------------------------------- trainer

@@ -9,9 +9,8 @@ import torch
 from torch import Tensor
 
 from deepspec.algorithms.dspark.model import DSparkDraftModel
-from deepspec.algorithms.protocol import DraftTree, Proposal, draw_token
-from deepspec.models.vocab import scatter_to_target
-from deepspec.target.decoding import SamplingParams, sampling_probs
+from deepspec.algorithms.protocol import DraftTree, Proposal, TreeLevel, check_tree_width, draw_token, grow_draft_tree
+from deepspec.target.decoding import SamplingParams
 
 
 class DSparkProposer:
@@ -111,7 +110,7 @@ class DSparkProposer:
             draft_tok, q_W = draw_token(logits_W, sampling, generator)
             tok = m.target_ids(draft_tok)
             if q_W is not None:
-                probs_rows.append(q_W if m.d2t is None else scatter_to_target(q_W, m.d2t, m.config.vocab_size))
+                probs_rows.append(m.target_probs(q_W))
             ids.append(tok)
             prev = tok
         if not ids:
@@ -124,41 +123,15 @@ class DSparkProposer:
 
     def _propose_tree(self, hidden_KD: Tensor, base_KV: Tensor, anchor_1: Tensor, n_max: int,
                       sampling: SamplingParams, generator: torch.Generator | None) -> Proposal:
-        """The draft tree of the class docstring over the block's first ``n_max`` slots: per slot, the chain's
-        next node first (greedy: the argmax; T > 0: sampled from ``q``, the only sampled node), then the
-        W - 1 best other children, all chosen after it (the order :func:`~deepspec.eval.verify.verify_tree`
-        needs at T > 0)."""
-        m, width = self.model, self.tree_width
-        tree = DraftTree()
-        nodes, prev_X, state_X = [-1], anchor_1, None  # the kept nodes of the last slot (-1: the anchor)
-        score_X = torch.zeros(1, device=anchor_1.device)  # their paths' summed draft log-probabilities
-        chain = 0  # which of them is on the chain (kept first)
+        """The draft tree of the class docstring over the block's first ``n_max`` slots, one
+        :func:`~deepspec.algorithms.protocol.grow_draft_tree` level per slot (the Markov head fed each kept
+        node's token, its state gathered by parent)."""
+        m, tree = self.model, DraftTree()
+        level, state_X = TreeLevel.root(int(anchor_1), anchor_1.device), None
         for k in range(n_max):
-            logits_XW, state_X = m.slot_logits(hidden_KD[k], base_KV[k], prev_X, state_X)
-            logp_XW = (torch.log_softmax(logits_XW, dim=-1) if sampling.greedy
-                       else sampling_probs(logits_XW, sampling).log())  # filtered tokens: -inf
-            chain_id, q_W = draw_token(logits_XW[chain], sampling, generator)  # the argmax when greedy
-            top = logp_XW.topk(width, dim=-1)  # [X, width]
-            scores, top_ids = (score_X[:, None] + top.values).flatten(), top.indices.flatten()
-            ids, chain_key = top_ids.tolist(), (chain, int(chain_id))  # the chain's node is not an "other"
-            others = [i for i in scores.argsort(descending=True).tolist()
-                      if scores[i] > float("-inf") and (i // width, ids[i]) != chain_key][: width - 1]
-            parent_X = [chain] + [i // width for i in others]
-            draft_ids = torch.cat([chain_id, top_ids[others]])
-            tok_X = m.target_ids(draft_ids)
-            q_V = None if q_W is None else (q_W if m.d2t is None else scatter_to_target(q_W, m.d2t, m.config.vocab_size))
-            nodes = [tree.add(nodes[p], t, q_V if j == 0 else None)
-                     for j, (p, t) in enumerate(zip(parent_X, tok_X.tolist()))]
-            score_X = torch.cat([score_X[chain] + logp_XW[chain, chain_id], scores[others]])
-            chain, prev_X = 0, tok_X
+            logits_XW, state_X = m.slot_logits(hidden_KD[k], base_KV[k], level.token_ids_X, state_X)
+            level = grow_draft_tree(tree, level, logits_XW, width=self.tree_width, sampling=sampling,
+                                    generator=generator, draft=m)
             if state_X is not None:
-                state_X = state_X[parent_X]
+                state_X = state_X[level.parent_X]
         return tree.to_proposal(anchor_1.device)
-
-
-def check_tree_width(value: object, field: str) -> int:
-    """``value`` when it is an integer >= 1 (1: chains, the default); ValueError naming ``field`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{field}: expected an integer >= 1 (1: a chain of drafts; 2-4: a draft tree verified in "
-                         f"one target forward), received {value!r}.")
-    return value

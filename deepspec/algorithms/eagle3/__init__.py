@@ -3,7 +3,7 @@
 - :mod:`.config`: :class:`Eagle3Config` (shape from the target, ``ttt_steps``, ``step_decay``).
 - :mod:`.model`: :class:`Eagle3DraftModel`, one decoder layer reading ``[embedding ; hidden]``.
 - :mod:`.loss`: the training-time-test loss (soft CE against the target, decayed per step).
-- :mod:`.proposer`: :class:`Eagle3Proposer`, the chain drafter behind the engine's ``Proposer`` protocol.
+- :mod:`.proposer`: :class:`Eagle3Proposer`, the chain or tree drafter behind the engine's ``Proposer`` protocol.
 
 This module is the algorithm adapter the registry holds (:class:`Eagle3Algorithm`).
 """

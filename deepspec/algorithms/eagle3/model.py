@@ -1,4 +1,4 @@
-"""Eagle3 draft model (the TTT loss is :mod:`.loss`, the chain drafter :mod:`.proposer`).
+"""Eagle3 draft model (the TTT loss is :mod:`.loss`, the drafter :mod:`.proposer`).
 
 Li et al., "EAGLE-3: Scaling up Inference Acceleration of LLMs via Training-Time Test" (2025).
 
@@ -268,21 +268,33 @@ class Eagle3DraftModel(DraftVocabMixin, nn.Module):
         return out[0]
 
     @torch.no_grad()
-    def chain_step(self, cache: Eagle3Cache, chain_k: list[Tensor], chain_v: list[Tensor], token_id: Tensor,
-                   hidden_H: Tensor, pos: int) -> Tensor:
-        """One chain step k >= 1 at RoPE position ``pos``: input (token, previous step's hidden),
-        attending to all committed rows and the chain's earlier steps; appends its K/V to the chain
-        lists. Returns the pre-norm output ``[H]``."""
+    def tree_step(self, cache: Eagle3Cache, step_k: list[Tensor], step_v: list[Tensor], token_ids_X: Tensor,
+                  hidden_XH: Tensor, pos: int, visible_XM: Tensor | None = None) -> Tensor:
+        """One drafting step k >= 1 for X nodes of the same depth, all at RoPE position ``pos``: node ``x`` reads
+        (its token ``token_ids_X[x]``, its parent's pre-norm output ``hidden_XH[x]``) and attends to every
+        committed row, to the M earlier steps' K/V held in ``step_k``/``step_v`` where ``visible_XM`` (bool
+        ``[X, M]``) is True, and to itself: the TTT attention rule along each node's path, so a chain
+        (X = 1, ``visible_XM`` None: every earlier step visible) is the case the training masks
+        (:func:`ttt_masks`) describe, and a draft tree passes each node's ancestors. Appends the X new K/V
+        (``[1, Hk, X, d]``) to the lists; returns the pre-norm outputs ``[X, H]``."""
         dev = self.fc.weight.device
-        hid = hidden_H.view(1, 1, -1)
-        emb = self.embed(token_id.to(dev).long().view(1, 1)).to(hid.dtype)
-        cos, sin = self.rotary_emb(hid, torch.tensor([[pos]], device=dev))
-        prev_k = torch.cat([cache.k, *chain_k], dim=2)
-        prev_v = torch.cat([cache.v, *chain_v], dim=2)
-        out, k, v = self.midlayer(emb, hid, cos, sin, prev_k, prev_v, None)
-        chain_k.append(k)
-        chain_v.append(v)
-        return out[0, 0]
+        X = int(token_ids_X.shape[0])
+        hid = hidden_XH.reshape(1, X, -1)
+        emb = self.embed(token_ids_X.to(dev).long().view(1, X)).to(hid.dtype)
+        cos, sin = self.rotary_emb(hid, torch.full((1, X), int(pos), device=dev))
+        prev_k = torch.cat([cache.k, *step_k], dim=2)
+        prev_v = torch.cat([cache.v, *step_v], dim=2)
+        mask = None
+        if X > 1 or visible_XM is not None:
+            L, M = cache.length, prev_k.shape[2] - cache.length
+            mask = torch.ones(X, L + M + X, dtype=torch.bool, device=dev)
+            if visible_XM is not None:
+                mask[:, L:L + M] = visible_XM.to(dev)
+            mask[:, L + M:] = torch.eye(X, dtype=torch.bool, device=dev)
+        out, k, v = self.midlayer(emb, hid, cos, sin, prev_k, prev_v, mask)
+        step_k.append(k)
+        step_v.append(v)
+        return out[0]
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Logits over the draft's W tokens (draft ids; ``target_ids`` maps them)."""

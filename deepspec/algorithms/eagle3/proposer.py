@@ -1,4 +1,4 @@
-"""The Eagle3 chain drafter for the decoding engine (DESIGN s.6).
+"""The Eagle3 drafter for the decoding engine (DESIGN s.6): chains, or draft trees.
 
 Legend: K proposal length (``ttt_steps``), W draft vocab (= V unless reduced), V target vocab, H hidden,
 T committed rows, F target feature width.
@@ -10,13 +10,12 @@ import torch
 from torch import Tensor
 
 from deepspec.algorithms.eagle3.model import Eagle3DraftModel
-from deepspec.algorithms.protocol import Proposal, draw_token
-from deepspec.models.vocab import scatter_to_target
+from deepspec.algorithms.protocol import DraftTree, Proposal, TreeLevel, check_tree_width, draw_token, grow_draft_tree
 from deepspec.target.decoding import SamplingParams
 
 
 class Eagle3Proposer:
-    """Eagle3 chain drafter behind the :class:`~deepspec.algorithms.protocol.Proposer` protocol.
+    """Eagle3 drafter behind the :class:`~deepspec.algorithms.protocol.Proposer` protocol.
 
     Draft row ``t`` pairs the target feature of position ``t`` with the token at ``t + 1``, so the
     proposer needs the committed *tokens* as well as their features: ``extend_context`` takes
@@ -34,12 +33,19 @@ class Eagle3Proposer:
     ``draft_probs_NV`` is None; at T > 0 ``sampling_probs(logits, sampling)`` (fp32) is sampled from
     and returned. A reduced draft vocabulary is handled as in DSpark's proposer (draft ids mapped to
     target ids, ``q`` scattered into the full target vocabulary).
+
+    ``tree_width`` W > 1: a draft tree of up to W nodes per depth (EAGLE-2's dynamic draft tree, Li et al.
+    2024, s.4): each depth is one :func:`~deepspec.algorithms.protocol.grow_draft_tree` level (the chain's
+    next node first, then the W - 1 children with the best summed draft log-probability), and its nodes are
+    drafted together in one :meth:`~deepspec.algorithms.eagle3.model.Eagle3DraftModel.tree_step` in which each
+    node attends to its own ancestors' steps only, so every path is the chain the draft would have drafted
+    along it. ``W * k`` nodes for ``k - 1`` steps of W rows; the target verifies them in one forward.
     """
 
-
-    def __init__(self, model, *, k: int | None = None, max_positions: int | None = None):
+    def __init__(self, model, *, k: int | None = None, max_positions: int | None = None, tree_width: int = 1):
         if not isinstance(model, Eagle3DraftModel):
             raise ValueError(f"Eagle3Proposer.model: expected an Eagle3DraftModel, received {type(model).__name__}.")
+        self.tree_width = check_tree_width(tree_width, "Eagle3Proposer.tree_width")
         self.model = model.eval()
         self.max_proposal_len = int(k if k is not None else model.config.ttt_steps)
         if self.max_proposal_len < 1:
@@ -93,16 +99,40 @@ class Eagle3Proposer:
             next_ids = torch.tensor(self.tokens[start + 1: anchor_pos + 1], dtype=torch.long, device=dev)
             self.last_hidden = m.commit_rows(self.cache, next_ids, torch.stack(self.pending))[-1]
             self.pending = []
+        if self.tree_width > 1:
+            return self._propose_tree(anchor_token, anchor_pos, n_max, sampling, generator)
         hidden = self.last_hidden
-        chain_k: list[Tensor] = []
-        chain_v: list[Tensor] = []
+        step_k: list[Tensor] = []
+        step_v: list[Tensor] = []
         ids, probs_rows = [], []
         for j in range(n_max):
             if j > 0:
-                hidden = m.chain_step(self.cache, chain_k, chain_v, ids[-1], hidden, anchor_pos - 1 + j)
+                hidden = m.tree_step(self.cache, step_k, step_v, ids[-1], hidden.view(1, -1), anchor_pos - 1 + j)[0]
             draft_tok, q_W = draw_token(m.logits(hidden), sampling, generator)
             if q_W is not None:
-                probs_rows.append(q_W if m.d2t is None else scatter_to_target(q_W, m.d2t, m.config.vocab_size))
+                probs_rows.append(m.target_probs(q_W))
             ids.append(m.target_ids(draft_tok))  # the next chain step embeds the target id
         return Proposal(draft_ids_N=torch.cat(ids).long(),
                         draft_probs_NV=torch.stack(probs_rows) if probs_rows else None)
+
+    def _propose_tree(self, anchor_token: int, anchor_pos: int, n_max: int, sampling: SamplingParams,
+                      generator: torch.Generator | None) -> Proposal:
+        """The draft tree of the class docstring, ``n_max`` deep: a level from the kept nodes' logits, then one
+        step for its nodes (each seeing its ancestors' steps) unless it is the last."""
+        m, tree = self.model, DraftTree()
+        dev = self.last_hidden.device
+        level, hidden_XH = TreeLevel.root(anchor_token, dev), self.last_hidden.view(1, -1)
+        step_k: list[Tensor] = []
+        step_v: list[Tensor] = []
+        path_XM = torch.zeros(1, 0, dtype=torch.bool, device=dev)  # each kept node's path among the steps so far
+        for j in range(n_max):
+            level = grow_draft_tree(tree, level, m.logits(hidden_XH), width=self.tree_width, sampling=sampling,
+                                    generator=generator, draft=m)
+            if j == n_max - 1:
+                break
+            visible_XM = path_XM[level.parent_X]
+            hidden_XH = m.tree_step(self.cache, step_k, step_v, level.token_ids_X, hidden_XH[level.parent_X],
+                                    anchor_pos + j, visible_XM)
+            eye = torch.eye(len(level.nodes), dtype=torch.bool, device=dev)
+            path_XM = torch.cat([visible_XM, eye], dim=1)
+        return tree.to_proposal(dev)
