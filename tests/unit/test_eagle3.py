@@ -313,6 +313,44 @@ def test_tree_holds_the_chain_and_engine_stays_lossless(target, trained_draft, w
         assert accepted > 0
 
 
+def test_every_tree_node_is_what_a_chain_along_its_path_would_score(target):
+    """Each depth of a greedy tree keeps the chain's node and the W - 1 best other children by summed
+    log-probability, where every kept node's children are scored by a chain run along that node's path (one
+    row per step, no mask): so the tree's batched steps see exactly each node's own ancestors, off the chain too."""
+    W, draft = 3, make_draft(target, steps=4).eval()
+    prompt = PROMPTS[2]
+    feats, _ = features(target, torch.tensor([prompt]))
+    proposer = Eagle3Proposer(draft, tree_width=W)
+    proposer.extend_context(feats[0, :-1], prompt[:-1])
+    t = proposer.propose(prompt[-1], len(prompt) - 1, sampling=SamplingParams(), generator=None)
+    h0, pos0 = proposer.last_hidden, len(prompt) - 1
+
+    @torch.no_grad()
+    def logp_below(path):  # the draft's log-probabilities after the tokens of ``path``, by a chain run
+        ck, cv, h = [], [], h0
+        for j, tok in enumerate(path):
+            h = draft.tree_step(proposer.cache, ck, cv, torch.tensor([tok]), h.view(1, -1), pos0 + j)[0]
+        return torch.log_softmax(draft.logits(h).float(), dim=-1)
+
+    ids, parents = t.draft_ids_N.tolist(), t.parents_N
+    chain_nodes = {min(i for i, d in enumerate(t.depths_N) if d == depth) for depth in range(1, t.depth + 1)}
+    assert any(p >= 0 and p not in chain_nodes for p in parents)  # branches off the chain are checked too
+    paths, scores = {-1: []}, {-1: 0.0}
+    for i, (p, tok) in enumerate(zip(parents, ids)):
+        paths[i] = paths[p] + [tok]
+    kept = [-1]
+    for depth in range(1, t.depth + 1):
+        level = [i for i in range(len(ids)) if t.depths_N[i] == depth]
+        cand = {(p, tok): scores[p] + float(lp) for p in kept for tok, lp in enumerate(logp_below(paths[p]).tolist())}
+        chain = level[0]  # the chain's node: the argmax below the previous depth's chain node
+        assert ids[chain] == max((c for c in cand if c[0] == kept[0]), key=cand.get)[1]
+        for i in level:
+            scores[i] = cand[(parents[i], ids[i])]
+        best_others = sorted((v for c, v in cand.items() if c != (parents[chain], ids[chain])), reverse=True)
+        assert [scores[i] for i in level[1:]] == pytest.approx(best_others[: W - 1], abs=1e-4), depth
+        kept = level
+
+
 def test_tree_at_temperature_above_zero_and_with_a_reduced_vocabulary(target):
     """At T > 0 (top-k 2) the tree's one sampled path carries its q rows over target ids (only draft-vocabulary
     ids), every other node is a chosen point mass listed after its sampled sibling; the width is checked."""
