@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.perf_counter()
         train(cfg, target_model=model, tokenizer=tokenizer, heldout_prompts=prompts)
         wall = time.perf_counter() - t0
-        reference = reference or run / REFERENCE_NAME
+        if reference is None and (run / REFERENCE_NAME).exists():  # none with --heldout-every 0
+            reference = run / REFERENCE_NAME
         rows = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
         curve = [{k: v for k, v in r.items() if k in ("step", "elapsed_s") or k.startswith("heldout_tau")}
                  for r in rows if "heldout_tau" in r]
@@ -116,8 +117,11 @@ def main(argv: list[str] | None = None) -> dict:
                          "median_step_s": sorted(step_times)[len(step_times) // 2] if step_times else None}
         print(f"{name}: " + ", ".join(f"step {c['step']} ({c['elapsed_s'] / 60:.1f} min) tau {c['heldout_tau']:.2f}"
                                       for c in curve), flush=True)
-        print(f"{name}: final " + ", ".join(f"{k[len('heldout_tau_'):]} {v:.2f}" for k, v in curve[-1].items()
-                                            if k.startswith("heldout_tau_")), flush=True)
+        if curve:  # --heldout-every 0: step times only
+            print(f"{name}: final " + ", ".join(f"{k[len('heldout_tau_'):]} {v:.2f}" for k, v in curve[-1].items()
+                                                if k.startswith("heldout_tau_")), flush=True)
+        else:
+            print(f"{name}: median step {results[name]['median_step_s']:.3f} s, {wall:.0f} s in all", flush=True)
         atomic_write_json(out / "recipe_study.json", {"args": vars(args), "results": results})
         plot(results, out / "recipe_study.png")
     return results

@@ -84,6 +84,9 @@ class DemoConfig:
     # long prompts cost the demo 80 s)
     eval_benchmarks: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mt-bench", "alpaca"])
     eval_num_prompts: int = 3  # prompts per benchmark
+    # NAME=N: fewer (or more) prompts for that benchmark (`make recipe`: 4 on the general-chat sets, whose long
+    # answers and prompts were 70 % of its eval time); none given = eval_num_prompts everywhere
+    eval_num_prompts_per_benchmark: list[str] = field(default_factory=list)
     eval_max_new_tokens: int = 48  # per prompt
     temperature: float = 0.0  # eval decoding; 0 = greedy
     # tokens each draft proposes per step in the eval (vLLM's num_speculative_tokens). On this CPU a float32 verify
@@ -195,6 +198,7 @@ class DemoConfig:
             output_dir=str(output_dir),
             benchmarks=list(self.eval_benchmarks),
             num_prompts=self.eval_num_prompts,
+            num_prompts_per_benchmark=list(self.eval_num_prompts_per_benchmark),
             max_new_tokens=self.eval_max_new_tokens,
             temperature=self.temperature,
             compare_hf_generate=False,

@@ -112,7 +112,7 @@ def test_recipe_flag_sets_defaults_and_flags_win():
     assert (cfg.num_anchors, cfg.block_size, cfg.num_draft_layers, cfg.dtype) == (512, 7, 5, "bf16")
     assert cfg.lr == 3e-4 and cfg.target is None
     cfg = _parse(["train", "--recipe=cpu", "--cache-dir", "c", "--output-dir", "o", "--num-anchors", "4"])
-    assert (cfg.block_size, cfg.draft_vocab_size, cfg.num_anchors) == (3, 8192, 4)
+    assert (cfg.block_size, cfg.draft_vocab_size, cfg.num_anchors) == (7, 8192, 4)
     cfg = _parse(["demo", "--recipe", "cpu"])
     assert cfg.algorithms == ["dspark", "dflash", "eagle3"] and cfg.num_gsm8k_conversations == 1536
     cfg = _parse(["eval", "--recipe", "qwen3-4b", "--draft", "d", "--output-dir", "o"])
