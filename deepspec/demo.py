@@ -64,7 +64,8 @@ class DemoConfig:
     num_draft_layers: int = 1  # decoder layers of the draft
     # draft tokens per block (K). 3, not the original's 7 (2026-11-30, runs/demo's cache, 400 steps): held-out tau
     # 1.17 either way (the demo's draft is almost never accepted past slot 3), in half the training time, and the
-    # eval proposes 3 tokens per step anyway (num_draft_tokens)
+    # eval proposes 3 tokens per step anyway (num_draft_tokens). `make recipe`, whose in-domain drafts are accepted
+    # past slot 3, trains 7 at 32 anchors (the same step cost; docs/results/block7-cpu-2026-12-04)
     block_size: int = 3
     # 600 steps of 2 samples x 64 anchors (docs/results/logit-stats-cpu-2026-12-01): 3x the blocks of 800 steps x
     # 16 anchors, for held-out gsm8k tau about +0.1, since a format-3 cache's target-logit statistics halved the

@@ -215,7 +215,9 @@ def test_demo_refuses_bad_training_settings_before_any_stage_runs(tmp_path):
                           ({"heldout_every": -1}, "demo.heldout_every"), ({"num_anchors": 0}, "demo.num_anchors"),
                           ({"eval_benchmarks": []}, "demo.eval_benchmarks"),
                           ({"eval_benchmarks": ["gsm8k", "gsm9k"]}, "demo.eval_benchmarks: unknown benchmark 'gsm9k'"),
-                          ({"temperature": -1.0}, "demo.temperature")):
+                          ({"temperature": -1.0}, "demo.temperature"),
+                          ({"eval_num_prompts_per_benchmark": ["alpaca=0"]}, "demo.eval_num_prompts_per_benchmark"),
+                          ({"eval_num_prompts_per_benchmark": ["alpaca"]}, "demo.eval_num_prompts_per_benchmark")):
         with pytest.raises(ValueError, match=field):
             DemoConfig(output_dir=str(tmp_path / "demo"), **kwargs)
     assert not (tmp_path / "demo").exists()
@@ -229,6 +231,10 @@ def test_demo_refuses_bad_training_settings_before_any_stage_runs(tmp_path):
     # the lookups search the demo's regenerated answers; with nothing reading them, no corpus is passed
     on = DemoConfig(output_dir=str(tmp_path / "demo")).eval_config(["d"], tmp_path / "eval")
     assert on.lookup_corpus == [str(tmp_path / "demo" / "prepared.jsonl")] and "ngram+corpus" in on.baselines
+    # per-benchmark prompt counts reach the eval (make recipe: fewer prompts on the general-chat sets)
+    capped = DemoConfig(output_dir=str(tmp_path / "demo"), eval_num_prompts=8,
+                        eval_num_prompts_per_benchmark=["alpaca=4"]).eval_config(["d"], tmp_path / "eval")
+    assert capped.num_prompts == 8 and capped.caps() == {"alpaca": 4}
     bare = DemoConfig(output_dir=str(tmp_path / "demo"), lookup_first=None, baselines=["ngram"])
     assert bare.eval_config(["d"], tmp_path / "eval").lookup_corpus == []
     with pytest.raises(ValueError, match=r"demo.baselines: ngram\+corpus needs demo.lookup_corpus .*--lookup-corpus true"):
