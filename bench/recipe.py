@@ -12,6 +12,11 @@ Printed: per setting, held-out tau at every curve point with the training minute
 final tau per benchmark. Written atomically under ``--output-dir``: ``recipe_study.json`` (settings,
 curves, step times) and ``recipe_study.png`` (held-out tau against steps and against minutes).
 The held-out reference (target greedy outputs + features) is made once and copied to every setting.
+With ``--heldout-every 0`` there is no curve: the study prices each setting's training step (median step
+time and wall time, printed and in the JSON)::
+
+    python bench/recipe.py --cache-dir runs/recipe/cache --output-dir runs/step-costs --max-steps 80 \
+        --heldout-every 0 --setting k3:block_size=3,num_anchors=64 --setting k7:block_size=7,num_anchors=32
 """
 
 from __future__ import annotations
@@ -115,9 +120,9 @@ def main(argv: list[str] | None = None) -> dict:
         step_times = [r["step_time_s"] for r in rows if "step_time_s" in r]
         results[name] = {"overrides": overrides, "curve": curve, "wall_s": wall,
                          "median_step_s": sorted(step_times)[len(step_times) // 2] if step_times else None}
-        print(f"{name}: " + ", ".join(f"step {c['step']} ({c['elapsed_s'] / 60:.1f} min) tau {c['heldout_tau']:.2f}"
-                                      for c in curve), flush=True)
         if curve:  # --heldout-every 0: step times only
+            print(f"{name}: " + ", ".join(f"step {c['step']} ({c['elapsed_s'] / 60:.1f} min) tau {c['heldout_tau']:.2f}"
+                                          for c in curve), flush=True)
             print(f"{name}: final " + ", ".join(f"{k[len('heldout_tau_'):]} {v:.2f}" for k, v in curve[-1].items()
                                                 if k.startswith("heldout_tau_")), flush=True)
         else:

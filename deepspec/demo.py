@@ -123,8 +123,9 @@ class DemoConfig:
     lookup_corpus: bool = True
     corpus_ngram_min: int = DEFAULT_CORPUS_NGRAM_MIN  # the shortest context suffix looked up in the corpus
     # steps verify a draft tree (eval.tree_width): 0 = off; 1 = the "+lookup" rows verify the match beside the
-    # draft's chain; W >= 2 = the drafts also propose W nodes per slot. 3: the recipe's DSpark draft
-    # with lookup went from gsm8k tau 2.48 to 3.14 (docs/results/draft-trees-cpu-2026-12-03)
+    # draft's chain; W >= 2 = the drafts also propose W nodes per slot. 3: the recipe's DSpark draft of blocks of 3
+    # with lookup went from gsm8k tau 2.48 to 3.14 (docs/results/draft-trees-cpu-2026-12-03); `make recipe`, over
+    # blocks of 7, uses 4 (docs/results/block7-cpu-2026-12-04)
     tree_width: int = 3
 
     def __post_init__(self) -> None:

@@ -142,9 +142,11 @@ class EvalConfig:
         for name in self.benchmarks:
             if name != "all" and name not in BENCHMARKS:
                 raise ValueError(f"eval.benchmarks: unknown benchmark {name!r}; expected 'all' or some of {known}")
-        for name in [*self.file_overrides(), *self.caps()]:
-            if name not in BENCHMARKS:
-                raise ValueError(f"eval: {name!r} is not a benchmark; expected one of {known}")
+        for field_name, names in (("benchmark_files", self.file_overrides()),
+                                  ("num_prompts_per_benchmark", self.caps())):
+            for name in names:
+                if name not in BENCHMARKS:
+                    raise ValueError(f"eval.{field_name}: {name!r} is not a benchmark; expected one of {known}")
         for name in self.file_overrides():
             if name not in self.benchmark_names():
                 raise ValueError(f"eval.benchmark_files: {name!r} is not among --benchmarks "

@@ -217,7 +217,9 @@ def test_demo_refuses_bad_training_settings_before_any_stage_runs(tmp_path):
                           ({"eval_benchmarks": ["gsm8k", "gsm9k"]}, "demo.eval_benchmarks: unknown benchmark 'gsm9k'"),
                           ({"temperature": -1.0}, "demo.temperature"),
                           ({"eval_num_prompts_per_benchmark": ["alpaca=0"]}, "demo.eval_num_prompts_per_benchmark"),
-                          ({"eval_num_prompts_per_benchmark": ["alpaca"]}, "demo.eval_num_prompts_per_benchmark")):
+                          ({"eval_num_prompts_per_benchmark": ["alpaca"]}, "demo.eval_num_prompts_per_benchmark"),
+                          ({"eval_num_prompts_per_benchmark": ["alpacx=4"]},
+                           "demo.eval_num_prompts_per_benchmark: 'alpacx' is not a benchmark")):
         with pytest.raises(ValueError, match=field):
             DemoConfig(output_dir=str(tmp_path / "demo"), **kwargs)
     assert not (tmp_path / "demo").exists()
