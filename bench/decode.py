@@ -58,8 +58,12 @@ the qwen3-4b recipe's shape (5 layers, block 7, Markov rank 256): random weights
 step costs what a trained draft's does, which is what the goals are about (``--draft`` must be
 ``untrained``)::
 
-    python bench/decode.py --qwen3-4b --draft untrained --compile on --temperatures 0 --baselines none \
-        --benchmarks gsm8k --num-prompts 2 --max-new-tokens 128   # on a GPU machine (bench/gpu_check.sh)
+    python bench/decode.py --qwen3-4b --layers 8 --draft untrained --compile on --temperatures 0 \
+        --baselines none --synthetic-prompts 2 --max-new-tokens 96   # on a GPU machine (bench/gpu_check.py)
+
+``--layers N`` builds that target with N decoder layers (at least 8; fewer compile faster), and
+``--synthetic-prompts N`` decodes N made-up prompts of similar length (one static-cache bucket)
+instead of benchmark prompts, for a machine without the benchmark files.
 
 ``--num-draft-tokens N`` caps the draft's proposals at N tokens (vLLM's ``num_speculative_tokens``;
 the ngram baseline and the lookups follow unless ``--lookup-num-tokens`` is given);
@@ -317,17 +321,70 @@ def untrained_draft(model, tokenizer) -> torch.nn.Module:
     return build_draft(model, tokenizer, cfg, default_target_layer_ids(model.config.num_hidden_layers))
 
 
-def qwen3_4b_target_and_draft(device: torch.device, dtype: torch.dtype) -> tuple[Any, Any, torch.nn.Module]:
-    """``--qwen3-4b``: a random Qwen3-4B-shaped target (bench/train.py's ``QWEN3_4B``) built on ``device`` in
-    ``dtype`` with the real Qwen3 tokenizer (tests/fixtures), and an untrained DSpark draft of the qwen3-4b
-    recipe's shape (5 layers, block 7, Markov rank 256, seed 0)."""
+def profile_generate(engine: SpeculativeEngine, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
+                     device: torch.device, top: int = 12) -> dict[str, Any]:
+    """One ``engine.generate`` under ``torch.profiler``: ``{"cpu": [...], "device": [...], "steps": n}``, the
+    ``top`` operators by self CPU time and the ``top`` device events (CUDA only) by device time, each
+    ``{name, ms, calls}`` (totals over the generation)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        res = engine.generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling)
+    events = prof.key_averages()
+
+    def rows(pick, key) -> list[dict[str, Any]]:
+        chosen = sorted((e for e in events if pick(e)), key=lambda e: -key(e))[:top]
+        return [{"name": e.key, "ms": key(e) / 1e3, "calls": e.count} for e in chosen]
+
+    def device_us(e) -> float:
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    return {"steps": len(res.steps), "cpu": rows(lambda e: e.device_type == DeviceType.CPU, lambda e: e.self_cpu_time_total),
+            "device": rows(lambda e: e.device_type == DeviceType.CUDA, device_us)}
+
+
+def print_profile(prof: dict[str, Any]) -> None:
+    print(f"\nprofile of one greedy speculative generation ({prof['steps']} steps):")
+    for kind in ("cpu", "device"):
+        print(f"  top {kind} time:")
+        for r in prof[kind]:
+            print(f"    {r['ms']:>9.2f} ms  x{r['calls']:<6} {r['name'][:90]}")
+
+
+SYNTHETIC_TOPICS = ("the sea", "a mountain", "a city at night", "a small garden", "the first snow", "a long train ride",
+                    "an old library", "a summer storm")
+
+
+def synthetic_prompts(n: int) -> list[Any]:
+    """``n`` made-up single-turn prompts (``Prompt`` records, ids ``synthetic-i``) of similar length, for
+    machines that have no benchmark files; raises ValueError for ``n`` < 1."""
+    from deepspec.eval.benchmarks import BenchmarkPrompt
+
+    if n < 1:
+        raise ValueError(f"synthetic_prompts: expected n >= 1, received {n}")
+    return [BenchmarkPrompt(id=f"synthetic-{i}", origin="bench/decode.py --synthetic-prompts", turns=[f"Write a short story of about 150 words about "
+                                              f"{SYNTHETIC_TOPICS[i % len(SYNTHETIC_TOPICS)]}, in plain prose, with "
+                                              f"one named character and a clear ending."])
+            for i in range(n)]
+
+
+def qwen3_4b_target_and_draft(device: torch.device, dtype: torch.dtype,
+                              num_layers: int | None = None) -> tuple[Any, Any, torch.nn.Module]:
+    """``--qwen3-4b``: a random Qwen3-4B-shaped target (bench/train.py's ``QWEN3_4B``; ``num_layers``
+    decoder layers instead of 36 when given) built on ``device`` in ``dtype`` with the real Qwen3
+    tokenizer (tests/fixtures), and an untrained DSpark draft of the qwen3-4b recipe's shape (5 layers,
+    block 7, Markov rank 256, seed 0)."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     from deepspec.target.capture import default_target_layer_ids
     from deepspec.train.loop import TrainConfig, build_draft
     from tests.helpers import load_bench_module, qwen3_tokenizer_dir
 
-    shape = load_bench_module("train").QWEN3_4B
+    shape = dict(load_bench_module("train").QWEN3_4B)
+    if num_layers is not None:
+        shape["num_hidden_layers"] = num_layers
     tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
     torch.manual_seed(0)
     config = Qwen3Config(**shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -385,6 +442,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compile", choices=("off", "on"), default="off",
                    help="on: every engine on the compiled target path (static KV cache + torch.compile; CUDA graphs on "
                         "CUDA), plus the eager engine's target-only row")
+    p.add_argument("--layers", type=int, default=0,
+                   help="--qwen3-4b: decoder layers of the random target (0: Qwen3-4B's 36); fewer keep compiles short")
+    p.add_argument("--synthetic-prompts", type=int, default=0,
+                   help="N > 0: N made-up prompts of about 40 tokens (one static-cache length bucket with up to 200 "
+                        "new tokens) instead of benchmark prompts, for machines without the benchmark files")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one greedy speculative generation after the bench: top operators by self CPU time "
+                        "and top device kernels")
     p.add_argument("--confidence-threshold", type=float, default=0.0, help="DSpark proposal cut; 0 = off")
     p.add_argument("--seed", type=int, default=980406, help="prompt sample and sampling seed (eval's default)")
     p.add_argument("--benchmarks-dir", default=None, help="benchmark files folder (default: as deepspec eval)")
@@ -397,6 +462,11 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--lookup-num-tokens: expected an integer >= 1, or 0 for the draft's K, got {args.lookup_num_tokens}")
     if args.num_draft_tokens < 0:
         p.error(f"--num-draft-tokens: expected an integer >= 1, or 0 for the draft's own K, got {args.num_draft_tokens}")
+    if args.layers < 0 or (args.layers and (not args.qwen3_4b or args.layers < 8)):
+        p.error(f"--layers: expected an integer >= 8 with --qwen3-4b (its draft reads 5 target layers spaced over "
+                f"1..L-3; 0: Qwen3-4B's 36), got {args.layers}")
+    if args.synthetic_prompts < 0:
+        p.error(f"--synthetic-prompts: expected an integer >= 0, got {args.synthetic_prompts}")
     if args.qwen3_4b and args.draft != "untrained":
         p.error("--qwen3-4b: its target has random weights, so no trained draft fits it; pass --draft untrained")
     if not 0.0 <= args.confidence_threshold < 1.0:
@@ -466,15 +536,19 @@ def main(argv: list[str] | None = None) -> dict:
     from deepspec.eval.benchmarks import load_benchmark
     from deepspec.target.load import load_target, target_fingerprint
 
-    bench_prompts = [(b, pr) for b in benchmarks
-                     for pr in load_benchmark(b, max_samples=args.num_prompts, seed=args.seed,
-                                              local_dir=args.benchmarks_dir)]
+    if args.synthetic_prompts:
+        benchmarks = ["synthetic"]
+        bench_prompts = [("synthetic", pr) for pr in synthetic_prompts(args.synthetic_prompts)]
+    else:
+        bench_prompts = [(b, pr) for b in benchmarks
+                         for pr in load_benchmark(b, max_samples=args.num_prompts, seed=args.seed,
+                                                  local_dir=args.benchmarks_dir)]
     answered = {} if corpus is None else check_prompts_in_corpus(
         corpus, {b: [(pr.id, pr.turns[0]) for bb, pr in bench_prompts if bb == b] for b in benchmarks},
         "--lookup-corpus", log=lambda line: print(f"bench/decode: {line}", file=sys.stderr))
     dtype = resolve_dtype(args.dtype, device)
     if args.qwen3_4b:
-        model, tokenizer, draft = qwen3_4b_target_and_draft(device, dtype)
+        model, tokenizer, draft = qwen3_4b_target_and_draft(device, dtype, args.layers or None)
         algorithm, args.target = "dspark", "random Qwen3-4B-shaped target"
     else:
         model, tokenizer = load_target(args.target)
@@ -575,6 +649,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if "greedy" in settings:
         results["goals"] = goals(results)
+    if args.profile:
+        results["profile"] = profile_generate(engines["speculative"], prompts[0], args.max_new_tokens,
+                                              SamplingParams(temperature=0.0), device)
 
     print(f"{args.target} on {device} in {dtype_name(dtype)} ({torch.get_num_threads()} threads, few-row linear "
           f"{'on' if few_rows else 'off'}{', compiled target path' if args.compile == 'on' else ''}); draft {algorithm} "
@@ -588,6 +665,8 @@ def main(argv: list[str] | None = None) -> dict:
         for key, g in results["goals"].items():
             print(f"  {key:<40} {g['goal']:>8}  pooled {_fmt(g['value'], '.3f'):>7}  median {_fmt(g['median'], '.3f'):>7}  "
                   f"{'MET' if g['met'] else 'NOT MET'}")
+    if args.profile:
+        print_profile(results["profile"])
     out = Path(args.output_dir)
     atomic_write_json(out / "decode_bench.json", results)
     plot(results, out / "decode_bench.png")

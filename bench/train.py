@@ -37,7 +37,9 @@ Writes ``train_bench.json`` and ``train_bench.png`` under ``--output-dir`` (``--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -81,10 +83,12 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _step_fn(algo, model, batch, cfg, device, *, fused: bool = True, optimizer=None):
+def _step_fn(algo, model, batch, cfg, device, *, fused: bool = True, optimizer=None, use_flex: bool | None = None):
     """One training step of ``algo`` on the CPU ``batch`` as the trainer runs it (prepare on the CPU,
     move, weight, loss, backward, AdamW), timed; ``step.saved_bytes`` afterwards holds the bytes of the
-    tensors autograd kept for the backward of the last step, ``step.last`` its prepared micro-batch."""
+    tensors autograd kept for the backward of the last step, ``step.last`` its prepared micro-batch.
+    ``use_flex`` (DSpark/DFlash): force the flex BlockMask (True) or the dense SDPA mask (False); None
+    keeps the model's default (flex on CUDA)."""
     if optimizer is None:  # as the training loop builds it
         optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg, fused=fused)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -95,7 +99,7 @@ def _step_fn(algo, model, batch, cfg, device, *, fused: bool = True, optimizer=N
         t0 = time.perf_counter()
         prepared = to_device(algo.prepare(model, batch, generator, cfg), device)
         saved = _SavedBytes(weights)
-        with saved:
+        with saved, _attention_mode(model, use_flex):
             out = algo.loss(model, prepared, weight_sum=algo.weight(model, prepared), autocast=autocast)
         out.loss.backward()
         optimizer.step()
@@ -105,6 +109,19 @@ def _step_fn(algo, model, batch, cfg, device, *, fused: bool = True, optimizer=N
         return time.perf_counter() - t0
 
     return step
+
+
+@contextlib.contextmanager
+def _attention_mode(model, use_flex: bool | None):
+    """``model.forward_train`` with ``use_flex`` fixed for the ``with`` block (nothing when None)."""
+    if use_flex is None:
+        yield
+        return
+    model.forward_train = functools.partial(type(model).forward_train, model, use_flex=use_flex)
+    try:
+        yield
+    finally:
+        del model.forward_train
 
 
 class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
@@ -144,6 +161,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--qwen3-num-anchors", type=int, default=512)
     p.add_argument("--qwen3-batch-size", type=int, default=1)
     p.add_argument("--qwen3-draft-layers", type=int, default=5, help="draft layers (the qwen3-4b recipe's: 5)")
+    p.add_argument("--qwen3-dense", action="store_true",
+                   help="--qwen3-4b: time the chunked step once more with the dense SDPA mask beside flex (CUDA)")
+    p.add_argument("--profile", action="store_true",
+                   help="--qwen3-4b: profile one chunked step and print its top CUDA kernels (by self CUDA time)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the chip's dense bf16 peak for MFU (default: known for H100/H200/A100/B200; none on a CPU)")
     p.add_argument("--output-dir", default="runs/bench-train")
@@ -255,6 +276,8 @@ UNFUSED = "dspark, unfused AdamW"
 CHUNKED = "dspark, chunked head loss"
 EAGLE3_ALL_ROWS = "eagle3, TTT over every row"
 NO_STATS = "{}, V-way target logits"
+DENSE = "on, dense mask"
+MODE_NAMES = {"off": "materialised", "on": "chunked", DENSE: "chunked dense"}
 
 QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
@@ -345,6 +368,8 @@ def _qwen3_main(args, device, out: Path) -> dict:
     del target
     optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfgs["on"])
     steps = {mode: _step_fn(algo, model, batch, c, device, optimizer=optimizer) for mode, c in cfgs.items()}
+    if args.qwen3_dense:  # the chunked step with the dense SDPA mask instead of flex
+        steps[DENSE] = _step_fn(algo, model, batch, cfgs["on"], device, optimizer=optimizer, use_flex=False)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     peak = _peak_flops(args, device)
     results: dict[str, dict] = {}
@@ -374,8 +399,12 @@ def _qwen3_main(args, device, out: Path) -> dict:
             "median_step_s": median, "step_times_s": t, "tok_per_s": num_tokens / median, "tflops_per_step": flops / 1e12,
             "achieved_tflops": flops / median / 1e12, "mfu": None if peak is None else flops / median / peak,
             "saved_MiB": steps[mode].saved_bytes / 2**20, "num_valid_slots": n_valid})
+    if args.profile and "on" in times:
+        result_profile = _profile_step(steps["on"], device)
+    else:
+        result_profile = None
     result = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else
-              "cpu", "dtype": str(dtype).removeprefix("torch."), "batch_size": B, "seq_len": S, "num_anchors": A,
+              "cpu", "profile_top_kernels": result_profile, "dtype": str(dtype).removeprefix("torch."), "batch_size": B, "seq_len": S, "num_anchors": A,
               "num_tokens": num_tokens, "hidden_size": shape["hidden_size"], "vocab_size": shape["vocab_size"],
               "num_draft_layers": args.qwen3_draft_layers,
               "trainable_parameters": trainable, "peak_flops": peak, "chunked_head_loss": results}
@@ -386,7 +415,7 @@ def _qwen3_main(args, device, out: Path) -> dict:
     print(f"{'head loss':<14}{'step s':>9}{'tok/s':>10}{'TFLOP/step':>12}{'TFLOP/s':>9}{'MFU':>8}{'peak GiB':>10}"
           f"{'saved MiB':>11}")
     for mode, r in results.items():
-        name = {"off": "materialised", "on": "chunked"}[mode]
+        name = MODE_NAMES[mode]
         if "error" in r:
             print(f"{name:<14}{r['error']}")
             continue
@@ -394,9 +423,38 @@ def _qwen3_main(args, device, out: Path) -> dict:
         mem = "-" if r.get("peak_memory_gib") is None else f"{r['peak_memory_gib']:.1f}"
         print(f"{name:<14}{r['median_step_s']:>9.3f}{r['tok_per_s']:>10.0f}{r['tflops_per_step']:>12.2f}"
               f"{r['achieved_tflops']:>9.1f}{mfu:>8}{mem:>10}{r['saved_MiB']:>11.0f}")
+    if result_profile:
+        print("top CUDA kernels of one chunked step (self CUDA time):")
+        for k in result_profile:
+            print(f"  {k['self_cuda_ms']:>8.2f} ms {100 * k['share']:>5.1f}%  x{k['calls']:<5} {k['name'][:90]}")
     _plot_qwen3(result, out / "train_bench_qwen3_4b.png")
     print(f"wrote {out / 'train_bench_qwen3_4b.json'} and {out / 'train_bench_qwen3_4b.png'}")
     return result
+
+
+def _profile_step(step, device, top: int = 15) -> list[dict]:
+    """One call of ``step`` under ``torch.profiler`` (CPU and CUDA activities): the ``top`` device
+    events (kernels, copies, memsets; not the operators that launched them, which would count each
+    kernel twice) by device time, each ``{name, self_cuda_ms, share, calls}`` (``share`` of all device
+    events' time in the step)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+    rows = []
+    for e in prof.key_averages():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        t_us = getattr(e, "self_device_time_total", None)
+        if t_us is None:
+            t_us = getattr(e, "self_cuda_time_total", 0.0)
+        if t_us > 0:
+            rows.append({"name": e.key, "self_cuda_ms": t_us / 1e3, "calls": e.count})
+    total = sum(r["self_cuda_ms"] for r in rows) or 1.0
+    rows.sort(key=lambda r: -r["self_cuda_ms"])
+    return [{**r, "share": r["self_cuda_ms"] / total} for r in rows[:top]]
 
 
 def _num_valid_slots(model, prepared) -> int:
@@ -410,7 +468,7 @@ def _num_valid_slots(model, prepared) -> int:
 def _plot_qwen3(result: dict, path: Path) -> None:
     plt = pyplot()
     modes = [m for m, r in result["chunked_head_loss"].items() if "error" not in r]
-    names = [{"off": "materialised", "on": "chunked"}[m] for m in modes]
+    names = [MODE_NAMES[m] for m in modes]
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(9, 4))
     ax_t.bar(names, [result["chunked_head_loss"][m]["median_step_s"] for m in modes], color="#37a")
     ax_t.set_ylabel("step time, s (median)")

@@ -102,6 +102,18 @@ def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
     return torch.float32
 
 
+def allow_tf32() -> None:
+    """Let float32 matrix products and convolutions on CUDA run on the TF32 tensor cores (inputs rounded
+    to a 10-bit mantissa, float32 accumulation; about 8x the float32 rate on Hopper).
+
+    Called by training on a CUDA device, where the float32 parts (the loss's softmaxes, the optimiser,
+    a ``--dtype fp32`` forward) need no more than TF32's precision. Never by decoding: a float32 eval is
+    the bit-exact reference for the lossless check, so it keeps full float32 products.
+    """
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (the name reports record)."""
     return str(dtype).removeprefix("torch.")

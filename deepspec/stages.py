@@ -45,7 +45,7 @@ class CacheConfig:
     device: str = "auto"
     # the dtype the target runs in to compute the features: float32 | bfloat16 | auto (bfloat16 where the
     # hardware runs it fast, deepspec.device); match the eval's --dtype to train on the features decoding sees
-    dtype: str = "float32"
+    dtype: str = "auto"
     verify: bool = False  # only check every shard of output_dir against its manifest (no target needed)
 
     def __post_init__(self) -> None:

@@ -9,16 +9,22 @@ overhead, not by the weights (a one-token step of a 4B target issues hundreds of
 it is the gpt-fast recipe (github.com/pytorch-labs/gpt-fast, ``generate.py``: a static cache,
 ``torch.compile(mode="reduce-overhead")`` of the decode step, a fixed-length verify) that makes decoding
 fast. :class:`CompiledTarget` applies it to any Hugging Face decoder through the library's own
-building blocks (transformers' ``StaticLayer`` cache and its compile-ready model forwards), with the
-eager engine kept as the readable reference:
+building blocks (its compile-ready model forwards) and a static KV cache of our own, with the eager
+engine kept as the readable reference:
 
-- **Static KV cache.** One cache of full-attention ``StaticLayer`` s (every layer, as the eager
-  engine's ``DynamicCache`` of full layers: a sliding-window cache layer could not be rolled back), of
-  ``max_cache_len`` positions rounded up to a power of two (at least :data:`MIN_CACHE_LEN`), allocated
-  once per length and reused (reset) for every prompt: a CUDA graph reads and writes fixed addresses.
-  Rolling back a rejected proposal is ``crop``, which only moves the cache's write position back; the
-  stale keys and values beyond it are masked by position (a query at position ``p`` sees keys at
-  positions <= ``p``, and every slot up to ``p`` has been written by then).
+- **Static KV cache.** A :class:`StaticKVCache`: per decoder layer, keys and values in fixed tensors of
+  ``max_cache_len`` positions (every layer full attention, as the eager engine's ``DynamicCache`` of
+  full layers: a sliding-window layer could not be rolled back), ``max_cache_len`` rounded up to a power
+  of two (at least :data:`MIN_CACHE_LEN`), allocated once per length and reused (reset) for every
+  prompt: a CUDA graph reads and writes fixed addresses. The cache owns its write position twice: a
+  host ``int`` (what the engine reads and crops, never a device sync) and the same count in a 0-d
+  device tensor at a fixed address (what a compiled graph reads and advances, so the graph does not
+  specialise on the position). Rolling back a rejected proposal is :meth:`StaticKVCache.crop`, which
+  only moves the write position back; the stale keys and values beyond it are masked by position (a
+  query at position ``p`` sees keys at positions <= ``p``, and every slot up to ``p`` has been written
+  by then). Nothing here depends on which transformers version provides a static cache layer or
+  whether its layers can be cropped: only on the ``Cache`` / ``CacheLayerMixin`` interface a model's
+  attention calls (``update``, ``get_seq_length``, ``get_mask_sizes``).
 - **Fixed step lengths.** One graph per step length: ``1`` (a target-only step, or a step whose
   proposal is empty) and ``K + 1`` (a verify over the anchor and ``K`` drafts). A call over fewer tokens
   is padded up to the next compiled length with copies of its last token at the following positions;
@@ -47,6 +53,7 @@ from typing import Any
 
 import torch
 import torch._dynamo
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from deepspec.target.capture import (TargetOutput, _base_model, _cache_kwarg, features_from_hidden_states,
                                      target_forward, target_logits)
@@ -67,13 +74,128 @@ def cache_len_bucket(num_positions: int) -> int:
     return max(MIN_CACHE_LEN, 1 << (int(num_positions) - 1).bit_length())
 
 
-def static_cache(model: torch.nn.Module, max_cache_len: int) -> Any:
-    """A transformers ``Cache`` of one full-attention ``StaticLayer`` of ``max_cache_len`` positions per
-    decoder layer of ``model`` (allocated lazily, on the first write, in the keys' dtype and device)."""
-    from transformers.cache_utils import Cache, StaticLayer
+def _is_compiling() -> bool:
+    return torch.compiler.is_compiling()
 
-    num_layers = len(_base_model(model).layers)
-    return Cache(layers=[StaticLayer(max_cache_len=max_cache_len) for _ in range(num_layers)])
+
+class StaticKVLayer(CacheLayerMixin):
+    """One decoder layer's keys and values in fixed ``[B, Hk, max_cache_len, d]`` tensors, written at the
+    cache's write position (allocated lazily, at the first write, in the keys' dtype and device).
+
+    ``length`` (host ``int``) and ``write_pos`` (0-d ``int64`` tensor on the keys' device, a static address
+    for CUDA graphs) both count the positions written. Inside a compiled graph only ``write_pos`` is read
+    and advanced (an ``int`` there would be a guard: one recompilation per position); eagerly both
+    advance. :meth:`StaticKVCache.set_seq_length` makes them equal again after a graph ran.
+    """
+
+    is_compileable = True
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, max_cache_len: int) -> None:
+        super().__init__()
+        self.max_cache_len = int(max_cache_len)
+        self.length = 0
+        self.write_pos = torch.zeros((), dtype=torch.long)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate the keys and values for ``key_states``' batch, heads, dtype and device."""
+        B, H, _, dk = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = torch.zeros((B, H, self.max_cache_len, dk), dtype=key_states.dtype, device=key_states.device)
+        self.values = torch.zeros((B, H, self.max_cache_len, value_states.shape[-1]), dtype=value_states.dtype,
+                                  device=value_states.device)
+        self.write_pos = self.write_pos.to(key_states.device)
+        if not _is_compiling():
+            for t in (self.keys, self.values, self.write_pos):
+                torch._dynamo.mark_static_address(t)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``key_states`` / ``value_states`` ``[B, Hk, T, d]`` at positions ``write_pos .. write_pos + T``
+        and advance; returns the whole ``[B, Hk, max_cache_len, d]`` keys and values (the stale tail is
+        masked by position). Raises RuntimeError, outside a graph, when the T positions do not fit."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        T = key_states.shape[-2]
+        if not _is_compiling():
+            if self.length + T > self.max_cache_len:
+                raise RuntimeError(f"StaticKVCache: {self.length} + {T} positions exceed its {self.max_cache_len}; "
+                                   "allocate the cache for the prompt, the output and the longest verify.")
+            self.length += T
+        index = self.write_pos + torch.arange(T, device=self.keys.device)
+        self.keys.index_copy_(2, index, key_states)
+        self.values.index_copy_(2, index, value_states)
+        self.write_pos.add_(T)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
+        """(kv_length, kv_offset) for the mask: every slot of the cache, from position 0."""
+        return self.max_cache_len, 0
+
+    def get_seq_length(self) -> int | torch.Tensor:
+        """Positions written: ``write_pos`` (0-d tensor) inside a compiled graph, ``length`` elsewhere."""
+        return self.write_pos if _is_compiling() else self.length
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def set_seq_length(self, num_positions: int) -> None:
+        """Move the write position to ``num_positions`` (host and device counts)."""
+        self.length = int(num_positions)
+        self.write_pos.fill_(self.length)
+
+    def reset(self) -> None:
+        """Empty the layer (write position 0; the stale keys and values are masked by position)."""
+        self.set_seq_length(0)
+
+
+class StaticKVCache(Cache):
+    """A transformers ``Cache`` of one :class:`StaticKVLayer` of ``max_cache_len`` positions per decoder
+    layer: the compiled path's KV cache (module docstring).
+
+    ``get_seq_length()`` is a host ``int`` outside a compiled graph; :meth:`crop` and
+    :meth:`set_seq_length` move the write position without touching the keys and values. Raises
+    ValueError for ``num_layers`` or ``max_cache_len`` below 1.
+    """
+
+    def __init__(self, num_layers: int, max_cache_len: int) -> None:
+        if num_layers < 1 or max_cache_len < 1:
+            raise ValueError(f"StaticKVCache: expected num_layers >= 1 and max_cache_len >= 1, received "
+                             f"{num_layers} and {max_cache_len}")
+        super().__init__(layers=[StaticKVLayer(max_cache_len) for _ in range(num_layers)])
+
+    def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
+        return self.layers[layer_idx].get_seq_length()
+
+    def set_seq_length(self, num_positions: int) -> None:
+        """Move every layer's write position to ``num_positions`` (after a compiled step advanced the
+        device count by its padded length, or to roll back). Raises ValueError outside ``0 ..
+        max_cache_len``."""
+        max_len = self.layers[0].max_cache_len
+        if not 0 <= num_positions <= max_len:
+            raise ValueError(f"StaticKVCache.set_seq_length: expected 0..{max_len} positions, received {num_positions}")
+        for layer in self.layers:
+            layer.set_seq_length(num_positions)
+
+    def crop(self, max_length: int) -> None:
+        """transformers' crop: keep the first ``max_length`` positions, or, for a negative value, drop
+        the last ``-max_length``. Raises ValueError when that would grow the cache or go below 0."""
+        cur = self.layers[0].length
+        keep = max_length if max_length >= 0 else cur + max_length
+        if keep > cur or keep < 0:
+            raise ValueError(f"StaticKVCache.crop({max_length}): holds {cur} positions; a crop keeps 0..{cur}")
+        self.set_seq_length(keep)
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+
+
+def static_cache(model: torch.nn.Module, max_cache_len: int) -> StaticKVCache:
+    """A :class:`StaticKVCache` of ``max_cache_len`` positions for every decoder layer of ``model``."""
+    return StaticKVCache(len(_base_model(model).layers), max_cache_len)
 
 
 class CompiledTarget:
@@ -177,6 +299,10 @@ class CompiledTarget:
         ids_BS = input_ids_BT[:, -1:].repeat(1, S)
         ids_BS[:, :T] = input_ids_BT
         pos_BS = position_ids_BT[:, :1] + torch.arange(S, device=position_ids_BT.device)[None]
+        if not isinstance(past_key_values, StaticKVCache):
+            raise TypeError(f"CompiledTarget: past_key_values must come from new_cache(), received "
+                            f"{type(past_key_values).__name__}")
+        start = past_key_values.get_seq_length()
         if self.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs were copied out
         try:
@@ -186,8 +312,7 @@ class CompiledTarget:
         except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
             raise RuntimeError(RECOMPILE_ERROR.format(limit=RECOMPILE_LIMIT, lengths=self.step_lengths,
                                                       buckets=sorted(self._caches))) from exc
-        if S > T:
-            past_key_values.crop(-(S - T))
+        past_key_values.set_seq_length(start + T)  # the graph advanced the device count by S
         # Copies: CUDA graph outputs live in a pool the next replay overwrites.
         return TargetOutput(
             target_hidden_BTF=None if features_BSF is None else features_BSF[:, :T].clone(),

@@ -45,6 +45,7 @@ from deepspec.data.cache.reader import TargetCache, check_compatible
 from deepspec.data.chat import render_prompt, target_stop_token_ids
 from deepspec.data.online import OnlineTargetFeatures
 from deepspec.device import (
+    allow_tf32,
     cast_for_decoding,
     check_device_name,
     cpu_bf16_flags,
@@ -138,7 +139,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global gradient norm
     # fp32 | bf16 (autocast) for the draft's forward (float32 / bfloat16 are accepted too) | auto (bf16 where
     # the hardware runs it fast: CUDA, a CPU with AMX / AVX512-BF16; deepspec.device.resolve_dtype)
-    dtype: str = "fp32"
+    dtype: str = "auto"
     # DSpark/DFlash: compute the draft logits of the supervised slots one chunk at a time in the loss,
     # recomputed in backward (memory chunk x vocab instead of batch x anchors x block x vocab; each chunk's
     # output layers run once more): auto (on when those logits would exceed 256 MiB in fp32) | on | off
@@ -491,6 +492,7 @@ def _setup_distributed(device_name: str = "auto") -> _Dist:
     device = resolve_device(device_name, "train.device")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        allow_tf32()
     created = False
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

@@ -3,7 +3,7 @@ lossless check and FSDP2, on CUDA. Marker ``gpu``; skipped without CUDA.
 
 ``DEEPSPEC_GPU_TESTS_ON_CPU=1`` runs the tests that have a CPU meaning (the pipeline, the engine,
 FSDP2 with gloo) on the CPU instead, to check the tests themselves on a machine without a GPU; flex
-has no CPU backward, so its test stays CUDA-only. ``bench/gpu_check.sh`` runs this folder on a GPU
+has no CPU backward, so its test stays CUDA-only. ``bench/gpu_check.py`` runs this folder on a GPU
 machine and keeps the figures the tests print (``-s``).
 
 Targets are small random Qwen3 models saved with the real Qwen3 tokenizer

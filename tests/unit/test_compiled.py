@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from deepspec.algorithms.protocol import NullProposer, Proposal
 from deepspec.eval import compiled as compiled_mod
-from deepspec.eval.compiled import CompiledTarget, cache_len_bucket
+from deepspec.eval.compiled import CompiledTarget, StaticKVCache, cache_len_bucket
 from deepspec.eval.engine import SpeculativeEngine
 from deepspec.eval.verify import SamplingParams
 from deepspec.target.capture import features_from_hidden_states, target_forward
@@ -55,6 +55,45 @@ def test_cache_len_bucket():
     assert [cache_len_bucket(n) for n in (1, 255, 256, 257, 1000, 1025)] == [256, 256, 256, 512, 1024, 2048]
     with pytest.raises(ValueError, match="num_positions"):
         cache_len_bucket(0)
+
+
+def test_static_kv_cache_owns_its_write_position():
+    """Host int and device count move together; crop keeps transformers' convention (n >= 0 keeps n,
+    n < 0 drops -n) and never grows; an overfull write is refused."""
+    cache = StaticKVCache(num_layers=2, max_cache_len=8)
+    k = torch.randn(1, 2, 5, 4)
+    for layer_idx in range(2):
+        keys, _ = cache.update(k, k, layer_idx)
+        assert keys.shape == (1, 2, 8, 4)
+    assert cache.get_seq_length() == 5 and isinstance(cache.get_seq_length(), int)
+    assert [int(layer.write_pos) for layer in cache.layers] == [5, 5]
+    cache.crop(-2)
+    assert cache.get_seq_length() == 3 and [int(layer.write_pos) for layer in cache.layers] == [3, 3]
+    cache.crop(2)
+    assert cache.get_seq_length() == 2
+    with pytest.raises(ValueError, match="holds 2 positions"):
+        cache.crop(4)
+    new_k = torch.randn(1, 2, 1, 4)
+    keys, _ = cache.update(new_k, new_k, 0)
+    torch.testing.assert_close(keys[:, :, 2:3], new_k)  # written at the cropped position
+    torch.testing.assert_close(keys[:, :, :2], k[:, :, :2])
+    with pytest.raises(RuntimeError, match="exceed its 8"):
+        cache.update(torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4), 0)
+    cache.reset()
+    assert cache.get_seq_length() == 0 and int(cache.layers[1].write_pos) == 0
+
+
+def test_compiled_path_needs_no_static_cache_layer_of_transformers(target, monkeypatch):
+    """transformers versions differ in whether their StaticLayer can be cropped (or exists as such):
+    the compiled path must run with it gone."""
+    import transformers.cache_utils as cache_utils
+
+    monkeypatch.delattr(cache_utils, "StaticLayer")
+    compiled, _ = _compiled(target)
+    width = target.config.hidden_size
+    res = SpeculativeEngine(target, [0], RandomProposer(width, seed=3), [EOS], compiled=compiled).generate(
+        PROMPT, max_new_tokens=12)
+    assert res.output_ids == hf_greedy(target, PROMPT, 12, EOS)
 
 
 def test_features_from_hidden_states_equal_the_capture_hooks(target):

@@ -171,3 +171,56 @@ def test_train_dtype_auto_is_bf16_autocast_where_the_hardware_runs_it_fast(monke
     assert not TrainConfig(cache_dir="c", output_dir="o", dtype="float32").uses_bf16(torch.device("cpu"))
     with pytest.raises(ValueError, match="train.dtype"):
         TrainConfig(cache_dir="c", output_dir="o", dtype="half")
+
+
+def test_every_stage_defaults_to_auto_which_is_bf16_on_cuda(tmp_path, monkeypatch):
+    """Training, the cache capture, prepare, eval and the demo default to ``auto``; on a CUDA device
+    with bf16 units ``auto`` is bfloat16 for each of them (float32 only where the GPU lacks bf16)."""
+    from deepspec.data.prepare import PrepareConfig
+    from deepspec.demo import DemoConfig
+    from deepspec.eval.stage import EvalConfig
+    from deepspec.stages import CacheConfig
+    from deepspec.train.loop import TrainConfig
+
+    train = TrainConfig(cache_dir="c", output_dir="o")
+    defaults = {"train": train.dtype, "cache": CacheConfig(input="p.jsonl", output_dir="o").dtype,
+                "prepare": PrepareConfig(input="sharegpt-demo", output=tmp_path / "p.jsonl").dtype,
+                "eval": EvalConfig(draft=["x"], output_dir="o").dtype, "demo": DemoConfig().dtype}
+    assert set(defaults.values()) == {"auto"}, defaults
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16
+    assert train.uses_bf16(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_dtype("auto", "cuda") == torch.float32
+
+
+@pytest.fixture
+def tf32_off():
+    """TF32 off for the test, the process's settings restored after it."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_allow_tf32_turns_on_tf32_products(tf32_off):
+    device_mod.allow_tf32()
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+
+
+def test_training_on_cuda_allows_tf32_and_decoding_does_not(monkeypatch, tf32_off):
+    """The trainer's set-up on a CUDA device allows TF32; resolving a device for decoding does not (a
+    float32 eval is the bit-exact reference)."""
+    import deepspec.train.loop as loop
+
+    calls = []
+    monkeypatch.setattr(loop, "allow_tf32", lambda: calls.append("tf32"))
+    monkeypatch.setattr(loop, "resolve_device", lambda name, field: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    loop._setup_distributed("cuda")
+    assert calls == ["tf32"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    resolve_device("cuda")
+    assert not torch.backends.cuda.matmul.allow_tf32

@@ -105,13 +105,26 @@ def flex_block_attention(q: Tensor, k: Tensor, v: Tensor, block_mask, *, enable_
     (:func:`_compiled_flex_attention`; its block-count dimensions marked dynamic, so one graph serves
     every length), never the unfused fallback; False: eager flex (materialises the scores: CPU tests).
 
+    Dtypes: under an active autocast on q's device, q, k and v are cast to the autocast dtype first.
+    flex_attention is not an autocast op, and the q/k RMSNorms keep float32 weights, so without the cast
+    q and k arrive in float32 beside a bf16 v and the compiled kernel computes in float32, off the
+    tensor cores. The three then must share one dtype.
+
     Raises:
         RuntimeError: torch.compile would fall back to eager (recompile limit hit) instead of the fused kernel.
+        ValueError: q, k and v in different dtypes outside autocast.
     """
     import torch._dynamo
     import torch.fx.experimental._config as fx_config
     from torch.nn.attention.flex_attention import flex_attention
 
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"flex_block_attention: q, k, v in {q.dtype}, {k.dtype}, {v.dtype}; cast them to one dtype "
+                         "(or run under torch.autocast)")
     Q, T = q.shape[2], k.shape[2]
     q_len, kv_len = block_mask.seq_lengths
     if q_len != Q:
