@@ -374,7 +374,7 @@ def test_out_of_memory_names_the_sizes_and_the_flags(setup, tmp_path, monkeypatc
 
     monkeypatch.setattr(DSparkAlgorithm, "loss", oom)
     with pytest.raises(torch.OutOfMemoryError) as info:
-        train(_cfg(cache, tmp_path / "run", draft_vocab_size=0), target_model=model, tokenizer=tok)
+        train(_cfg(cache, tmp_path / "run", draft_vocab_size=0, dtype="fp32"), target_model=model, tokenizer=tok)
     message = str(info.value)
     assert message.startswith("train: out of memory on cpu (step 1, a micro-batch of 2 sequences of up to 40 tokens, "
                               "4 anchors x block 7 each, the full vocabulary, 1 draft layer(s), fp32)")

@@ -93,7 +93,9 @@ def _soft_ce_chunk(hidden_NH: Tensor, target_hidden_NH: Tensor, w_N: Tensor, fin
     soft-capping (:func:`deepspec.target.capture.soft_cap`); ``lse_N`` / ``target_argmax_N`` /
     ``target_rows_WH``: a format-3 cache's statistics and the target's rows ``d2t_W``
     (:func:`deepspec.target.capture.target_draft_probs`)."""
-    logits_NW = F.linear(final_norm(hidden_NH), lm_w).float()
+    # the norm's output dtype depends on the family (Llama's promotes to its float32 weight, Gemma's keeps its
+    # input's): the product runs in the output rows' dtype either way
+    logits_NW = F.linear(final_norm(hidden_NH).to(lm_w.dtype), lm_w).float()
     logp_NW = F.log_softmax(logits_NW, dim=-1)
     with torch.no_grad():
         tprob_NW, outside_N, target_arg_N = target_draft_probs(
