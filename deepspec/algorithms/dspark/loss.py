@@ -25,7 +25,17 @@ draft logits (``forward_train(..., defer_logits=True)``, the trainer's ``chunked
 logits too exist one chunk at a time, recomputed in backward: for a Qwen3-4B-shaped draft (W 151,936)
 with 512 anchors x 7 slots the ``[A, K, W]`` logits alone are 2.2 GB in float32. With a reduced
 vocabulary and a format-3 cache's per-position logsumexp and argmax, only the W target logits of the
-draft tokens are computed (:func:`deepspec.target.capture.target_draft_probs`): the same values.
+draft tokens are computed (:func:`deepspec.target.capture.target_draft_logits`): the same values.
+
+Dtypes and what backward recomputes. The target side (lm_head matmul of the slots' target hidden
+states) runs once per chunk in the forward, under no_grad, outside ``torch.utils.checkpoint``: its
+matmul in the compute dtype (the autocast dtype when the draft's forward ran under one, else the
+weight's: float32, TF32 where CUDA allows it), with the frozen lm_head passed in that dtype (the
+trainer passes a copy made once, ``frozen_as``; never a per-chunk cast); its softmax (logsumexp,
+target mass off a reduced vocabulary) in float32. Its logits ``[N, W]`` are kept in the compute dtype
+until backward (bf16: 2 bytes per slot and draft token), where the probabilities are rebuilt
+elementwise (``exp(logit - logsumexp)``, float32) without a second matmul. The draft log-softmax, L1,
+CE and confidence terms are float32.
 
 Reduced draft vocabulary (``d2t_W``: draft id -> target id, :mod:`deepspec.models.vocab`). The draft
 distribution ``p_d`` lives on the W draft tokens and is 0 on every other target token, so in target
@@ -226,7 +236,8 @@ def dspark_loss(
         target_last_hidden_BSH: final-norm target hidden states; required when ``l1_weight`` or
             ``confidence_weight`` > 0, optional otherwise (then accept diagnostics use it if given).
         lm_head: the frozen *full* target lm_head (a module, or its weight ``[V, D]``): the draft's copy
-            with a full vocabulary, ``DSparkDraftModel.target_lm_head_weight`` with a reduced one.
+            with a full vocabulary, ``DSparkDraftModel.target_lm_head_weight`` with a reduced one. Cast to
+            the compute dtype (:func:`compute_dtype`) once per call when it is in another.
         d2t_W: int64 ``[W]`` draft -> target ids of a reduced draft vocabulary (None: W = V, identity).
         weight_sum: global normaliser (sum of :func:`supervision_weights` over the global batch).
         target_logsumexp_BS, target_argmax_BS: the target logits' full-vocabulary logsumexp and argmax
@@ -235,7 +246,9 @@ def dspark_loss(
             (``p_t[d2t[d]] = exp(logit[d2t[d]] - logsumexp)``; the same values up to rounding); ignored
             when W = V, where the full softmax is needed anyway.
         lm_head_rows_WH: ``lm_head``'s rows ``d2t_W`` (the draft's frozen ``lm_head``); gathered when None.
-        chunk_slots: slots per chunk for the target softmax (memory bound ``chunk_slots x V`` fp32).
+        chunk_slots: slots per chunk (transient memory ``chunk_slots x V`` float32 for the target softmax and
+            the deferred draft logits; the chunks' target logits, ``N x W`` in the compute dtype, live until
+            backward).
         autocast: the context the draft's forward ran in (deferred logits are computed in it; None: none).
     Raises:
         ValueError: a needed ``target_last_hidden_BSH`` / confidence logits is missing, or the statistics
