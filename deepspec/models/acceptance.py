@@ -30,7 +30,8 @@ from torch import Tensor
 
 @dataclass
 class AcceptanceCounts:
-    """Additive acceptance counts of some chains: float64 ``[K]`` tensors on the CPU.
+    """Additive acceptance counts of some chains: float64 ``[K]`` tensors on the device they were
+    counted on (adding and packing them reads nothing on the host; :meth:`tau` / :meth:`greedy_tau` do).
 
     ``count_K``: chains supervised at slot k. ``greedy_survive_K``: those whose slots 0..k all match
     the target's argmax. ``survive_K``: their expected T = 1 survival (sum of products of
@@ -42,8 +43,8 @@ class AcceptanceCounts:
     survive_K: Tensor
 
     @staticmethod
-    def zeros(num_slots: int) -> "AcceptanceCounts":
-        z = torch.zeros(num_slots, dtype=torch.float64)
+    def zeros(num_slots: int, device: torch.device | str | None = None) -> "AcceptanceCounts":
+        z = torch.zeros(num_slots, dtype=torch.float64, device=device)
         return AcceptanceCounts(z.clone(), z.clone(), z.clone())
 
     def __add__(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
@@ -89,7 +90,7 @@ def chain_acceptance(valid_XK: Tensor, greedy_match_XK: Tensor, accept_prob_XK: 
         greedy_match_XK: bool, the draft's argmax equals the target's at that slot (teacher-forced).
         accept_prob_XK: float in [0, 1], ``1 - L1/2`` per slot, or None (then ``survive_K`` is 0).
 
-    Returns counts summed over the chains (float64 on the CPU).
+    Returns counts summed over the chains (float64, on the inputs' device: no host read).
     """
     valid = torch.cumprod(valid_XK.bool().to(torch.int64), dim=-1).bool()
     count_K = valid.sum(0).to(torch.float64)
@@ -101,4 +102,4 @@ def chain_acceptance(valid_XK: Tensor, greedy_match_XK: Tensor, accept_prob_XK: 
         p = torch.where(valid, accept_prob_XK.detach().to(torch.float64), torch.zeros((), dtype=torch.float64,
                                                                                       device=valid.device))
         surv_K = torch.cumprod(p, dim=-1).sum(0)
-    return AcceptanceCounts(count_K.cpu(), greedy_K.cpu(), surv_K.cpu())
+    return AcceptanceCounts(count_K, greedy_K, surv_K)

@@ -83,6 +83,23 @@ class DraftVocabMixin:
             return q_W
         return scatter_to_target(q_W, self.d2t, self.config.vocab_size)
 
+    def frozen_as(self, weight: Tensor, dtype: torch.dtype) -> Tensor:
+        """A frozen weight of this draft (``lm_head.weight``, ``target_lm_weight``: never trained) in
+        ``dtype``, the compute dtype of a bf16 autocast step: ``weight`` itself when it has that dtype,
+        else a copy made once and kept while ``weight`` is unchanged (its version counter; a
+        ``load_state_dict`` makes a new copy). Autocast re-casts a weight that needs no gradient on
+        every call (its cast cache holds only leaves that require grad), which for the lm_head is once
+        per loss chunk and again in each chunk's recomputation. Values: the same as autocast's cast."""
+        if weight.dtype == dtype:
+            return weight
+        cache = self.__dict__.setdefault("_frozen_casts", {})
+        key = (id(weight), dtype)
+        hit = cache.get(key)
+        if hit is None or hit[0] is not weight or hit[1] != weight._version or hit[2].device != weight.device:
+            hit = (weight, weight._version, weight.detach().to(dtype))
+            cache[key] = hit
+        return hit[2]
+
     @property
     def target_lm_head_weight(self) -> Tensor:
         """The target's full ``lm_head`` weight ``[V, D]`` (what the training loss scores the target

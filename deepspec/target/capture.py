@@ -386,6 +386,48 @@ def target_logit_stats(
 
 
 @torch.no_grad()
+def target_draft_logits(
+    target_last_hidden_NH: torch.Tensor,
+    lm_head_weight_VH: torch.Tensor,
+    d2t_W: torch.Tensor | None,
+    softcap: float | None,
+    *,
+    logsumexp_N: torch.Tensor | None = None,
+    argmax_N: torch.Tensor | None = None,
+    lm_head_rows_WH: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The target side of :func:`target_draft_probs` before its last elementwise step: ``(logits_NW,
+    logsumexp_N, outside_N, argmax_N)`` with ``p_NW = exp(logits_NW.float() - logsumexp_N[:, None])``.
+
+    Dtypes: the matmul runs in the weight's dtype (the hidden states are cast to it), so ``logits_NW``
+    is in that dtype (bf16 weights: bf16 logits, half the memory of float32 probabilities);
+    soft-capping, the full-vocabulary ``logsumexp_N`` and ``outside_N`` are float32 (computed from the
+    float32 view of the same logits), ``argmax_N`` int64 target ids. ``outside_N``: the target mass
+    off the draft vocabulary, float32 ``[N]``; None when ``d2t_W`` is None (W = V). With
+    ``logsumexp_N`` / ``argmax_N`` given and a reduced vocabulary, only the W rows ``lm_head_rows_WH``
+    (gathered when None) are multiplied and the statistics are passed through (as float32 / int64).
+    """
+    if d2t_W is not None and logsumexp_N is not None and argmax_N is not None:
+        rows = lm_head_weight_VH.index_select(0, d2t_W) if lm_head_rows_WH is None else lm_head_rows_WH
+        logits_NW = F.linear(target_last_hidden_NH.to(rows.dtype), rows)
+        if softcap is not None:
+            logits_NW = soft_cap(logits_NW.float(), softcap).to(rows.dtype)
+        lse_N = logsumexp_N.float()
+        p_sum_N = torch.exp(logits_NW.float() - lse_N[:, None]).sum(-1)
+        return logits_NW, lse_N, (1.0 - p_sum_N).clamp_min(0.0), argmax_N.long()
+    logits_NV = F.linear(target_last_hidden_NH.to(lm_head_weight_VH.dtype), lm_head_weight_VH)
+    logits32_NV = soft_cap(logits_NV.float(), softcap)
+    if softcap is not None:
+        logits_NV = logits32_NV.to(logits_NV.dtype)
+    lse_N = torch.logsumexp(logits32_NV, dim=-1)
+    argmax_N = logits32_NV.argmax(-1)
+    if d2t_W is None:
+        return logits_NV, lse_N, None, argmax_N
+    logits_NW = logits_NV[:, d2t_W]
+    p_W_sum_N = torch.exp(logits32_NV[:, d2t_W] - lse_N[:, None]).sum(-1)
+    return logits_NW, lse_N, (1.0 - p_W_sum_N).clamp_min(0.0), argmax_N
+
+
 def target_draft_probs(
     target_last_hidden_NH: torch.Tensor,
     lm_head_weight_VH: torch.Tensor,
@@ -401,7 +443,8 @@ def target_draft_probs(
     Returns ``(p_NW, outside_N, argmax_N)``: float32 target probabilities of the W draft tokens
     (``softmax`` over the full vocabulary, then the columns ``d2t_W``; all V columns when ``d2t_W`` is
     None), the target mass on the other tokens (float32 ``[N]``, None when W = V) and the target
-    argmax in target ids (int64 ``[N]``).
+    argmax in target ids (int64 ``[N]``). The logits matmul runs in the weight's dtype, the softmax in
+    float32 (:func:`target_draft_logits`, of which this is ``exp(logits - logsumexp)``).
 
     With ``logsumexp_N`` / ``argmax_N`` (:func:`target_logit_stats` of the same hidden states) and a
     reduced vocabulary, only the W logits are computed (``lm_head_rows_WH``, the lm_head's rows
@@ -414,15 +457,7 @@ def target_draft_probs(
         d2t_W: int64 draft -> target ids, or None (W = V).
         softcap: the target's final-logit soft-capping (:func:`soft_cap`), or None.
     """
-    if d2t_W is not None and logsumexp_N is not None and argmax_N is not None:
-        rows = lm_head_weight_VH.index_select(0, d2t_W) if lm_head_rows_WH is None else lm_head_rows_WH
-        logits_NW = soft_cap(F.linear(target_last_hidden_NH.to(rows.dtype), rows).float(), softcap)
-        p_NW = torch.exp(logits_NW - logsumexp_N.float()[:, None])
-        return p_NW, (1.0 - p_NW.sum(-1)).clamp_min(0.0), argmax_N.long()
-    logits_NV = soft_cap(F.linear(target_last_hidden_NH.to(lm_head_weight_VH.dtype), lm_head_weight_VH).float(),
-                         softcap)
-    p_NV = torch.softmax(logits_NV, dim=-1)
-    if d2t_W is None:
-        return p_NV, None, logits_NV.argmax(-1)
-    p_NW = p_NV[:, d2t_W]
-    return p_NW, (p_NV.sum(-1) - p_NW.sum(-1)).clamp_min(0.0), logits_NV.argmax(-1)
+    logits_NW, lse_N, outside_N, argmax_N = target_draft_logits(
+        target_last_hidden_NH, lm_head_weight_VH, d2t_W, softcap, logsumexp_N=logsumexp_N, argmax_N=argmax_N,
+        lm_head_rows_WH=lm_head_rows_WH)
+    return torch.exp(logits_NW.float() - lse_N[:, None]), outside_N, argmax_N

@@ -938,8 +938,7 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
             weight_sum = sum(algorithm.weight(model, prepared) for prepared in micro).to(ctx.device, torch.float32)
             if ctx.sharded:
                 dist.all_reduce(weight_sum)
-            totals: dict[str, float] = {}
-            acceptance = None
+            metrics = StepMetrics(ctx.device)
             for prepared in micro:
                 try:
                     loss_out = algorithm.loss(model, prepared, weight_sum=weight_sum, autocast=autocast)
@@ -948,10 +947,7 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
                     if not is_out_of_memory(exc):
                         raise
                     raise _train_out_of_memory(exc, cfg, ctx, step + 1, longest) from exc
-                for key, value in loss_out.scalars().items():
-                    totals[key] = totals.get(key, 0.0) + value
-                if loss_out.acceptance is not None:
-                    acceptance = loss_out.acceptance if acceptance is None else acceptance + loss_out.acceptance
+                metrics.add(loss_out)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
                 grad_norm = grad_norm.full_tensor()
@@ -960,15 +956,15 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            totals["num_tokens"] = float(num_tokens)
-            totals = _reduce_scalars(totals, ctx)
-            totals.update(_pooled_tau(acceptance, ctx))
+            # the step's one host read of the device (after one all-reduce when sharded)
+            totals = metrics.read(ctx, num_tokens=num_tokens, grad_norm=grad_norm)
+            grad_norm = totals.pop("grad_norm")
             step_time = time.perf_counter() - t0
             elapsed_s += step_time
             row = {
                 "step": step + 1,
                 "lr": step_lr,
-                "grad_norm": float(grad_norm),
+                "grad_norm": grad_norm,
                 "step_time_s": step_time,
                 "elapsed_s": elapsed_s,
                 "tok_per_s": totals["num_tokens"] / step_time,
@@ -1072,31 +1068,65 @@ def heldout_prompt_ids(benchmarks: list[str], num_prompts: int, tokenizer) -> li
             for name in benchmarks for p in load_benchmark(name, max_samples=num_prompts)]
 
 
-def _reduce_scalars(values: dict[str, float], ctx: _Dist) -> dict[str, float]:
-    """Sum each logged scalar over the ranks (one all-reduce; every rank logs the same keys)."""
-    if not ctx.sharded:
-        return values
-    keys = sorted(values)
-    packed = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(packed)
-    return dict(zip(keys, packed.tolist()))
+class StepMetrics:
+    """A step's logged sums, kept on the device until the step is logged.
 
+    :meth:`add` sums each micro-batch's ``scalars()`` (0-d tensors, float64 on ``device``; plain
+    floats are accepted) and its acceptance counts without reading the device. :meth:`read` packs the
+    sums, the pooled acceptance counts and ``grad_norm`` into one tensor, all-reduces it once across
+    ranks (sums; ``grad_norm`` is already global and is taken as is) and reads it on the host once:
+    the step's only device sync besides the losses' own (``nonzero`` in the DSpark loss).
 
-def _pooled_tau(acceptance, ctx: _Dist) -> dict[str, float]:
-    """The step's tau estimates from acceptance counts summed over its micro-batches and all ranks
-    (:mod:`deepspec.models.acceptance`): ``tau_estimate`` (T = 1), ``greedy_tau_estimate`` and the
-    greedy prefix survival ``accept_rate_prefix_k`` per slot. Empty when the loss gives no counts
-    (every rank must then give none)."""
-    if acceptance is None:
-        return {}
-    packed = acceptance.pack().to(ctx.device)
-    if ctx.sharded:
-        dist.all_reduce(packed)
-    pooled = AcceptanceCounts.unpack(packed)
-    out = {"tau_estimate": pooled.tau(), "greedy_tau_estimate": pooled.greedy_tau()}
-    for k, (s, n) in enumerate(zip(pooled.greedy_survive_K.tolist(), pooled.count_K.tolist())):
-        out[f"accept_rate_prefix_{k + 1}"] = s / n if n > 0 else 0.0
-    return out
+    float64 sums in micro-batch order: the same values as summing the scalars as Python floats.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.totals: dict[str, torch.Tensor] = {}
+        self.acceptance: AcceptanceCounts | None = None
+        self.num_added = 0
+
+    def add(self, loss_out) -> None:
+        """Add one micro-batch's ``loss_out.scalars()`` and ``loss_out.acceptance`` (no host read)."""
+        for key, value in loss_out.scalars().items():
+            value = torch.as_tensor(value, dtype=torch.float64, device=self.device)
+            self.totals[key] = value if key not in self.totals else self.totals[key] + value
+        if loss_out.acceptance is not None:
+            a = loss_out.acceptance
+            self.acceptance = a if self.acceptance is None else self.acceptance + a
+        self.num_added += 1
+
+    def read(self, ctx: _Dist, *, num_tokens: int, grad_norm: torch.Tensor | float | None = None) -> dict[str, float]:
+        """The step's logged values (summed over micro-batches and ranks) as floats: the scalars,
+        ``num_tokens``, the pooled tau estimates (``tau_estimate`` (T = 1), ``greedy_tau_estimate``, the
+        greedy prefix survival ``accept_rate_prefix_k`` per slot; none when the loss gives no counts,
+        which every rank must then do alike) and ``grad_norm`` when given. One all-reduce, one host read."""
+        keys = sorted(self.totals)
+        parts = [torch.stack([self.totals[k] for k in keys]) if keys else torch.zeros(0, dtype=torch.float64,
+                                                                                      device=self.device),
+                 torch.full((1,), float(num_tokens), dtype=torch.float64, device=self.device)]
+        K = 0
+        if self.acceptance is not None:
+            packed_3K = self.acceptance.pack().to(self.device, torch.float64)
+            K = packed_3K.shape[1]
+            parts.append(packed_3K.flatten())
+        summed = torch.cat(parts)
+        if ctx.sharded:
+            dist.all_reduce(summed)
+        if grad_norm is not None:
+            summed = torch.cat([summed, torch.as_tensor(grad_norm, device=self.device).to(torch.float64).view(1)])
+        host = summed.tolist()  # the host read
+        out = dict(zip(keys, host[:len(keys)]))
+        out["num_tokens"] = host[len(keys)]
+        if K:
+            pooled = AcceptanceCounts.unpack(torch.tensor(host[len(keys) + 1:len(keys) + 1 + 3 * K],
+                                                          dtype=torch.float64).view(3, K))
+            out["tau_estimate"], out["greedy_tau_estimate"] = pooled.tau(), pooled.greedy_tau()
+            for k, (s, n) in enumerate(zip(pooled.greedy_survive_K.tolist(), pooled.count_K.tolist())):
+                out[f"accept_rate_prefix_{k + 1}"] = s / n if n > 0 else 0.0
+        if grad_norm is not None:
+            out["grad_norm"] = host[-1]
+        return out
 
 
 def _read_log(path: Path, *, upto_step: int) -> list[dict]:

@@ -125,7 +125,7 @@ def test_losses_with_and_without_the_stats_agree(target, cache_dir, name):
     (a, ga), (b, gb) = runs
     torch.testing.assert_close(b.loss, a.loss, atol=1e-6, rtol=1e-5)
     for key, value in a.scalars().items():
-        assert b.scalars()[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+        assert float(b.scalars()[key]) == pytest.approx(float(value), rel=1e-5, abs=1e-6), key
     assert a.acceptance is not None and b.acceptance.greedy_tau() == a.acceptance.greedy_tau()
     assert b.acceptance.tau() == pytest.approx(a.acceptance.tau(), rel=1e-5)
     assert ga.keys() == gb.keys() and ga

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from deepspec.algorithms.dspark.config import DraftConfig, dflash_knobs, draft_config_from_target
-from deepspec.algorithms.dspark.loss import dspark_loss, supervision_weights
+from deepspec.algorithms.dspark.loss import compute_dtype, dspark_loss, supervision_weights
 from deepspec.algorithms.dspark.model import DSparkDraftModel
 from deepspec.algorithms.dspark.proposer import DSparkProposer
 from deepspec.algorithms.protocol import TrainBatch
@@ -112,11 +112,14 @@ class DSparkAlgorithm:
         with autocast:
             output = model.forward_train(b.input_ids_BS, b.target_hidden_BSF, prepared.anchor_pos_BA,
                                          prepared.block_valid_BA, defer_logits=prepared.defer_logits)
+        # the frozen target lm_head in the compute dtype, cast once for the run (not per chunk or call)
+        cdt = compute_dtype(autocast, model.lm_head.weight)
         return dspark_loss(output, b.input_ids_BS, b.loss_mask_BS, prepared.anchor_pos_BA, prepared.block_valid_BA,
-                           b.target_last_hidden_BSH, model.target_lm_head_weight, model.config, weight_sum=weight_sum,
-                           d2t_W=model.d2t, target_logsumexp_BS=b.target_logsumexp_BS,
+                           b.target_last_hidden_BSH, model.frozen_as(model.target_lm_head_weight, cdt), model.config,
+                           weight_sum=weight_sum, d2t_W=model.d2t, target_logsumexp_BS=b.target_logsumexp_BS,
                            target_argmax_BS=b.target_argmax_BS,
-                           lm_head_rows_WH=None if model.d2t is None else model.lm_head.weight, autocast=autocast)
+                           lm_head_rows_WH=None if model.d2t is None else model.frozen_as(model.lm_head.weight, cdt),
+                           autocast=autocast)
 
     def proposer(self, model, *, confidence_threshold=None, max_positions=None):
         return DSparkProposer(model, confidence_threshold=confidence_threshold, max_positions=max_positions)

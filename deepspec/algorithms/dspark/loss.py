@@ -25,7 +25,17 @@ draft logits (``forward_train(..., defer_logits=True)``, the trainer's ``chunked
 logits too exist one chunk at a time, recomputed in backward: for a Qwen3-4B-shaped draft (W 151,936)
 with 512 anchors x 7 slots the ``[A, K, W]`` logits alone are 2.2 GB in float32. With a reduced
 vocabulary and a format-3 cache's per-position logsumexp and argmax, only the W target logits of the
-draft tokens are computed (:func:`deepspec.target.capture.target_draft_probs`): the same values.
+draft tokens are computed (:func:`deepspec.target.capture.target_draft_logits`): the same values.
+
+Dtypes and what backward recomputes. The target side (lm_head matmul of the slots' target hidden
+states) runs once per chunk in the forward, under no_grad, outside ``torch.utils.checkpoint``: its
+matmul in the compute dtype (the autocast dtype when the draft's forward ran under one, else the
+weight's: float32, TF32 where CUDA allows it), with the frozen lm_head passed in that dtype (the
+trainer passes a copy made once, ``frozen_as``; never a per-chunk cast); its softmax (logsumexp,
+target mass off a reduced vocabulary) in float32. Its logits ``[N, W]`` are kept in the compute dtype
+until backward (bf16: 2 bytes per slot and draft token), where the probabilities are rebuilt
+elementwise (``exp(logit - logsumexp)``, float32) without a second matmul. The draft log-softmax, L1,
+CE and confidence terms are float32.
 
 Reduced draft vocabulary (``d2t_W``: draft id -> target id, :mod:`deepspec.models.vocab`). The draft
 distribution ``p_d`` lives on the W draft tokens and is 0 on every other target token, so in target
@@ -53,7 +63,7 @@ from torch.utils.checkpoint import checkpoint
 from deepspec.algorithms.dspark.config import DraftConfig
 from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance
 from deepspec.models.vocab import t2d_table
-from deepspec.target.capture import STATS_MISSING, target_draft_probs
+from deepspec.target.capture import STATS_MISSING, target_draft_logits
 
 
 def supervision_mask(loss_mask_BS: Tensor, anchor_pos_BA: Tensor, block_valid_BA: Tensor, block_size: int) -> Tensor:
@@ -92,7 +102,8 @@ def supervision_weights(loss_mask_BS: Tensor, anchor_pos_BA: Tensor, block_valid
 
 @dataclass
 class LossOutput:
-    """``loss`` carries the graph; the other tensors are detached diagnostics.
+    """``loss`` carries the graph; the other tensors are detached diagnostics, on the loss's device
+    (reading one on the host is a device sync: the trainer reads them once per logged step).
 
     accept_rate_K: mean over valid slots at k of ``1 - L1/2`` (= 1 - TV: the probability that
       rejection sampling at T=1 accepts a draft token given an accepted prefix; teacher-forced).
@@ -100,6 +111,9 @@ class LossOutput:
     acceptance: the blocks' additive acceptance counts (:mod:`deepspec.models.acceptance`); the
       trainer sums them over the global batch and ranks before taking the tau estimates. None
       when the loss has no target distribution.
+    num_valid_slots: N, a host int (the loss's one sync, ``nonzero``, already read it).
+    num_labels_outside_vocab: float32 0-d, valid slots whose label is not in a reduced draft
+      vocabulary; None with the full vocabulary.
     """
 
     loss: Tensor
@@ -112,39 +126,64 @@ class LossOutput:
     accept_rate_K: Tensor
     top1_match_K: Tensor
     acceptance: AcceptanceCounts | None
-    num_labels_outside_vocab: int | None = None  # valid slots whose label is not in a reduced draft vocabulary
+    num_labels_outside_vocab: Tensor | None = None
 
     @property
     def tau_estimate(self) -> float:
-        """This micro-batch's T = 1 estimate (NaN without a target distribution)."""
+        """This micro-batch's T = 1 estimate (NaN without a target distribution; a host read)."""
         return float("nan") if self.acceptance is None else self.acceptance.tau()
 
     @property
     def greedy_tau_estimate(self) -> float:
-        """This micro-batch's greedy estimate (NaN without a target distribution)."""
+        """This micro-batch's greedy estimate (NaN without a target distribution; a host read)."""
         return float("nan") if self.acceptance is None else self.acceptance.greedy_tau()
 
-    def scalars(self) -> dict[str, float]:
-        """Loggable floats; each adds up over the micro-batches of a global batch (global
-        ``weight_sum``). The tau estimates come from the pooled ``acceptance`` counts instead.
-        ``num_labels_outside_vocab`` only for a reduced draft vocabulary."""
-        out = {"loss": float(self.loss.detach()), "ce": float(self.ce), "l1": float(self.l1),
-               "confidence": float(self.confidence), "num_valid_slots": float(self.num_valid_slots)}
+    def scalars(self) -> dict[str, Tensor]:
+        """Loggable values as float64 0-d tensors on the loss's device (no host read); each adds up over
+        the micro-batches of a global batch (global ``weight_sum``). The tau estimates come from the
+        pooled ``acceptance`` counts instead. ``num_labels_outside_vocab`` only for a reduced draft
+        vocabulary. float64 so that sums over micro-batches equal the host's sums of Python floats."""
+        dev = self.loss.device
+        out = {"loss": self.loss.detach().double(), "ce": self.ce.double(), "l1": self.l1.double(),
+               "confidence": self.confidence.double(),
+               "num_valid_slots": torch.full((), float(self.num_valid_slots), dtype=torch.float64, device=dev)}
         if self.num_labels_outside_vocab is not None:
-            out["num_labels_outside_vocab"] = float(self.num_labels_outside_vocab)
+            out["num_labels_outside_vocab"] = self.num_labels_outside_vocab.double()
         return out
 
 
+def compute_dtype(autocast: Any, weight: Tensor) -> torch.dtype:
+    """The dtype the loss's matmuls run in: ``autocast``'s when it is an enabled ``torch.autocast``
+    (the context the draft's forward ran in), else an autocast active on ``weight``'s device, else
+    ``weight``'s own dtype (float32 training: float32, where CUDA may run it as TF32)."""
+    if autocast is not None and getattr(autocast, "_enabled", False):
+        return autocast.fast_dtype
+    if torch.is_autocast_enabled(weight.device.type):
+        return torch.get_autocast_dtype(weight.device.type)
+    return weight.dtype
+
+
+@torch.no_grad()
+def _target_side(target_hidden_CH: Tensor, lm_w: Tensor, d2t_W: Tensor | None, softcap: float | None,
+                 lse_C: Tensor | None, target_argmax_C: Tensor | None, lm_head_rows_WH: Tensor | None):
+    """The target side of a chunk of C slots, computed once in the forward (never with a graph, never
+    recomputed in backward): ``(logits_CW in lm_w's dtype, logsumexp_C fp32, outside_C fp32 | None,
+    target argmax_C int64)`` (:func:`deepspec.target.capture.target_draft_logits`)."""
+    return target_draft_logits(target_hidden_CH, lm_w, d2t_W, softcap, logsumexp_N=lse_C, argmax_N=target_argmax_C,
+                               lm_head_rows_WH=lm_head_rows_WH)
+
+
 def _slot_terms(head_in_CX: Tensor, markov_in_Cr: Tensor | None, head_logits, autocast, draft_labels_C: Tensor,
-                in_vocab_C: Tensor | None, target_hidden_CH: Tensor | None, lm_w: Tensor, d2t_W: Tensor | None,
-                softcap: float | None, lse_C: Tensor | None, target_argmax_C: Tensor | None,
-                lm_head_rows_WH: Tensor | None, need_target: bool):
-    """Per-slot ``(ce_C, l1_C | None, draft argmax_C, target argmax_C | None)`` of a chunk of C valid slots.
+                in_vocab_C: Tensor | None, target_logits_CW: Tensor | None, target_lse_C: Tensor | None,
+                target_outside_C: Tensor | None, d2t_W: Tensor | None, need_target: bool):
+    """Per-slot ``(ce_C, l1_C | None, draft argmax_C)`` of a chunk of C valid slots.
 
     ``head_in_CX``: the slots' draft logits ``[C, W]`` when ``head_logits`` is None, else their final
     hidden states ``[C, D]``, turned into logits by ``head_logits(hidden, markov_in_Cr)`` under
-    ``autocast``. The argmaxes are target ids; ``l1_C`` (and the target argmax) only with
-    ``target_hidden_CH``, and with a graph only when ``need_target`` (the module docstring)."""
+    ``autocast`` (this part is what the deferred path recomputes in backward). The draft log-softmax
+    and the target probabilities ``exp(target_logits_CW.float() - target_lse_C)`` are float32; the
+    target logits come from :func:`_target_side` (no graph). The argmax is a target id; ``l1_C`` only
+    with ``target_logits_CW``, with a graph only when ``need_target`` (the module docstring)."""
     if head_logits is None:
         logits_CW = head_in_CX
     else:
@@ -157,16 +196,15 @@ def _slot_terms(head_in_CX: Tensor, markov_in_Cr: Tensor | None, head_logits, au
     drf_arg_C = logp_CW.detach().argmax(-1)
     if d2t_W is not None:
         drf_arg_C = d2t_W[drf_arg_C]
-    if target_hidden_CH is None:
-        return ce_C, None, drf_arg_C, None
+    if target_logits_CW is None:
+        return ce_C, None, drf_arg_C
     with torch.no_grad():
-        tprob_CW, outside_C, tgt_arg_C = target_draft_probs(target_hidden_CH, lm_w, d2t_W, softcap, logsumexp_N=lse_C,
-                                                            argmax_N=target_argmax_C, lm_head_rows_WH=lm_head_rows_WH)
+        tprob_CW = torch.exp(target_logits_CW.float() - target_lse_C[:, None])
     with contextlib.nullcontext() if need_target else torch.no_grad():
         l1_C = (logp_CW.exp() - tprob_CW).abs().sum(-1)
-        if outside_C is not None:
-            l1_C = l1_C + outside_C
-    return ce_C, l1_C, drf_arg_C, tgt_arg_C
+        if target_outside_C is not None:
+            l1_C = l1_C + target_outside_C
+    return ce_C, l1_C, drf_arg_C
 
 
 def dspark_loss(
@@ -198,7 +236,8 @@ def dspark_loss(
         target_last_hidden_BSH: final-norm target hidden states; required when ``l1_weight`` or
             ``confidence_weight`` > 0, optional otherwise (then accept diagnostics use it if given).
         lm_head: the frozen *full* target lm_head (a module, or its weight ``[V, D]``): the draft's copy
-            with a full vocabulary, ``DSparkDraftModel.target_lm_head_weight`` with a reduced one.
+            with a full vocabulary, ``DSparkDraftModel.target_lm_head_weight`` with a reduced one. Cast to
+            the compute dtype (:func:`compute_dtype`) once per call when it is in another.
         d2t_W: int64 ``[W]`` draft -> target ids of a reduced draft vocabulary (None: W = V, identity).
         weight_sum: global normaliser (sum of :func:`supervision_weights` over the global batch).
         target_logsumexp_BS, target_argmax_BS: the target logits' full-vocabulary logsumexp and argmax
@@ -207,7 +246,9 @@ def dspark_loss(
             (``p_t[d2t[d]] = exp(logit[d2t[d]] - logsumexp)``; the same values up to rounding); ignored
             when W = V, where the full softmax is needed anyway.
         lm_head_rows_WH: ``lm_head``'s rows ``d2t_W`` (the draft's frozen ``lm_head``); gathered when None.
-        chunk_slots: slots per chunk for the target softmax (memory bound ``chunk_slots x V`` fp32).
+        chunk_slots: slots per chunk (transient memory ``chunk_slots x V`` float32 for the target softmax and
+            the deferred draft logits; the chunks' target logits, ``N x W`` in the compute dtype, live until
+            backward).
         autocast: the context the draft's forward ran in (deferred logits are computed in it; None: none).
     Raises:
         ValueError: a needed ``target_last_hidden_BSH`` / confidence logits is missing, or the statistics
@@ -232,6 +273,9 @@ def dspark_loss(
     norm = local_ws if weight_sum is None else torch.as_tensor(weight_sum, dtype=torch.float32, device=dev)
     norm = norm.clamp_min(1e-12)
 
+    # Host syncs: this nonzero is the loss's one read of the device per micro-batch (N sizes every
+    # gathered [N, ...] tensor and the chunks); without it every B x A x K slot would be scored,
+    # padding included. Everything else stays on the device (LossOutput.scalars).
     idx_N3 = valid_BAK.nonzero()  # [N, 3] (b, a, k)
     N = idx_N3.shape[0]
     if N == 0:
@@ -248,11 +292,11 @@ def dspark_loss(
         if out.confidence_logits_BAK is not None:
             zero = zero + out.confidence_logits_BAK.sum() * 0.0
         z = zero.detach()
-        zk = torch.zeros(K)
+        zk = torch.zeros(K, device=dev)
         return LossOutput(loss=zero, ce=z, l1=z, confidence=z, weight_sum=norm.detach(), local_weight_sum=local_ws,
                           num_valid_slots=0, accept_rate_K=zk, top1_match_K=zk,
-                          acceptance=AcceptanceCounts.zeros(K),
-                          num_labels_outside_vocab=None if d2t_W is None else 0)
+                          acceptance=AcceptanceCounts.zeros(K, device=dev),
+                          num_labels_outside_vocab=None if d2t_W is None else torch.zeros((), device=dev))
     b_N, a_N, k_N = idx_N3.unbind(-1)
     w_N = w_BAK[b_N, a_N, k_N]
     slot_pos_N = anchor_pos_BA.to(dev).long()[b_N, a_N] + k_N  # position a+k (< S-1 for valid slots)
@@ -262,18 +306,26 @@ def dspark_loss(
         d2t_W = d2t_W.to(dev).long()
         draft_labels_N = t2d_table(d2t_W, lm_w.shape[0])[labels_N]  # -1: not in the draft vocabulary
         in_vocab_N = draft_labels_N >= 0
-        num_outside = int((~in_vocab_N).sum())
+        num_outside = (~in_vocab_N).sum().float()
         draft_labels_N = draft_labels_N.clamp_min(0)
     else:
         draft_labels_N, in_vocab_N = labels_N, None
 
+    # the frozen target lm_head in the compute dtype: no copy when the caller passes it so (the trainer
+    # does), one per call otherwise, never one per chunk
+    cdt = compute_dtype(autocast, lm_w)
+    lm_c = lm_w if lm_w.dtype == cdt else lm_w.detach().to(cdt)
     stats = (d2t_W is not None and target_logsumexp_BS is not None and target_argmax_BS is not None
              and target_last_hidden_BSH is not None)
     if stats:
         at = (b_N.to(target_logsumexp_BS.device), slot_pos_N.to(target_logsumexp_BS.device))
         lse_N, tgt_argmax_N = target_logsumexp_BS[at].to(dev), target_argmax_BS[at].to(dev)
         if lm_head_rows_WH is None:
-            lm_head_rows_WH = lm_w.index_select(0, d2t_W.to(lm_w.device))
+            lm_head_rows_WH = lm_c.index_select(0, d2t_W.to(lm_c.device))
+        elif lm_head_rows_WH.dtype != cdt:
+            lm_head_rows_WH = lm_head_rows_WH.detach().to(cdt)
+        # a host sync kept on purpose: a cache whose statistics miss a supervised slot must stop the run
+        # at the micro-batch that meets it, with a message (only with a reduced vocabulary and statistics)
         if not bool(torch.isfinite(lse_N).all() and (tgt_argmax_N >= 0).all()):
             raise ValueError(STATS_MISSING.format(who="dspark_loss", what="slot"))
     deferred = logits_BAKV is None
@@ -285,16 +337,19 @@ def dspark_loss(
     ce_parts, l1_parts, tgt_arg_parts, drf_arg_parts = [], [], [], []
     for s in range(0, N, chunk_slots):
         e = min(N, s + chunk_slots)
-        th_C = None
+        tgt = (None, None, None, None)
         if target_last_hidden_BSH is not None:
             th_C = target_last_hidden_BSH[b_N[s:e].to(target_last_hidden_BSH.device),
                                           slot_pos_N[s:e].to(target_last_hidden_BSH.device)].to(dev)
+            # outside the checkpoint: computed once, kept (logits_CW in the compute dtype) for backward
+            tgt = _target_side(th_C, lm_c, d2t_W, config.final_logit_softcapping, lse_N[s:e] if stats else None,
+                               tgt_argmax_N[s:e] if stats else None, lm_head_rows_WH)
+        tlogits_C, tlse_C, toutside_C, tgt_arg_C = tgt
         args = (head_in_N[s:e], None if markov_in_N is None else markov_in_N[s:e], out.head_logits if deferred else None,
-                autocast, draft_labels_N[s:e], None if in_vocab_N is None else in_vocab_N[s:e], th_C, lm_w, d2t_W,
-                config.final_logit_softcapping, lse_N[s:e] if stats else None, tgt_argmax_N[s:e] if stats else None,
-                lm_head_rows_WH, need_target)
-        ce_C, l1_C, drf_arg_C, tgt_arg_C = (checkpoint(_slot_terms, *args, use_reentrant=False) if deferred
-                                             else _slot_terms(*args))
+                autocast, draft_labels_N[s:e], None if in_vocab_N is None else in_vocab_N[s:e], tlogits_C, tlse_C,
+                toutside_C, d2t_W, need_target)
+        ce_C, l1_C, drf_arg_C = (checkpoint(_slot_terms, *args, use_reentrant=False) if deferred
+                                 else _slot_terms(*args))
         ce_parts.append(ce_C)
         drf_arg_parts.append(drf_arg_C)
         if l1_C is not None:
@@ -304,10 +359,9 @@ def dspark_loss(
     ce = (w_N * ce_N).sum() / norm
     loss = config.ce_weight * ce
     l1 = conf = torch.zeros((), device=dev)
-    accept_K = torch.zeros(K)
-    top1_K = torch.zeros(K)
+    accept_K = torch.zeros(K, device=dev)
+    top1_K = torch.zeros(K, device=dev)
     acceptance = None
-    count_K = torch.bincount(k_N, minlength=K).cpu()
     if l1_parts:
         l1_N = torch.cat(l1_parts)
         l1 = (w_N * l1_N).sum() / norm
@@ -322,9 +376,9 @@ def dspark_loss(
                 loss = loss + config.confidence_weight * conf
         with torch.no_grad():
             match_N = (torch.cat(drf_arg_parts) == torch.cat(tgt_arg_parts)).float()
-            cnt = count_K.clamp_min(1).float()
-            accept_K = torch.zeros(K, device=dev).index_add_(0, k_N, acc_N).cpu() / cnt
-            top1_K = torch.zeros(K, device=dev).index_add_(0, k_N, match_N).cpu() / cnt
+            cnt = torch.bincount(k_N, minlength=K).clamp_min(1).float()
+            accept_K = torch.zeros(K, device=dev).index_add_(0, k_N, acc_N) / cnt
+            top1_K = torch.zeros(K, device=dev).index_add_(0, k_N, match_N) / cnt
             match_BAK = torch.zeros_like(valid_BAK)
             match_BAK[b_N, a_N, k_N] = match_N.bool()
             prob_BAK = torch.zeros(valid_BAK.shape, device=dev)

@@ -412,8 +412,12 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
 
     def head_logits(self, hidden_XD: Tensor, markov_input_Xr: Tensor | None) -> Tensor:
         """Logits over the N draft ids ``[..., N]`` of final hidden states ``[..., D]``: ``lm_head``
-        plus the Markov bias of its rank-r inputs ``[..., r]`` (None: no Markov head)."""
-        logits = self.lm_head(hidden_XD)
+        plus the Markov bias of its rank-r inputs ``[..., r]`` (None: no Markov head). Under an autocast the
+        frozen ``lm_head`` is read in its dtype (:meth:`frozen_as`: cast once, not on every call)."""
+        w = self.lm_head.weight
+        if torch.is_autocast_enabled(w.device.type):
+            w = self.frozen_as(w, torch.get_autocast_dtype(w.device.type))
+        logits = F.linear(hidden_XD, w)
         if markov_input_Xr is not None:
             logits = logits + self.markov_head.bias(markov_input_Xr).to(logits.dtype)
         return logits

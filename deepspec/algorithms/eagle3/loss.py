@@ -58,8 +58,10 @@ def ttt_supervision(loss_mask_BS: Tensor, steps: int, decay: float,
 
 @dataclass
 class Eagle3LossOutput:
-    """``loss`` carries the graph. ``acc_K``: fraction of this micro-batch's supervised rows at step
-    k where argmax(draft) == argmax(target) (teacher-forced greedy acceptance of slot k).
+    """``loss`` carries the graph. ``acc_K``: float32 ``[K]`` on the loss's device, the fraction of this
+    micro-batch's supervised rows at step k where argmax(draft) == argmax(target) (teacher-forced
+    greedy acceptance of slot k; 0 where none). ``num_supervised_K``: host ints (read by the per-step
+    ``nonzero``).
     ``acceptance``: the chains' additive acceptance counts (:mod:`deepspec.models.acceptance`, one
     chain per start row); the trainer sums them over the global batch and ranks before taking the
     tau estimates."""
@@ -68,7 +70,7 @@ class Eagle3LossOutput:
     weight_sum: Tensor
     local_weight_sum: Tensor
     num_supervised_K: list[int]
-    acc_K: list[float]
+    acc_K: Tensor
     acceptance: AcceptanceCounts
 
     @property
@@ -79,8 +81,11 @@ class Eagle3LossOutput:
     def greedy_tau_estimate(self) -> float:
         return self.acceptance.greedy_tau()
 
-    def scalars(self) -> dict[str, float]:
-        return {"loss": float(self.loss.detach()), "num_supervised": float(sum(self.num_supervised_K))}
+    def scalars(self) -> dict[str, Tensor]:
+        """Loggable values as float64 0-d tensors on the loss's device (no host read)."""
+        return {"loss": self.loss.detach().double(),
+                "num_supervised": torch.full((), float(sum(self.num_supervised_K)), dtype=torch.float64,
+                                             device=self.loss.device)}
 
 
 def _soft_ce_chunk(hidden_NH: Tensor, target_hidden_NH: Tensor, w_N: Tensor, final_norm: nn.Module,
@@ -141,20 +146,23 @@ def eagle3_loss(model: Eagle3DraftModel, input_ids_BS: Tensor, loss_mask_BS: Ten
     lse_BS = target_logsumexp_BS.to(dev) if stats else None
     argmax_BS = target_argmax_BS.to(dev) if stats else None
     target_rows_WH = model.lm_head.weight if stats else None  # the frozen copy of the target's rows d2t
-    counts, accs = [], []
+    counts = []
+    acc_K = torch.zeros(K, device=dev)
     match_KBS = torch.zeros(valid_KBS.shape, dtype=torch.bool, device=dev)
     accept_KBS = torch.zeros(valid_KBS.shape, device=dev)
     for k in range(K):
+        # a host sync per step k, kept: N sizes the gathered rows and the chunks (without it every
+        # B x S row would go through the vocabulary projection, padding included)
         b_N, t_N = valid_KBS[k].nonzero(as_tuple=True)
         N = int(b_N.numel())
         counts.append(N)
         if N == 0:
-            accs.append(0.0)
             continue
         h_NH = outs[k][b_N, t_N]
         th_NH = tl[b_N, t_N + k + 1]
         lse_N = lse_BS[b_N, t_N + k + 1] if stats else None
         targ_N = argmax_BS[b_N, t_N + k + 1] if stats else None
+        # a host sync kept on purpose: missing statistics must stop the run where they are met, with a message
         if stats and not bool(torch.isfinite(lse_N).all() and (targ_N >= 0).all()):
             raise ValueError(STATS_MISSING.format(who="eagle3_loss", what="position"))
         w_N = w_KBS[k][b_N, t_N]
@@ -172,8 +180,8 @@ def eagle3_loss(model: Eagle3DraftModel, input_ids_BS: Tensor, loss_mask_BS: Ten
             accepts.append(accept)
         match_KBS[k][b_N, t_N] = torch.cat(matches).bool()
         accept_KBS[k][b_N, t_N] = torch.cat(accepts)
-        accs.append(float(torch.cat(matches).mean()))
+        acc_K[k] = torch.cat(matches).mean()
     # one chain per start row (b, t): its step k is slot k
     acceptance = chain_acceptance(valid_KBS.flatten(1).T, match_KBS.flatten(1).T, accept_KBS.flatten(1).T)
     return Eagle3LossOutput(loss=loss, weight_sum=norm.detach(), local_weight_sum=local_ws.detach(),
-                            num_supervised_K=counts, acc_K=accs, acceptance=acceptance)
+                            num_supervised_K=counts, acc_K=acc_K, acceptance=acceptance)
