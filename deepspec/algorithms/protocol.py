@@ -57,17 +57,28 @@ from deepspec.target.decoding import SamplingParams, sampling_probs
 
 @dataclass
 class TrainBatch:
-    """One micro-batch, right-padded. Padding has ``loss_mask`` 0 so it carries no anchor and no loss."""
+    """One micro-batch, right-padded. Padding has ``loss_mask`` 0 so it carries no anchor and no loss.
+
+    Two forms. As collated on the host (:func:`deepspec.train.data.collate`) the features keep the
+    target cache's storage dtype (float32, bfloat16, float16, or fp8: float8_e4m3fn payload with
+    ``target_hidden_scale_BSn``), so the host copies and the host-to-device transfer move the stored
+    bytes. :func:`deepspec.train.data.batch_to_device` moves it and turns the features into float32 on
+    the device (``target_hidden_scale_BSn`` then None): the form ``algo.weight`` and ``algo.loss`` read.
+    ``algo.prepare`` runs on the host form and reads only ids and the loss mask.
+    """
 
     input_ids_BS: torch.Tensor  # int64
     loss_mask_BS: torch.Tensor  # int64 (0/1)
-    target_hidden_BSF: torch.Tensor  # float32
-    target_last_hidden_BSH: torch.Tensor  # float32
+    target_hidden_BSF: torch.Tensor  # float32 on the device; the storage dtype on the host (fp8: float8_e4m3fn)
+    target_last_hidden_BSH: torch.Tensor  # float32 on the device; the storage dtype on the host
     sample_indices: list[int]
     # the target logits' logsumexp (float32, NaN where no loss reads) and argmax (int64, -1 there) at each
     # position, from a format-3 cache (deepspec.target.capture.target_logit_stats); None: compute them
     target_logsumexp_BS: torch.Tensor | None = None
     target_argmax_BS: torch.Tensor | None = None
+    # fp8 storage on the host only: float32 [B, S, n] per-token, per-layer scales of target_hidden_BSF
+    # (deepspec.data.cache.fp8; padding 0); None otherwise and after batch_to_device
+    target_hidden_scale_BSn: torch.Tensor | None = None
 
 
 class LossLike(Protocol):

@@ -162,8 +162,12 @@ class OnlineTargetFeatures:
         """Tokens T of sample ``i`` (after truncation)."""
         return len(self._samples[self._locate(i)][1])
 
-    def read(self, i: int, fields: Sequence[str] = FIELDS) -> dict[str, torch.Tensor]:
+    def read(self, i: int, fields: Sequence[str] = FIELDS, *, dequantize: bool = True) -> dict[str, torch.Tensor]:
         """The named fields of sample ``i``; a forward of the target runs only if a feature field is asked.
+
+        ``dequantize=False`` (``feature_dtype="fp8"`` only, as :meth:`TargetCache.read
+        <deepspec.data.cache.reader.TargetCache.read>`): ``target_hidden`` stays the float8_e4m3fn
+        payload and the dict gains ``target_hidden_scale`` float32 ``[T, n]``.
 
         Raises:
             ValueError: an unknown field name.
@@ -179,10 +183,11 @@ class OnlineTargetFeatures:
         if "loss_mask" in fields:
             out["loss_mask"] = torch.tensor(mask, dtype=torch.uint8)
         if "target_hidden" in fields or "target_last_hidden" in fields:
-            out.update(self._features(sample_id, ids))
-        return {name: out[name] for name in fields}
+            out.update(self._features(sample_id, ids, dequantize=dequantize))
+        scale = ["target_hidden_scale"] if "target_hidden" in fields and "target_hidden_scale" in out else []
+        return {name: out[name] for name in [*fields, *scale]}
 
-    def _features(self, sample_id: str, ids: list[int]) -> dict[str, torch.Tensor]:
+    def _features(self, sample_id: str, ids: list[int], *, dequantize: bool = True) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             hidden_TF, last_TH = capture_sample_features(self.model, ids, self._layer_ids)
         stored = storage_features(hidden_TF, last_TH, self.feature_dtype, len(self._layer_ids))
@@ -191,7 +196,7 @@ class OnlineTargetFeatures:
                 f"online sample {sample_id!r} ({self.path}): the target's features hold NaN/inf; the cache writer "
                 f"refuses such samples: remove the row, or build a cache (`deepspec cache`) and train on it"
             )
-        if "target_hidden_scale" in stored:  # fp8: what the cache reader returns (dequantised float32)
+        if "target_hidden_scale" in stored and dequantize:  # fp8: what the cache reader returns (float32)
             stored["target_hidden"] = dequantize_fp8(stored.pop("target_hidden"), stored.pop("target_hidden_scale"))
         return stored
 

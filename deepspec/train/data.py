@@ -1,20 +1,32 @@
 """Batches for draft training, read from the target cache or computed online.
 
-Legend: B sequences per micro-batch, S padded sequence length, F = n_layers * H target features, H hidden.
+Legend: B sequences per micro-batch, S padded sequence length, F = n_layers * H target features, H hidden,
+n target layers.
 
 The data order is a pure function of ``(seed, step, rank, world_size)`` (epoch permutations seeded
 by ``(seed, epoch)``, concatenated, cut into global batches of ``batch_size x grad_accum_steps x
 world_size`` samples), so an exact resume only needs the step counter: nothing skipped, nothing repeated.
+
+The input path of a step: :class:`Prefetcher` reads and collates the next steps' samples in a
+background thread (:func:`collate`, features in the cache's storage dtype, into pinned memory when
+the batch goes to a CUDA device); the training thread moves each batch with :func:`batch_to_device`,
+which converts the features to float32 (fp8: dequantises) on the device.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import queue
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Generic, TypeVar
 
 import torch
 
 from deepspec.algorithms.protocol import TrainBatch
+from deepspec.data.cache.fp8 import dequantize_fp8
 
 
 def epoch_order(num_samples: int, *, seed: int, epoch: int) -> list[int]:
@@ -87,33 +99,179 @@ def micro_batch_seed(seed: int, step: int, slot: int) -> int:
     return ((seed * 1_000_003 + step) * 1_000_003 + slot) % (2**63 - 1)
 
 
-def collate(samples: list[dict[str, torch.Tensor]], sample_indices: list[int]) -> TrainBatch:
-    """Right-pad samples into a batch: dicts from :class:`deepspec.data.cache.reader.TargetCache` or
+def collate(samples: list[dict[str, torch.Tensor]], sample_indices: list[int], *,
+            pin_memory: bool = False) -> TrainBatch:
+    """Right-pad samples into a batch on the host, features in their stored dtype.
+
+    ``samples``: dicts from :class:`deepspec.data.cache.reader.TargetCache` or
     :class:`deepspec.data.online.OnlineTargetFeatures` (``input_ids`` [T], ``loss_mask`` [T],
-    ``target_hidden`` [T, F], ``target_last_hidden`` [T, H], any dtypes). Ids and mask become
-    int64, features float32; each sample's rows are copied unchanged, so a sample's tensors do not
-    depend on its batch position or on its neighbours' lengths. ``target_logsumexp`` / ``target_argmax``
-    (a format-3 cache) become float32 (NaN padded) / int64 (-1 padded) ``[B, S]`` when every sample
-    has them, else None."""
+    ``target_hidden`` [T, F], ``target_last_hidden`` [T, H]; with ``read(..., dequantize=False)`` on
+    an fp8 cache, ``target_hidden`` float8_e4m3fn plus ``target_hidden_scale`` float32 [T, n]). Ids
+    and mask become int64; ``target_hidden`` / ``target_last_hidden`` / the scales keep the samples'
+    dtypes (nothing is upcast here: :func:`batch_to_device` converts on the device), padded with
+    zeros. Each sample's rows are copied unchanged, so a sample's tensors do not depend on its batch
+    position or on its neighbours' lengths. ``target_logsumexp`` / ``target_argmax`` (a format-3
+    cache) become float32 (NaN padded) / int64 (-1 padded) ``[B, S]`` when every sample has them,
+    else None. ``pin_memory=True`` (needs CUDA) allocates every tensor in page-locked memory, so the
+    host-to-device copies can run asynchronously (``non_blocking=True``).
+    """
     seq_len = max(int(s["input_ids"].shape[0]) for s in samples)
     batch_size = len(samples)
-    feat_dim = samples[0]["target_hidden"].shape[-1]
-    hidden = samples[0]["target_last_hidden"].shape[-1]
-    input_ids_BS = torch.zeros(batch_size, seq_len, dtype=torch.long)
-    loss_mask_BS = torch.zeros(batch_size, seq_len, dtype=torch.long)
-    target_hidden_BSF = torch.zeros(batch_size, seq_len, feat_dim, dtype=torch.float32)
-    target_last_hidden_BSH = torch.zeros(batch_size, seq_len, hidden, dtype=torch.float32)
+    first = samples[0]
+    fp8 = "target_hidden_scale" in first
+    for s in samples:  # one cache, one storage dtype: a mix is a caller's bug
+        assert ("target_hidden_scale" in s) == fp8 and all(
+            s[k].dtype == first[k].dtype for k in ("target_hidden", "target_last_hidden")), "samples of mixed dtypes"
+
+    def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype, pin_memory=pin_memory)
+
+    input_ids_BS = zeros(batch_size, seq_len, dtype=torch.long)
+    loss_mask_BS = zeros(batch_size, seq_len, dtype=torch.long)
+    target_hidden_BSF = zeros(batch_size, seq_len, first["target_hidden"].shape[-1], dtype=first["target_hidden"].dtype)
+    target_last_hidden_BSH = zeros(batch_size, seq_len, first["target_last_hidden"].shape[-1],
+                                   dtype=first["target_last_hidden"].dtype)
+    scale_BSn = zeros(batch_size, seq_len, first["target_hidden_scale"].shape[-1], dtype=torch.float32) if fp8 else None
     stats = all("target_logsumexp" in s and "target_argmax" in s for s in samples)
-    lse_BS = torch.full((batch_size, seq_len), float("nan")) if stats else None
-    argmax_BS = torch.full((batch_size, seq_len), -1, dtype=torch.long) if stats else None
+    lse_BS = torch.full((batch_size, seq_len), float("nan"), pin_memory=pin_memory) if stats else None
+    argmax_BS = torch.full((batch_size, seq_len), -1, dtype=torch.long, pin_memory=pin_memory) if stats else None
     for b, sample in enumerate(samples):
         length = int(sample["input_ids"].shape[0])
         input_ids_BS[b, :length] = sample["input_ids"].long()
         loss_mask_BS[b, :length] = sample["loss_mask"].long()
-        target_hidden_BSF[b, :length] = sample["target_hidden"].float()
-        target_last_hidden_BSH[b, :length] = sample["target_last_hidden"].float()
+        target_hidden_BSF[b, :length] = sample["target_hidden"]
+        target_last_hidden_BSH[b, :length] = sample["target_last_hidden"]
+        if fp8:
+            scale_BSn[b, :length] = sample["target_hidden_scale"]
         if stats:
             lse_BS[b, :length] = sample["target_logsumexp"].float()
             argmax_BS[b, :length] = sample["target_argmax"].long()
     return TrainBatch(input_ids_BS, loss_mask_BS, target_hidden_BSF, target_last_hidden_BSH, sample_indices,
-                      lse_BS, argmax_BS)
+                      lse_BS, argmax_BS, scale_BSn)
+
+
+def batch_to_device(batch: TrainBatch, device: torch.device | str) -> TrainBatch:
+    """``batch`` (as :func:`collate` made it) on ``device`` with float32 features.
+
+    Every tensor moves in its stored dtype with ``non_blocking=True`` (asynchronous when the host
+    tensor is pinned and ``device`` is CUDA; a plain copy otherwise). Then, on the device:
+    ``target_hidden_BSF`` fp8 is dequantised (:func:`deepspec.data.cache.fp8.dequantize_fp8`, its
+    ``target_hidden_scale_BSn`` then dropped to None), bfloat16/float16 features are upcast. The
+    float32 upcast stays because the drafts' input projection and the losses' target-logit product
+    read float32 features (under bf16 autocast their matmuls cast down themselves); done on the device
+    it costs no host time and no transfer bytes. The values equal the host conversion exactly (the
+    same elementwise casts and products).
+    """
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device, non_blocking=True)
+
+    hidden_BSF, scale_BSn = move(batch.target_hidden_BSF), move(batch.target_hidden_scale_BSn)
+    if scale_BSn is not None:
+        hidden_BSF = dequantize_fp8(hidden_BSF, scale_BSn)
+    assert hidden_BSF.dtype != torch.float8_e4m3fn, "fp8 target_hidden_BSF without target_hidden_scale_BSn"
+    return dataclasses.replace(
+        batch,
+        input_ids_BS=move(batch.input_ids_BS),
+        loss_mask_BS=move(batch.loss_mask_BS),
+        target_hidden_BSF=hidden_BSF.float(),
+        target_last_hidden_BSH=move(batch.target_last_hidden_BSH).float(),
+        target_logsumexp_BS=move(batch.target_logsumexp_BS),
+        target_argmax_BS=move(batch.target_argmax_BS),
+        target_hidden_scale_BSn=None,
+    )
+
+
+_Key = TypeVar("_Key")
+_Item = TypeVar("_Item")
+
+
+class Prefetcher(Generic[_Key, _Item]):
+    """Iterates ``load(key)`` for each key of ``keys``, in order, loading up to ``depth`` items ahead
+    in a background thread while the caller works on the current one.
+
+    The items are exactly those of ``[load(k) for k in keys]`` in that order (``load`` is called once
+    per key, in order, from one thread); only when each load runs changes. ``depth=0`` runs ``load``
+    in the caller's thread at each ``next`` (no thread): the same items. At most ``depth`` finished
+    items wait in the queue, plus one being loaded.
+
+    An exception raised by ``load`` is re-raised (the same object, its traceback kept) by the ``next``
+    that would have returned that item; the items before it are returned first. :meth:`close` (also
+    on leaving a ``with`` block, and after the last item or an error) stops the thread: the load in
+    progress finishes, nothing further is loaded, waiting items are dropped, the thread is joined.
+    ``next`` after close raises StopIteration.
+
+    Raises:
+        ValueError: ``depth`` < 0.
+    """
+
+    _END = object()
+
+    def __init__(self, load: Callable[[_Key], _Item], keys: Iterable[_Key], *, depth: int = 1,
+                 name: str = "deepspec-prefetch") -> None:
+        if depth < 0:
+            raise ValueError(f"depth: expected >= 0 items to load ahead, got {depth}")
+        self._load = load
+        self._keys = iter(keys)
+        self._closed = False
+        self._stop = threading.Event()
+        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._thread = None
+        if depth > 0:
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
+
+    def _put(self, entry: tuple[bool, object]) -> bool:
+        """Queue ``entry``, waiting for room; False when closed meanwhile."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(entry, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            for key in self._keys:
+                if self._stop.is_set() or not self._put((True, self._load(key))):
+                    return
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            self._put((False, exc))
+            return
+        self._put((True, self._END))
+
+    def __iter__(self) -> Prefetcher[_Key, _Item]:
+        return self
+
+    def __next__(self) -> _Item:
+        if self._closed:
+            raise StopIteration
+        if self._thread is None:
+            try:
+                return self._load(next(self._keys))
+            except BaseException:
+                self.close()
+                raise
+        ok, value = self._queue.get()
+        if not ok:
+            self.close()
+            raise value
+        if value is self._END:
+            self.close()
+            raise StopIteration
+        return value
+
+    def close(self) -> None:
+        """Stop loading, drop waiting items and join the thread (idempotent)."""
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        while not self._queue.empty():
+            self._queue.get_nowait()
+
+    def __enter__(self) -> Prefetcher[_Key, _Item]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

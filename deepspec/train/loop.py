@@ -39,6 +39,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+from deepspec.algorithms.protocol import TrainBatch
 from deepspec.algorithms.registry import ALGORITHMS, get_algorithm
 from deepspec.data.cache.format import check_storage_dtype
 from deepspec.data.cache.reader import TargetCache, check_compatible
@@ -61,7 +62,14 @@ from deepspec.models.mask_token import check_mask_token_absent
 from deepspec.models.vocab import count_supervised_tokens, select_draft_vocab
 from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
 from deepspec.target.load import EMBEDDED_DEFAULT, load_target, target_fingerprint, tokenizer_fingerprint
-from deepspec.train.data import collate, micro_batch_seed, rank_micro_batches
+from deepspec.train.data import (
+    MicroBatchPlan,
+    Prefetcher,
+    batch_to_device,
+    collate,
+    micro_batch_seed,
+    rank_micro_batches,
+)
 from deepspec.train.heldout import (
     REFERENCE_NAME,
     heldout_tau,
@@ -557,25 +565,31 @@ def _without_view_outputs(method):
     return wrapped
 
 
-def _map_tensors(fn, obj: Any) -> Any:
-    """``obj`` (tensors inside dataclasses, dicts, lists, tuples) with every tensor ``t`` replaced by ``fn(t)``."""
+def _map_tensors(fn, obj: Any, *, batch_fn=None) -> Any:
+    """``obj`` (tensors inside dataclasses, dicts, lists, tuples) with every tensor ``t`` replaced by ``fn(t)``,
+    and every :class:`TrainBatch` ``b`` by ``batch_fn(b)`` when given."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if batch_fn is not None and isinstance(obj, TrainBatch):
+        return batch_fn(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: _map_tensors(fn, getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        changes = {f.name: _map_tensors(fn, getattr(obj, f.name), batch_fn=batch_fn)
+                   for f in dataclasses.fields(obj) if f.init}
         return dataclasses.replace(obj, **changes)
     if isinstance(obj, dict):
-        return {k: _map_tensors(fn, v) for k, v in obj.items()}
+        return {k: _map_tensors(fn, v, batch_fn=batch_fn) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(fn, v) for v in obj)
+        return type(obj)(_map_tensors(fn, v, batch_fn=batch_fn) for v in obj)
     return obj
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` (tensors inside dataclasses, dicts, lists, tuples) with every tensor on ``device``."""
-    if device.type == "cpu":
-        return obj
-    return _map_tensors(lambda t: t.to(device, non_blocking=True), obj)
+    """``obj`` (tensors inside dataclasses, dicts, lists, tuples) with every tensor on ``device``
+    (``non_blocking``: asynchronous from pinned memory), and every :class:`TrainBatch` inside moved by
+    :func:`deepspec.train.data.batch_to_device`: stored-dtype features converted to float32 on ``device``
+    (also on the CPU)."""
+    return _map_tensors(lambda t: t.to(device, non_blocking=True), obj,
+                        batch_fn=lambda batch: batch_to_device(batch, device))
 
 
 def _state_dict_options(**kw):
@@ -916,21 +930,34 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
     grad_scale = float(ctx.world_size)
     bar = tqdm(range(start_step, cfg.max_steps), desc="train", initial=start_step, total=cfg.max_steps,
                disable=not ctx.is_main)
+    pin_memory = ctx.device.type == "cuda" and torch.cuda.is_available()
+
+    def load_step(step: int) -> list[tuple[MicroBatchPlan, TrainBatch, list[int]]]:
+        """This rank's micro-batches of ``step``, collated on the host in the storage dtype (a pure
+        function of the step, so loading ahead changes nothing and a resume skips exactly the steps done)."""
+        plans = rank_micro_batches(len(cache), batch_size=cfg.batch_size, grad_accum_steps=cfg.grad_accum_steps,
+                                   seed=cfg.seed, step=step, rank=ctx.rank, world_size=ctx.world_size)
+        loaded = []
+        for plan in plans:
+            samples = [cache.read(i, dequantize=False) for i in plan.indices]
+            lengths = [int(sample["input_ids"].shape[0]) for sample in samples]
+            loaded.append((plan, collate(samples, plan.indices, pin_memory=pin_memory), lengths))
+        return loaded
+
+    # the next step loads while this one trains; online features stay in this thread (their target
+    # forward shares the device and the target with the held-out evaluation)
+    steps = Prefetcher(load_step, range(start_step, cfg.max_steps), depth=0 if cfg.online_data is not None else 1,
+                       name="deepspec-train-data")
     last_ckpt = None
     try:
         for step in bar:
             t0 = time.perf_counter()
             micro = []
             num_tokens = 0
-            plans = rank_micro_batches(len(cache), batch_size=cfg.batch_size, grad_accum_steps=cfg.grad_accum_steps,
-                                       seed=cfg.seed, step=step, rank=ctx.rank, world_size=ctx.world_size)
             longest = 0  # tokens of the longest sample this step (an out-of-memory message names it)
-            for plan in plans:
-                samples = [cache[i] for i in plan.indices]
-                lengths = [int(sample["input_ids"].shape[0]) for sample in samples]
+            for plan, batch, lengths in next(steps):
                 num_tokens += sum(lengths)
                 longest = max([longest, *lengths])
-                batch = collate(samples, plan.indices)
                 # random choices (anchors) depend only on (seed, step, slot): resume and any rank or
                 # accumulation split reproduce them exactly
                 generator = torch.Generator().manual_seed(micro_batch_seed(cfg.seed, step, plan.slot))
@@ -984,6 +1011,7 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
             last_ckpt = save_checkpoint(model, optimizer, scheduler, step=cfg.max_steps, cfg=cfg, ctx=ctx,
                                         template=template)
     finally:
+        steps.close()
         if writer is not None:
             writer.close()
     if ctx.is_main:

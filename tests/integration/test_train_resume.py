@@ -1,14 +1,17 @@
 """The trainer on a tiny random target: exact resume (10 steps = 5 + resume + 5), checkpoint retention,
-TensorBoard scalars, refusal of a foreign cache."""
+TensorBoard scalars, refusal of a foreign cache, the input path (fp8 dequantised on the device, the
+loader thread)."""
 
 import json
+import threading
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from deepspec.algorithms.dspark import DSparkAlgorithm
 from deepspec.algorithms.dspark.model import DSparkDraftModel
-from deepspec.data.cache import write_target_cache_from_samples
+from deepspec.data.cache import TargetCache, dequantize_fp8, write_target_cache_from_samples
 from deepspec.target.load import target_fingerprint, tokenizer_fingerprint
 from deepspec.train import loop
 from deepspec.train.data import collate as collate_fn
@@ -66,13 +69,28 @@ class _Interrupted(Exception):
 
 
 def _recording_collate(record):
+    """``collate`` noting the samples of each micro-batch loaded (the prefetcher loads ahead of training)."""
     real = collate_fn
 
-    def collate(samples, indices):
+    def collate(samples, indices, **kw):
         record.append(list(indices))
-        return real(samples, indices)
+        return real(samples, indices, **kw)
 
     return collate
+
+
+_PREPARE = DSparkAlgorithm.prepare  # the real one, whatever a test has patched in since
+
+
+def _recording_prepare(record):
+    """DSpark's ``prepare`` noting the samples of each micro-batch trained on."""
+    real = _PREPARE
+
+    def prepare(self, model, batch, generator, cfg):
+        record.append(list(batch.sample_indices))
+        return real(self, model, batch, generator, cfg)
+
+    return prepare
 
 
 def test_ten_steps_equal_five_then_resume_then_five(setup, tmp_path, monkeypatch):
@@ -81,13 +99,13 @@ def test_ten_steps_equal_five_then_resume_then_five(setup, tmp_path, monkeypatch
     # 6 samples, global batch 2 x 2 = 4: steps straddle epochs, so the order is not trivially periodic
     kw = dict(max_steps=10, grad_accum_steps=2, save_every=5)
     order_full: list[list[int]] = []
-    monkeypatch.setattr(loop, "collate", _recording_collate(order_full))
+    monkeypatch.setattr(DSparkAlgorithm, "prepare", _recording_prepare(order_full))
     full = train(_cfg(cache, tmp_path / "full", **kw), target_model=model, tokenizer=tok)
     assert full.name == "checkpoint-000010"
 
     # the same run, killed right after its step-5 checkpoint, then resumed with resume="auto"
     order_cut: list[list[int]] = []
-    monkeypatch.setattr(loop, "collate", _recording_collate(order_cut))
+    monkeypatch.setattr(DSparkAlgorithm, "prepare", _recording_prepare(order_cut))
     real_save = loop.save_checkpoint
 
     def save_then_crash(*args, step, **kwargs):
@@ -101,15 +119,18 @@ def test_ten_steps_equal_five_then_resume_then_five(setup, tmp_path, monkeypatch
         train(_cfg(cache, tmp_path / "cut", **kw), target_model=model, tokenizer=tok)
     monkeypatch.setattr(loop, "save_checkpoint", real_save)
     assert (tmp_path / "cut" / "latest").read_text().strip() == "checkpoint-000005"
-    assert len(order_cut) == 5 * 2
+    assert len(order_cut) == 5 * 2  # trained on: steps 1-5 (the prefetcher may have loaded step 6 too)
+    loaded: list[list[int]] = []
+    monkeypatch.setattr(loop, "collate", _recording_collate(loaded))
     resumed = train(_cfg(cache, tmp_path / "cut", resume="auto", **kw), target_model=model, tokenizer=tok)
     assert resumed.name == "checkpoint-000010"
+    assert loaded == order_full[10:]  # the resumed run loads steps 6-10 only, in order
 
     a, b = _weights(full), _weights(resumed)
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    assert order_cut == order_full  # same data order: 10 steps x 2 micro-batches
+    assert order_cut == order_full  # same data trained on, in the same order: 10 steps x 2 micro-batches
     # epochs of 6 samples concatenated: steps 1-3 (12 slots) see every sample exactly twice
     assert sorted(i for micro in order_full[:6] for i in micro) == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     rows_full, rows_cut = _log(tmp_path / "full"), _log(tmp_path / "cut")
@@ -406,3 +427,69 @@ def test_bf16_on_a_cpu_without_native_bf16_warns_and_the_decoding_spelling_is_ac
     monkeypatch.setattr(loop, "cpu_bf16_flags", lambda: ("avx512_bf16",))
     train(_cfg(cache, tmp_path / "native", dtype="bf16", max_steps=1), target_model=model, tokenizer=tok)
     assert "without native bf16" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the input path (stored dtype to the device)
+
+
+@pytest.fixture(scope="module")
+def fp8_cache(setup, tmp_path_factory):
+    """The samples of ``setup``'s cache, stored as fp8."""
+    model, tok, path = setup
+    cache = TargetCache(path)
+    samples = [(cache.sample_id(i), *(cache.read(i, ("input_ids", "loss_mask"))[k].tolist()
+                                      for k in ("input_ids", "loss_mask"))) for i in range(len(cache))]
+    out = tmp_path_factory.mktemp("fp8") / "cache"
+    write_target_cache_from_samples(
+        samples, out, model, target_layer_ids=LAYER_IDS, target_fingerprint=target_fingerprint(model),
+        tokenizer_fingerprint=tokenizer_fingerprint(tok), storage_dtype="fp8", progress=False,
+    )
+    return out
+
+
+def _host_converting_collate(samples, indices, **kw):
+    """The former input path: fp8 dequantised and every feature upcast to float32 on the host."""
+    host = []
+    for s in samples:
+        s = dict(s)
+        if "target_hidden_scale" in s:
+            s["target_hidden"] = dequantize_fp8(s["target_hidden"], s.pop("target_hidden_scale"))
+        host.append({**s, "target_hidden": s["target_hidden"].float(),
+                     "target_last_hidden": s["target_last_hidden"].float()})
+    return collate_fn(host, indices, **kw)
+
+
+def _loader_threads():
+    return [t for t in threading.enumerate() if t.name == "deepspec-train-data"]
+
+
+def test_an_fp8_cache_trains_as_with_host_dequantisation(setup, fp8_cache, tmp_path, monkeypatch):
+    """Dequantising on the device changes no number: same losses, gradient norms and weights (bitwise)."""
+    model, tok, _ = setup
+    kw = dict(max_steps=3, grad_accum_steps=2)
+    device = train(_cfg(fp8_cache, tmp_path / "device", **kw), target_model=model, tokenizer=tok)
+    assert not _loader_threads()
+    monkeypatch.setattr(loop, "collate", _host_converting_collate)
+    host = train(_cfg(fp8_cache, tmp_path / "host", **kw), target_model=model, tokenizer=tok)
+    rows_device, rows_host = _log(tmp_path / "device"), _log(tmp_path / "host")
+    assert len(rows_device) == 3
+    for key in ("loss", "grad_norm", "tau_estimate", "num_tokens"):
+        assert [r[key] for r in rows_device] == [r[key] for r in rows_host], key
+    a, b = _weights(device), _weights(host)
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_a_failing_step_stops_the_loader_thread(setup, tmp_path, monkeypatch):
+    model, tok, cache = setup
+    real_loss, calls = DSparkAlgorithm.loss, []
+
+    def loss_failing_at_step_2(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("step 2 failed")
+        return real_loss(self, *args, **kwargs)
+
+    monkeypatch.setattr(DSparkAlgorithm, "loss", loss_failing_at_step_2)
+    with pytest.raises(RuntimeError, match="step 2 failed"):
+        train(_cfg(cache, tmp_path / "run", max_steps=50), target_model=model, tokenizer=tok)
+    assert not _loader_threads()

@@ -150,6 +150,11 @@ def test_fp8_online_equals_fp8_cache(setup, tmp_path):
         a, b = online[i], cache[i]
         for name in a:
             assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), (i, name)
+        # the stored form the trainer reads (payload + scales, dequantised on its device) is the same too
+        a, b = online.read(i, dequantize=False), cache.read(i, dequantize=False)
+        assert a.keys() <= b.keys() and "target_hidden_scale" in a and a["target_hidden"].dtype == torch.float8_e4m3fn
+        for name in a:
+            assert a[name].dtype == b[name].dtype and torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8))
 
 
 def _train_cfg(out, **kw):

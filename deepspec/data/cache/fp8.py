@@ -38,7 +38,18 @@ def quantize_fp8(hidden_TF: torch.Tensor, num_target_layers: int) -> tuple[torch
 
 
 def dequantize_fp8(q_TF: torch.Tensor, scale_Tn: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`quantize_fp8`: float32 [T, F] = q * scale (per token and layer)."""
-    T, F = q_TF.shape
+    """Inverse of :func:`quantize_fp8`: float32 ``[..., F] = q * scale`` (per token and layer), on the
+    device ``q`` is on.
+
+    Args:
+        q_TF: float8_e4m3fn ``[..., F]`` (one sample ``[T, F]``, or a padded batch ``[B, S, F]``).
+        scale_Tn: float32 ``[..., n]``, the same leading shape; ``F`` divisible by ``n``.
+    Returns:
+        float32 ``[..., F]``. Each element is one float32 product of two exactly converted values, so
+        a batch dequantised at once has the bits of its samples dequantised one by one (padding with
+        ``q = 0`` stays 0).
+    """
+    *lead, F = q_TF.shape
     n = scale_Tn.shape[-1]
-    return (q_TF.float().reshape(T, n, F // n) * scale_Tn.float()[..., None]).reshape(T, F)
+    assert list(scale_Tn.shape[:-1]) == lead and F % n == 0, (tuple(q_TF.shape), tuple(scale_Tn.shape))
+    return (q_TF.float().reshape(*lead, n, F // n) * scale_Tn.float()[..., None]).reshape(*lead, F)

@@ -30,7 +30,8 @@ class TargetCache:
     ``cache[i]`` -> ``{"input_ids": int32 [T], "loss_mask": uint8 [T], "target_hidden": [T, F],
     "target_last_hidden": [T, H], "target_logsumexp": float32 [T], "target_argmax": int32 [T]}`` in
     the stored dtypes, except storage ``fp8`` where ``target_hidden`` is dequantised to float32
-    (``target_last_hidden`` stays bfloat16). A format-2 cache has no ``target_logsumexp`` /
+    (``target_last_hidden`` stays bfloat16; ``read(i, dequantize=False)`` keeps the fp8 payload and
+    its scales). A format-2 cache has no ``target_logsumexp`` /
     ``target_argmax`` (``fields`` lists what this cache holds). Shards are
     opened lazily with ``safe_open`` (memory mapped) and a sample is read with ``get_slice``: only
     its rows are copied. At most ``max_open_shards`` shards are open at once (least recently used
@@ -121,9 +122,19 @@ class TargetCache:
             self._sample_ids[k] = json.loads(self._open(k).metadata()["deepspec"])["sample_ids"]
         return self._sample_ids[k][j]
 
-    def read(self, i: int, fields: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    def read(self, i: int, fields: Sequence[str] | None = None, *, dequantize: bool = True) -> dict[str, torch.Tensor]:
         """Only the named fields of sample ``i`` (e.g. ``("input_ids",)`` to scan tokens cheaply);
-        None: every field this cache holds (:attr:`fields`)."""
+        None: every field this cache holds (:attr:`fields`).
+
+        ``dequantize=False`` (storage ``fp8`` only; other storages are returned as stored either way):
+        ``target_hidden`` is the stored float8_e4m3fn payload ``[T, F]`` and the dict gains
+        ``target_hidden_scale`` float32 ``[T, n]``, for the trainer to dequantise on its device
+        (:func:`deepspec.train.data.batch_to_device`); nothing is converted on the host.
+
+        Raises:
+            ValueError: a field this cache does not hold.
+            IndexError: ``i`` out of range.
+        """
         fields = self.fields if fields is None else fields
         unknown = [f for f in fields if f not in self.fields]
         if unknown:
@@ -138,7 +149,11 @@ class TargetCache:
         for name in fields:
             t = h.get_slice(name)[a:b]
             if name == "target_hidden" and t.dtype == torch.float8_e4m3fn:
-                t = dequantize_fp8(t, h.get_slice("target_hidden_scale")[a:b])
+                scale_Tn = h.get_slice("target_hidden_scale")[a:b]
+                if dequantize:
+                    t = dequantize_fp8(t, scale_Tn)
+                else:
+                    out["target_hidden_scale"] = scale_Tn
             out[name] = t
         return out
 
