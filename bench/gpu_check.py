@@ -19,7 +19,7 @@ a run stopped from outside still leaves every finished part's figures:
 3. ``tests_flex``: ``pytest tests/gpu -k flex`` (flex against the dense mask, with the dtypes flex ran in).
 4. ``decode``: ``bench/decode.py --qwen3-4b --layers N --compile on`` on synthetic prompts in one static
    cache bucket (compiled target-only against ``generate()``, a block-8 speculative step against a
-   one-token step).
+   one-token step), then one speculative generation profiled (top operators and kernels).
 5. ``tests``: the rest of ``tests/gpu`` with the time left.
 
 A part whose Python packages are missing (pytest, matplotlib, ...) is skipped with one line. Writes
@@ -69,7 +69,7 @@ def part_commands(args: argparse.Namespace, out: Path) -> dict[str, list[str]]:
         "decode": [py, "bench/decode.py", "--qwen3-4b", "--layers", str(args.decode_layers), "--draft", "untrained",
                    "--compile", "on", "--temperatures", "0", "--baselines", "none", "--synthetic-prompts",
                    str(args.decode_prompts), "--max-new-tokens", str(args.decode_max_new_tokens), "--repeats", "2",
-                   "--output-dir", str(out)],
+                   "--profile", "--output-dir", str(out)],
         "tests": [py, "-m", "pytest", "-q", "-s", "-m", "gpu", "tests/gpu", "-k", "not flex", "-p", "no:cacheprovider"],
     }
 

@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from deepspec.algorithms.protocol import TrainBatch  # noqa: E402
 from deepspec.algorithms.registry import ALGORITHMS, get_algorithm  # noqa: E402
-from deepspec.device import resolve_device  # noqa: E402
+from deepspec.device import allow_tf32, resolve_device  # noqa: E402
 from deepspec.target.capture import default_target_layer_ids, target_logit_stats  # noqa: E402
 from deepspec.train.loop import TrainConfig, build_optimizer, to_device  # noqa: E402
 from deepspec.utils import pyplot, save_png  # noqa: E402
@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> dict:
         device = resolve_device(args.device, "--device")
     except ValueError as exc:
         p.error(str(exc))
+    if device.type == "cuda":
+        allow_tf32()  # as the trainer does on CUDA
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if args.qwen3_4b:
@@ -357,6 +359,10 @@ def _qwen3_main(args, device, out: Path) -> dict:
     algo = get_algorithm("dspark")
     B, S, A = args.qwen3_batch_size, args.qwen3_seq_len, args.qwen3_num_anchors
     batch = _batch(target, len(layer_ids), B, S, torch.Generator().manual_seed(0))
+    if device.type == "cuda":  # as the trainer reads the recipe's bf16 cache: stored dtype, pinned, upcast on the GPU
+        batch = dataclasses.replace(
+            batch, target_hidden_BSF=batch.target_hidden_BSF.bfloat16().pin_memory(),
+            target_last_hidden_BSH=batch.target_last_hidden_BSH.bfloat16().pin_memory())
     num_tokens = int((batch.input_ids_BS != 0).sum())
     # one draft and one optimizer for both modes, so each mode's peak memory holds one set of weights
     # and AdamW state (the recipe's draft: 5 layers, block 7, Markov rank 256)
