@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 DEMO_OUT ?= runs/demo
 RECIPE_OUT ?= runs/recipe
 VLLM_VENV ?= .venv-vllm
+# The oldest transformers DeepSpec is checked against: the version of the GPU machines' images
+TF_OLDEST ?= 5.17.0
+TF_OLDEST_SITE ?= .venv-transformers-$(TF_OLDEST)
 
 .PHONY: install demo recipe test clean
 
@@ -39,8 +42,15 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
-test: install $(VLLM_VENV)/.installed
+# transformers $(TF_OLDEST) and its dependencies in a folder of their own (no torch), put in front of the
+# venv's packages for the tests of the paths that lean on transformers' internals (the compiled decode path).
+$(TF_OLDEST_SITE)/.installed:
+	$(PY) -m pip install --quiet --target $(TF_OLDEST_SITE) transformers==$(TF_OLDEST)
+	touch $@
+
+test: install $(VLLM_VENV)/.installed $(TF_OLDEST_SITE)/.installed
 	DEEPSPEC_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q
+	PYTHONPATH=$(abspath $(TF_OLDEST_SITE)) $(PY) -m pytest -q -p no:cacheprovider tests/unit/test_compiled.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) $(TF_OLDEST_SITE) runs
