@@ -262,7 +262,8 @@ def test_engine_greedy_on_the_device(memorised, dtype):
     for text in PROMPTS:
         ids = render_prompt(tok, [{"role": "user", "content": text}])
         base = SpeculativeEngine(model, LAYER_IDS, NullProposer(), eos).generate(ids, max_new_tokens=MAX_NEW_TOKENS)
-        spec = SpeculativeEngine(model, LAYER_IDS, DSparkProposer(draft), eos).generate(ids, max_new_tokens=MAX_NEW_TOKENS)
+        spec = SpeculativeEngine(model, LAYER_IDS, DSparkProposer(draft), eos).generate(
+            ids, max_new_tokens=MAX_NEW_TOKENS)
         spec_results.append(spec)
         assert len(spec.output_ids) > 0
         if spec.output_ids == base.output_ids:
