@@ -600,6 +600,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.compile == "on":
         from deepspec.eval.compiled import CompiledTarget
 
+        from deepspec.algorithms.dspark.compiled import compile_proposer
+
+        proposers = {name: compile_proposer(prop) for name, prop in proposers.items()}
         compiled = CompiledTarget.for_proposers(model, proposers.values())
         engines = {name: SpeculativeEngine(model, layer_ids, prop, eos, compiled=compiled)
                    for name, prop in proposers.items()}

@@ -108,3 +108,14 @@ def torchrun_env() -> tuple[int, int, int]:
     """``(rank, world_size, local_rank)`` from the environment torchrun sets (``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``); ``(0, 1, 0)`` outside torchrun."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+MIN_CACHE_LEN = 256  # the shortest static KV cache allocated (positions)
+
+
+def cache_len_bucket(num_positions: int) -> int:
+    """The static cache length allocated for ``num_positions`` positions: the next power of two, at
+    least :data:`MIN_CACHE_LEN` (few lengths, so few compilations). Raises ValueError below 1."""
+    if num_positions < 1:
+        raise ValueError(f"num_positions: expected >= 1, received {num_positions}")
+    return max(MIN_CACHE_LEN, 1 << (int(num_positions) - 1).bit_length())

@@ -57,21 +57,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from deepspec.target.capture import (TargetOutput, _base_model, _cache_kwarg, features_from_hidden_states,
                                      target_forward, target_logits)
+from deepspec.utils import MIN_CACHE_LEN, cache_len_bucket  # noqa: F401 (the static caches' length rule)
 
-MIN_CACHE_LEN = 256
 # One graph per (step length, cache length, feature layers, CompiledTarget): a few per engine, a few engines.
 RECOMPILE_LIMIT = 64
 RECOMPILE_ERROR = ("CompiledTarget: torch.compile recompiled the decode step past {limit} graphs (step lengths "
                    "{lengths}, cache lengths {buckets}); it would now run the step eagerly and silently slow. "
                    "Share one CompiledTarget between the engines of a run, or decode with the eager engine.")
-
-
-def cache_len_bucket(num_positions: int) -> int:
-    """The static cache length allocated for ``num_positions`` positions: the next power of two, at
-    least :data:`MIN_CACHE_LEN` (few lengths, so few compilations). Raises ValueError below 1."""
-    if num_positions < 1:
-        raise ValueError(f"num_positions: expected >= 1, received {num_positions}")
-    return max(MIN_CACHE_LEN, 1 << (int(num_positions) - 1).bit_length())
 
 
 def _is_compiling() -> bool:

@@ -27,13 +27,14 @@ from typing import Any
 
 import torch
 
+from deepspec.algorithms.dspark.compiled import compile_proposer
 from deepspec.algorithms.ngram.proposer import DEFAULT_NUM_TOKENS, corpus_lookup
 from deepspec.algorithms.protocol import NullProposer, Proposer
 from deepspec.data.chat import render_prompt, target_stop_token_ids
 from deepspec.device import dtype_name, is_out_of_memory, out_of_memory_error
 from deepspec.eval.benchmarks import BenchmarkPrompt
-from deepspec.eval.engine import GenerationResult, SpeculativeEngine
 from deepspec.eval.compiled import CompiledTarget
+from deepspec.eval.engine import GenerationResult, SpeculativeEngine
 from deepspec.eval.few_row_linear import few_row_linear as few_row_linear_context
 from deepspec.eval.flips import argmax_flip_positions, chunked_argmax, divergence_record, first_divergence, flip_rate
 from deepspec.eval.metrics import METRIC_DEFINITIONS, benchmark_metrics
@@ -218,7 +219,9 @@ def run_eval(
             linear path (:mod:`deepspec.eval.few_row_linear`); recorded in the report's config.
         compile_target: every engine (the baseline too) runs the target's decode steps on one shared
             compiled path (:class:`deepspec.eval.compiled.CompiledTarget`; compiled untimed, before each
-            generation's clock); recorded in the report's config. Not with ``few_row_linear``.
+            generation's clock), and DSpark / DFlash chain drafts propose through compiled graphs
+            (:func:`deepspec.algorithms.dspark.compiled.compile_proposer`); recorded in the report's
+            config. Not with ``few_row_linear``.
 
     Returns the results dict (``config``, ``environment``, ``definitions``, ``benchmarks``:
     bench -> method -> metrics, ``samples``: bench -> method -> one record per (prompt, turn), with
@@ -240,7 +243,10 @@ def run_eval(
         raise ValueError(f"sampling: expected a SamplingParams, received {type(sampling).__name__}.")
     eos = eos_token_ids_of(target_model, tokenizer)
     pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else eos[0]
-    compiled = CompiledTarget.for_proposers(target_model, proposers.values()) if compile_target else None
+    compiled = None
+    if compile_target:
+        proposers = {n: compile_proposer(p) for n, p in proposers.items()}
+        compiled = CompiledTarget.for_proposers(target_model, proposers.values())
     engines = {n: SpeculativeEngine(target_model, target_layer_ids, p, eos, few_row_linear=few_row_linear,
                                     compiled=compiled)
                for n, p in {BASELINE: NullProposer(), **proposers}.items()}

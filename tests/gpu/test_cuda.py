@@ -295,7 +295,7 @@ def _cuda_graphs_recorded() -> int:
 
 def test_compiled_engine_on_the_device(memorised):
     """The compiled target path (deepspec.eval.compiled: static KV cache + torch.compile, CUDA graphs on CUDA)
-    in fp32 on the device, with the memorised draft: compiled target-only output equals eager target-only
+    in fp32 on the device, with the memorised draft proposing through its own compiled graphs: compiled target-only output equals eager target-only
     output and Hugging Face ``generate(do_sample=False)`` token for token, and speculative output (compiled
     and eager) equals them, through accepted drafts; on CUDA every compiled step ran as a CUDA graph
     (none skipped). The compiled and eager engines' mean step times are printed (figures, not asserted).
@@ -303,6 +303,7 @@ def test_compiled_engine_on_the_device(memorised):
     CPU code generation is tests/unit/test_compiled.py's."""
     from torch._dynamo.utils import counters
 
+    from deepspec.algorithms.dspark.compiled import compile_proposer
     from deepspec.algorithms.dspark.proposer import DSparkProposer
     from deepspec.algorithms.protocol import NullProposer
     from deepspec.algorithms.registry import get_algorithm
@@ -323,9 +324,13 @@ def test_compiled_engine_on_the_device(memorised):
     compiled = CompiledTarget(model, (1, BLOCK_SIZE + 1), **({} if HAS_CUDA else {"backend": "eager"}))
     if HAS_CUDA:
         assert compiled.mode == "reduce-overhead"
-    engines = {(name, kind): SpeculativeEngine(model, LAYER_IDS, prop, eos, compiled=compiled if kind == "compiled" else None)
-               for name, prop in (("target-only", NullProposer()), ("speculative", DSparkProposer(draft)))
-               for kind in ("eager", "compiled")}
+    backend = {} if HAS_CUDA else {"backend": "eager"}
+    proposers = {("target-only", "eager"): NullProposer(), ("target-only", "compiled"): NullProposer(),
+                 ("speculative", "eager"): DSparkProposer(draft),
+                 # the compiled engine's draft proposes through its own graphs (deepspec.algorithms.dspark.compiled)
+                 ("speculative", "compiled"): compile_proposer(DSparkProposer(draft), **backend)}
+    engines = {key: SpeculativeEngine(model, LAYER_IDS, prop, eos, compiled=compiled if key[1] == "compiled" else None)
+               for key, prop in proposers.items()}
     step_ms: dict[tuple[str, str], list[float]] = {key: [] for key in engines}
     spec_results = []
     for text in PROMPTS[:3]:

@@ -253,6 +253,13 @@ class LookupFirstProposer:
         self.draft.reset()
         self.lookup.reset()
 
+    def prepare(self, num_positions: int) -> None:
+        """The draft's set-up for a generation of ``num_positions`` positions, where it has one
+        (:meth:`~deepspec.algorithms.dspark.compiled.CompiledDSparkProposer.prepare`)."""
+        prepare = getattr(self.draft, "prepare", None)
+        if prepare is not None:
+            prepare(num_positions)
+
     def extend_context(self, target_hidden_TF: Tensor | None, token_ids_T: Sequence[int]) -> None:
         self.draft.extend_context(target_hidden_TF, token_ids_T)
         self.lookup.extend_context(None, token_ids_T)
