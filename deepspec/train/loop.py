@@ -892,9 +892,10 @@ def _train(cfg: TrainConfig, ctx: _Dist, *, target_model=None, tokenizer=None, h
         log_rows = _read_log(log_path, upto_step=start_step)
         # purge_step drops events an earlier run logged after the resume point (they are replayed)
         writer = SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1 if start_step else None)
-    heldout = (_HeldoutCurve(cfg, ctx, algorithm, _capture_target(target_model, cache), tokenizer, target_layer_ids,
-                             heldout_prompts)
-               if cfg.heldout_every else None)
+    heldout = None
+    if cfg.heldout_every:  # the reference target on the training device (rank 0 makes the reference)
+        reference_target = _capture_target(target_model, cache, ctx.device if ctx.is_main else None)
+        heldout = _HeldoutCurve(cfg, ctx, algorithm, reference_target, tokenizer, target_layer_ids, heldout_prompts)
     elapsed_s = next((r["elapsed_s"] for r in reversed(log_rows) if "elapsed_s" in r), 0.0)
 
     def log_row(row: dict) -> None:
@@ -1035,13 +1036,15 @@ def _train_out_of_memory(exc: BaseException, cfg: TrainConfig, ctx: _Dist, step:
     return out_of_memory_error("train", ctx.device, sizes, fix, exc)
 
 
-def _capture_target(target_model: torch.nn.Module, data) -> torch.nn.Module:
-    """The target as it ran when the training features were captured: a copy cast to a cache's capture
-    dtype (``deepspec cache --dtype bfloat16``), else ``target_model`` itself (float32 caches, online
-    mode). The learning curve's reference is made with it, so the held-out features and greedy outputs
-    come from the same target forward as the features the draft trains on."""
+def _capture_target(target_model: torch.nn.Module, data, device: torch.device | None = None) -> torch.nn.Module:
+    """The target as it ran when the training features were captured, on ``device`` (None: where it is):
+    cast to a cache's capture dtype (``deepspec cache --dtype bfloat16``), else in its own dtype (float32
+    caches, online mode); ``target_model`` itself when nothing changes, else a copy. The learning curve's
+    reference is made with it, so the held-out features and greedy outputs come from the same target
+    forward as the features the draft trains on, on the training device (a GPU, not the host)."""
     capture_dtype = ((getattr(data, "manifest", None) or {}).get("capture") or {}).get("dtype")
-    return target_model if capture_dtype is None else cast_for_decoding(target_model, getattr(torch, capture_dtype))
+    dtype = getattr(torch, capture_dtype) if capture_dtype else next(target_model.parameters()).dtype
+    return cast_for_decoding(target_model, dtype, device)
 
 
 class _HeldoutCurve:

@@ -101,3 +101,18 @@ def test_the_curve_reference_target_runs_in_the_caches_capture_dtype():
     assert torch.equal(bf16.weight, target.weight.to(torch.bfloat16))
     assert _capture_target(target, SimpleNamespace(manifest={"capture": {"dtype": "float32"}})) is target
     assert _capture_target(target, SimpleNamespace(manifest={"format": "online"})) is target
+    assert _capture_target(target, SimpleNamespace(manifest={}), torch.device("cpu")) is target
+
+
+def test_the_curve_reference_target_goes_to_the_training_device(monkeypatch):
+    """The reference runs where the draft trains (a GPU), not on the host the cache mode loaded it on."""
+    from types import SimpleNamespace
+
+    import deepspec.train.loop as loop
+
+    seen = []
+    monkeypatch.setattr(loop, "cast_for_decoding", lambda m, dtype, device=None, **kw: seen.append((dtype, device)) or m)
+    target = torch.nn.Linear(4, 4)
+    loop._capture_target(target, SimpleNamespace(manifest={"capture": {"dtype": "bfloat16"}}), torch.device("cuda", 0))
+    loop._capture_target(target, SimpleNamespace(manifest={}), torch.device("cuda", 0))
+    assert seen == [(torch.bfloat16, torch.device("cuda", 0)), (torch.float32, torch.device("cuda", 0))]
