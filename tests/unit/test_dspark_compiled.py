@@ -160,3 +160,15 @@ def test_inductor_compiled_draft_is_lossless(target):
     eager = SpeculativeEngine(target, LAYER_IDS, DSparkProposer(draft), eos).generate(PROMPT, max_new_tokens=16)
     assert res.output_ids == hf_greedy(target, PROMPT, 16, eos[0]) == eager.output_ids
     assert [s.num_proposed for s in res.steps] == [s.num_proposed for s in eager.steps]
+
+
+def test_recompiling_past_the_limit_is_an_error(target, monkeypatch):
+    import deepspec.algorithms.dspark.compiled as compiled_mod
+
+    monkeypatch.setattr(compiled_mod, "RECOMPILE_LIMIT", 1)
+    torch._dynamo.reset()  # the limit counts the graphs of the proposal's code objects in this process
+    draft = _dspark_draft(target)
+    with torch.inference_mode():
+        CompiledDSparkProposer(draft, backend=CountingBackend()).prepare(8)
+        with pytest.raises(RuntimeError, match="recompiled a proposal graph past 1 graphs"):
+            CompiledDSparkProposer(draft, backend=CountingBackend()).prepare(8)

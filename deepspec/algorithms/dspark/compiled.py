@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._dynamo
 from torch import Tensor
 
 from deepspec.algorithms.dspark.model import DraftContextCache
@@ -42,6 +43,13 @@ from deepspec.algorithms.dspark.proposer import DSparkProposer
 from deepspec.algorithms.protocol import Proposal
 from deepspec.target.decoding import SamplingParams
 from deepspec.utils import cache_len_bucket
+
+
+# One graph per (proposer, cache length) for each of the two steps: a few per engine, a few engines per run
+RECOMPILE_LIMIT = 64
+RECOMPILE_ERROR = ("CompiledDSparkProposer: torch.compile recompiled a proposal graph past {limit} graphs; it would "
+                   "now run eagerly and silently slow. Build fewer compiled proposers in one process, or propose "
+                   "with the eager DSparkProposer.")
 
 
 class CompiledDSparkProposer(DSparkProposer):
@@ -158,19 +166,25 @@ class CompiledDSparkProposer(DSparkProposer):
                 confs.append(torch.sigmoid(conf_logit.float()).reshape(1))
         return torch.cat(ids), (torch.cat(confs) if confs else None)
 
-    def _run_append(self, T: int) -> None:
-        self._pos.fill_(self.length)
+    def _call(self, graph: Callable[..., Any], *args: Any) -> Any:
+        """One graph call; a recompile past :data:`RECOMPILE_LIMIT` is an error, never a silent eager run."""
         if self.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
-        self._append_graph(self._feats, self._pos, self._keys, self._values)
+        try:
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=RECOMPILE_LIMIT):
+                return graph(*args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
+            raise RuntimeError(RECOMPILE_ERROR.format(limit=RECOMPILE_LIMIT)) from exc
+
+    def _run_append(self, T: int) -> None:
+        self._pos.fill_(self.length)
+        self._call(self._append_graph, self._feats, self._pos, self._keys, self._values)
         self.length += T
 
     def _run_propose(self, anchor_token: int, anchor_pos: int) -> tuple[Tensor, Tensor | None]:
         self._anchor.fill_(int(anchor_token))
         self._pos.fill_(int(anchor_pos))
-        if self.mode == "reduce-overhead":
-            torch.compiler.cudagraph_mark_step_begin()
-        ids_J, conf_J = self._propose_graph(self._anchor, self._pos, self._keys, self._values)
+        ids_J, conf_J = self._call(self._propose_graph, self._anchor, self._pos, self._keys, self._values)
         # copies: CUDA graph outputs live in a pool the next replay overwrites
         return ids_J.clone(), None if conf_J is None else conf_J.clone()
 
