@@ -21,7 +21,7 @@ from deepspec.data.chat import (
 )
 from tests.helpers import byte_level_tokenizer, mask_spans
 
-QWEN3_CONFIG = Path(__file__).resolve().parents[3] / "shared" / "tokenizers" / "qwen3" / "tokenizer_config.json"
+QWEN3_CONFIG = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3_tokenizer" / "tokenizer_config.json"
 
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
           "{{ '<|im_start|>system\nYou are a test assistant.<|im_end|>\n' }}{% endif %}"
@@ -163,8 +163,6 @@ def test_non_rewriting_template_gives_one_sample(tiny_tok):
 @pytest.fixture(scope="module")
 def tiny_qwen3():
     """The tiny byte-level tokenizer with the real Qwen3 chat template (rewrites earlier think blocks)."""
-    if not QWEN3_CONFIG.is_file():
-        pytest.skip(f"{QWEN3_CONFIG} not found")
     tok = tiny_chatml_tokenizer()
     tok.chat_template = json.loads(QWEN3_CONFIG.read_text(encoding="utf-8"))["chat_template"]
     return tok
