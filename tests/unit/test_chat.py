@@ -1,4 +1,4 @@
-"""Chat rendering and loss masks (DESIGN.md s.3).
+"""Chat rendering and loss masks (docs/design/data.md, "Chat templates and loss masks").
 
 Fast tests use a tiny byte-level ChatML tokenizer built in-process (with the ChatML template, or the
 real Qwen3 chat template text, which rewrites history). The golden tests with the real tokenizers
