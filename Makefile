@@ -48,9 +48,10 @@ $(TF_OLDEST_SITE)/.installed:
 	$(PY) -m pip install --quiet --target $(TF_OLDEST_SITE) transformers==$(TF_OLDEST)
 	touch $@
 
+# -rs: every skip prints its reason (on a CPU machine only the GPU tests skip)
 test: install $(VLLM_VENV)/.installed $(TF_OLDEST_SITE)/.installed
-	DEEPSPEC_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q
-	PYTHONPATH=$(abspath $(TF_OLDEST_SITE)) $(PY) -m pytest -q -p no:cacheprovider tests/unit/test_compiled.py
+	DEEPSPEC_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q -rs
+	PYTHONPATH=$(abspath $(TF_OLDEST_SITE)) $(PY) -m pytest -q -rs -p no:cacheprovider tests/unit/test_compiled.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(TF_OLDEST_SITE) runs

@@ -12,7 +12,7 @@ CUDA or a CPU with native bf16, else float32): answer generation (prepare), the 
 features the cache captures (stored in float32), the draft's training forward (bf16 autocast with
 float32 master weights) and decoding (eval), each on a cast copy of the target; the cache manifest,
 the training config and the report record it. So the draft is trained on the features the target
-computes when it decodes (docs/semantics.md, "Decoding dtype").
+computes when it decodes (docs/design/decoding.md, "Decoding dtype").
 
 Every stage writes under ``output_dir``; running the demo again reuses finished stages (the
 training stage resumes from its latest checkpoint), so an interrupted demo continues where it stopped.

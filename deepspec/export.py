@@ -6,7 +6,7 @@ Formats (docs/export.md has each one's keys, weight names and sources):
   ``LlamaForCausalLMEagle3``, one with q/k norm (a Qwen3 target, or ``--draft-backbone qwen3``)
   ``Qwen3ForCausalLM`` (vLLM's Qwen3 EAGLE-3 head). vLLM reads ``eagle_aux_hidden_state_layer_ids`` as hidden-state
   indices (``hidden_states[i]``, 0 = the embeddings), so DeepSpec's layer ids (the output of decoder
-  layer ``i`` = ``hidden_states[i + 1]``, DESIGN s.2) are written plus one.
+  layer ``i`` = ``hidden_states[i + 1]``, docs/design/targets.md, "Target layer ids") are written plus one.
 - ``sglang-eagle3``: SGLang's ``LlamaForCausalLMEagle3``. SGLang adds one to
   ``eagle_config.eagle_aux_hidden_state_layer_ids`` itself, so DeepSpec's ids are written as they are.
   SGLang drops weights it does not know without a word, so a draft with q/k norm is refused.

@@ -36,7 +36,7 @@ class CacheConfig:
     # a Jinja chat template file replacing the target's, or a built-in name (gemma3);
     # GGUF files often carry none (README, "--target takes")
     chat_template: str | None = None
-    target_layer_ids: list[int] | None = None  # None: evenly spaced from 1 to L-3 (DESIGN s.2)
+    target_layer_ids: list[int] | None = None  # None: evenly spaced from 1 to L-3 (docs/design/targets.md, "Target layer ids")
     num_target_layers: int = 5  # layers captured when target_layer_ids is None
     max_seq_len: int = 1024  # samples are cut to this many tokens (prefix kept, counted)
     shard_size: int = 256  # prepared rows per shard

@@ -171,7 +171,7 @@ QWEN3_TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe79
 
 def qwen3_tokenizer_dir():
     """A folder holding the real Qwen3 tokenizer (``tokenizer.json`` + ``tokenizer_config.json``), unpacked
-    once from ``tests/fixtures/qwen3_tokenizer/`` into the system temporary directory; needs no ``../shared``.
+    once from ``tests/fixtures/qwen3_tokenizer/`` into the system temporary directory.
 
     Raises:
         ValueError: the unpacked ``tokenizer.json`` does not have the fixture's sha256 (a damaged fixture).

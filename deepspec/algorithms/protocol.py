@@ -4,7 +4,8 @@ This module imports no algorithm, trainer or evaluation code (only :mod:`deepspe
 :mod:`deepspec.models`), so every algorithm folder, the trainer and the engine can depend on it.
 
 Training (:class:`DraftAlgorithm`, :class:`LossLike`, :class:`TrainBatch`). An algorithm is three
-things (DESIGN.md sections 5-6): a draft model (built from the target's configuration, saved and
+things (docs/design/: draft-models.md, training.md, decoding.md):
+a draft model (built from the target's configuration, saved and
 loaded as safetensors + ``config.json``), a training loss, and a proposer for the speculative
 decoding engine. The trainer runs every algorithm through the same loop:
 

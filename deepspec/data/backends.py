@@ -1,6 +1,6 @@
 """Regeneration backends: produce the target's answer to the next assistant turn of many conversations.
 
-DESIGN.md s.3. The prepare stage (:mod:`deepspec.data.prepare`) hands a backend a list of
+docs/design/data.md, "Regeneration". The prepare stage (:mod:`deepspec.data.prepare`) hands a backend a list of
 :class:`TurnRequest` (the history so far, ending on a user turn, plus per-request sampling
 parameters and chat-template kwargs) and receives one :class:`TurnResult` per request through a
 callback, in *completion* order; the caller restores input order. Two backends:

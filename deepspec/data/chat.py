@@ -1,6 +1,7 @@
 """Chat rendering through the tokenizer's own template, with the training loss mask.
 
-Rule (DESIGN.md s.3): the loss mask is 1 exactly on the tokens the target *generates* in an
+Rule (docs/design/data.md, "Chat templates and loss masks"):
+the loss mask is 1 exactly on the tokens the target *generates* in an
 assistant turn: the assistant content and its end-of-turn token. It is 0 on system and user turns,
 on the assistant header (the generation prompt supplies it), and on template text written after the
 end-of-turn token (ChatML writes ``<|im_end|>\\n``; the model stops at ``<|im_end|>``, the ``\\n`` is
@@ -400,7 +401,8 @@ def render_training_samples(
     (Qwen3 drops earlier think blocks), or whose generated ids differ from the render of its text,
     gets its own sample ``"/turn<i>"`` ending at that turn, and is masked 0 in the full sample.
     Templates without rewriting, on answers that survive the text round trip, give one sample.
-    Rule source: DESIGN.md s.3 and this module's docstring (think rule, empty turns, trailing user
+    Rule source: docs/design/data.md, "Chat templates and loss masks",
+    and this module's docstring (think rule, empty turns, trailing user
     turn, generated ids).
 
     Args:

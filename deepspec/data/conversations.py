@@ -1,4 +1,4 @@
-"""Conversation normalisation and the low-level readers (DESIGN.md s.3).
+"""Conversation normalisation and the low-level readers (docs/design/data.md, "Dataset sources").
 
 A conversation is a list of messages ``{"role": "system"|"user"|"assistant", "content": str}``.
 :func:`normalise_messages` turns one raw row (OpenAI ``messages``, ShareGPT ``conversations`` or
@@ -140,7 +140,7 @@ def normalise_messages(raw_row: dict[str, Any], *, where: str) -> list[Message]:
 
     Roles are matched case-insensitively through :data:`ROLE_ALIASES`.
 
-    Rules (DESIGN.md s.3), each failure a :class:`SkipRow` with its reason:
+    Rules (docs/design/data.md, "Dataset sources"), each failure a :class:`SkipRow` with its reason:
 
     - the turn list is a non-empty list of objects, each with a known role and string content
       (multimodal content lists are not supported);

@@ -1,4 +1,5 @@
-"""``deepspec estimate``: how large a target cache will be, before building it (DESIGN.md section 4).
+"""``deepspec estimate``: how large a target cache will be, before building it
+(docs/design/cache.md, "Cache size and fp8 storage").
 
 Bytes per token come from :func:`deepspec.data.cache.format.cache_bytes_per_token` (the format's exact
 per-token cost; per-sample offsets, 8 bytes a sample, and shard headers are left out). The

@@ -542,7 +542,7 @@ class ServeConfig:
     # context has no match (deepspec.algorithms.ngram.corpus); needs lookup_first
     lookup_corpus: list[str] = field(default_factory=list)
     corpus_ngram_min: int = DEFAULT_CORPUS_NGRAM_MIN  # the shortest context suffix looked up in the corpus
-    # requests verify draft trees in one target forward (docs/semantics.md, "Draft trees"): 0 = chains; 1 = the
+    # requests verify draft trees in one target forward (docs/design/decoding.md, "Draft trees"): 0 = chains; 1 = the
     # lookup's match beside the draft's chain; W >= 2 = also W draft nodes per slot
     tree_width: int = 0
     # target and draft dtype: auto (bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else float32) | float32 | bfloat16

@@ -1,6 +1,6 @@
 """Prepare stage: normalise conversations and regenerate their assistant turns with the target.
 
-DESIGN.md s.3: every assistant turn is replaced by the target's own answer, turn by turn with the
+docs/design/data.md, "Regeneration": every assistant turn is replaced by the target's own answer, turn by turn with the
 regenerated history, so the draft learns the target's distribution (not the source model's).
 Backends (:mod:`deepspec.data.backends`): ``local`` (the target in-process, batched with left
 padding) and ``openai`` (OpenAI-compatible servers: vLLM, SGLang, ``deepspec serve``).

@@ -1,4 +1,4 @@
-"""Dataset sources: open a spec, yield its raw rows in source order (DESIGN.md s.3).
+"""Dataset sources: open a spec, yield its raw rows in source order (docs/design/data.md, "Dataset sources").
 
 A *spec* names where conversations come from. :func:`open_source` resolves it in this order:
 

@@ -1,4 +1,4 @@
-"""The speculative decoding engine: one loop for every proposer (DESIGN.md s.6).
+"""The speculative decoding engine: one loop for every proposer (docs/design/decoding.md).
 
 Legend: B batch (always 1 here), T positions, N draft tokens in a proposal, V vocab, F feature width
 (``len(target_layer_ids) * hidden_size``), H target hidden size.

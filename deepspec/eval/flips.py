@@ -3,7 +3,7 @@
 Legend: P prompt length, T output positions, C chunk length (K + 1 tokens, a verify forward's size),
 V vocab.
 
-Why (docs/semantics.md, "Lossless, and argmax flips in bfloat16"): greedy speculative decoding is
+Why (docs/design/decoding.md, "Lossless, and argmax flips in bfloat16"): greedy speculative decoding is
 token-identical to greedy target-only decoding only when the target's argmax at a position does not
 depend on how many tokens the forward that computes it holds. In exact arithmetic it does not. In
 floating point a forward over ``[anchor, d_1..d_N]`` multiplies matrices of another shape than a

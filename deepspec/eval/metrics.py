@@ -1,4 +1,4 @@
-"""Evaluation metrics, pooled over all verify steps / prompts of one benchmark (DESIGN.md s.6).
+"""Evaluation metrics, pooled over all verify steps / prompts of one benchmark (docs/design/evaluation.md, "Metrics").
 
 Pure functions over :class:`~deepspec.eval.engine.StepRecord` / ``GenerationResult`` lists; every
 figure has a one-line definition in :data:`METRIC_DEFINITIONS`, which the report prints. Every
@@ -13,7 +13,8 @@ Counting conventions:
 - An accepted EOS counts as an accepted draft; its step commits no extra token
   (``num_committed == num_accepted``), and the drafts after it are never verified.
 
-Confidence calibration (DSpark's confidence head, DESIGN.md s.5: slot k's probability of being
+Confidence calibration (DSpark's confidence head, docs/design/draft-models.md, "Markov and confidence
+heads": slot k's probability of being
 accepted given that slots 1..k-1 were). The evaluated (confidence, label) pairs of a step with
 confidence are its slots k = 1..min(num_accepted + 1, num_proposed): the accepted slots (label 1)
 and the first rejected one (label 0). Slots after the first rejection were never reached, so the
@@ -70,7 +71,7 @@ METRIC_DEFINITIONS: dict[str, str] = {
     "argmax_flips_per_1k_tokens": "target-only row, temperature 0: per 1000 output tokens, how often the target's "
     "argmax over a verify-sized forward (flip_chunk_len = K + 1 tokens at a time, KV cache, the engine's forward) "
     "differs from the token the one-token decode chose at the same position (first output token excluded: it comes "
-    "from the prefill in both). Near-ties flip with the forward's shape, mostly in bfloat16; see docs/semantics.md",
+    "from the prefill in both). Near-ties flip with the forward's shape, mostly in bfloat16; see docs/design/decoding.md",
     "num_argmax_flips": "target-only row: positions counted by argmax_flips_per_1k_tokens",
     "num_flip_positions": "target-only row: output positions compared (output tokens - 1 per prompt)",
     "divergences": "per output of this method that differs from target-only (temperature 0): prompt id, turn, first "

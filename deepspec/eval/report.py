@@ -131,7 +131,7 @@ def _divergence_table(results: Mapping[str, Any]) -> list[str]:
          "target's top-1 minus top-2 logit margin there (in the chunked re-run that counts argmax flips), whether "
          "that re-run flips there too, and whether this method's token is the target's runner-up. A small margin "
          "and a runner-up token mean a near-tie of the target that the verify forward's shape decided otherwise "
-         "(docs/semantics.md); a large margin would be an error of the speculative step."),
+         "(docs/design/decoding.md); a large margin would be an error of the speculative step."),
         "",
         "| benchmark | method | prompt | turn | position | target-only token | token | margin | at flip | runner-up |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",

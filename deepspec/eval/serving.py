@@ -6,7 +6,7 @@ folder, a checkpoint or a draft folder; a draft made for another target is refus
 draft to the decoding dtype (``auto``: :mod:`deepspec.device`) and decodes each request through a
 fresh :class:`~deepspec.eval.engine.SpeculativeEngine` whose stop set is the one stop rule
 (:func:`deepspec.data.chat.target_stop_token_ids`) plus the request's ``stop_token_ids``. Greedy
-requests give the target's own greedy answer (lossless, DESIGN s.6); sampled ones follow the target's
+requests give the target's own greedy answer (lossless, docs/design/decoding.md); sampled ones follow the target's
 distribution (rejection sampling), seeded by the request's ``seed``.
 
 Per-request acceptance (:class:`ServeResult`): verify steps, drafts proposed and accepted, and

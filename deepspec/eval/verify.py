@@ -4,7 +4,7 @@ Legend: N number of draft tokens in a proposal, V vocab. Row ``i`` of a ``[N+1, 
 position of draft token ``d_{i+1}`` (row 0 comes from the anchor, row N is the bonus position after
 the last draft token).
 
-Rules (DESIGN.md s.6; Leviathan et al. 2023 "Fast Inference from Transformers via Speculative
+Rules (docs/design/decoding.md, "Sampling and verify"; Leviathan et al. 2023 "Fast Inference from Transformers via Speculative
 Decoding", Alg. 1 and Appendix A.1; Chen et al. 2023 "Accelerating Large Language Model Decoding
 with Speculative Sampling", Alg. 2):
 

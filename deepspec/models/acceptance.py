@@ -7,7 +7,7 @@ a teacher-forced slot is ``argmax(draft) == argmax(target)``; at T = 1 a slot is
 probability ``1 - TV(draft, target) = 1 - L1/2`` (Leviathan et al. 2023, Thm 3.5), so a chain's
 expected survival at ``k`` is the product of those probabilities up to ``k``.
 
-The estimate of the acceptance length is the one evaluation computes (DESIGN s.6: mean over verify
+The estimate of the acceptance length is the one evaluation computes (docs/design/evaluation.md, "Metrics": mean over verify
 steps of accepted drafts + 1), with every chain as one verify step:
 
     tau = 1 + sum_k  survive_k / count_k

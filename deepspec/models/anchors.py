@@ -1,4 +1,4 @@
-"""Anchor sampling for block-parallel drafters (DSpark / DFlash training, DESIGN s.5).
+"""Anchor sampling for block-parallel drafters (DSpark / DFlash training, docs/design/training.md, "Anchors").
 
 Legend: B batch, S sequence length, A anchors per sequence.
 

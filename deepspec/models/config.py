@@ -1,7 +1,8 @@
 """What every draft's config copies from its target, and the draft folder's files.
 
 A draft is a small stack of decoder layers with the target's shape (same width, heads, KV heads,
-head dim, MLP, RoPE, norm eps) conditioned on concatenated target features (DESIGN s.5). Their
+head dim, MLP, RoPE, norm eps) conditioned on concatenated target features (docs/design/draft-models.md, "Draft shape and
+backbone"). Their
 attention is either the target family's own (``backbone="target"``: q/k norm for Qwen3, q/k/v biases
 for Qwen2) or Qwen3-style for any family (``backbone="qwen3"``: per-head q/k RMSNorm, no biases), the
 layer vLLM's and SGLang's DFlash / DSpark loaders build whatever the target is (:data:`BACKBONES`).
@@ -348,7 +349,8 @@ def target_shape_fields(
     eos_token_id: list[int] | int | None = None,
     backbone: str = "target",
 ) -> dict[str, Any]:
-    """The :class:`TargetShapeConfig` fields of a draft for ``target_config`` (DESIGN s.5 "Draft shape").
+    """The :class:`TargetShapeConfig` fields of a draft for ``target_config`` (docs/design/draft-models.md,
+    "Draft shape and backbone").
 
     Args:
         target_config: the target's ``PretrainedConfig`` (or anything with the same attributes).

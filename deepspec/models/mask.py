@@ -1,4 +1,4 @@
-"""Attention mask of the block-parallel draft forward (DSpark / DFlash, DESIGN s.5).
+"""Attention mask of the block-parallel draft forward (DSpark / DFlash, docs/design/draft-models.md, "Block attention mask").
 
 Legend: B batch, S sequence length (context keys), A anchors (blocks), K block_size.
 

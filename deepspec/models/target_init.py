@@ -1,7 +1,7 @@
 """Start a DSpark / DFlash draft's decoder layers as copies of the target's (``train --init-from-target``).
 
-A DSpark / DFlash draft layer has exactly the target's decoder-layer shapes (DESIGN s.5 "Draft
-shape"): ``self_attn.{q,k,v,o}_proj`` (+ biases where the family has them, + ``self_attn.{q,k}_norm``
+A DSpark / DFlash draft layer has exactly the target's decoder-layer shapes (docs/design/draft-models.md, "Draft
+shape and backbone"): ``self_attn.{q,k,v,o}_proj`` (+ biases where the family has them, + ``self_attn.{q,k}_norm``
 for Qwen3), ``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm``, under the
 same names. So a target layer's tensors copy into a draft layer one for one. The draft's final
 ``norm`` becomes a copy of the target's final norm (``model.norm``). Nothing else changes: ``fc``,

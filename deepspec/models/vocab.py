@@ -4,7 +4,7 @@ Legend: V target vocabulary size, N draft vocabulary size (N <= V), T tokens of 
 
 A draft with a reduced vocabulary scores only N target tokens: its output layer is the target's
 ``lm_head`` rows ``d2t`` (``[N, D]``) and its logits are over draft ids ``0 .. N-1``. The target still
-verifies in its full vocabulary, so decoding stays lossless (docs/semantics.md, "Reduced draft
+verifies in its full vocabulary, so decoding stays lossless (docs/design/draft-models.md, "Reduced draft
 vocabulary"). Terms as in EAGLE-3 / SpecForge / vLLM:
 
 * ``d2t_N`` (int64 ``[N]``): draft id -> target id. DeepSpec stores **absolute target ids**, sorted

@@ -1,7 +1,7 @@
 """Target feature capture: THE one function that turns a target forward into draft-model inputs.
 
 The cache writer, online training and evaluation all call :func:`target_forward`, so the three
-can never disagree on which hidden states a draft model sees (DESIGN.md section 2, "Target layer
+can never disagree on which hidden states a draft model sees (docs/design/targets.md, "Target layer
 ids").
 
 Shape legend: B batch, T tokens in this call, H target hidden size, n number of target layers
@@ -46,7 +46,7 @@ from torch import nn
 def default_target_layer_ids(num_hidden_layers: int, num_layers: int = 5) -> list[int]:
     """Evenly spaced decoder-layer ids from 1 to ``L - 3`` (both included).
 
-    Source: DESIGN.md section 2 and the upstream DFlash ``build_target_layer_ids`` (which vLLM /
+    Source: docs/design/targets.md, "Target layer ids", and the upstream DFlash ``build_target_layer_ids`` (which vLLM /
     SGLang mirror, so released checkpoints agree): ``int(round(1 + k * (L - 4) / (n - 1)))`` for
     ``k = 0..n-1`` (Python's round, half to even), and ``[L // 2]`` for ``n = 1``.
     Qwen3-4B (L = 36): ``[1, 9, 17, 25, 33]``; SmolLM2-135M (L = 30): ``[1, 8, 14, 20, 27]``.

@@ -18,7 +18,7 @@ the client does not send. DeepSpec therefore
 - records what it decoded with (:func:`decoding_record`), including the checkpoint settings it
   ignored, in the prepared data's summary and in the eval report.
 
-The decoding rule is DESIGN.md s.6's: greedy (``temperature == 0``) or
+The decoding rule (docs/design/decoding.md, "Sampling and verify"): greedy (``temperature == 0``) or
 ``softmax(logits / temperature)`` after top-k then top-p (:func:`sampling_probs`, for the target
 and every draft alike); nothing else touches the logits.
 """

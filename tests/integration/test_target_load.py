@@ -1,4 +1,4 @@
-"""Target loading and fingerprints (DESIGN.md s.2, s.4)."""
+"""Target loading and fingerprints (docs/design/targets.md, "Targets", "Fingerprints")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Anchor sampling (DESIGN s.5). Legend: B batch, S seq, A anchors."""
+"""Anchor sampling (docs/design/training.md, "Anchors"). Legend: B batch, S seq, A anchors."""
 
 import pytest
 import torch

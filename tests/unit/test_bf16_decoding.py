@@ -1,7 +1,7 @@
 """Decoding in bfloat16: a bf16 target feeding bf16 features to a bf16 DSpark or Eagle3 draft through
 the engine, greedy and at T > 0. The drafts' q stays float32 (``sampling_probs``), nothing is NaN, and a
 greedy output that differs from bf16 target-only does so only at a near-tie of the target (the
-runner-up token), which is what docs/semantics.md says bf16 can do."""
+runner-up token), which is what docs/design/decoding.md says bf16 can do."""
 
 from __future__ import annotations
 

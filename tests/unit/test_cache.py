@@ -141,7 +141,7 @@ def test_cache_bytes_per_token():
     assert cache_bytes_per_token(H, 2, "float32") == 13 + 4 * H * 3
     assert cache_bytes_per_token(H, 2, "fp8") == 13 + 2 * H + 4 * 2 + 2 * H
     assert cache_bytes_per_token(2560, 5, "bfloat16") == 30733
-    assert cache_bytes_per_token(2560, 5, "bfloat16", layout="original") == 30726  # DESIGN.md s.4
+    assert cache_bytes_per_token(2560, 5, "bfloat16", layout="original") == 30726  # docs/design/cache.md
     with pytest.raises(ValueError, match="layout"):
         cache_bytes_per_token(2560, 5, "bfloat16", layout="other")
 
@@ -577,7 +577,7 @@ def test_write_target_cache_from_jsonl_wiring(model, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_cache_on_embedded_default_target(tmp_path):
     """Real SmolLM2 target + tokenizer: logits recomputed from the cache equal the target's logits; fp8
-    reconstruction error of the real features stays within the e4m3 bound (figures: docs/semantics.md)."""
+    reconstruction error of the real features stays within the e4m3 bound (figures: docs/design/cache.md, "Cache size and fp8 storage")."""
     from deepspec.target.load import load_target, target_fingerprint, tokenizer_fingerprint
 
     target, tok = load_target("default")

@@ -70,7 +70,7 @@ def _num_hooks(model) -> int:
 
 
 def test_default_ids():
-    assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]  # Qwen3-4B, DESIGN.md s.2
+    assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]  # Qwen3-4B
     assert default_target_layer_ids(30) == [1, 8, 14, 20, 27]  # SmolLM2-135M (upstream DFlash rounding)
     assert default_target_layer_ids(28, 1) == [14]
     for L in (8, 12, 28, 36, 40, 64):

@@ -1,4 +1,4 @@
-"""Chat rendering and loss masks (DESIGN.md s.3).
+"""Chat rendering and loss masks (docs/design/data.md, "Chat templates and loss masks").
 
 Fast tests use a tiny byte-level ChatML tokenizer built in-process (with the ChatML template, or the
 real Qwen3 chat template text, which rewrites history). The golden tests with the real tokenizers
@@ -21,7 +21,7 @@ from deepspec.data.chat import (
 )
 from tests.helpers import byte_level_tokenizer, mask_spans
 
-QWEN3_CONFIG = Path(__file__).resolve().parents[3] / "shared" / "tokenizers" / "qwen3" / "tokenizer_config.json"
+QWEN3_CONFIG = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3_tokenizer" / "tokenizer_config.json"
 
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
           "{{ '<|im_start|>system\nYou are a test assistant.<|im_end|>\n' }}{% endif %}"
@@ -163,8 +163,6 @@ def test_non_rewriting_template_gives_one_sample(tiny_tok):
 @pytest.fixture(scope="module")
 def tiny_qwen3():
     """The tiny byte-level tokenizer with the real Qwen3 chat template (rewrites earlier think blocks)."""
-    if not QWEN3_CONFIG.is_file():
-        pytest.skip(f"{QWEN3_CONFIG} not found")
     tok = tiny_chatml_tokenizer()
     tok.chat_template = json.loads(QWEN3_CONFIG.read_text(encoding="utf-8"))["chat_template"]
     return tok

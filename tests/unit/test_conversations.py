@@ -1,4 +1,4 @@
-"""Conversation reading and normalisation (DESIGN.md s.3)."""
+"""Conversation reading and normalisation (docs/design/data.md, "Dataset sources")."""
 
 from __future__ import annotations
 

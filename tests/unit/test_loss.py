@@ -1,4 +1,4 @@
-"""DSpark loss vs a naive per-slot oracle (DESIGN s.5). Legend: B batch, S seq, A anchors, K block, V vocab, H hidden."""
+"""DSpark loss vs a naive per-slot oracle (docs/design/training.md, "DSpark / DFlash loss"). Legend: B batch, S seq, A anchors, K block, V vocab, H hidden."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Block attention mask vs a slow loop oracle (DESIGN s.5). Legend: B batch, A anchors, K block, S seq."""
+"""Block attention mask vs a slow loop oracle (docs/design/draft-models.md, "Block attention mask"). Legend: B batch, A anchors, K block, S seq."""
 
 import warnings
 

@@ -79,7 +79,7 @@ def test_the_demo_recipe_is_what_the_demo_runs(tmp_path):
 @pytest.mark.parametrize("name, layers, hidden", [("qwen3-4b", 36, 2560), ("qwen3-8b", 36, 4096),
                                                   ("qwen3-14b", 40, 5120)])
 def test_qwen3_recipes_build_their_draft_from_config_json_alone(name, layers, hidden):
-    """DESIGN s.1: the original's targets build and validate from config.json alone (the draft is
+    """docs/design/targets.md, "Targets": the original's targets build and validate from config.json alone (the draft is
     built on the meta device: no weights are read or allocated)."""
     recipe = load_recipe(name)
     assert "target" not in recipe.settings("train", TrainConfig)  # the user's local folder: --target

@@ -1,4 +1,4 @@
-"""Dataset sources: spec resolution, file formats, Hugging Face datasets (offline), split (DESIGN.md s.3)."""
+"""Dataset sources: spec resolution, file formats, Hugging Face datasets (offline), split (docs/design/data.md, "Dataset sources")."""
 
 from __future__ import annotations
 

@@ -15,9 +15,9 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from deepspec.data.chat import render_prompt, stop_token_ids, target_stop_token_ids, template_end_of_turn_ids
+from tests.helpers import qwen3_tokenizer_dir
 
 ROOT = Path(__file__).resolve().parents[2]
-QWEN3_DIR = ROOT.parent / "shared" / "tokenizers" / "qwen3"
 LLAMA3_STYLE_DIR = ROOT / "tests" / "fixtures" / "llama3_style_tokenizer"
 # Qwen3-4B's own generation_config.json (sampling defaults and two eos ids)
 QWEN3_GENERATION_CONFIG = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
@@ -34,9 +34,7 @@ def test_smollm2_stops_on_im_end_only():
 
 
 def test_qwen3_stop_ids_come_from_its_generation_config_not_token_names():
-    if not QWEN3_DIR.is_dir():
-        pytest.skip(f"Qwen3 tokenizer not found at {QWEN3_DIR}")
-    tok = AutoTokenizer.from_pretrained(str(QWEN3_DIR))
+    tok = AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
     assert tok.convert_ids_to_tokens([128247, 151643, 151645]) == ["</s>", "<|endoftext|>", "<|im_end|>"]
     assert template_end_of_turn_ids(tok) == [151645]
     stop = stop_token_ids(tok, generation_eos=QWEN3_GENERATION_CONFIG["eos_token_id"])

@@ -1,7 +1,7 @@
 """Golden tests of chat rendering + loss masks with the real tokenizers (issue 3, item 2).
 
-Templates: SmolLM2 (ChatML, the embedded default target's tokenizer), Qwen3 (real tokenizer in
-``../shared/tokenizers/qwen3``, thinking on and off, single and multi-turn), a Llama-3-STYLE
+Templates: SmolLM2 (ChatML, the embedded default target's tokenizer), Qwen3 (real tokenizer shipped in
+``tests/fixtures/qwen3_tokenizer``, thinking on and off, single and multi-turn), a Llama-3-STYLE
 fixture (``tests/fixtures/llama3_style_tokenizer``: Llama 3's special tokens and add-BOS behaviour,
 a Llama-3-style Jinja template written for DeepSpec, not Meta's file) and a Gemma-3-STYLE fixture
 (``tests/fixtures/gemma3_style_tokenizer``: a small SentencePiece-style ``GemmaTokenizer`` with
@@ -53,8 +53,6 @@ _TOKENIZERS: dict = {}
 
 def _tok(name):
     if name not in _TOKENIZERS:
-        if name == "qwen3" and not mg.QWEN3_DIR.is_dir():
-            pytest.skip(f"Qwen3 tokenizer not found at {mg.QWEN3_DIR}")
         _TOKENIZERS[name] = mg.load_tokenizer(name)
     return _TOKENIZERS[name]
 

@@ -1,4 +1,4 @@
-"""Verify math on hand-made distributions (DESIGN.md s.6), against slow obvious rules.
+"""Verify math on hand-made distributions (docs/design/decoding.md, "Sampling and verify"), against slow obvious rules.
 
 Covers issue 5 item 2: sampling filters (temperature, top-k, top-p); greedy acceptance; T > 0
 acceptance ``min(1, p/q)`` with independent uniforms; the residual ``max(0, p - q)`` and its

@@ -1,4 +1,4 @@
-"""DSpark, and DFlash as its configuration without heads (DESIGN s.5-6): one folder.
+"""DSpark, and DFlash as its configuration without heads (docs/design/draft-models.md): one folder.
 
 - :mod:`.config`: :class:`DraftConfig` (shape from the target, block / head / loss knobs) and
   :func:`dflash_knobs`, the knobs that make it DFlash.
@@ -53,7 +53,7 @@ def defer_head_logits(setting: str, batch_size: int, num_anchors: int, num_slots
 
 
 class DSparkAlgorithm:
-    """DSpark (DESIGN s.5): block-parallel drafter with Markov and confidence heads. With
+    """DSpark (DSpark paper): block-parallel drafter with Markov and confidence heads. With
     ``heads=False`` it is DFlash: the same backbone, CE loss only."""
 
     def __init__(self, name: str, *, heads: bool) -> None:

@@ -72,7 +72,7 @@ class DraftConfig(TargetShapeConfig):
     # True: slot k predicts x_{a+k+1} (K drafts per block); False: z-lab's DFlash layout, slot k predicts
     # x_{a+k} (K-1 drafts, the anchor slot reads out nothing): see the module docstring
     sample_from_anchor: bool = True
-    # --- loss (DESIGN s.5) ---
+    # --- loss (docs/design/training.md, "DSpark / DFlash loss") ---
     loss_decay_gamma: float = 4.0
     ce_weight: float = 0.1
     l1_weight: float = 0.9
@@ -89,10 +89,10 @@ class DraftConfig(TargetShapeConfig):
                        "Use a reserved special token (SmolLM2: <repo_name> = 3) or a spare embedding row.")
         if self.pad_token_id is not None and self.mask_token_id == self.pad_token_id:
             raise _err("mask_token_id", f"!= pad_token_id ({self.pad_token_id})", self.mask_token_id,
-                       "Never fall back to pad; use a reserved token absent from the data (DESIGN s.5).")
+                       "Never fall back to pad; use a reserved token absent from the data (docs/design/draft-models.md).")
         if self.mask_token_id in self.eos_token_ids:
             raise _err("mask_token_id", f"not an eos id ({self.eos_token_ids})", self.mask_token_id,
-                       "Never fall back to eos; use a reserved token absent from the data (DESIGN s.5).")
+                       "Never fall back to eos; use a reserved token absent from the data (docs/design/draft-models.md).")
         if self.block_size < 2:
             raise _err("block_size", ">= 2", self.block_size, "The original uses 7.")
         if self.use_markov_head and (not isinstance(self.markov_rank, int) or self.markov_rank <= 0):
@@ -155,7 +155,7 @@ class DraftConfig(TargetShapeConfig):
 
 
 def dflash_knobs() -> dict[str, Any]:
-    """Knobs turning a DSpark config into DFlash: no heads, CE loss only (DESIGN s.5)."""
+    """Knobs turning a DSpark config into DFlash: no heads, CE loss only (docs/design/draft-models.md)."""
     return dict(use_markov_head=False, use_confidence_head=False,
                 ce_weight=1.0, l1_weight=0.0, confidence_weight=0.0)
 
@@ -177,7 +177,8 @@ def draft_config_from_target(
     backbone: str = "target",
     **knobs: Any,
 ) -> DraftConfig:
-    """Derive a :class:`DraftConfig` from a transformers target config (DESIGN s.5 "Draft shape").
+    """Derive a :class:`DraftConfig` from a transformers target config (docs/design/draft-models.md, "Draft shape
+    and backbone").
 
     Args:
         target_config: the target's ``PretrainedConfig`` (or anything with the same attributes).

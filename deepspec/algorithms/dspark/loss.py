@@ -1,4 +1,4 @@
-"""DSpark / DFlash training loss (DESIGN s.5; DSpark paper, loss section).
+"""DSpark / DFlash training loss (docs/design/training.md, "DSpark / DFlash loss"; DSpark paper, loss section).
 
 Legend: B batch, S sequence length, A anchors, K block_size, V target vocab, W draft vocab (the
 width of the draft logits: V, or N = ``draft_vocab_size`` with a reduced vocabulary), H target

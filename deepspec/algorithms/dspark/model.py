@@ -1,4 +1,4 @@
-"""DSpark / DFlash block-parallel draft model (DESIGN s.5); its drafting loop is :mod:`.proposer`.
+"""DSpark / DFlash block-parallel draft model (docs/design/draft-models.md); its drafting loop is :mod:`.proposer`.
 
 Legend: B batch, S sequence length, A anchors (blocks), K block_size, Q = A*K block slots,
 D draft hidden (= target hidden H), F = n_layers * H target feature width, V target vocab, N draft
@@ -369,7 +369,7 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
             nn.init.normal_(self.markov_head.markov_w1.weight, std=1.0)
 
     def freeze_embeddings(self) -> None:
-        """embed_tokens and lm_head are copies of the target's and never trained (DESIGN s.5)."""
+        """embed_tokens and lm_head are copies of the target's and never trained (docs/design/draft-models.md)."""
         self.embed_tokens.weight.requires_grad_(False)
         self.lm_head.weight.requires_grad_(False)
 
@@ -458,7 +458,7 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
     def forward_train(self, input_ids_BS: Tensor, target_hidden_BSF: Tensor, anchor_pos_BA: Tensor,
                       block_valid_BA: Tensor, *, use_flex: bool | None = None,
                       defer_logits: bool = False) -> DraftTrainOutput:
-        """Block-parallel forward over all anchors (DESIGN s.5).
+        """Block-parallel forward over all anchors (docs/design/draft-models.md, "Block layout").
 
         Args:
             input_ids_BS: int ``[B, S]``; target_hidden_BSF: ``[B, S, F]``;

@@ -21,7 +21,8 @@ transformers' ``save_pretrained``:
   ``markov_head.markov_w2.weight`` (Linear r -> V), ``markov_head.gate_proj.{weight,bias}`` (gated),
   ``markov_head.joint_proj.{weight,bias}`` (rnn), ``confidence_head.proj.{weight,bias}``.
 
-These are exactly :class:`~deepspec.algorithms.dspark.model.DSparkDraftModel`'s parameter names (DESIGN s.5),
+These are exactly :class:`~deepspec.algorithms.dspark.model.DSparkDraftModel`'s parameter names
+(docs/design/draft-models.md, "Checkpoints in the original layout"),
 so loading is a checked rename-free copy. A ``model.`` or ``_orig_mod.`` (torch.compile) prefix on
 every key is stripped. ``embed_tokens`` / ``lm_head`` are frozen copies of the target's: when a
 checkpoint omits them they are taken from ``target_model``. ``LlamaDSparkModel`` / ``Qwen2DSparkModel``

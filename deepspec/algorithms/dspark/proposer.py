@@ -1,4 +1,5 @@
-"""The DSpark / DFlash drafter for the decoding engine (DESIGN s.6): one block forward, then the heads slot by slot.
+"""The DSpark / DFlash drafter for the decoding engine (docs/design/decoding.md):
+one block forward, then the heads slot by slot.
 
 Legend: K block_size, W draft vocab (= V unless reduced), V target vocab, D draft hidden, T committed positions.
 """

@@ -1,4 +1,4 @@
-"""The Eagle3 drafter for the decoding engine (DESIGN s.6): chains, or draft trees.
+"""The Eagle3 drafter for the decoding engine (docs/design/draft-models.md, "Eagle3"): chains, or draft trees.
 
 Legend: K proposal length (``ttt_steps``), W draft vocab (= V unless reduced), V target vocab, H hidden,
 T committed rows, F target feature width.

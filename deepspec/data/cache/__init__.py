@@ -1,4 +1,4 @@
-"""The target cache: token ids, loss masks and target features on disk (DESIGN.md section 4).
+"""The target cache: token ids, loss masks and target features on disk (docs/design/cache.md).
 
 One module per job:
 

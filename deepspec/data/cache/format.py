@@ -1,10 +1,10 @@
-"""The target cache's on-disk format: ``deepspec-target-cache/3`` (DESIGN.md section 4).
+"""The target cache's on-disk format: ``deepspec-target-cache/3`` (docs/design/cache.md, "Cache format").
 
 Shape legend: N samples in a shard, M tokens in a shard (all samples concatenated), T tokens of
 one sample, H target hidden size, n number of target layers, F = n * H target feature size,
 S ``shard_size`` (input items per shard).
 
-A cache folder (docs/semantics.md, "Target cache format, writer and reader")::
+A cache folder (docs/design/cache.md, "Cache format")::
 
     manifest.json             written last (rank 0), atomically; its presence means "complete"
     progress-rank<r>.json     resume bookkeeping of rank r (0 without torchrun), after each shard
@@ -153,7 +153,7 @@ def cache_bytes_per_token(
     hidden)`` for ``fp8``. ``layout="original"``: ids, the loss mask, the original DeepSpec's
     per-token uint8 attention_mask and the features, without the logit statistics:
     ``6 + 2*H*(n+1)`` in bfloat16 = 30,726 bytes for Qwen3-4B (H = 2560) with 5 layers
-    (DESIGN.md section 4).
+    (docs/design/cache.md, "Cache size and fp8 storage").
 
     Raises ValueError for an unknown storage dtype or layout.
     """

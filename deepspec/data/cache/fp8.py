@@ -19,7 +19,7 @@ def quantize_fp8(hidden_TF: torch.Tensor, num_target_layers: int) -> tuple[torch
     ``q = round_to_nearest_even(hidden / scale)`` in e4m3 (|q| <= 448, never saturating). Error
     bounds: the widest e4m3 ulp below 448 is 32, so every element has ``|dequant - x| <= absmax /
     28`` (16 * scale); for a normal e4m3 value the error is at most 2**-4 of the value (3 mantissa
-    bits). The absmax element is exact. Measured errors: docs/semantics.md.
+    bits). The absmax element is exact. Measured errors: docs/design/cache.md, "Cache size and fp8 storage".
 
     Args:
         hidden_TF: finite features [T, n*H], any float dtype (computed in float32).

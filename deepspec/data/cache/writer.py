@@ -1,4 +1,4 @@
-"""Writing a target cache (format: :mod:`deepspec.data.cache.format`; DESIGN.md section 4).
+"""Writing a target cache (format: :mod:`deepspec.data.cache.format`; docs/design/cache.md, "Cache writer").
 
 Shape legend: U input items (prepared rows, or tokenised samples), S ``shard_size`` (input items
 per shard), T tokens of one sample.
