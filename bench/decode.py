@@ -520,7 +520,7 @@ def main(argv: list[str] | None = None) -> dict:
     except (ValueError, FileNotFoundError) as exc:
         p.error(str(exc))
 
-    from deepspec.eval.stage import draft_folder
+    from deepspec.checkpoints import draft_folder
 
     folder = None
     if args.draft != "untrained":

@@ -61,13 +61,13 @@ from typing import Any
 from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus, check_corpus_use
 from deepspec.algorithms.ngram.proposer import check_lookup_settings
 from deepspec.algorithms.protocol import check_tree_setting
+from deepspec.checkpoints import draft_folder
 from deepspec.data.backends import GenerationParams, LocalBackend
 from deepspec.data.chat import render_prompt
 from deepspec.device import check_device_name, check_dtype_name, resolve_device
 from deepspec.eval.few_row_linear import check_few_row_mode
 from deepspec.eval.run import answer_text
 from deepspec.eval.serving import EngineDecoder
-from deepspec.eval.stage import draft_folder
 from deepspec.target import load  # called as load.load_target, where tests stub it
 from deepspec.target.decoding import NEUTRAL_SETTINGS, SamplingParams
 

@@ -27,11 +27,11 @@ from deepspec.algorithms.ngram.proposer import (DEFAULT_NGRAM_MAX, LookupFirstPr
                                                  check_lookup_settings)
 from deepspec.algorithms.protocol import NullProposer, cap_proposal_len, check_tree_setting, set_draft_tree_width
 from deepspec.algorithms.registry import algorithm_for_model, load_draft
+from deepspec.checkpoints import draft_folder
 from deepspec.data.chat import target_stop_token_ids
 from deepspec.device import cast_for_decoding, resolve_device, resolve_dtype
 from deepspec.eval.engine import SpeculativeEngine
 from deepspec.eval.few_row_linear import few_row_linear_applies
-from deepspec.eval.stage import draft_folder
 from deepspec.target.decoding import SamplingParams
 from deepspec.target.load import target_fingerprint
 

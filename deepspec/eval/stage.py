@@ -20,6 +20,7 @@ from deepspec.algorithms.ngram.proposer import (DEFAULT_NUM_TOKENS, LookupFirstP
                                                  check_lookup_settings, check_ngram_range)
 from deepspec.algorithms.protocol import cap_proposal_len, check_tree_setting, set_draft_tree_width
 from deepspec.algorithms.registry import algorithm_for_model, check_baselines, check_draft_target, load_draft
+from deepspec.checkpoints import draft_folder
 from deepspec.data.sources import SourceUnavailableError
 from deepspec.device import cast_for_decoding, check_device_name, check_dtype_name, resolve_device, resolve_dtype
 from deepspec.eval.benchmarks import BENCHMARKS, DEEPSPEC_NUM_SAMPLES, SOURCES, load_benchmark
@@ -27,7 +28,6 @@ from deepspec.eval.few_row_linear import check_few_row_mode, few_row_linear_appl
 from deepspec.eval.run import run_eval
 from deepspec.target.decoding import SamplingParams
 from deepspec.target.load import load_target, require_chat_template, target_fingerprint
-from deepspec.train.loop import latest_checkpoint
 
 
 @dataclass(kw_only=True)
@@ -231,22 +231,6 @@ def load_eval_benchmarks(cfg: EvalConfig, log=print) -> tuple[dict, dict[str, st
             "(or $DEEPSPEC_BENCHMARKS_DIR) to a folder of benchmark files, or --benchmark-source hf with a network"
         )
     return prompts, skipped
-
-
-def draft_folder(path: str | Path) -> Path:
-    """Accept a training run folder (its ``latest`` checkpoint), a checkpoint folder (``checkpoint-N/``)
-    or the draft folder inside it."""
-    path = Path(path)
-    if not (path / "draft").exists() and latest_checkpoint(path) is not None:
-        path = latest_checkpoint(path)
-    if (path / "draft" / "config.json").exists():
-        return path / "draft"
-    if (path / "config.json").exists():
-        return path
-    raise FileNotFoundError(
-        f"draft: no draft found at {path} (looked for {path / 'config.json'} and {path / 'draft' / 'config.json'}); "
-        "pass a folder written by `deepspec train`"
-    )
 
 
 def _writable_folder(path: str) -> Path:
