@@ -68,7 +68,7 @@ instead of benchmark prompts, for a machine without the benchmark files.
 ``--num-draft-tokens N`` caps the draft's proposals at N tokens (vLLM's ``num_speculative_tokens``;
 the ngram baseline and the lookups follow unless ``--lookup-num-tokens`` is given);
 ``--few-row-linear auto | on | off`` picks the linear path of every engine
-(:mod:`deepspec.eval.few_row_linear`; ``bench/verify_cost.py`` compares the two side by side).
+(:mod:`deepspec.target.few_row_linear`; ``bench/verify_cost.py`` compares the two side by side).
 """
 
 from __future__ import annotations
@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> dict:
     from deepspec.algorithms.protocol import cap_proposal_len, set_draft_tree_width
     from deepspec.algorithms.registry import check_baselines
     from deepspec.device import cast_for_decoding, check_dtype_name, dtype_name, resolve_device, resolve_dtype
-    from deepspec.eval.few_row_linear import check_few_row_mode, few_row_linear_applies
+    from deepspec.target.few_row_linear import check_few_row_mode, few_row_linear_applies
 
     try:
         check_dtype_name(args.dtype, "--dtype")

@@ -65,11 +65,11 @@ from deepspec.checkpoints import draft_folder
 from deepspec.data.backends import GenerationParams, LocalBackend
 from deepspec.data.chat import render_prompt
 from deepspec.device import check_device_name, check_dtype_name, resolve_device
-from deepspec.eval.few_row_linear import check_few_row_mode
 from deepspec.eval.run import answer_text
 from deepspec.eval.serving import EngineDecoder
 from deepspec.target import load  # called as load.load_target, where tests stub it
 from deepspec.target.decoding import NEUTRAL_SETTINGS, SamplingParams
+from deepspec.target.few_row_linear import check_few_row_mode
 
 
 class _QuietHTTPServer(ThreadingHTTPServer):
@@ -549,7 +549,7 @@ class ServeConfig:
     dtype: str = "auto"
     # where target and draft decode: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu | cuda | cuda:N
     device: str = "auto"
-    few_row_linear: str = "auto"  # verify forwards' few-row linear path (deepspec.eval.few_row_linear): auto | on | off
+    few_row_linear: str = "auto"  # verify forwards' few-row linear path (deepspec.target.few_row_linear): auto | on | off
     allow_target_mismatch: bool = False  # serve a draft whose recorded target fingerprint differs (same shape)
 
     def __post_init__(self) -> None:

@@ -53,7 +53,7 @@ Scope and choices:
   :func:`deepspec.target.capture.target_logits`), not ``[P, V]``.
 - ``few_row_linear`` (default False): the target's and the proposer's linear layers compute inputs
   of 2-16 rows as ``(W @ x^T)^T`` during :meth:`SpeculativeEngine.generate`
-  (:mod:`deepspec.eval.few_row_linear`: on CPUs where the row-major GEMM over 2-8 rows costs far more
+  (:mod:`deepspec.target.few_row_linear`: on CPUs where the row-major GEMM over 2-8 rows costs far more
   than a GEMV, it makes a verify forward cost about a one-token one). Give the target-only engine
   the same setting as the speculative one, so both decode with the same kernels.
 - Timing (``time.perf_counter``; on CUDA the device is synchronised at each boundary, where the
@@ -74,10 +74,10 @@ import torch
 
 from deepspec.algorithms.protocol import Proposer, draw_token
 from deepspec.eval.compiled import CompiledTarget
-from deepspec.eval.few_row_linear import few_row_linear
 from deepspec.eval.verify import GREEDY, verify, verify_tree
 from deepspec.target.capture import target_forward, target_logits
 from deepspec.target.decoding import SamplingParams
+from deepspec.target.few_row_linear import few_row_linear
 
 
 @dataclass(frozen=True, kw_only=True)

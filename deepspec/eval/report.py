@@ -238,7 +238,7 @@ def _setup_lines(cfg: Mapping[str, Any]) -> list[str]:
     if proposers:
         lines += ["", "Tokens proposed per step (K): " + ", ".join(
             f"{m} {p.get('max_proposal_len')}" + _tree_note(p) for m, p in proposers.items())
-            + ("; few-row linear path on (deepspec.eval.few_row_linear)" if cfg.get("few_row_linear") else "")
+            + ("; few-row linear path on (deepspec.target.few_row_linear)" if cfg.get("few_row_linear") else "")
             + ("; the target decodes on the compiled path, static KV cache + torch.compile (deepspec.eval.compiled)"
                if cfg.get("compile") else "") + "."]
     corpus = cfg.get("lookup_corpus")

@@ -35,11 +35,11 @@ from deepspec.device import dtype_name, is_out_of_memory, out_of_memory_error
 from deepspec.eval.benchmarks import BenchmarkPrompt
 from deepspec.eval.compiled import CompiledTarget
 from deepspec.eval.engine import GenerationResult, SpeculativeEngine
-from deepspec.eval.few_row_linear import few_row_linear as few_row_linear_context
 from deepspec.eval.flips import argmax_flip_positions, chunked_argmax, divergence_record, first_divergence, flip_rate
 from deepspec.eval.metrics import METRIC_DEFINITIONS, benchmark_metrics
 from deepspec.eval.report import BASELINE, HF_GENERATE, environment_info, write_report
 from deepspec.target.decoding import SamplingParams, decoding_record, pinned_generate
+from deepspec.target.few_row_linear import few_row_linear as few_row_linear_context
 
 
 def eos_token_ids_of(target_model: Any, tokenizer: Any) -> list[int]:
@@ -216,7 +216,7 @@ def run_eval(
             output first differs (:func:`argmax_flip_figures`). Untimed; about one verify forward per
             K + 1 output tokens.
         few_row_linear: every engine (the baseline too) and the argmax-flip re-run use the few-row
-            linear path (:mod:`deepspec.eval.few_row_linear`); recorded in the report's config.
+            linear path (:mod:`deepspec.target.few_row_linear`); recorded in the report's config.
         compile_target: every engine (the baseline too) runs the target's decode steps on one shared
             compiled path (:class:`deepspec.eval.compiled.CompiledTarget`; compiled untimed, before each
             generation's clock), and DSpark / DFlash chain drafts propose through compiled graphs

@@ -31,8 +31,8 @@ from deepspec.checkpoints import draft_folder
 from deepspec.data.chat import target_stop_token_ids
 from deepspec.device import cast_for_decoding, resolve_device, resolve_dtype
 from deepspec.eval.engine import SpeculativeEngine
-from deepspec.eval.few_row_linear import few_row_linear_applies
 from deepspec.target.decoding import SamplingParams
+from deepspec.target.few_row_linear import few_row_linear_applies
 from deepspec.target.load import target_fingerprint
 
 
@@ -76,7 +76,7 @@ class EngineDecoder:
         dtype: ``auto`` | ``float32`` | ``bfloat16`` (aliases fp32, bf16) for target and draft.
         device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N`` (:func:`deepspec.device.resolve_device`) for both;
             None = where ``target_model`` already is.
-        few_row_linear: ``auto`` | ``on`` | ``off`` (:mod:`deepspec.eval.few_row_linear`).
+        few_row_linear: ``auto`` | ``on`` | ``off`` (:mod:`deepspec.target.few_row_linear`).
         allow_target_mismatch: accept a draft whose recorded target fingerprint differs (same shape).
         lookup_first: prompt lookup in front of the draft (:class:`~deepspec.algorithms.ngram.proposer.
             LookupFirstProposer`): an n-gram match of at least this many tokens proposes, else the draft;

@@ -24,9 +24,9 @@ from deepspec.checkpoints import draft_folder
 from deepspec.data.sources import SourceUnavailableError
 from deepspec.device import cast_for_decoding, check_device_name, check_dtype_name, resolve_device, resolve_dtype
 from deepspec.eval.benchmarks import BENCHMARKS, DEEPSPEC_NUM_SAMPLES, SOURCES, load_benchmark
-from deepspec.eval.few_row_linear import check_few_row_mode, few_row_linear_applies
 from deepspec.eval.run import run_eval
 from deepspec.target.decoding import SamplingParams
+from deepspec.target.few_row_linear import check_few_row_mode, few_row_linear_applies
 from deepspec.target.load import load_target, require_chat_template, target_fingerprint
 
 
@@ -94,7 +94,7 @@ class EvalConfig:
     # proposal, and each draft (DSpark, DFlash, Eagle3) proposes a tree of W nodes per slot (1: its chain)
     tree_width: int = 0
     # linear layers over few rows (a verify forward) as (W @ x^T)^T: auto (float32 on the CPU, where the row-major
-    # GEMM over 2-8 rows costs 1.4-2.2x a one-row product; deepspec.eval.few_row_linear) | on | off
+    # GEMM over 2-8 rows costs 1.4-2.2x a one-row product; deepspec.target.few_row_linear) | on | off
     few_row_linear: str = "auto"
     # the target's decode steps on the compiled path: a static KV cache and torch.compile'd one-token and verify
     # forwards, CUDA graphs on CUDA (deepspec.eval.compiled; every method and the baseline; compiles untimed, about
