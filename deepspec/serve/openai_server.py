@@ -1,7 +1,7 @@
 """A small OpenAI-compatible HTTP server over the target (``deepspec serve``), speculative with ``--draft``.
 
 ``deepspec serve`` decodes every request through the speculative engine
-(:class:`deepspec.eval.serving.EngineDecoder`): with ``--draft`` (a ``deepspec train`` run) the
+(:class:`deepspec.serve.decoder.EngineDecoder`): with ``--draft`` (a ``deepspec train`` run) the
 draft proposes and the target verifies, losslessly; without it the same engine decodes target-only.
 The server object without a decoder answers through the local backend (Hugging Face ``generate``);
 the tests of :class:`deepspec.data.backends.OpenAIBackend` use it that way, with fault injection.
@@ -66,7 +66,7 @@ from deepspec.data.backends import GenerationParams, LocalBackend
 from deepspec.data.chat import render_prompt
 from deepspec.device import check_device_name, check_dtype_name, resolve_device
 from deepspec.eval.run import answer_text
-from deepspec.eval.serving import EngineDecoder
+from deepspec.serve.decoder import EngineDecoder
 from deepspec.target import load  # called as load.load_target, where tests stub it
 from deepspec.target.decoding import NEUTRAL_SETTINGS, SamplingParams
 from deepspec.target.few_row_linear import check_few_row_mode
