@@ -1,6 +1,6 @@
 """Evaluation metrics, pooled over all verify steps / prompts of one benchmark (DESIGN.md s.6).
 
-Pure functions over :class:`~deepspec.eval.engine.StepRecord` / ``GenerationResult`` lists; every
+Pure functions over :class:`~deepspec.decoding.engine.StepRecord` / ``GenerationResult`` lists; every
 figure has a one-line definition in :data:`METRIC_DEFINITIONS`, which the report prints. Every
 output is JSON-ready: an undefined figure is None, never NaN.
 
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from deepspec.eval.engine import GenerationResult, StepRecord
+from deepspec.decoding.engine import GenerationResult, StepRecord
 
 DEFAULT_NUM_BINS = 10
 

@@ -89,7 +89,7 @@ class EvalConfig:
     # own K (a DSpark/DFlash draft's block size, Eagle3's steps). An explicit ngram_num_tokens or
     # lookup_num_tokens is not capped by it.
     num_draft_tokens: int | None = None
-    # steps verify a draft tree in one target forward (deepspec.eval.engine; at T > 0 by the target's own draws): 0 = off (chains; a "+lookup" row
+    # steps verify a draft tree in one target forward (deepspec.decoding.engine; at T > 0 by the target's own draws): 0 = off (chains; a "+lookup" row
     # then proposes the match or the draft); W >= 1 = each "+lookup" row verifies its match beside the draft's
     # proposal, and each draft (DSpark, DFlash, Eagle3) proposes a tree of W nodes per slot (1: its chain)
     tree_width: int = 0
@@ -97,7 +97,7 @@ class EvalConfig:
     # GEMM over 2-8 rows costs 1.4-2.2x a one-row product; deepspec.target.few_row_linear) | on | off
     few_row_linear: str = "auto"
     # the target's decode steps on the compiled path: a static KV cache and torch.compile'd one-token and verify
-    # forwards, CUDA graphs on CUDA (deepspec.eval.compiled; every method and the baseline; compiles untimed, about
+    # forwards, CUDA graphs on CUDA (deepspec.decoding.compiled; every method and the baseline; compiles untimed, about
     # a minute per graph on a 2-core CPU); the few-row linear path is then off
     compile: bool = False
 

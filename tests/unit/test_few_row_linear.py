@@ -13,8 +13,8 @@ from deepspec.algorithms.dspark.model import DSparkDraftModel
 from deepspec.algorithms.dspark.proposer import DSparkProposer
 from deepspec.algorithms.ngram.proposer import NGramProposer
 from deepspec.algorithms.protocol import NullProposer, cap_proposal_len
-from deepspec.eval.engine import SpeculativeEngine
-from deepspec.eval.verify import SamplingParams
+from deepspec.decoding.engine import SpeculativeEngine
+from deepspec.decoding.verify import SamplingParams
 from deepspec.target.few_row_linear import few_row_forward, few_row_linear, few_row_linear_applies
 from tests.helpers import sharp_tiny_llama
 
