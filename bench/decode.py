@@ -44,7 +44,7 @@ Writes ``decode_bench.json`` and ``decode_bench.png`` under ``--output-dir`` (at
     python bench/decode.py --draft untrained --dtype bfloat16 --temperatures 0
     python bench/decode.py --num-draft-tokens 3 --few-row-linear off
 
-``--compile on`` runs every engine on the compiled target path (:mod:`deepspec.eval.compiled`: a static
+``--compile on`` runs every engine on the compiled target path (:mod:`deepspec.decoding.compiled`: a static
 KV cache and ``torch.compile``d one-token and verify steps, CUDA graphs on CUDA; the first generation
 of each cache length compiles, untimed) and adds ``target-only-eager``, the eager engine's baseline,
 so both engines' baselines stand beside ``generate()``; speedups stay relative to the (compiled)
@@ -68,7 +68,7 @@ instead of benchmark prompts, for a machine without the benchmark files.
 ``--num-draft-tokens N`` caps the draft's proposals at N tokens (vLLM's ``num_speculative_tokens``;
 the ngram baseline and the lookups follow unless ``--lookup-num-tokens`` is given);
 ``--few-row-linear auto | on | off`` picks the linear path of every engine
-(:mod:`deepspec.eval.few_row_linear`; ``bench/verify_cost.py`` compares the two side by side).
+(:mod:`deepspec.target.few_row_linear`; ``bench/verify_cost.py`` compares the two side by side).
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN  # noqa: E402
 from deepspec.algorithms.protocol import NullProposer  # noqa: E402
-from deepspec.eval.engine import GenerationResult, SpeculativeEngine  # noqa: E402
+from deepspec.decoding.engine import GenerationResult, SpeculativeEngine  # noqa: E402
+from deepspec.decoding.verify import SamplingParams  # noqa: E402
 from deepspec.eval.run import hf_generate, eos_token_ids_of  # noqa: E402
-from deepspec.eval.verify import SamplingParams  # noqa: E402
 from deepspec.utils import atomic_write_json, pyplot, save_png  # noqa: E402
 
 SPEEDUP_GOAL = 2.0  # speculative / target-only tokens/s at greedy
@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="the most tokens a match proposes in the lookup-first methods, and the ngram baseline's K "
                         "(0: the draft's K)")
     p.add_argument("--tree-widths", default="0",
-                   help="comma-separated draft-tree settings compared side by side (deepspec.eval.engine): 0 = "
+                   help="comma-separated draft-tree settings compared side by side (deepspec.decoding.engine): 0 = "
                         "chains (the rows above); W >= 1 adds lookup-first-nN-treeW rows (the match verified beside the "
                         "draft) and, for W >= 2, a speculative-treeW row (a draft tree of W nodes per slot)")
     p.add_argument("--target", default="default", help="target (default: the embedded SmolLM2-135M)")
@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> dict:
     from deepspec.algorithms.protocol import cap_proposal_len, set_draft_tree_width
     from deepspec.algorithms.registry import check_baselines
     from deepspec.device import cast_for_decoding, check_dtype_name, dtype_name, resolve_device, resolve_dtype
-    from deepspec.eval.few_row_linear import check_few_row_mode, few_row_linear_applies
+    from deepspec.target.few_row_linear import check_few_row_mode, few_row_linear_applies
 
     try:
         check_dtype_name(args.dtype, "--dtype")
@@ -520,7 +520,7 @@ def main(argv: list[str] | None = None) -> dict:
     except (ValueError, FileNotFoundError) as exc:
         p.error(str(exc))
 
-    from deepspec.eval.stage import draft_folder
+    from deepspec.checkpoints import draft_folder
 
     folder = None
     if args.draft != "untrained":
@@ -598,7 +598,7 @@ def main(argv: list[str] | None = None) -> dict:
                     tree_drafts.get(w, proposer), vocab_size=vocab, ngram_max=max(n, args.ngram_max), ngram_min=n,
                     lookup_num_tokens=args.lookup_num_tokens or None, corpus=with_corpus, tree=w >= 1, **lookup_kw)
     if args.compile == "on":
-        from deepspec.eval.compiled import CompiledTarget
+        from deepspec.decoding.compiled import CompiledTarget
 
         from deepspec.algorithms.dspark.compiled import compile_proposer
 

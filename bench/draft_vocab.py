@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from deepspec.algorithms.dspark.proposer import DSparkProposer  # noqa: E402
 from deepspec.algorithms.registry import get_algorithm  # noqa: E402
-from deepspec.eval.verify import SamplingParams  # noqa: E402
+from deepspec.decoding.verify import SamplingParams  # noqa: E402
 from deepspec.models.vocab import count_supervised_tokens, select_draft_vocab  # noqa: E402
 from deepspec.target.capture import default_target_layer_ids, target_forward  # noqa: E402
 from deepspec.train.loop import TrainConfig  # noqa: E402

@@ -214,8 +214,8 @@ def _preflight_compiled(dev) -> dict:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from deepspec.algorithms.protocol import NullProposer
-    from deepspec.eval.compiled import CompiledTarget
-    from deepspec.eval.engine import SpeculativeEngine
+    from deepspec.decoding.compiled import CompiledTarget
+    from deepspec.decoding.engine import SpeculativeEngine
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2,

@@ -3,7 +3,7 @@
 Regenerates the answers to the first ``--num-prompts`` gsm8k *train* problems (the demo's training
 prompts, read from the local benchmarks folder) in batches of ``--batch-size``, greedy, at most
 ``--max-new-tokens`` each, through :class:`deepspec.data.backends.LocalBackend` with
-``few_row_linear="off"`` (``F.linear``) and ``"on"`` (:mod:`deepspec.eval.few_row_linear` over at
+``few_row_linear="off"`` (``F.linear``) and ``"on"`` (:mod:`deepspec.target.few_row_linear` over at
 most :data:`deepspec.data.backends.BATCH_FEW_ROW_MAX_ROWS` rows), interleaved: every round runs both
 once, in one process (these machines are shared and noisy; only the side-by-side ratio counts).
 Prints generated tokens per second per path and round, the median ratio, and whether the two paths

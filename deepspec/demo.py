@@ -30,6 +30,7 @@ from pathlib import Path
 from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN
 from deepspec.algorithms.protocol import check_tree_setting
 from deepspec.algorithms.registry import ALGORITHMS, check_baselines, load_draft
+from deepspec.checkpoints import latest_checkpoint
 from deepspec.data.prepare import PrepareConfig, summary_path_for
 from deepspec.device import check_device_name, check_dtype_name, resolve_device
 from deepspec.eval.benchmarks import TRAINING_SPLITS, benchmarks_dir, training_conversations
@@ -37,7 +38,7 @@ from deepspec.eval.report import BASELINE, HF_GENERATE
 from deepspec.eval.stage import EvalConfig, run_eval_stage
 from deepspec.stages import CacheConfig, run_cache_stage, run_prepare_stage, run_train_stage
 from deepspec.target import load  # called as load.load_target, where tests stub it
-from deepspec.train.loop import TrainConfig, build_draft, latest_checkpoint
+from deepspec.train.loop import TrainConfig, build_draft
 from deepspec.utils import atomic_write_json, atomic_write_text
 
 

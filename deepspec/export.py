@@ -49,7 +49,7 @@ import torch
 from safetensors.torch import save_file
 
 from deepspec.algorithms.registry import load_draft
-from deepspec.eval.stage import draft_folder
+from deepspec.checkpoints import draft_folder
 from deepspec.models.config import family_rules
 from deepspec.models.vocab import d2t_to_offsets
 from deepspec.utils import atomic_path

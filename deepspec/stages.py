@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from deepspec.data import openai_server
 from deepspec.data.cache.format import FORMAT_VERSION, check_storage_dtype
 from deepspec.data.cache.verify import verify_target_cache
 from deepspec.data.cache.writer import write_target_cache
@@ -18,6 +17,7 @@ from deepspec.data.estimate import run_estimate
 from deepspec.data.prepare import PrepareConfig, run_prepare
 from deepspec.device import cast_for_decoding, check_device_name, check_dtype_name, resolve_device, resolve_dtype
 from deepspec.models.config import unsupported_family_note
+from deepspec.serve import openai_server
 from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
 from deepspec.target.load import load_target, recorded_target_name, require_chat_template, target_fingerprint
 from deepspec.train.loop import train
@@ -186,7 +186,7 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
 
 
 def run_serve_stage(cfg, *, target_model=None, tokenizer=None) -> None:
-    """``deepspec serve``: the target behind an OpenAI-compatible API (see :mod:`deepspec.data.openai_server`)."""
+    """``deepspec serve``: the target behind an OpenAI-compatible API (see :mod:`deepspec.serve.openai_server`)."""
     openai_server.run_serve_stage(cfg, target_model=target_model, tokenizer=tokenizer)
 
 

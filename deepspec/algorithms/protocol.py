@@ -17,7 +17,7 @@ so the loss of a step is the supervision-weighted mean over the whole global bat
 micro-batching (and, under data parallelism, ranks all-reduce ``weight_sum``).
 
 Decoding (:class:`Proposer`, :class:`Proposal`, :func:`draw_token`, :class:`NullProposer`). The
-engine (``deepspec.eval.engine``) drives every proposer through the same three calls:
+engine (``deepspec.decoding.engine``) drives every proposer through the same three calls:
 
 1. ``reset()`` before each prompt;
 2. ``extend_context(target_hidden_TF, token_ids_T)`` with the target features of the next committed
@@ -155,13 +155,13 @@ class Proposal:
             with the same token (build one with :class:`DraftTree`). Node ``i`` sits at position
             ``anchor_pos + depth_i``; the target verifies every node in one forward with a tree
             attention mask and walks the tree with its own tokens (greedy: the longest path it agrees
-            with; T > 0: its draws; :func:`~deepspec.eval.verify.verify_tree`; SpecInfer, Miao et al.
+            with; T > 0: its draws; :func:`~deepspec.decoding.verify.verify_tree`; SpecInfer, Miao et al.
             2024, s.4; EAGLE-2, Li et al. 2024, s.4). A tree carries no ``confidence_N``. At T > 0 its
             ``draft_probs_NV`` (optional) gives the distribution each node was drawn from: a node
             *sampled* from the draft's ``q`` has ``q`` as its row, a *chosen* node (top-k, a lookup's
             match) a point mass on its token; ``None`` means every node was chosen. A sampled node must
             come before any sibling whose choice depended on it (SpecInfer's multi-step speculative
-            sampling tests a node's children in order; :func:`~deepspec.eval.verify.verify_tree`).
+            sampling tests a node's children in order; :func:`~deepspec.decoding.verify.verify_tree`).
     """
 
     draft_ids_N: Tensor
@@ -345,7 +345,7 @@ def grow_draft_tree(tree: DraftTree, level: TreeLevel, logits_XW: Tensor, *, wid
     are never proposed. The level keeps, in this order, the chain's next node (below node 0; greedy the
     argmax, at T > 0 drawn from ``q`` by :func:`draw_token`, the tree's only sampled node at that depth,
     added with its ``q`` over target ids) and the ``width - 1`` best-scored other children (chosen nodes).
-    That order is what :func:`~deepspec.eval.verify.verify_tree` needs at T > 0: the sampled chain is
+    That order is what :func:`~deepspec.decoding.verify.verify_tree` needs at T > 0: the sampled chain is
     tested first by rejection sampling, the chosen siblings on the residual. Fewer than ``width`` nodes
     when the filters leave fewer children.
     """

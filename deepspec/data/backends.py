@@ -36,8 +36,8 @@ from typing import Any, Protocol
 import torch
 
 from deepspec.data.chat import render_prompt, target_stop_token_ids
-from deepspec.eval.few_row_linear import few_row_linear, few_row_linear_applies
 from deepspec.target.decoding import SamplingParams, openai_request_fields, pinned_generate
+from deepspec.target.few_row_linear import few_row_linear, few_row_linear_applies
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,7 +143,7 @@ def generate_batch(model: Any, prompts: list[list[int]], *, pad_id: int, eos_ids
 
 # Batched generation multiplies every weight matrix by one row per request at each decoding step. On
 # the 2-core AMD EPYC (Zen 3, AVX2, float32) of 2026-12-01, 32 gsm8k train prompts x 128 greedy tokens of
-# the embedded target took 0.83x the time with the few-row path (deepspec.eval.few_row_linear) over at
+# the embedded target took 0.83x the time with the few-row path (deepspec.target.few_row_linear) over at
 # most 32 rows as with ``F.linear`` (median of 3 interleaved rounds, identical ids; `python
 # bench/prepare.py --rounds 3`, docs/results/prepare-cpu-2026-12-01/); at 64 rows the two kernels cost
 # the same per product, so larger batches keep ``F.linear``.
@@ -156,7 +156,7 @@ class LocalBackend:
 
     ``few_row_linear`` (``auto`` | ``on`` | ``off``): decoding steps of batches of at most
     :data:`BATCH_FEW_ROW_MAX_ROWS` rows compute the target's linear layers as ``(W @ x^T)^T``
-    (:mod:`deepspec.eval.few_row_linear`; ``auto``: float32 on the CPU). The sums run in another
+    (:mod:`deepspec.target.few_row_linear`; ``auto``: float32 on the CPU). The sums run in another
     order, so an id can differ from ``F.linear``'s where two logits tie to the last bits; the ids
     recorded are the ones generated either way.
 

@@ -1,6 +1,6 @@
 """Evaluation metrics, pooled over all verify steps / prompts of one benchmark (docs/design/evaluation.md, "Metrics").
 
-Pure functions over :class:`~deepspec.eval.engine.StepRecord` / ``GenerationResult`` lists; every
+Pure functions over :class:`~deepspec.decoding.engine.StepRecord` / ``GenerationResult`` lists; every
 figure has a one-line definition in :data:`METRIC_DEFINITIONS`, which the report prints. Every
 output is JSON-ready: an undefined figure is None, never NaN.
 
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from deepspec.eval.engine import GenerationResult, StepRecord
+from deepspec.decoding.engine import GenerationResult, StepRecord
 
 DEFAULT_NUM_BINS = 10
 

@@ -223,7 +223,7 @@ def _draft_dtypes(cfg: Mapping[str, Any]) -> str:
 
 
 def _tree_note(info: Mapping[str, Any]) -> str:
-    """`` (...)`` saying how a method's steps use draft trees (deepspec.eval.engine), or ''."""
+    """`` (...)`` saying how a method's steps use draft trees (deepspec.decoding.engine), or ''."""
     parts = [f"draft tree {info['tree_width']} per slot"] if info.get("tree_width") else []
     if info.get("lookup_tree"):
         parts.append("match verified beside the draft")
@@ -238,8 +238,8 @@ def _setup_lines(cfg: Mapping[str, Any]) -> list[str]:
     if proposers:
         lines += ["", "Tokens proposed per step (K): " + ", ".join(
             f"{m} {p.get('max_proposal_len')}" + _tree_note(p) for m, p in proposers.items())
-            + ("; few-row linear path on (deepspec.eval.few_row_linear)" if cfg.get("few_row_linear") else "")
-            + ("; the target decodes on the compiled path, static KV cache + torch.compile (deepspec.eval.compiled)"
+            + ("; few-row linear path on (deepspec.target.few_row_linear)" if cfg.get("few_row_linear") else "")
+            + ("; the target decodes on the compiled path, static KV cache + torch.compile (deepspec.decoding.compiled)"
                if cfg.get("compile") else "") + "."]
     corpus = cfg.get("lookup_corpus")
     if isinstance(corpus, Mapping):

@@ -31,15 +31,15 @@ from deepspec.algorithms.dspark.compiled import compile_proposer
 from deepspec.algorithms.ngram.proposer import DEFAULT_NUM_TOKENS, corpus_lookup
 from deepspec.algorithms.protocol import NullProposer, Proposer
 from deepspec.data.chat import render_prompt, target_stop_token_ids
+from deepspec.decoding.compiled import CompiledTarget
+from deepspec.decoding.engine import GenerationResult, SpeculativeEngine
+from deepspec.decoding.flips import argmax_flip_positions, chunked_argmax, divergence_record, first_divergence, flip_rate
 from deepspec.device import dtype_name, is_out_of_memory, out_of_memory_error
 from deepspec.eval.benchmarks import BenchmarkPrompt
-from deepspec.eval.compiled import CompiledTarget
-from deepspec.eval.engine import GenerationResult, SpeculativeEngine
-from deepspec.eval.few_row_linear import few_row_linear as few_row_linear_context
-from deepspec.eval.flips import argmax_flip_positions, chunked_argmax, divergence_record, first_divergence, flip_rate
 from deepspec.eval.metrics import METRIC_DEFINITIONS, benchmark_metrics
 from deepspec.eval.report import BASELINE, HF_GENERATE, environment_info, write_report
 from deepspec.target.decoding import SamplingParams, decoding_record, pinned_generate
+from deepspec.target.few_row_linear import few_row_linear as few_row_linear_context
 
 
 def eos_token_ids_of(target_model: Any, tokenizer: Any) -> list[int]:
@@ -144,9 +144,9 @@ def argmax_flip_figures(target_model: Any, prompts: Sequence[Sequence[int]], bas
     (``results[name]``) each method to its metrics dict, updated in place: the target-only dict gets
     ``num_flip_positions``, ``num_argmax_flips``, ``argmax_flips_per_1k_tokens`` and
     ``flip_chunk_len``; each proposer's gets ``divergences`` (one
-    :func:`~deepspec.eval.flips.divergence_record` per output that differs from target-only, with
+    :func:`~deepspec.decoding.flips.divergence_record` per output that differs from target-only, with
     its prompt ``id`` and ``turn``) and ``num_divergent_at_flip_or_runner_up``. See
-    :mod:`deepspec.eval.flips`.
+    :mod:`deepspec.decoding.flips`.
     """
     chunks, flips = [], []
     for ids, base in zip(prompts, baseline):
@@ -216,9 +216,9 @@ def run_eval(
             output first differs (:func:`argmax_flip_figures`). Untimed; about one verify forward per
             K + 1 output tokens.
         few_row_linear: every engine (the baseline too) and the argmax-flip re-run use the few-row
-            linear path (:mod:`deepspec.eval.few_row_linear`); recorded in the report's config.
+            linear path (:mod:`deepspec.target.few_row_linear`); recorded in the report's config.
         compile_target: every engine (the baseline too) runs the target's decode steps on one shared
-            compiled path (:class:`deepspec.eval.compiled.CompiledTarget`; compiled untimed, before each
+            compiled path (:class:`deepspec.decoding.compiled.CompiledTarget`; compiled untimed, before each
             generation's clock), and DSpark / DFlash chain drafts propose through compiled graphs
             (:func:`deepspec.algorithms.dspark.compiled.compile_proposer`); recorded in the report's
             config. Not with ``few_row_linear``.

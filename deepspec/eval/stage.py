@@ -20,14 +20,14 @@ from deepspec.algorithms.ngram.proposer import (DEFAULT_NUM_TOKENS, LookupFirstP
                                                  check_lookup_settings, check_ngram_range)
 from deepspec.algorithms.protocol import cap_proposal_len, check_tree_setting, set_draft_tree_width
 from deepspec.algorithms.registry import algorithm_for_model, check_baselines, check_draft_target, load_draft
+from deepspec.checkpoints import draft_folder
 from deepspec.data.sources import SourceUnavailableError
 from deepspec.device import cast_for_decoding, check_device_name, check_dtype_name, resolve_device, resolve_dtype
 from deepspec.eval.benchmarks import BENCHMARKS, DEEPSPEC_NUM_SAMPLES, SOURCES, load_benchmark
-from deepspec.eval.few_row_linear import check_few_row_mode, few_row_linear_applies
 from deepspec.eval.run import run_eval
 from deepspec.target.decoding import SamplingParams
+from deepspec.target.few_row_linear import check_few_row_mode, few_row_linear_applies
 from deepspec.target.load import load_target, require_chat_template, target_fingerprint
-from deepspec.train.loop import latest_checkpoint
 
 
 @dataclass(kw_only=True)
@@ -89,15 +89,15 @@ class EvalConfig:
     # own K (a DSpark/DFlash draft's block size, Eagle3's steps). An explicit ngram_num_tokens or
     # lookup_num_tokens is not capped by it.
     num_draft_tokens: int | None = None
-    # steps verify a draft tree in one target forward (deepspec.eval.engine; at T > 0 by the target's own draws): 0 = off (chains; a "+lookup" row
+    # steps verify a draft tree in one target forward (deepspec.decoding.engine; at T > 0 by the target's own draws): 0 = off (chains; a "+lookup" row
     # then proposes the match or the draft); W >= 1 = each "+lookup" row verifies its match beside the draft's
     # proposal, and each draft (DSpark, DFlash, Eagle3) proposes a tree of W nodes per slot (1: its chain)
     tree_width: int = 0
     # linear layers over few rows (a verify forward) as (W @ x^T)^T: auto (float32 on the CPU, where the row-major
-    # GEMM over 2-8 rows costs 1.4-2.2x a one-row product; deepspec.eval.few_row_linear) | on | off
+    # GEMM over 2-8 rows costs 1.4-2.2x a one-row product; deepspec.target.few_row_linear) | on | off
     few_row_linear: str = "auto"
     # the target's decode steps on the compiled path: a static KV cache and torch.compile'd one-token and verify
-    # forwards, CUDA graphs on CUDA (deepspec.eval.compiled; every method and the baseline; compiles untimed, about
+    # forwards, CUDA graphs on CUDA (deepspec.decoding.compiled; every method and the baseline; compiles untimed, about
     # a minute per graph on a 2-core CPU); the few-row linear path is then off
     compile: bool = False
 
@@ -231,22 +231,6 @@ def load_eval_benchmarks(cfg: EvalConfig, log=print) -> tuple[dict, dict[str, st
             "(or $DEEPSPEC_BENCHMARKS_DIR) to a folder of benchmark files, or --benchmark-source hf with a network"
         )
     return prompts, skipped
-
-
-def draft_folder(path: str | Path) -> Path:
-    """Accept a training run folder (its ``latest`` checkpoint), a checkpoint folder (``checkpoint-N/``)
-    or the draft folder inside it."""
-    path = Path(path)
-    if not (path / "draft").exists() and latest_checkpoint(path) is not None:
-        path = latest_checkpoint(path)
-    if (path / "draft" / "config.json").exists():
-        return path / "draft"
-    if (path / "config.json").exists():
-        return path
-    raise FileNotFoundError(
-        f"draft: no draft found at {path} (looked for {path / 'config.json'} and {path / 'draft' / 'config.json'}); "
-        "pass a folder written by `deepspec train`"
-    )
 
 
 def _writable_folder(path: str) -> Path:

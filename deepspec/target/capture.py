@@ -299,7 +299,7 @@ def features_from_hidden_states(hidden_states: Sequence[torch.Tensor], target_la
     ``[B, T, H]``: layer ``i``'s output is ``hidden_states[i + 1]`` and ``-1`` (the embedding output)
     is ``hidden_states[0]``; ``L - 1`` never occurs (:func:`validate_target_layer_ids` refuses it, as
     HF's last entry is the final-norm output). For a compiled forward, where hooks registered per call
-    would recompile the graph (:mod:`deepspec.eval.compiled`); equal to :func:`target_forward`'s
+    would recompile the graph (:mod:`deepspec.decoding.compiled`); equal to :func:`target_forward`'s
     features (a test checks it). Returns ``[B, T, len(ids) * H]``.
     """
     return torch.cat([hidden_states[i + 1] for i in target_layer_ids], dim=-1)

@@ -4,7 +4,7 @@ Legend: P prompt length, N reference output length, T positions, F target featur
 
 At temperature 0 speculative decoding is lossless: its output is the target's own greedy output,
 whatever the draft proposes. So the acceptance of a draft on a prompt can be computed by *replaying*
-the engine's loop (:class:`deepspec.eval.engine.SpeculativeEngine`) against a reference made once:
+the engine's loop (:class:`deepspec.decoding.engine.SpeculativeEngine`) against a reference made once:
 the target's greedy continuation of the prompt and the target features of every position. Each
 replayed step proposes from exactly the context the engine would hold (the features of positions
 ``< anchor``), accepts the longest prefix of drafts equal to the reference, commits accepted + 1
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from deepspec.algorithms.protocol import NullProposer, Proposer
-from deepspec.eval.engine import GREEDY, SpeculativeEngine
+from deepspec.decoding.engine import GREEDY, SpeculativeEngine
 from deepspec.target.capture import target_forward
 from deepspec.utils import atomic_path
 

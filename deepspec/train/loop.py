@@ -25,9 +25,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
-import re
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -41,6 +38,8 @@ from transformers import get_cosine_schedule_with_warmup
 
 from deepspec.algorithms.protocol import TrainBatch
 from deepspec.algorithms.registry import ALGORITHMS, get_algorithm
+from deepspec.checkpoints import (LATEST, RUN_LOG, TRAINER_STATE, apply_retention, clear_previous_run,
+                                  latest_checkpoint, previous_run)
 from deepspec.data.cache.format import check_storage_dtype
 from deepspec.data.cache.reader import TargetCache, check_compatible
 from deepspec.data.chat import render_prompt, target_stop_token_ids
@@ -78,10 +77,6 @@ from deepspec.train.heldout import (
     reference_key,
 )
 from deepspec.utils import atomic_path, atomic_write_json, atomic_write_text, pyplot, save_png, torchrun_env
-
-TRAINER_STATE = "trainer_state.pt"
-LATEST = "latest"
-
 
 @dataclass(kw_only=True)
 class TrainConfig:
@@ -304,34 +299,6 @@ def _lr_schedule(optimizer, cfg: TrainConfig):
     return get_cosine_schedule_with_warmup(
         optimizer, num_warmup_steps=math.ceil(cfg.warmup_frac * cfg.max_steps), num_training_steps=cfg.max_steps
     )
-
-
-RUN_LOG = "train_log.jsonl"
-# what a run writes into output_dir besides checkpoint-*/ (--resume never replaces them; the held-out
-# reference stays: it is keyed by its prompts and target, and reused only when they match)
-_RUN_FILES = (LATEST, RUN_LOG, "train_config.json", "train_loss.png", "tensorboard")
-
-
-def previous_run(output_dir: str | Path) -> list[str]:
-    """The names in ``output_dir`` that show an earlier training run there (``latest``,
-    ``checkpoint-*/`` folders, ``train_log.jsonl``), sorted; [] when the folder is missing or holds none."""
-    out = Path(output_dir)
-    if not out.is_dir():
-        return []
-    return sorted(p.name for p in out.iterdir() if p.name in (LATEST, RUN_LOG) or _checkpoint_step(p) is not None)
-
-
-def clear_previous_run(output_dir: str | Path) -> list[Path]:
-    """Delete what an earlier run wrote into ``output_dir`` (``checkpoint-*/``, ``latest``, the log,
-    config, plot and TensorBoard events) for ``--resume never``; returns the deleted paths (each
-    renamed to a hidden name before it is removed, as :func:`apply_retention` does)."""
-    out = Path(output_dir)
-    if not out.is_dir():
-        return []
-    doomed = sorted(p for p in out.iterdir() if p.name in _RUN_FILES or _checkpoint_step(p) is not None)
-    for path in doomed:
-        _delete(path)
-    return doomed
 
 
 def _resolve_resume(cfg: TrainConfig, *, log: bool = False) -> Path | None:
@@ -647,45 +614,6 @@ def save_checkpoint(model, optimizer, scheduler, *, step: int, cfg: TrainConfig,
     if ctx.sharded:
         dist.barrier()
     return out / name
-
-
-def _checkpoint_step(path: Path) -> int | None:
-    match = re.fullmatch(r"checkpoint-(\d+)", path.name)
-    return int(match.group(1)) if match and path.is_dir() else None
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The checkpoint folder a training run's ``latest`` pointer names (``run_dir/checkpoint-N``; it
-    may be absent if someone deleted it), or None when the run has no pointer yet."""
-    pointer = Path(run_dir) / LATEST
-    return Path(run_dir) / pointer.read_text().strip() if pointer.is_file() else None
-
-
-def apply_retention(output_dir: str | Path, keep_last: int) -> list[Path]:
-    """Delete all but the ``keep_last`` newest (highest-step) ``checkpoint-*/`` folders of
-    ``output_dir``, never the one ``latest`` names; ``keep_last`` 0 keeps everything. A folder is
-    renamed to a hidden name before it is removed, so a crash never leaves a half-deleted
-    checkpoint under its final name. Returns the deleted folders."""
-    if keep_last <= 0:
-        return []
-    out = Path(output_dir)
-    latest = getattr(latest_checkpoint(out), "name", None)
-    found = sorted((step, p) for p in out.iterdir() if (step := _checkpoint_step(p)) is not None)
-    doomed = [p for _, p in found[:-keep_last] if p.name != latest]
-    for path in doomed:
-        _delete(path)
-    return doomed
-
-
-def _delete(path: Path) -> None:
-    """Remove a file or folder, renamed to a hidden ``.name.deleting`` first, so a crash never leaves
-    a half-deleted checkpoint under its final name."""
-    trash = path.with_name(f".{path.name}.deleting")
-    os.replace(path, trash)
-    if trash.is_dir():
-        shutil.rmtree(trash)
-    else:
-        trash.unlink()
 
 
 def open_target_cache(cache_dir: str) -> TargetCache:

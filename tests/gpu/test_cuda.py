@@ -203,7 +203,7 @@ def memorised(tmp_path_factory) -> tuple[Path, Path]:
     from deepspec.algorithms.protocol import NullProposer
     from deepspec.data.cache import write_target_cache_from_samples
     from deepspec.data.chat import render_prompt
-    from deepspec.eval.engine import SpeculativeEngine
+    from deepspec.decoding.engine import SpeculativeEngine
     from deepspec.eval.run import eos_token_ids_of
     from deepspec.target.load import load_target, target_fingerprint, tokenizer_fingerprint
     from deepspec.train.loop import TrainConfig, train
@@ -246,8 +246,8 @@ def test_engine_greedy_on_the_device(memorised, dtype):
     from deepspec.algorithms.protocol import NullProposer
     from deepspec.algorithms.registry import get_algorithm
     from deepspec.data.chat import render_prompt
+    from deepspec.decoding.engine import SpeculativeEngine
     from deepspec.device import TORCH_DTYPES, cast_for_decoding
-    from deepspec.eval.engine import SpeculativeEngine
     from deepspec.eval.run import eos_token_ids_of
     from deepspec.target.load import load_target
 
@@ -294,7 +294,7 @@ def _cuda_graphs_recorded() -> int:
 
 
 def test_compiled_engine_on_the_device(memorised):
-    """The compiled target path (deepspec.eval.compiled: static KV cache + torch.compile, CUDA graphs on CUDA)
+    """The compiled target path (deepspec.decoding.compiled: static KV cache + torch.compile, CUDA graphs on CUDA)
     in fp32 on the device, with the memorised draft proposing through its own compiled graphs: compiled target-only output equals eager target-only
     output and Hugging Face ``generate(do_sample=False)`` token for token, and speculative output (compiled
     and eager) equals them, through accepted drafts; on CUDA every compiled step ran as a CUDA graph
@@ -308,9 +308,9 @@ def test_compiled_engine_on_the_device(memorised):
     from deepspec.algorithms.protocol import NullProposer
     from deepspec.algorithms.registry import get_algorithm
     from deepspec.data.chat import render_prompt
+    from deepspec.decoding.compiled import CompiledTarget
+    from deepspec.decoding.engine import SpeculativeEngine
     from deepspec.device import cast_for_decoding
-    from deepspec.eval.compiled import CompiledTarget
-    from deepspec.eval.engine import SpeculativeEngine
     from deepspec.eval.run import eos_token_ids_of, hf_generate
     from deepspec.target.decoding import SamplingParams
     from deepspec.target.load import load_target

@@ -25,7 +25,7 @@ from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llam
 from deepspec.algorithms.protocol import NullProposer
 from deepspec.algorithms.registry import ALGORITHMS, algorithm_for_model, load_draft
 from deepspec.data.chat import render_prompt
-from deepspec.eval.engine import SpeculativeEngine
+from deepspec.decoding.engine import SpeculativeEngine
 from deepspec.train.loop import TrainConfig, train
 from tests.unit.test_chat import tiny_chatml_tokenizer
 

@@ -20,7 +20,7 @@ import torch
 
 from deepspec.algorithms.registry import load_draft
 from deepspec.cli import main
-from deepspec.eval.stage import draft_folder
+from deepspec.checkpoints import draft_folder
 from deepspec.target import load
 from deepspec.target.load import load_target, resolve_target_dir, tokenizer_fingerprint
 from tests.helpers import write_tiny_gguf

@@ -22,8 +22,8 @@ def test_dspark_greedy_output_equals_target_only_greedy(target):
     from deepspec.algorithms.dspark.proposer import DSparkProposer
     from deepspec.algorithms.protocol import NullProposer
     from deepspec.data.chat import render_prompt
+    from deepspec.decoding.engine import SpeculativeEngine
     from deepspec.eval.benchmarks import load_benchmark
-    from deepspec.eval.engine import SpeculativeEngine
     from deepspec.eval.run import eos_token_ids_of
     from deepspec.target.capture import default_target_layer_ids
     from deepspec.train.loop import TrainConfig, build_draft
@@ -56,8 +56,8 @@ def test_reduced_vocab_dspark_greedy_output_equals_target_only_greedy(target):
     from deepspec.algorithms.dspark.proposer import DSparkProposer
     from deepspec.algorithms.protocol import NullProposer
     from deepspec.data.chat import render_prompt
+    from deepspec.decoding.engine import SpeculativeEngine
     from deepspec.eval.benchmarks import load_benchmark
-    from deepspec.eval.engine import SpeculativeEngine
     from deepspec.eval.run import eos_token_ids_of
     from deepspec.models.vocab import count_supervised_tokens, select_draft_vocab
     from deepspec.target.capture import default_target_layer_ids

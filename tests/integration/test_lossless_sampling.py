@@ -29,9 +29,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import deepspec.eval.verify as verify_mod
+import deepspec.decoding.verify as verify_mod
 from deepspec.algorithms.protocol import DraftTree, Proposal, draw_token
-from deepspec.eval.verify import SamplingParams, sampling_probs, verify, verify_tree
+from deepspec.decoding.verify import SamplingParams, sampling_probs, verify, verify_tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -357,7 +357,7 @@ def engine_samples(model, params: SamplingParams, trials: int, seed: int, max_ne
     """Over ``trials`` seeded generations: counts ``[V, V]`` of output tokens (1, 2), counts ``[V]``
     of output token 3 (zeros when ``max_new_tokens < 3``), and the number of drafts accepted by the
     first verify step. ``proposer`` defaults to :class:`BigramProposer`."""
-    from deepspec.eval.engine import SpeculativeEngine
+    from deepspec.decoding.engine import SpeculativeEngine
 
     engine = SpeculativeEngine(model, [0], proposer or BigramProposer(seed=5), [V + 1])
     g = torch.Generator().manual_seed(seed)
@@ -397,7 +397,7 @@ def test_gemma3_engine_sampling_follows_target_distribution(gemma3_target, param
 
 
 def test_gemma3_engine_without_soft_capping_is_rejected(gemma3_target, monkeypatch):
-    import deepspec.eval.engine as engine_mod
+    import deepspec.decoding.engine as engine_mod
 
     monkeypatch.setattr(engine_mod, "target_logits", lambda model, h: model.get_output_embeddings()(h))
     joint_VV, _ = exact_target_distributions(gemma3_target, PLAIN)

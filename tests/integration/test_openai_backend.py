@@ -27,7 +27,6 @@ import pytest
 import torch
 
 from deepspec.data.backends import BackendError, OpenAIBackend
-from deepspec.data.openai_server import OpenAICompatServer
 from deepspec.data.prepare import (
     PrepareConfig,
     heldout_path_for,
@@ -36,6 +35,7 @@ from deepspec.data.prepare import (
     run_prepare,
     skipped_path_for,
 )
+from deepspec.serve.openai_server import OpenAICompatServer
 from tests.helpers import byte_level_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]

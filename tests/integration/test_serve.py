@@ -26,8 +26,8 @@ import torch
 from deepspec.cli import main
 from deepspec.data.backends import GenerationParams, LocalBackend
 from deepspec.data.chat import render_prompt
-from deepspec.data.openai_server import OpenAICompatServer
-from deepspec.eval.serving import EngineDecoder
+from deepspec.serve.decoder import EngineDecoder
+from deepspec.serve.openai_server import OpenAICompatServer
 from deepspec.target import load
 from deepspec.target.decoding import SamplingParams
 from tests.helpers import byte_level_tokenizer

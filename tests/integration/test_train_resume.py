@@ -15,7 +15,8 @@ from deepspec.data.cache import TargetCache, dequantize_fp8, write_target_cache_
 from deepspec.target.load import target_fingerprint, tokenizer_fingerprint
 from deepspec.train import loop
 from deepspec.train.data import collate as collate_fn
-from deepspec.train.loop import TrainConfig, apply_retention, train
+from deepspec.checkpoints import apply_retention
+from deepspec.train.loop import TrainConfig, train
 from tests.helpers import tiny_llama_target
 from tests.unit.test_chat import tiny_chatml_tokenizer
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from deepspec.eval.engine import GenerationResult, StepRecord
+from deepspec.decoding.engine import GenerationResult, StepRecord
 from tests.helpers import load_bench_module
 
 

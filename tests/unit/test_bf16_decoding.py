@@ -15,10 +15,10 @@ from deepspec.algorithms.eagle3.config import eagle3_config_from_target
 from deepspec.algorithms.eagle3.model import Eagle3DraftModel
 from deepspec.algorithms.eagle3.proposer import Eagle3Proposer
 from deepspec.algorithms.protocol import NullProposer
+from deepspec.decoding.engine import SpeculativeEngine
+from deepspec.decoding.flips import chunked_argmax, first_divergence
+from deepspec.decoding.verify import SamplingParams
 from deepspec.device import cast_for_decoding
-from deepspec.eval.engine import SpeculativeEngine
-from deepspec.eval.flips import chunked_argmax, first_divergence
-from deepspec.eval.verify import SamplingParams
 from tests.helpers import sharp_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")

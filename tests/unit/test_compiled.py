@@ -1,4 +1,4 @@
-"""The compiled target path (deepspec.eval.compiled): static KV cache, padded fixed-length steps, compiled once.
+"""The compiled target path (deepspec.decoding.compiled): static KV cache, padded fixed-length steps, compiled once.
 
 Most tests compile with a counting ``eager`` backend (dynamo captures the graph, no code generation):
 the padding, cache and recompile logic is what they check; one test runs inductor for real.
@@ -11,10 +11,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from deepspec.algorithms.protocol import NullProposer, Proposal
-from deepspec.eval import compiled as compiled_mod
-from deepspec.eval.compiled import CompiledTarget, StaticKVCache, cache_len_bucket
-from deepspec.eval.engine import SpeculativeEngine
-from deepspec.eval.verify import SamplingParams
+from deepspec.decoding import compiled as compiled_mod
+from deepspec.decoding.compiled import CompiledTarget, StaticKVCache, cache_len_bucket
+from deepspec.decoding.engine import SpeculativeEngine
+from deepspec.decoding.verify import SamplingParams
 from deepspec.target.capture import features_from_hidden_states, target_forward
 from tests.unit.test_engine import PROMPT, OracleProposer, RandomProposer, hf_greedy
 

@@ -81,9 +81,9 @@ def _prompts(tok):
 def test_greedy_prepare_engine_and_hf_generate_equal_the_argmax_loop(sampling_target, tmp_path):
     from deepspec.algorithms.protocol import NullProposer
     from deepspec.data.prepare import PrepareConfig, run_prepare, summary_path_for
-    from deepspec.eval.engine import SpeculativeEngine
+    from deepspec.decoding.engine import SpeculativeEngine
+    from deepspec.decoding.verify import SamplingParams
     from deepspec.eval.run import eos_token_ids_of, hf_generate
-    from deepspec.eval.verify import SamplingParams
 
     model, tok, _ = sampling_target
     stop = eos_token_ids_of(model, tok)
@@ -118,9 +118,9 @@ def test_greedy_prepare_engine_and_hf_generate_equal_the_argmax_loop(sampling_ta
 
 
 def test_eval_report_hf_generate_identical_and_decoding_recorded(sampling_target, tmp_path):
+    from deepspec.decoding.verify import SamplingParams
     from deepspec.eval.benchmarks import BenchmarkPrompt
     from deepspec.eval.run import run_eval
-    from deepspec.eval.verify import SamplingParams
 
     model, tok, _ = sampling_target
     benches = {"tiny": [BenchmarkPrompt(id=f"p{i}", turns=(q,)) for i, q in enumerate(QUESTIONS)]}

@@ -83,10 +83,10 @@ def test_cuda_devices_follow_local_rank_and_must_exist(monkeypatch):
 
 
 def test_every_stage_config_checks_its_device(tmp_path):
-    from deepspec.data.openai_server import ServeConfig
     from deepspec.data.prepare import PrepareConfig
     from deepspec.demo import DemoConfig
     from deepspec.eval.stage import EvalConfig
+    from deepspec.serve.openai_server import ServeConfig
     from deepspec.stages import CacheConfig
     from deepspec.train.loop import TrainConfig
 
@@ -105,15 +105,15 @@ def test_every_stage_config_checks_its_device(tmp_path):
 
 
 def test_every_stage_refuses_cuda_without_it_before_loading_the_target(tmp_path, monkeypatch):
-    import deepspec.data.openai_server as openai_server
+    import deepspec.serve.openai_server as openai_server
     import deepspec.data.prepare as prepare
     import deepspec.eval.stage as eval_stage
     import deepspec.stages as stages
     import deepspec.train.loop as train_loop
-    from deepspec.data.openai_server import ServeConfig, run_serve_stage
     from deepspec.data.prepare import PrepareConfig
     from deepspec.demo import DemoConfig, run_demo
     from deepspec.eval.stage import EvalConfig, run_eval_stage
+    from deepspec.serve.openai_server import ServeConfig, run_serve_stage
     from deepspec.stages import CacheConfig, run_cache_stage, run_prepare_stage
     from deepspec.train.loop import TrainConfig, train
 

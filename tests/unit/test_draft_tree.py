@@ -12,8 +12,8 @@ from transformers import DynamicCache
 
 from deepspec.algorithms.ngram.proposer import LookupFirstProposer
 from deepspec.algorithms.protocol import DraftTree, Proposal
-from deepspec.eval.engine import SpeculativeEngine, compact_kv_cache, target_tree_mask, tree_attention_mask
-from deepspec.eval.verify import SamplingParams, verify_greedy, verify_tree
+from deepspec.decoding.engine import SpeculativeEngine, compact_kv_cache, target_tree_mask, tree_attention_mask
+from deepspec.decoding.verify import SamplingParams, verify_greedy, verify_tree
 from deepspec.target.capture import target_forward
 from tests.unit.test_engine import (K, LAYER_IDS, PROMPT, VOCAB, CheckingProposer, eos_token_id_unused,  # noqa: F401
                                     gemma3_target, hf_greedy, target)

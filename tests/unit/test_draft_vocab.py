@@ -14,8 +14,8 @@ from deepspec.algorithms.dspark.loss import dspark_loss, supervision_weights
 from deepspec.algorithms.dspark.model import DSparkDraftModel
 from deepspec.algorithms.dspark.proposer import DSparkProposer
 from deepspec.algorithms.protocol import NullProposer
-from deepspec.eval.engine import SpeculativeEngine
-from deepspec.eval.verify import SamplingParams
+from deepspec.decoding.engine import SpeculativeEngine
+from deepspec.decoding.verify import SamplingParams
 from deepspec.models.anchors import sample_anchors
 from deepspec.models.vocab import (count_supervised_tokens, d2t_from_offsets, d2t_to_offsets, scatter_to_target,
                                    select_draft_vocab, t2d_mask, t2d_table, validate_d2t)

@@ -14,7 +14,7 @@ from deepspec.algorithms.dspark.config import MARKOV_HEAD_TYPES, DraftConfig, df
 from deepspec.algorithms.dspark.loss import dspark_loss
 from deepspec.algorithms.dspark.model import DSparkDraftModel, GatedMarkovHead, MarkovHead, RNNMarkovHead
 from deepspec.algorithms.dspark.proposer import DSparkProposer
-from deepspec.eval.verify import SamplingParams
+from deepspec.decoding.verify import SamplingParams
 from deepspec.models.anchors import sample_anchors
 
 V, MASK = 64, 5

@@ -13,9 +13,9 @@ import torch
 from deepspec.algorithms.dspark.compiled import CompiledDSparkProposer, compile_proposer
 from deepspec.algorithms.dspark.proposer import DSparkProposer
 from deepspec.algorithms.ngram.proposer import LookupFirstProposer, NGramProposer
-from deepspec.eval.compiled import CompiledTarget
-from deepspec.eval.engine import SpeculativeEngine
-from deepspec.eval.verify import SamplingParams
+from deepspec.decoding.compiled import CompiledTarget
+from deepspec.decoding.engine import SpeculativeEngine
+from deepspec.decoding.verify import SamplingParams
 from deepspec.target.capture import target_forward
 from tests.unit.test_draft_tree import _dspark_draft
 from tests.unit.test_engine import K, LAYER_IDS, PROMPT, VOCAB, eos_token_id_unused, hf_greedy, target  # noqa: F401

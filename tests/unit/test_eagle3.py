@@ -19,8 +19,8 @@ from deepspec.algorithms.eagle3.model import Eagle3DraftModel, ttt_masks
 from deepspec.algorithms.eagle3.proposer import Eagle3Proposer
 from deepspec.algorithms.protocol import NullProposer
 from deepspec.algorithms.registry import algorithm_for_model, get_algorithm, load_draft
-from deepspec.eval.engine import SpeculativeEngine
-from deepspec.eval.verify import SamplingParams
+from deepspec.decoding.engine import SpeculativeEngine
+from deepspec.decoding.verify import SamplingParams
 from deepspec.target.capture import target_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -268,7 +268,7 @@ def test_engine_lossless_greedy(target, trained_draft, which):
 
 
 def test_engine_sampling_and_position_cap(target, trained_draft):
-    from deepspec.eval.verify import SamplingParams
+    from deepspec.decoding.verify import SamplingParams
 
     g = torch.Generator().manual_seed(0)
     res = _engine(target, Eagle3Proposer(trained_draft, k=3)).generate(PROMPTS[0], max_new_tokens=12,

@@ -10,8 +10,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from deepspec.algorithms.protocol import NullProposer, Proposal
-from deepspec.eval.engine import SpeculativeEngine, crop_kv_cache
-from deepspec.eval.verify import SamplingParams
+from deepspec.decoding.engine import SpeculativeEngine, crop_kv_cache
+from deepspec.decoding.verify import SamplingParams
 from deepspec.target.capture import target_forward
 
 

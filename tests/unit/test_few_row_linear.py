@@ -1,4 +1,4 @@
-"""The few-row linear path (deepspec.eval.few_row_linear) and proposal caps (cap_proposal_len):
+"""The few-row linear path (deepspec.target.few_row_linear) and proposal caps (cap_proposal_len):
 same values as F.linear, restored on exit, lossless through the engine, and the capped DSpark
 proposal equals the first slots of the full one."""
 
@@ -13,9 +13,9 @@ from deepspec.algorithms.dspark.model import DSparkDraftModel
 from deepspec.algorithms.dspark.proposer import DSparkProposer
 from deepspec.algorithms.ngram.proposer import NGramProposer
 from deepspec.algorithms.protocol import NullProposer, cap_proposal_len
-from deepspec.eval.engine import SpeculativeEngine
-from deepspec.eval.few_row_linear import few_row_forward, few_row_linear, few_row_linear_applies
-from deepspec.eval.verify import SamplingParams
+from deepspec.decoding.engine import SpeculativeEngine
+from deepspec.decoding.verify import SamplingParams
+from deepspec.target.few_row_linear import few_row_forward, few_row_linear, few_row_linear_applies
 from tests.helpers import sharp_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")

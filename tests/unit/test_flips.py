@@ -1,4 +1,4 @@
-"""Argmax flips (deepspec.eval.flips): the pure counting rules on hand-made cases, and on a tiny random
+"""Argmax flips (deepspec.decoding.flips): the pure counting rules on hand-made cases, and on a tiny random
 float32 target no flip at all, greedy speculative output identical to target-only, and the figures
 run_eval writes into the report."""
 
@@ -9,8 +9,8 @@ import torch
 
 from deepspec.algorithms.ngram.proposer import NGramProposer
 from deepspec.algorithms.protocol import NullProposer
-from deepspec.eval.engine import SpeculativeEngine
-from deepspec.eval.flips import (
+from deepspec.decoding.engine import SpeculativeEngine
+from deepspec.decoding.flips import (
     ChunkPass,
     argmax_flip_positions,
     chunked_argmax,
@@ -18,7 +18,7 @@ from deepspec.eval.flips import (
     first_divergence,
     flip_rate,
 )
-from deepspec.eval.verify import SamplingParams
+from deepspec.decoding.verify import SamplingParams
 from tests.helpers import sharp_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,7 +8,7 @@ import torch
 from deepspec.algorithms.dspark.proposer import DSparkProposer
 from deepspec.algorithms.eagle3.proposer import Eagle3Proposer
 from deepspec.algorithms.protocol import NullProposer, Proposal
-from deepspec.eval.engine import SpeculativeEngine
+from deepspec.decoding.engine import SpeculativeEngine
 from deepspec.train.heldout import HeldoutReference, heldout_tau, make_reference, replay_greedy
 from tests.unit.test_dspark import LAYER_IDS, make_draft
 from tests.unit.test_eagle3 import make_draft as make_eagle3

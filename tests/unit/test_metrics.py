@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from deepspec.eval.engine import GenerationResult, StepRecord
+from deepspec.decoding.engine import GenerationResult, StepRecord
 from deepspec.eval.metrics import (
     METRIC_DEFINITIONS,
     acceptance_stats,

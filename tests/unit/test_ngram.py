@@ -12,8 +12,8 @@ import torch
 from deepspec.algorithms.ngram.proposer import NGramProposer, ngram_proposal
 from deepspec.algorithms.protocol import NullProposer, Proposal, cap_proposal_len
 from deepspec.algorithms.registry import check_baselines
-from deepspec.eval.engine import SpeculativeEngine
-from deepspec.eval.verify import SamplingParams, verify
+from deepspec.decoding.engine import SpeculativeEngine
+from deepspec.decoding.verify import SamplingParams, verify
 from deepspec.target.capture import target_forward
 from tests.helpers import sharp_tiny_llama
 

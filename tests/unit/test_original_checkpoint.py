@@ -25,7 +25,7 @@ from deepspec.algorithms.dspark.original import (
 )
 from deepspec.algorithms.protocol import NullProposer
 from deepspec.algorithms.registry import algorithm_for_model, load_draft
-from deepspec.eval.engine import SpeculativeEngine
+from deepspec.decoding.engine import SpeculativeEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

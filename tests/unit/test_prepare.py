@@ -371,7 +371,7 @@ def test_failed_output_write_leaves_no_side_files_under_final_names(tmp_path, to
 
 
 def test_local_backend_uses_the_few_row_path_for_small_float32_batches(tok, monkeypatch):
-    import deepspec.eval.few_row_linear as frl
+    import deepspec.target.few_row_linear as frl
     from deepspec.data.backends import BATCH_FEW_ROW_MAX_ROWS, GenerationParams, LocalBackend, TurnRequest
 
     model = _tiny_llama(tok)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from deepspec.eval.engine import GenerationResult, StepRecord
+from deepspec.decoding.engine import GenerationResult, StepRecord
 from deepspec.eval.metrics import METRIC_DEFINITIONS, benchmark_metrics
 from deepspec.eval.report import (
     BASELINE,

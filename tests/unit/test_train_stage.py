@@ -7,7 +7,8 @@ import pytest
 
 from deepspec.cli import main
 from deepspec.train import loop
-from deepspec.train.loop import TrainConfig, clear_previous_run, previous_run
+from deepspec.checkpoints import clear_previous_run, previous_run
+from deepspec.train.loop import TrainConfig
 
 
 def _train_error(capsys, *argv) -> str:

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from deepspec.eval.verify import (
+from deepspec.decoding.verify import (
     SamplingParams,
     VerifyResult,
     accept_mask,

@@ -7,7 +7,7 @@ The eager :class:`~deepspec.algorithms.dspark.proposer.DSparkProposer` issues a 
 operators per proposal (the block's draft layers, then J serial slot steps of the heads) and grows its
 context K/V by concatenation. On a GPU each operator is a kernel launched from Python, so a proposal
 costs tens of milliseconds whatever the draft's size: more than the target's own compiled verify step.
-:class:`CompiledDSparkProposer` applies to the draft what :mod:`deepspec.eval.compiled` applies to the
+:class:`CompiledDSparkProposer` applies to the draft what :mod:`deepspec.decoding.compiled` applies to the
 target (gpt-fast's recipe):
 
 - **Static context cache.** Per draft layer, context keys and values ``[1, Hk, L, d]`` allocated once per

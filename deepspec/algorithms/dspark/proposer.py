@@ -46,7 +46,7 @@ class DSparkProposer:
     chain proposer above would propose: greedy, the argmax path, so a greedy step accepts at least what
     the chain would; at T > 0 sampled from ``q`` (its rows are the tree's ``draft_probs_NV``, every
     other node a chosen point mass, listed after it), so the target's multi-step speculative sampling
-    (:func:`~deepspec.eval.verify.verify_tree`) tests the sampled chain by rejection sampling first and
+    (:func:`~deepspec.decoding.verify.verify_tree`) tests the sampled chain by rejection sampling first and
     the chosen siblings on the residual. ``W * K`` nodes, ``1 + W * (K - 1)`` slot steps (the block
     forward is shared). The target verifies them all in one forward
     (:attr:`~deepspec.algorithms.protocol.Proposal.parents_N`).

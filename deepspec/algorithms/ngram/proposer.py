@@ -211,7 +211,7 @@ class LookupFirstProposer:
             proposal goes in first, with the distributions it was drawn from, and the match (chosen
             nodes) after it, merging where it repeats the draft's tokens: at T > 0 the target tests
             the draft's sampled nodes by rejection sampling before the match on the residual
-            (multi-step speculative sampling, :func:`~deepspec.eval.verify.verify_tree`; the order
+            (multi-step speculative sampling, :func:`~deepspec.decoding.verify.verify_tree`; the order
             :class:`~deepspec.algorithms.protocol.DraftTree` needs to stay lossless).
 
     Raises ValueError (naming the argument) for an invalid n-gram range, a draft with K < 1 or

@@ -1,7 +1,7 @@
 """A small OpenAI-compatible HTTP server over the target (``deepspec serve``), speculative with ``--draft``.
 
 ``deepspec serve`` decodes every request through the speculative engine
-(:class:`deepspec.eval.serving.EngineDecoder`): with ``--draft`` (a ``deepspec train`` run) the
+(:class:`deepspec.serve.decoder.EngineDecoder`): with ``--draft`` (a ``deepspec train`` run) the
 draft proposes and the target verifies, losslessly; without it the same engine decodes target-only.
 The server object without a decoder answers through the local backend (Hugging Face ``generate``);
 the tests of :class:`deepspec.data.backends.OpenAIBackend` use it that way, with fault injection.
@@ -61,15 +61,15 @@ from typing import Any
 from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus, check_corpus_use
 from deepspec.algorithms.ngram.proposer import check_lookup_settings
 from deepspec.algorithms.protocol import check_tree_setting
+from deepspec.checkpoints import draft_folder
 from deepspec.data.backends import GenerationParams, LocalBackend
 from deepspec.data.chat import render_prompt
 from deepspec.device import check_device_name, check_dtype_name, resolve_device
-from deepspec.eval.few_row_linear import check_few_row_mode
 from deepspec.eval.run import answer_text
-from deepspec.eval.serving import EngineDecoder
-from deepspec.eval.stage import draft_folder
+from deepspec.serve.decoder import EngineDecoder
 from deepspec.target import load  # called as load.load_target, where tests stub it
 from deepspec.target.decoding import NEUTRAL_SETTINGS, SamplingParams
+from deepspec.target.few_row_linear import check_few_row_mode
 
 
 class _QuietHTTPServer(ThreadingHTTPServer):
@@ -549,7 +549,7 @@ class ServeConfig:
     dtype: str = "auto"
     # where target and draft decode: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu | cuda | cuda:N
     device: str = "auto"
-    few_row_linear: str = "auto"  # verify forwards' few-row linear path (deepspec.eval.few_row_linear): auto | on | off
+    few_row_linear: str = "auto"  # verify forwards' few-row linear path (deepspec.target.few_row_linear): auto | on | off
     allow_target_mismatch: bool = False  # serve a draft whose recorded target fingerprint differs (same shape)
 
     def __post_init__(self) -> None:

@@ -1,10 +1,10 @@
-"""The decoding behind ``deepspec serve``: the speculative engine (:mod:`deepspec.eval.engine`) for one
+"""The decoding behind ``deepspec serve``: the speculative engine (:mod:`deepspec.decoding.engine`) for one
 request at a time, with a trained draft (``--draft``) or without one (target-only, the same code).
 
 :class:`EngineDecoder` loads and checks the draft exactly as ``deepspec eval`` does (a training run
 folder, a checkpoint or a draft folder; a draft made for another target is refused), casts target and
 draft to the decoding dtype (``auto``: :mod:`deepspec.device`) and decodes each request through a
-fresh :class:`~deepspec.eval.engine.SpeculativeEngine` whose stop set is the one stop rule
+fresh :class:`~deepspec.decoding.engine.SpeculativeEngine` whose stop set is the one stop rule
 (:func:`deepspec.data.chat.target_stop_token_ids`) plus the request's ``stop_token_ids``. Greedy
 requests give the target's own greedy answer (lossless, docs/design/decoding.md); sampled ones follow the target's
 distribution (rejection sampling), seeded by the request's ``seed``.
@@ -27,12 +27,12 @@ from deepspec.algorithms.ngram.proposer import (DEFAULT_NGRAM_MAX, LookupFirstPr
                                                  check_lookup_settings)
 from deepspec.algorithms.protocol import NullProposer, cap_proposal_len, check_tree_setting, set_draft_tree_width
 from deepspec.algorithms.registry import algorithm_for_model, load_draft
+from deepspec.checkpoints import draft_folder
 from deepspec.data.chat import target_stop_token_ids
+from deepspec.decoding.engine import SpeculativeEngine
 from deepspec.device import cast_for_decoding, resolve_device, resolve_dtype
-from deepspec.eval.engine import SpeculativeEngine
-from deepspec.eval.few_row_linear import few_row_linear_applies
-from deepspec.eval.stage import draft_folder
 from deepspec.target.decoding import SamplingParams
+from deepspec.target.few_row_linear import few_row_linear_applies
 from deepspec.target.load import target_fingerprint
 
 
@@ -76,7 +76,7 @@ class EngineDecoder:
         dtype: ``auto`` | ``float32`` | ``bfloat16`` (aliases fp32, bf16) for target and draft.
         device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N`` (:func:`deepspec.device.resolve_device`) for both;
             None = where ``target_model`` already is.
-        few_row_linear: ``auto`` | ``on`` | ``off`` (:mod:`deepspec.eval.few_row_linear`).
+        few_row_linear: ``auto`` | ``on`` | ``off`` (:mod:`deepspec.target.few_row_linear`).
         allow_target_mismatch: accept a draft whose recorded target fingerprint differs (same shape).
         lookup_first: prompt lookup in front of the draft (:class:`~deepspec.algorithms.ngram.proposer.
             LookupFirstProposer`): an n-gram match of at least this many tokens proposes, else the draft;

@@ -5,7 +5,7 @@ Legend: B batch (always 1 here), T positions, N draft tokens in a proposal, V vo
 
 One step, read top to bottom in :meth:`SpeculativeEngine.generate` (gpt-fast style):
 propose ``[d_1..d_N]`` after the anchor -> one target forward over ``[anchor, d_1..d_N]`` with
-explicit position ids -> verify (``deepspec.eval.verify``) -> commit accepted + 1 token -> crop the
+explicit position ids -> verify (``deepspec.decoding.verify``) -> commit accepted + 1 token -> crop the
 target KV cache to the committed length -> give the proposer the target features of the verified,
 committed positions ``anchor .. anchor + num_accepted`` -> the bonus / residual token is the new
 anchor (its features come from the next step's forward). ``NullProposer`` (N = 0) makes this plain
@@ -15,7 +15,7 @@ Scope and choices:
 - Batch size 1 (no padding, no ragged acceptance across a batch); the attention mask is implicit,
   except for a draft tree (``Proposal.parents_N``): its nodes are fed after the anchor at positions
   ``anchor_pos + depth`` under :func:`target_tree_mask` (sliding-window layers keep their window),
-  verified by :func:`~deepspec.eval.verify.verify_tree` (greedy: the longest path the target agrees
+  verified by :func:`~deepspec.decoding.verify.verify_tree` (greedy: the longest path the target agrees
   with; T > 0: SpecInfer's multi-step speculative sampling), and the accepted path's KV entries are moved to
   consecutive positions before the crop (:func:`compact_kv_cache`). The step is then the same:
   features of the anchor and the accepted path go to ``extend_context``, the token after the path is
@@ -36,7 +36,7 @@ Scope and choices:
   speculation shortens, then stops (plain one-token steps), and generation stops when the anchor
   itself cannot be fed (``stop_reason == "max_positions"``).
 - The KV cache is a transformers ``DynamicCache`` of full layers; after verify it is cropped to the
-  committed length. With ``compiled`` (a :class:`~deepspec.eval.compiled.CompiledTarget`) it is a static
+  committed length. With ``compiled`` (a :class:`~deepspec.decoding.compiled.CompiledTarget`) it is a static
   cache of full layers instead, and every verify and one-token forward runs a compiled fixed-length
   graph (gpt-fast style; CUDA graphs on CUDA); the step itself is the same code. A cache that cannot
   crop raises ``RuntimeError`` (never a silent stale cache): checked once after the prefill when the
@@ -53,7 +53,7 @@ Scope and choices:
   :func:`deepspec.target.capture.target_logits`), not ``[P, V]``.
 - ``few_row_linear`` (default False): the target's and the proposer's linear layers compute inputs
   of 2-16 rows as ``(W @ x^T)^T`` during :meth:`SpeculativeEngine.generate`
-  (:mod:`deepspec.eval.few_row_linear`: on CPUs where the row-major GEMM over 2-8 rows costs far more
+  (:mod:`deepspec.target.few_row_linear`: on CPUs where the row-major GEMM over 2-8 rows costs far more
   than a GEMV, it makes a verify forward cost about a one-token one). Give the target-only engine
   the same setting as the speculative one, so both decode with the same kernels.
 - Timing (``time.perf_counter``; on CUDA the device is synchronised at each boundary, where the
@@ -73,11 +73,11 @@ from typing import Any
 import torch
 
 from deepspec.algorithms.protocol import Proposer, draw_token
-from deepspec.eval.compiled import CompiledTarget
-from deepspec.eval.few_row_linear import few_row_linear
-from deepspec.eval.verify import GREEDY, verify, verify_tree
+from deepspec.decoding.compiled import CompiledTarget
+from deepspec.decoding.verify import GREEDY, verify, verify_tree
 from deepspec.target.capture import target_forward, target_logits
 from deepspec.target.decoding import SamplingParams
+from deepspec.target.few_row_linear import few_row_linear
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,7 +250,7 @@ class SpeculativeEngine:
         few_row_linear: run :meth:`generate` with the few-row linear path (see the module docstring)
             for the target and the proposer's ``model`` (when it has one).
         compiled: run the target's decode steps through this static-cache, compiled path
-            (:mod:`deepspec.eval.compiled`; built for ``target_model``, with a step length of at least
+            (:mod:`deepspec.decoding.compiled`; built for ``target_model``, with a step length of at least
             ``proposer.max_proposal_len + 1``). Give the target-only engine the same one.
 
     Raises ValueError for an empty ``eos_token_ids``, and for ``compiled`` together with

@@ -3,7 +3,7 @@
 Legend: B batch (1), T tokens fed in a call, S the step length compiled for (T padded up to it), F
 target features (``len(layer_ids) * H``), H target hidden size, V vocabulary size.
 
-The eager engine (:mod:`deepspec.eval.engine`) runs the target through Hugging Face's eager forward
+The eager engine (:mod:`deepspec.decoding.engine`) runs the target through Hugging Face's eager forward
 and a ``DynamicCache`` that grows every step. On a GPU that path is bound by Python and kernel-launch
 overhead, not by the weights (a one-token step of a 4B target issues hundreds of small kernels), so
 it is the gpt-fast recipe (github.com/pytorch-labs/gpt-fast, ``generate.py``: a static cache,

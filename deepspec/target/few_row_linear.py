@@ -18,7 +18,7 @@ Numerics: the product is the same sum in another order, so results may differ fr
 the last bits (float32: about 1e-6 relative). Target-only and speculative decoding both run under the
 same swap, so the lossless check (speculative output identical to target-only output) compares like
 with like; argmax flips between a one-token and a verify forward are measured by
-:mod:`deepspec.eval.flips` as before.
+:mod:`deepspec.decoding.flips` as before.
 """
 
 from __future__ import annotations
