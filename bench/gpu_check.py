@@ -13,7 +13,8 @@ a run stopped from outside still leaves every finished part's figures:
    transformers' ``StaticLayer`` has ``crop`` (the compiled path does not need it), a measured bf16
    matrix-product rate, a tiny compiled flex_attention forward and backward under bf16 autocast (the
    dtype it ran in), and a 2-layer compiled target prepared and decoded against the eager engine
-   (outputs equal, CUDA-graph skips counted).
+   (outputs equal, CUDA-graph skips counted), then with a DSpark draft proposing through its compiled
+   graphs beside the eager proposer (the same steps; both proposals timed).
 2. ``train``: ``bench/train.py --qwen3-4b`` (the qwen3-4b recipe's DSpark step on a Qwen3-4B-shaped
    target: step time, MFU), with the dense-mask step beside flex and one profiled step (top CUDA kernels).
 3. ``tests_flex``: ``pytest tests/gpu -k flex`` (flex against the dense mask, with the dtypes flex ran in).
@@ -208,11 +209,17 @@ def _preflight_flex(dev) -> dict:
 
 def _preflight_compiled(dev) -> dict:
     """A 2-layer random Qwen3 on the compiled path (static cache, CUDA graphs), prepared for steps of 1
-    and 8 tokens, decoding 24 tokens greedily in float32: equal to the eager engine, no CUDA-graph skip."""
+    and 8 tokens, decoding 24 tokens greedily in float32: equal to the eager engine, no CUDA-graph skip;
+    then an untrained DSpark draft (block 7) proposing through its compiled graphs beside the eager
+    proposer: the same output and steps, and the two proposals' mean times."""
     import torch
     from torch._dynamo.utils import counters
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from deepspec.algorithms.dspark.compiled import compile_proposer
+    from deepspec.algorithms.dspark.config import draft_config_from_target
+    from deepspec.algorithms.dspark.model import DSparkDraftModel
+    from deepspec.algorithms.dspark.proposer import DSparkProposer
     from deepspec.algorithms.protocol import NullProposer
     from deepspec.decoding.compiled import CompiledTarget
     from deepspec.decoding.engine import SpeculativeEngine
@@ -238,6 +245,23 @@ def _preflight_compiled(dev) -> dict:
            "step_ms_compiled": 1e3 * sum(s.time_s for s in fast.steps[1:]) / max(len(fast.steps) - 1, 1)}
     if not res["identical_to_eager"] or skips:
         raise AssertionError(f"preflight compiled target: {res}")
+    dcfg = draft_config_from_target(model.config, num_draft_layers=1, target_layer_ids=[0], mask_token_id=4095,
+                                    block_size=7, markov_rank=16)
+    draft = DSparkDraftModel.from_target(model, dcfg).to(dev).eval()
+    eager = SpeculativeEngine(model, [0], DSparkProposer(draft), [1], compiled=compiled).generate(prompt, max_new_tokens=24)
+    engine = SpeculativeEngine(model, [0], compile_proposer(DSparkProposer(draft)), [1], compiled=compiled)
+    t0 = time.perf_counter()
+    engine.generate(prompt, max_new_tokens=4)  # compiles the draft's graphs (untimed in the engine)
+    res["draft_prepare_s"] = time.perf_counter() - t0
+    fast = engine.generate(prompt, max_new_tokens=24)
+    skips = sum(counters["inductor"].get(k, 0) for k in ("cudagraph_skips",))
+    res |= {"draft_identical_to_eager": fast.output_ids == eager.output_ids
+            and [x.num_accepted for x in fast.steps] == [x.num_accepted for x in eager.steps],
+            "cudagraph_skips_with_draft": skips,
+            "propose_ms_eager": 1e3 * sum(x.propose_s for x in eager.steps) / max(len(eager.steps), 1),
+            "propose_ms_compiled": 1e3 * sum(x.propose_s for x in fast.steps) / max(len(fast.steps), 1)}
+    if not res["draft_identical_to_eager"] or skips:
+        raise AssertionError(f"preflight compiled draft: {res}")
     return res
 
 
