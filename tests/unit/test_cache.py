@@ -735,7 +735,7 @@ def test_cache_and_estimate_default_to_bfloat16_and_the_demo_pins_float32(tmp_pa
     cfg = demo.DemoConfig(output_dir=str(tmp_path))
     (tmp_path / "prepared.jsonl").write_text("")  # reused: its summary holds the mix this demo asks for
     (tmp_path / "prepared.jsonl.summary.json").write_text(json.dumps(
-        {"parts": {n: {"conversations_asked": c} for n, c in demo.demo_data_plan(cfg)[0]}}))
+        {"parts": {n: {"conversations_asked": c} for n, c in demo.demo_data_plan(cfg)}}))
     with pytest.raises(_Stop):
         demo.run_demo(cfg)
     assert seen[0].storage_dtype == "float32"

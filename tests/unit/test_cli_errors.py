@@ -70,3 +70,25 @@ def test_estimate_on_a_gguf_or_binary_file_says_what_it_is(tmp_path, capsys):
     binary.write_bytes(b"\xec\x00\xff" * 10)
     assert main(["estimate", "--target", str(binary), "--num-tokens", "1000"]) == 2
     assert f"{binary} is not a JSON config" in capsys.readouterr().err
+
+
+def test_demo_with_damaged_training_data_stops_in_one_line_before_loading_the_target(
+        tmp_path, monkeypatch, capsys, no_target_load):
+    """A damaged packaged training file stops `deepspec demo` with exit 2 and one line naming the file
+    and the fix, before any model loads and before anything is prepared; no other data is used instead."""
+    from deepspec.eval import benchmarks as B
+
+    packaged = tmp_path / "packaged"
+    for relative in B.PACKAGED_SHA256:
+        (packaged / relative).parent.mkdir(parents=True, exist_ok=True)
+        (packaged / relative).write_bytes((B.PACKAGED_DIR / relative).read_bytes())
+    (packaged / "gsm8k" / "train.jsonl.gz").write_bytes(b"\x1f\x8b damaged")
+    monkeypatch.setattr(B, "PACKAGED_DIR", packaged)
+    monkeypatch.delenv(B.BENCHMARKS_DIR_ENV, raising=False)
+    out = tmp_path / "demo"
+    assert main(["demo", "--output-dir", str(out), "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("deepspec demo: error: ")
+    assert str(packaged / "gsm8k" / "train.jsonl.gz") in lines[0] and "reinstall DeepSpec" in lines[0]
+    assert "sharegpt" not in captured.out.lower() and not out.exists()

@@ -261,26 +261,51 @@ def test_demo_refuses_a_training_folder_filled_with_other_settings(tmp_path):
         check_reused_training(train_cfg, train_dir)
 
 
-def test_demo_data_mix_falls_back_to_sharegpt_where_a_training_split_is_missing(tmp_path, monkeypatch):
-    """The demo's in-domain conversations come from the local benchmarks folder; a missing training
-    file moves its count to ShareGPT (same total) with a note naming the file. No conversations at
-    all, or a negative count, is refused at construction."""
-    from deepspec.demo import DemoConfig, demo_data_plan
+def test_demo_training_mix_is_the_same_rows_with_and_without_a_local_benchmarks_folder(tmp_path, monkeypatch):
+    """The demo's and the recipe's training mix is exactly what they ask for (gsm8k + MBPP problems, no
+    ShareGPT in its place), read from the files packaged with DeepSpec; a local benchmarks folder holding
+    copies of the same upstream files resolves to the same rows (ids and messages), so the demo a user
+    runs trains on what the demo run with such a folder trains on. No conversations at all, or a
+    negative count, is refused at construction."""
+    import gzip
 
-    bench = tmp_path / "bench"
-    (bench / "gsm8k").mkdir(parents=True)
-    (bench / "gsm8k" / "train.jsonl").write_text("{}\n")
-    monkeypatch.setenv("DEEPSPEC_BENCHMARKS_DIR", str(bench))
-    cfg = DemoConfig(output_dir=str(tmp_path / "demo"), num_conversations=10, num_gsm8k_conversations=20,
-                     num_mbpp_conversations=30)
-    plan, notes = demo_data_plan(cfg)
-    assert plan == [("sharegpt", 40), ("gsm8k", 20)]
-    assert len(notes) == 1 and "mbpp/mbpp_sanitized_for_code_generation.jsonl" in notes[0] and "30 more" in notes[0]
-    (bench / "mbpp").mkdir()
-    (bench / "mbpp" / "mbpp_sanitized_for_code_generation.jsonl").write_text("{}\n")
-    assert demo_data_plan(cfg) == ([("sharegpt", 10), ("gsm8k", 20), ("mbpp", 30)], [])
-    cfg.num_conversations = 0
-    assert demo_data_plan(cfg)[0] == [("gsm8k", 20), ("mbpp", 30)]
+    from deepspec.demo import DemoConfig, demo_data_plan, demo_training_records
+    from deepspec.eval import benchmarks as B
+    from deepspec.recipes import load_recipe
+
+    monkeypatch.delenv(B.BENCHMARKS_DIR_ENV, raising=False)
+    cfg = DemoConfig(output_dir=str(tmp_path / "demo"))
+    assert demo_data_plan(cfg) == [("gsm8k", 192), ("mbpp", 128)]
+    without = demo_training_records(cfg)
+    assert {n: origin for n, (origin, _) in without.items()} == {
+        n: B.PACKAGED_DIR / B.TRAINING_SPLITS[n].packaged for n in ("gsm8k", "mbpp")}
+
+    bench = tmp_path / "bench"  # a user's folder: copies of the upstream files, as they are published
+    for name in ("gsm8k", "mbpp"):
+        split = B.TRAINING_SPLITS[name]
+        (bench / split.local).parent.mkdir(parents=True, exist_ok=True)
+        (bench / split.local).write_bytes(gzip.decompress((B.PACKAGED_DIR / split.packaged).read_bytes()))
+    monkeypatch.setenv(B.BENCHMARKS_DIR_ENV, str(bench))
+    assert demo_data_plan(cfg) == [("gsm8k", 192), ("mbpp", 128)]
+    with_folder = demo_training_records(cfg)
+    assert {n: origin for n, (origin, _) in with_folder.items()} == {
+        n: bench / B.TRAINING_SPLITS[n].local for n in ("gsm8k", "mbpp")}
+    for name in ("gsm8k", "mbpp"):  # prepare keeps the first usable conversations in this order
+        assert with_folder[name][1] == without[name][1]
+    assert without["gsm8k"][1][0]["id"] == "gsm8k-train-0"
+    assert without["gsm8k"][1][0]["messages"][0]["content"].startswith("Natalia sold clips to 48 of her friends")
+    assert [c["id"] for c in without["mbpp"][1][:3]] == ["mbpp-train-0", "mbpp-train-1", "mbpp-train-2"]
+
+    (bench / "gsm8k" / "train.jsonl").unlink()  # a folder without the file: the packaged copy, not ShareGPT
+    (bench / "mbpp" / "mbpp_sanitized_for_code_generation.jsonl").unlink()
+    assert demo_data_plan(cfg) == [("gsm8k", 192), ("mbpp", 128)]
+    assert demo_training_records(cfg) == without
+
+    recipe = load_recipe("cpu")  # `make recipe`: more in-domain problems than the demo, all of them there
+    recipe_cfg = DemoConfig(**{**recipe.settings("demo", DemoConfig), "output_dir": str(tmp_path / "recipe")})
+    plan = demo_data_plan(recipe_cfg)
+    assert plan == [("gsm8k", 1536), ("mbpp", 170)]
+    assert all(len(without[name][1]) >= count for name, count in plan)
 
     with pytest.raises(ValueError, match="demo.num_mbpp_conversations: expected an integer >= 0"):
         DemoConfig(output_dir=str(tmp_path / "demo"), num_mbpp_conversations=-1)
