@@ -329,6 +329,8 @@ def profile_generate(engine: SpeculativeEngine, prompt: list[int], max_new_token
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    from tests.helpers import load_bench_module
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         res = engine.generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling)
@@ -338,11 +340,9 @@ def profile_generate(engine: SpeculativeEngine, prompt: list[int], max_new_token
         chosen = sorted((e for e in events if pick(e)), key=lambda e: -key(e))[:top]
         return [{"name": e.key, "ms": key(e) / 1e3, "calls": e.count} for e in chosen]
 
-    def device_us(e) -> float:
-        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
-
+    device_time_us = load_bench_module("train").device_time_us
     return {"steps": len(res.steps), "cpu": rows(lambda e: e.device_type == DeviceType.CPU, lambda e: e.self_cpu_time_total),
-            "device": rows(lambda e: e.device_type == DeviceType.CUDA, device_us)}
+            "device": rows(lambda e: e.device_type == DeviceType.CUDA, device_time_us)}
 
 
 def print_profile(prof: dict[str, Any]) -> None:

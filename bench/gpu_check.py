@@ -35,6 +35,7 @@ import argparse
 import importlib.util
 import json
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -85,8 +86,6 @@ def run_part(cmd: list[str], timeout_s: float, log) -> tuple[int, float, str]:
                             start_new_session=True)
     tail: list[str] = []
     deadline = t0 + timeout_s
-    import selectors
-
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     rc = None
@@ -130,8 +129,7 @@ def figures_of(part: str, out: Path) -> dict:
             r = json.loads((out / "decode_bench.json").read_text())
             return {"goals": r.get("goals"), "settings": {
                 name: {m: {k: f.get(k) for k in ("tok_per_s", "speedup", "tau", "step_ms", "propose_ms", "verify_ms",
-                                                  "overhead_ms")} for m, f in (s.get("methods") or s).items()
-                       if isinstance(f, dict)}
+                                                  "overhead_ms")} for m, f in s["methods"].items()}
                 for name, s in r["settings"].items()}}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return {"figures_error": f"{type(exc).__name__}: {exc}"}

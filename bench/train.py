@@ -438,6 +438,13 @@ def _qwen3_main(args, device, out: Path) -> dict:
     return result
 
 
+def device_time_us(event) -> float:
+    """A profiler event's self time on the device, microseconds (torch renamed the field from
+    ``self_cuda_time_total`` to ``self_device_time_total``; both versions are read)."""
+    t = getattr(event, "self_device_time_total", None)
+    return t if t is not None else getattr(event, "self_cuda_time_total", 0.0)
+
+
 def _profile_step(step, device, top: int = 15) -> list[dict]:
     """One call of ``step`` under ``torch.profiler`` (CPU and CUDA activities): the ``top`` device
     events (kernels, copies, memsets; not the operators that launched them, which would count each
@@ -449,15 +456,8 @@ def _profile_step(step, device, top: int = 15) -> list[dict]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         step()
-    rows = []
-    for e in prof.key_averages():
-        if e.device_type != DeviceType.CUDA:
-            continue
-        t_us = getattr(e, "self_device_time_total", None)
-        if t_us is None:
-            t_us = getattr(e, "self_cuda_time_total", 0.0)
-        if t_us > 0:
-            rows.append({"name": e.key, "self_cuda_ms": t_us / 1e3, "calls": e.count})
+    rows = [{"name": e.key, "self_cuda_ms": device_time_us(e) / 1e3, "calls": e.count} for e in prof.key_averages()
+            if e.device_type == DeviceType.CUDA and device_time_us(e) > 0]
     total = sum(r["self_cuda_ms"] for r in rows) or 1.0
     rows.sort(key=lambda r: -r["self_cuda_ms"])
     return [{**r, "share": r["self_cuda_ms"] / total} for r in rows[:top]]

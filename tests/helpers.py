@@ -211,3 +211,16 @@ def load_bench_module(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+class CountingBackend:
+    """A torch.compile backend that runs the captured graph eagerly and counts the compilations
+    (dynamo still captures the whole graph: padding, caches and recompiles are checked without code
+    generation)."""
+
+    def __init__(self):
+        self.num_graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.num_graphs += 1
+        return gm.forward

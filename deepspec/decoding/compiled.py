@@ -15,7 +15,7 @@ engine kept as the readable reference:
 - **Static KV cache.** A :class:`StaticKVCache`: per decoder layer, keys and values in fixed tensors of
   ``max_cache_len`` positions (every layer full attention, as the eager engine's ``DynamicCache`` of
   full layers: a sliding-window layer could not be rolled back), ``max_cache_len`` rounded up to a power
-  of two (at least :data:`MIN_CACHE_LEN`), allocated once per length and reused (reset) for every
+  of two (at least :data:`deepspec.utils.MIN_CACHE_LEN`), allocated once per length and reused (reset) for every
   prompt: a CUDA graph reads and writes fixed addresses. The cache owns its write position twice: a
   host ``int`` (what the engine reads and crops, never a device sync) and the same count in a 0-d
   device tensor at a fixed address (what a compiled graph reads and advances, so the graph does not
@@ -57,7 +57,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from deepspec.target.capture import (TargetOutput, _base_model, _cache_kwarg, features_from_hidden_states,
                                      target_forward, target_logits)
-from deepspec.utils import MIN_CACHE_LEN, cache_len_bucket  # noqa: F401 (the static caches' length rule)
+from deepspec.utils import cache_len_bucket
 
 # One graph per (step length, cache length, feature layers, CompiledTarget): a few per engine, a few engines.
 RECOMPILE_LIMIT = 64

@@ -16,6 +16,7 @@ from deepspec.decoding.compiled import CompiledTarget, StaticKVCache, cache_len_
 from deepspec.decoding.engine import SpeculativeEngine
 from deepspec.decoding.verify import SamplingParams
 from deepspec.target.capture import features_from_hidden_states, target_forward
+from tests.helpers import CountingBackend
 from tests.unit.test_engine import PROMPT, OracleProposer, RandomProposer, hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,17 +34,6 @@ def target():
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # no near-ties in greedy decoding
     return model
-
-
-class CountingBackend:
-    """A torch.compile backend that runs the captured graph eagerly and counts the compilations."""
-
-    def __init__(self):
-        self.num_graphs = 0
-
-    def __call__(self, gm, example_inputs):
-        self.num_graphs += 1
-        return gm.forward
 
 
 def _compiled(model, lengths=(1, K + 1)):

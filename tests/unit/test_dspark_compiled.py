@@ -17,20 +17,12 @@ from deepspec.decoding.compiled import CompiledTarget
 from deepspec.decoding.engine import SpeculativeEngine
 from deepspec.decoding.verify import SamplingParams
 from deepspec.target.capture import target_forward
+from tests.helpers import CountingBackend
 from tests.unit.test_draft_tree import _dspark_draft
 from tests.unit.test_engine import K, LAYER_IDS, PROMPT, VOCAB, eos_token_id_unused, hf_greedy, target  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 GREEDY = SamplingParams()
-
-
-class CountingBackend:
-    def __init__(self):
-        self.num_graphs = 0
-
-    def __call__(self, gm, example_inputs):
-        self.num_graphs += 1
-        return gm.forward
 
 
 def _pair(draft, **kw):
@@ -172,3 +164,18 @@ def test_recompiling_past_the_limit_is_an_error(target, monkeypatch):
         CompiledDSparkProposer(draft, backend=CountingBackend()).prepare(8)
         with pytest.raises(RuntimeError, match="recompiled a proposal graph past 1 graphs"):
             CompiledDSparkProposer(draft, backend=CountingBackend()).prepare(8)
+
+
+def test_each_cache_length_keeps_its_buffers_and_graphs(target):
+    """Back to a length bucket seen before: the same tensors (a CUDA graph reads fixed addresses), no new graph."""
+    draft = _dspark_draft(target)
+    backend = CountingBackend()
+    compiled = CompiledDSparkProposer(draft, backend=backend)
+    with torch.inference_mode():
+        compiled.prepare(8)
+        first = compiled._keys[0]
+        compiled.prepare(400)
+        assert compiled.cache_len == 512 and compiled._keys[0] is not first
+        graphs = backend.num_graphs
+        compiled.prepare(8)
+        assert compiled.cache_len == 256 and compiled._keys[0] is first and backend.num_graphs == graphs

@@ -92,7 +92,7 @@ class CompiledDSparkProposer(DSparkProposer):
                                             backend=backend)
         self._append_graph = torch.compile(self._append_block, fullgraph=True, dynamic=False, mode=mode,
                                            backend=backend)
-        self._compiled_lengths: set[int] = set()
+        self._buffers: dict[int, tuple[list[Tensor], list[Tensor]]] = {}  # L -> (keys, values) per layer
 
     # ------------------------------------------------------------------ cache
     @property
@@ -103,22 +103,28 @@ class CompiledDSparkProposer(DSparkProposer):
     def prepare(self, num_positions: int) -> None:
         """Hold ``num_positions`` context positions (one length bucket: :func:`cache_len_bucket` of
         ``num_positions`` plus one append) and compile both graphs for it, before a generation is timed.
-        Allocates only when the bucket changes; empties the context."""
+        Allocates once per bucket (kept for the next generation of that bucket); empties the context."""
         L = cache_len_bucket(int(num_positions) + self.append_len)
-        if L != self.cache_len:
-            c = self.model.config
-            shape = (1, c.num_key_value_heads, L, c.head_dim)
-            self._keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-            self._values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-            for t in (*self._keys, *self._values):
-                torch._dynamo.mark_static_address(t)
-        if L not in self._compiled_lengths:  # run each graph once on throwaway input
+        new = L not in self._buffers
+        if new:  # allocated once per bucket and kept: a CUDA graph reads fixed addresses
+            self._buffers[L] = self._allocate(L)
+        self._keys, self._values = self._buffers[L]
+        if new:  # compile both graphs for this bucket on throwaway input
             self.length = 0
             self._feats.zero_()
             self._run_append(self.append_len)
             self._run_propose(int(self.model.config.mask_token_id), 1)
-            self._compiled_lengths.add(L)
         self.reset()
+
+    def _allocate(self, L: int) -> tuple[list[Tensor], list[Tensor]]:
+        """Zeroed context keys and values ``[1, Hk, L, d]`` per layer, at static addresses."""
+        c = self.model.config
+        shape = (1, c.num_key_value_heads, L, c.head_dim)
+        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        for t in (*keys, *values):
+            torch._dynamo.mark_static_address(t)
+        return keys, values
 
     def reset(self) -> None:
         self.length = 0
