@@ -313,7 +313,8 @@ def untrained_draft(model, tokenizer) -> torch.nn.Module:
     what a trained draft's does, its proposals are near random (tau ~1)."""
     from deepspec.demo import DemoConfig
     from deepspec.target.capture import default_target_layer_ids
-    from deepspec.train.loop import TrainConfig, build_draft
+    from deepspec.train.config import TrainConfig
+    from deepspec.train.draft import build_draft
 
     demo = DemoConfig()
     cfg = TrainConfig(output_dir="unused", cache_dir="unused", num_draft_layers=demo.num_draft_layers,
@@ -379,7 +380,8 @@ def qwen3_4b_target_and_draft(device: torch.device, dtype: torch.dtype,
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     from deepspec.target.capture import default_target_layer_ids
-    from deepspec.train.loop import TrainConfig, build_draft
+    from deepspec.train.config import TrainConfig
+    from deepspec.train.draft import build_draft
     from tests.helpers import load_bench_module, qwen3_tokenizer_dir
 
     shape = dict(load_bench_module("train").QWEN3_4B)

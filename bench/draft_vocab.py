@@ -37,7 +37,7 @@ from deepspec.algorithms.registry import get_algorithm  # noqa: E402
 from deepspec.decoding.verify import SamplingParams  # noqa: E402
 from deepspec.models.vocab import count_supervised_tokens, select_draft_vocab  # noqa: E402
 from deepspec.target.capture import default_target_layer_ids, target_forward  # noqa: E402
-from deepspec.train.loop import TrainConfig  # noqa: E402
+from deepspec.train.config import TrainConfig  # noqa: E402
 
 
 def _train_bench():

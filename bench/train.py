@@ -54,7 +54,8 @@ from deepspec.algorithms.protocol import TrainBatch  # noqa: E402
 from deepspec.algorithms.registry import ALGORITHMS, get_algorithm  # noqa: E402
 from deepspec.device import allow_tf32, resolve_device  # noqa: E402
 from deepspec.target.capture import default_target_layer_ids, target_logit_stats  # noqa: E402
-from deepspec.train.loop import TrainConfig, build_optimizer, to_device  # noqa: E402
+from deepspec.train.config import TrainConfig  # noqa: E402
+from deepspec.train.loop import build_optimizer, to_device  # noqa: E402
 from deepspec.utils import pyplot, save_png  # noqa: E402
 
 

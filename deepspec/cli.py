@@ -33,7 +33,7 @@ from deepspec.recipes import COMMON, Recipe, load_recipe, recipe_names
 _STAGES = {
     "prepare": ("deepspec.data.prepare", "PrepareConfig", "regenerate assistant turns with the target"),
     "cache": ("deepspec.stages", "CacheConfig", "write the target cache (features + final hidden states)"),
-    "train": ("deepspec.train.loop", "TrainConfig",
+    "train": ("deepspec.train.config", "TrainConfig",
               "train a draft model on a target cache or online (features computed by the target)"),
     "eval": ("deepspec.eval.stage", "EvalConfig", "evaluate drafts with speculative decoding on benchmarks"),
     "export": ("deepspec.export", "ExportConfig", "write a trained draft in the layout vLLM or SGLang loads"),

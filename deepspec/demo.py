@@ -38,7 +38,8 @@ from deepspec.eval.report import BASELINE, HF_GENERATE
 from deepspec.eval.stage import EvalConfig, run_eval_stage
 from deepspec.stages import CacheConfig, run_cache_stage, run_prepare_stage, run_train_stage
 from deepspec.target import load  # called as load.load_target, where tests stub it
-from deepspec.train.loop import TrainConfig, build_draft
+from deepspec.train.config import TrainConfig
+from deepspec.train.draft import build_draft
 from deepspec.utils import atomic_write_json, atomic_write_text
 
 

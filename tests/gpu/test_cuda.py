@@ -206,7 +206,8 @@ def memorised(tmp_path_factory) -> tuple[Path, Path]:
     from deepspec.decoding.engine import SpeculativeEngine
     from deepspec.eval.run import eos_token_ids_of
     from deepspec.target.load import load_target, target_fingerprint, tokenizer_fingerprint
-    from deepspec.train.loop import TrainConfig, train
+    from deepspec.train.config import TrainConfig
+    from deepspec.train.loop import train
 
     root = tmp_path_factory.mktemp("memorised")
     target = tiny_qwen3_target(root / "target", layers=4, hidden=128, init_std=0.1)
@@ -390,7 +391,8 @@ def test_fsdp2_shards_over_two_ranks_and_trains_like_one_process(tmp_path):
     from deepspec.algorithms.registry import get_algorithm
     from deepspec.data.cache import write_target_cache_from_samples
     from deepspec.target.load import load_target, target_fingerprint, tokenizer_fingerprint
-    from deepspec.train.loop import TrainConfig, train
+    from deepspec.train.config import TrainConfig
+    from deepspec.train.loop import train
     from tests.integration.test_cache_crash import subprocess_env
     from tests.integration.test_cache_torchrun import _torchrun
 

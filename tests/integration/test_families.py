@@ -26,7 +26,8 @@ from deepspec.algorithms.protocol import NullProposer
 from deepspec.algorithms.registry import ALGORITHMS, algorithm_for_model, load_draft
 from deepspec.data.chat import render_prompt
 from deepspec.decoding.engine import SpeculativeEngine
-from deepspec.train.loop import TrainConfig, train
+from deepspec.train.config import TrainConfig
+from deepspec.train.loop import train
 from tests.unit.test_chat import tiny_chatml_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -26,7 +26,8 @@ def test_dspark_greedy_output_equals_target_only_greedy(target):
     from deepspec.eval.benchmarks import load_benchmark
     from deepspec.eval.run import eos_token_ids_of
     from deepspec.target.capture import default_target_layer_ids
-    from deepspec.train.loop import TrainConfig, build_draft
+    from deepspec.train.config import TrainConfig
+    from deepspec.train.draft import build_draft
 
     model, tokenizer = target
     layer_ids = default_target_layer_ids(model.config.num_hidden_layers)
@@ -61,7 +62,8 @@ def test_reduced_vocab_dspark_greedy_output_equals_target_only_greedy(target):
     from deepspec.eval.run import eos_token_ids_of
     from deepspec.models.vocab import count_supervised_tokens, select_draft_vocab
     from deepspec.target.capture import default_target_layer_ids
-    from deepspec.train.loop import TrainConfig, build_draft
+    from deepspec.train.config import TrainConfig
+    from deepspec.train.draft import build_draft
 
     model, tokenizer = target
     layer_ids = default_target_layer_ids(model.config.num_hidden_layers)

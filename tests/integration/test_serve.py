@@ -48,7 +48,8 @@ def setup(tmp_path_factory):
     """(target, tokenizer, {algorithm: saved draft folder})."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from deepspec.train.loop import TrainConfig, build_draft
+    from deepspec.train.config import TrainConfig
+    from deepspec.train.draft import build_draft
 
     tok = byte_level_tokenizer(CHATML, extra_specials=("<repo_name>",))
     torch.manual_seed(0)

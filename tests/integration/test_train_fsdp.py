@@ -21,7 +21,8 @@ _CONNECTION_ERRORS = ("Address already in use", "EADDRINUSE", "Connection refuse
                       # after its last step and checkpoint (2026-12-02); a rerun of the same run passed
                       "terminate called without an active exception")
 from deepspec.target.load import load_target, target_fingerprint, tokenizer_fingerprint
-from deepspec.train.loop import TrainConfig, train
+from deepspec.train.config import TrainConfig
+from deepspec.train.loop import train
 from tests.integration.test_cache_crash import make_tiny_target, subprocess_env
 from tests.integration.test_cache_torchrun import _torchrun
 

@@ -13,10 +13,11 @@ from deepspec.algorithms.dspark import DSparkAlgorithm
 from deepspec.algorithms.dspark.model import DSparkDraftModel
 from deepspec.data.cache import TargetCache, dequantize_fp8, write_target_cache_from_samples
 from deepspec.target.load import target_fingerprint, tokenizer_fingerprint
-from deepspec.train import loop
+from deepspec.train import draft as train_draft, loop
 from deepspec.train.data import collate as collate_fn
 from deepspec.checkpoints import apply_retention
-from deepspec.train.loop import TrainConfig, train
+from deepspec.train.config import TrainConfig
+from deepspec.train.loop import train
 from tests.helpers import tiny_llama_target
 from tests.unit.test_chat import tiny_chatml_tokenizer
 
@@ -321,19 +322,19 @@ def test_markov_flags_warn_for_drafts_without_a_markov_head(setup, tmp_path, cap
     model, tok, cache = setup
     for algorithm in ("dflash", "eagle3"):
         cfg = _cfg(cache, tmp_path, algorithm=algorithm, markov_head="gated")  # markov_rank=8 is not the default
-        draft = loop.build_draft(model, tok, cfg, LAYER_IDS)
-        assert loop.warn_ignored_flags(draft, cfg) == [
+        draft = train_draft.build_draft(model, tok, cfg, LAYER_IDS)
+        assert train_draft.warn_ignored_flags(draft, cfg) == [
             f"--markov-head gated is ignored: a {algorithm} draft has no Markov head (only dspark has one)",
             f"--markov-rank 8 is ignored: a {algorithm} draft has no Markov head (only dspark has one)"]
         assert "warning: --markov-head gated is ignored" in capsys.readouterr().err
         defaults = TrainConfig(cache_dir=str(cache), output_dir=str(tmp_path), algorithm=algorithm)
-        assert loop.warn_ignored_flags(loop.build_draft(model, tok, defaults, LAYER_IDS), defaults) == []
+        assert train_draft.warn_ignored_flags(train_draft.build_draft(model, tok, defaults, LAYER_IDS), defaults) == []
     cfg = _cfg(cache, tmp_path, markov_head="gated")
-    assert loop.warn_ignored_flags(loop.build_draft(model, tok, cfg, LAYER_IDS), cfg) == []
+    assert train_draft.warn_ignored_flags(train_draft.build_draft(model, tok, cfg, LAYER_IDS), cfg) == []
     for algorithm, expected in (("eagle3", ["--chunked-head-loss on is ignored: eagle3's loss always computes its "
                                             "logits in checkpointed chunks of rows"]), ("dspark", [])):
         cfg = TrainConfig(cache_dir=str(cache), output_dir=str(tmp_path), algorithm=algorithm, chunked_head_loss="on")
-        assert loop.warn_ignored_flags(loop.build_draft(model, tok, cfg, LAYER_IDS), cfg) == expected
+        assert train_draft.warn_ignored_flags(train_draft.build_draft(model, tok, cfg, LAYER_IDS), cfg) == expected
 
 
 def test_train_help_lists_the_registered_algorithms():

@@ -10,8 +10,9 @@ from deepspec.algorithms.registry import load_draft
 from deepspec.data.cache import TargetCache
 from deepspec.models.target_init import init_layers_from_target
 from deepspec.models.vocab import count_supervised_tokens, select_draft_vocab
-from deepspec.train import loop
-from deepspec.train.loop import TrainConfig, train
+from deepspec.train import draft as train_draft
+from deepspec.train.config import TrainConfig
+from deepspec.train.loop import train
 from tests.integration.test_train_resume import LAYER_IDS, _cfg, _weights, setup  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,10 +47,10 @@ def test_draft_vocab_size_is_checked(setup, tmp_path):
     with pytest.raises(ValueError, match="train.draft_vocab_size"):
         _cfg(cache, tmp_path, draft_vocab_size=-3)
     with pytest.raises(ValueError, match=f"train.draft_vocab_size: expected at most the target vocabulary \\({len(tok)}"):
-        loop.build_draft(model, tok, _cfg(cache, tmp_path, draft_vocab_size=len(tok) + 1), LAYER_IDS,
+        train_draft.build_draft(model, tok, _cfg(cache, tmp_path, draft_vocab_size=len(tok) + 1), LAYER_IDS,
                          data=TargetCache(cache))
     with pytest.raises(ValueError, match="needs the training data"):
-        loop.build_draft(model, tok, _cfg(cache, tmp_path, draft_vocab_size=8), LAYER_IDS)
+        train_draft.build_draft(model, tok, _cfg(cache, tmp_path, draft_vocab_size=8), LAYER_IDS)
 
 
 def test_reduced_vocab_eagle3_trains_and_saves_the_map(setup, tmp_path):
@@ -71,8 +72,8 @@ def _layer_tensors(module):
 def test_init_from_target_copies_exactly_the_named_layers(setup, tmp_path, layers, want):
     model, tok, cache = setup
     kw = dict(num_draft_layers=2, markov_rank=8)
-    plain = loop.build_draft(model, tok, _cfg(cache, tmp_path, **kw), LAYER_IDS)
-    init = loop.build_draft(model, tok, _cfg(cache, tmp_path, init_from_target=True, init_from_target_layers=layers,
+    plain = train_draft.build_draft(model, tok, _cfg(cache, tmp_path, **kw), LAYER_IDS)
+    init = train_draft.build_draft(model, tok, _cfg(cache, tmp_path, init_from_target=True, init_from_target_layers=layers,
                                              **kw), LAYER_IDS)
     target_layers = model.get_decoder().layers
     for j, i in enumerate(want):  # draft layer j <- target layer i, every tensor bit for bit
@@ -95,16 +96,16 @@ def test_init_from_target_refusals(setup, tmp_path):
     with pytest.raises(ValueError, match="train.init_from_target_layers: names the target layers"):
         _cfg(cache, tmp_path, init_from_target_layers=[2])
     with pytest.raises(ValueError, match="expected 2 target layer ids"):
-        loop.build_draft(model, tok, _cfg(cache, tmp_path, num_draft_layers=2, init_from_target=True,
+        train_draft.build_draft(model, tok, _cfg(cache, tmp_path, num_draft_layers=2, init_from_target=True,
                                           init_from_target_layers=[2]), LAYER_IDS)
     with pytest.raises(ValueError, match="expected ids in \\[0, 3\\)"):
-        loop.build_draft(model, tok, _cfg(cache, tmp_path, init_from_target=True, init_from_target_layers=[3]),
+        train_draft.build_draft(model, tok, _cfg(cache, tmp_path, init_from_target=True, init_from_target_layers=[3]),
                          LAYER_IDS)
     with pytest.raises(ValueError, match="train.init_from_target: Eagle3's decoder layer"):
-        loop.build_draft(model, tok, _cfg(cache, tmp_path, algorithm="eagle3", init_from_target=True), LAYER_IDS)
+        train_draft.build_draft(model, tok, _cfg(cache, tmp_path, algorithm="eagle3", init_from_target=True), LAYER_IDS)
     with pytest.raises(ValueError, match="Qwen3-style q/k norms and the target's have none.*--draft-backbone target"):
-        loop.build_draft(model, tok, _cfg(cache, tmp_path, init_from_target=True, draft_backbone="qwen3"), LAYER_IDS)
-    draft = loop.build_draft(model, tok, _cfg(cache, tmp_path, draft_backbone="target"), LAYER_IDS)
+        train_draft.build_draft(model, tok, _cfg(cache, tmp_path, init_from_target=True, draft_backbone="qwen3"), LAYER_IDS)
+    draft = train_draft.build_draft(model, tok, _cfg(cache, tmp_path, draft_backbone="target"), LAYER_IDS)
     c = model.config
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -113,7 +114,7 @@ def test_init_from_target_refusals(setup, tmp_path):
                                                head_dim=8, max_position_embeddings=256))
     with pytest.raises(ValueError, match="train.init_from_target: a gemma3_text target's decoder layers have four "
                                          "norms.*drop --init-from-target"):
-        loop.build_draft(gemma, tok, _cfg(cache, tmp_path, init_from_target=True, draft_backbone="target"),
+        train_draft.build_draft(gemma, tok, _cfg(cache, tmp_path, init_from_target=True, draft_backbone="target"),
                          LAYER_IDS)
     other = LlamaForCausalLM(LlamaConfig(vocab_size=c.vocab_size, hidden_size=32, intermediate_size=48,
                                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,

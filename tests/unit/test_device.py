@@ -88,7 +88,7 @@ def test_every_stage_config_checks_its_device(tmp_path):
     from deepspec.eval.stage import EvalConfig
     from deepspec.serve.openai_server import ServeConfig
     from deepspec.stages import CacheConfig
-    from deepspec.train.loop import TrainConfig
+    from deepspec.train.config import TrainConfig
 
     makers = {
         "PrepareConfig.device": lambda d: PrepareConfig(input="sharegpt-demo", output=tmp_path / "p.jsonl", device=d),
@@ -115,7 +115,8 @@ def test_every_stage_refuses_cuda_without_it_before_loading_the_target(tmp_path,
     from deepspec.eval.stage import EvalConfig, run_eval_stage
     from deepspec.serve.openai_server import ServeConfig, run_serve_stage
     from deepspec.stages import CacheConfig, run_cache_stage, run_prepare_stage
-    from deepspec.train.loop import TrainConfig, train
+    from deepspec.train.config import TrainConfig
+    from deepspec.train.loop import train
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for module in (stages, prepare, eval_stage, train_loop):
@@ -159,7 +160,7 @@ def test_configs_validate_dtype(tmp_path):
 
 def test_train_dtype_auto_is_bf16_autocast_where_the_hardware_runs_it_fast(monkeypatch):
     from deepspec import device as device_mod
-    from deepspec.train.loop import TrainConfig
+    from deepspec.train.config import TrainConfig
 
     cfg = TrainConfig(cache_dir="c", output_dir="o", dtype="auto")
     assert cfg.dtype == "auto"  # recorded as asked; resolved per device
@@ -180,7 +181,7 @@ def test_every_stage_defaults_to_auto_which_is_bf16_on_cuda(tmp_path, monkeypatc
     from deepspec.demo import DemoConfig
     from deepspec.eval.stage import EvalConfig
     from deepspec.stages import CacheConfig
-    from deepspec.train.loop import TrainConfig
+    from deepspec.train.config import TrainConfig
 
     train = TrainConfig(cache_dir="c", output_dir="o")
     defaults = {"train": train.dtype, "cache": CacheConfig(input="p.jsonl", output_dir="o").dtype,

@@ -45,7 +45,8 @@ def _target(tok, *, layers: int, seed: int):
 def setup(tmp_path_factory):
     """(tokenizer, targets A/B/C, {algorithm: saved draft folder made for A})."""
     from deepspec.algorithms.dspark.original import save_original_dspark
-    from deepspec.train.loop import TrainConfig, build_draft
+    from deepspec.train.config import TrainConfig
+    from deepspec.train.draft import build_draft
 
     tok = _tok()
     targets = {"A": _target(tok, layers=4, seed=0), "B": _target(tok, layers=4, seed=1),

@@ -439,7 +439,7 @@ def test_markov_variants_train(markov):
 
 def test_registry_build_passes_markov_head(tmp_path):
     from deepspec.algorithms.registry import algorithm_for_model, get_algorithm
-    from deepspec.train.loop import TrainConfig
+    from deepspec.train.config import TrainConfig
     from tests.unit.test_chat import tiny_chatml_tokenizer
 
     tok = tiny_chatml_tokenizer()

@@ -376,7 +376,8 @@ def test_tree_at_temperature_above_zero_and_with_a_reduced_vocabulary(target):
 def test_trainer_lowers_the_loss(tmp_path):
     from deepspec.data.cache import write_target_cache_from_samples
     from deepspec.target.load import target_fingerprint, tokenizer_fingerprint
-    from deepspec.train.loop import TrainConfig, train
+    from deepspec.train.config import TrainConfig
+    from deepspec.train.loop import train
     from tests.helpers import tiny_llama_target
     from tests.unit.test_chat import tiny_chatml_tokenizer
 

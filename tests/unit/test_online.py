@@ -17,7 +17,8 @@ from deepspec.data.cache import TargetCache, check_compatible, write_target_cach
 from deepspec.data.online import OnlineTargetFeatures
 from deepspec.target.load import target_fingerprint, tokenizer_fingerprint
 from deepspec.train.data import collate
-from deepspec.train.loop import TrainConfig, train
+from deepspec.train.config import TrainConfig
+from deepspec.train.loop import train
 from tests.unit.test_chat import tiny_chatml_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

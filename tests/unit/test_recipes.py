@@ -19,7 +19,7 @@ from deepspec.cli import _config_class, build_parser, main
 from deepspec.config import dataclass_from_args
 from deepspec.demo import DemoConfig
 from deepspec.recipes import load_recipe, recipe_names
-from deepspec.train.loop import TrainConfig
+from deepspec.train.config import TrainConfig
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 # the fields a user always gives on the command line (paths of this run), per stage

@@ -8,7 +8,7 @@ import pytest
 from deepspec.cli import main
 from deepspec.train import loop
 from deepspec.checkpoints import clear_previous_run, previous_run
-from deepspec.train.loop import TrainConfig
+from deepspec.train.config import TrainConfig
 
 
 def _train_error(capsys, *argv) -> str:
