@@ -228,12 +228,31 @@ class Proposal:
                 self, draft_ids_N=self.draft_ids_N[:max_depth],
                 draft_probs_NV=None if self.draft_probs_NV is None else self.draft_probs_NV[:max_depth],
                 confidence_N=None if self.confidence_N is None else self.confidence_N[:max_depth])
-        keep = [i for i, d in enumerate(self.depths_N) if d <= max_depth]
+        return self.subset([i for i, d in enumerate(self.depths_N) if d <= max_depth])
+
+    def subset(self, keep: Sequence[int]) -> "Proposal":
+        """This proposal with only the nodes ``keep`` (increasing indices, every kept node's parent kept:
+        a chain's prefix, a subtree hanging from the anchor), renumbered with parents before children.
+
+        Raises ValueError for indices out of order or out of range, or a kept node whose parent is not kept.
+        """
+        keep = [int(i) for i in keep]
+        n = self.num_proposed
+        if any(b <= a for a, b in zip(keep, keep[1:])) or (keep and not 0 <= keep[0] <= keep[-1] < n):
+            raise ValueError(f"Proposal.subset: expected increasing node indices in 0..{n - 1}, got {keep}")
+        parents = self.parents_N if self.parents_N is not None else tuple(range(-1, n - 1))
         new_index = {old: new for new, old in enumerate(keep)}
+        orphan = next((i for i in keep if parents[i] >= 0 and parents[i] not in new_index), None)
+        if orphan is not None:
+            raise ValueError(f"Proposal.subset: node {orphan} is kept without its parent {parents[orphan]}; keep "
+                             "every kept node's ancestors")
+        rows = torch.tensor(keep, dtype=torch.long, device=self.draft_ids_N.device)
         return dataclasses.replace(
-            self, draft_ids_N=self.draft_ids_N[keep],
-            draft_probs_NV=None if self.draft_probs_NV is None else self.draft_probs_NV[keep],
-            parents_N=tuple(-1 if self.parents_N[i] < 0 else new_index[self.parents_N[i]] for i in keep))
+            self, draft_ids_N=self.draft_ids_N[rows],
+            draft_probs_NV=None if self.draft_probs_NV is None else self.draft_probs_NV[rows.to(self.draft_probs_NV.device)],
+            confidence_N=None if self.confidence_N is None else self.confidence_N[rows.to(self.confidence_N.device)],
+            parents_N=None if self.parents_N is None else tuple(-1 if parents[i] < 0 else new_index[parents[i]]
+                                                                for i in keep))
 
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> "Proposal":

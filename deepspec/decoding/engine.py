@@ -72,8 +72,9 @@ from typing import Any
 
 import torch
 
-from deepspec.algorithms.protocol import Proposer, draw_token
+from deepspec.algorithms.protocol import Proposal, Proposer, draw_token
 from deepspec.decoding.compiled import CompiledTarget
+from deepspec.decoding.schedule import StepScheduler, load_or_measure_step_costs, measure_step_costs
 from deepspec.decoding.verify import GREEDY, verify, verify_tree
 from deepspec.target.capture import target_forward, target_logits
 from deepspec.target.decoding import SamplingParams
@@ -94,6 +95,9 @@ class StepRecord:
     else the proposer's), or None when unknown (the metrics then use the row's largest K).
     ``num_draft_nodes``: for a draft tree, the nodes the target verified beside the anchor (``num_proposed``
     is then the tree's depth, the most tokens the step could accept); None for a chain (N nodes).
+    With a scheduler (:mod:`deepspec.decoding.schedule`): ``drafted`` whether the proposer was called (False:
+    the scheduler made a plain step without a proposal), ``num_drafted`` the nodes it proposed before the
+    scheduler's cut, ``schedule_s`` the seconds the scheduler's estimates took (part of the overhead).
     """
 
     num_proposed: int
@@ -105,6 +109,9 @@ class StepRecord:
     confidence: tuple[float, ...] | None = None
     max_proposal_len: int | None = None
     num_draft_nodes: int | None = None
+    drafted: bool = True
+    num_drafted: int | None = None
+    schedule_s: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -252,6 +259,11 @@ class SpeculativeEngine:
         compiled: run the target's decode steps through this static-cache, compiled path
             (:mod:`deepspec.decoding.compiled`; built for ``target_model``, with a step length of at least
             ``proposer.max_proposal_len + 1``). Give the target-only engine the same one.
+        schedule: ``"fixed"`` verifies every proposal whole (K and tree as the proposer drafts them);
+            ``"auto"`` lets a :class:`~deepspec.decoding.schedule.StepScheduler` choose per step how much of
+            the proposal to verify, or a plain target step, from this target's measured step cost curve
+            (measured before the first generation's clock starts, cached on disk) and the acceptance seen
+            so far; a :class:`StepScheduler` instance is used as given. Lossless either way.
 
     Raises ValueError for an empty ``eos_token_ids``, and for ``compiled`` together with
     ``forward_fn`` or ``few_row_linear``, built for another model or too short for the proposer's K.
@@ -267,7 +279,10 @@ class SpeculativeEngine:
         forward_fn: Callable[..., Any] | None = None,
         few_row_linear: bool = False,
         compiled: CompiledTarget | None = None,
+        schedule: str | StepScheduler = "fixed",
     ) -> None:
+        if not isinstance(schedule, StepScheduler) and schedule not in ("auto", "fixed"):
+            raise ValueError(f"schedule: expected 'auto' (cost-aware) or 'fixed', received {schedule!r}.")
         if not eos_token_ids:
             raise ValueError("eos_token_ids: expected at least one token id, received none; pass tokenizer.eos_token_id.")
         if compiled is not None:
@@ -294,6 +309,54 @@ class SpeculativeEngine:
         self.uses_features = self.can_propose and bool(getattr(proposer, "needs_features", True))
         self._feature_layer_ids = self.target_layer_ids if self.uses_features else []
         self.few_row_linear = bool(few_row_linear)
+        self.schedule = "fixed" if not self.can_propose else ("auto" if isinstance(schedule, StepScheduler) else schedule)
+        self.scheduler: StepScheduler | None = schedule if isinstance(schedule, StepScheduler) else None
+
+    def _cost_key(self, max_tokens: int) -> dict[str, Any]:
+        """What a step cost curve depends on: the target's config and size, device, dtype, threads, kernels."""
+        import hashlib
+        import platform
+
+        m = self.target_model
+        config = m.config.to_json_string(use_diff=False) if hasattr(m.config, "to_json_string") else repr(m.config)
+        param = next(m.parameters())
+        cpu = platform.processor() or platform.machine()
+        if self.device.type == "cuda":
+            cpu = torch.cuda.get_device_name(self.device)
+        return {"config": hashlib.sha256(config.encode()).hexdigest()[:16],
+                "params": sum(p.numel() for p in m.parameters()), "device": self.device.type, "device_name": cpu,
+                "dtype": str(param.dtype), "threads": torch.get_num_threads(), "few_row_linear": self.few_row_linear,
+                "compiled": self.compiled is not None, "features": bool(self._feature_layer_ids),
+                "max_tokens": max_tokens, "torch": torch.__version__}
+
+    def _measure_costs(self, max_tokens: int, context_len: int = 32) -> Any:
+        """One target forward over n tokens after a ``context_len``-token context, synchronised, the cache
+        cropped back after: the callable :func:`~deepspec.decoding.schedule.measure_step_costs` times."""
+        from transformers import DynamicCache
+
+        cache = (DynamicCache() if self.compiled is None
+                 else self.compiled.new_cache(context_len + max_tokens))
+        vocab = int(self.target_model.config.vocab_size)
+        ids = [(7 * i + 3) % vocab for i in range(context_len + max_tokens)]
+        cache = self._forward(ids[:context_len], 0, cache, compute_logits=False).past_key_values
+
+        def forward_tokens(n: int) -> None:
+            self._forward(ids[context_len:context_len + n], context_len, cache, compute_logits=True)
+            crop_kv_cache(cache, context_len)
+            self._sync()
+
+        return measure_step_costs(forward_tokens, max_tokens)
+
+    def _ensure_scheduler(self) -> None:
+        """Build the ``"auto"`` scheduler once: the cost curve up to the longest verify this engine can feed
+        (a compiled target: its longest step; else 64 tokens, trees and lookup included), cached on disk."""
+        if self.schedule != "auto" or self.scheduler is not None:
+            return
+        max_tokens = max(self.compiled.step_lengths) if self.compiled is not None else 64
+        max_tokens = max(max_tokens, int(self.proposer.max_proposal_len) + 1)
+        with torch.inference_mode():
+            curve, _ = load_or_measure_step_costs(self._cost_key(max_tokens), lambda: self._measure_costs(max_tokens))
+        self.scheduler = StepScheduler(curve)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -400,6 +463,10 @@ class SpeculativeEngine:
         prepare = getattr(proposer, "prepare", None)  # a proposer with static buffers (compiled drafts)
         if prepare is not None:
             prepare(num_positions)
+        self._ensure_scheduler()
+        sched = self.scheduler
+        if sched is not None:
+            sched.reset()
         sync()
         t0 = time.perf_counter()
 
@@ -431,9 +498,17 @@ class SpeculativeEngine:
                 stop = "max_positions"
                 break
             t_step = time.perf_counter()
-            # Propose, truncated so every fed position is < max_position_embeddings.
-            proposal = proposer.propose(anchor, anchor_pos, sampling=sampling, generator=generator)
+            # Propose (unless the scheduler plans a plain step), truncated so every fed position is
+            # < max_position_embeddings; the scheduler then keeps what is worth verifying.
+            drafted = sched is None or sched.plan(proposer.max_proposal_len)
+            t_planned = time.perf_counter()
+            proposal = (proposer.propose(anchor, anchor_pos, sampling=sampling, generator=generator) if drafted
+                        else Proposal.empty(self.device))
             proposal = proposal.truncated(self.max_positions - 1 - anchor_pos)
+            t_proposed = time.perf_counter()
+            num_drafted = proposal.num_proposed
+            if sched is not None:
+                proposal = sched.select(proposal, greedy=sampling.greedy)
             parents = proposal.parents_N
             if parents is not None and self.compiled is not None:
                 raise RuntimeError(f"{type(proposer).__name__} proposed a draft tree, which needs a dynamic KV cache "
@@ -443,6 +518,7 @@ class SpeculativeEngine:
             depths = proposal.depths_N if parents is not None else None
             sync()
             t_verify = time.perf_counter()
+            schedule_s = (t_planned - t_step) + (t_verify - t_proposed) if sched is not None else 0.0
 
             # Verify: one target forward over [anchor, d_1..d_N] (a draft tree: under its tree mask).
             out = self._forward([anchor, *draft_list], anchor_pos, cache, compute_logits=True,
@@ -458,6 +534,7 @@ class SpeculativeEngine:
                 res, path = verify_tree(draft_ids_N, parents, out.logits_BTV[0], draft_probs_NV=proposal.draft_probs_NV,
                                         sampling=sampling, generator=generator, eos_token_ids=self.eos_token_ids)
                 keep = [0, *(1 + i for i in path)]
+            path_nodes = None if parents is None else path
 
             # Commit accepted + 1; keep KV and features of the verified positions anchor..anchor+accepted.
             num_verified = res.num_accepted + 1
@@ -470,18 +547,26 @@ class SpeculativeEngine:
             conf = None if proposal.confidence_N is None else tuple(proposal.confidence_N.tolist())
             sync()
             t_end = time.perf_counter()
+            if sched is not None:
+                sched.observe(proposal, res.num_accepted, path_nodes, verify_s=t_verified - t_verify,
+                              propose_s=(t_verify - t_step - schedule_s) if drafted else None,
+                              overhead_s=(t_end - t_verified) + schedule_s, num_committed=len(res.committed),
+                              step_s=t_end - t_step)
             result.steps.append(
                 StepRecord(
                     num_proposed=proposal.depth,
                     num_accepted=res.num_accepted,
                     num_committed=len(res.committed),
                     time_s=t_end - t_step,
-                    propose_s=t_verify - t_step,
+                    propose_s=t_verify - t_step - schedule_s,
                     verify_s=t_verified - t_verify,
                     confidence=conf,
                     max_proposal_len=(proposal.max_proposal_len if proposal.max_proposal_len is not None
                                       else proposer.max_proposal_len),
                     num_draft_nodes=None if parents is None else proposal.num_proposed,
+                    drafted=drafted,
+                    num_drafted=num_drafted,
+                    schedule_s=schedule_s,
                 )
             )
             emit()

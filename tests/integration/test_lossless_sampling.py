@@ -1,4 +1,4 @@
-"""Lossless speculative sampling at T > 0, shown with chi-square tests (issue 5 item 4; docs/design/decoding.md).
+"""Lossless speculative sampling at T > 0, shown with chi-square tests (docs/design/decoding.md).
 
 Rejection sampling (Leviathan et al. 2023, Alg. 1 and Theorem 3.5; Chen et al. 2023, Alg. 2) makes
 every committed token follow the target's distribution whatever the draft proposes. Here:
@@ -16,6 +16,8 @@ every committed token follow the target's distribution whatever the draft propos
 - draft trees at T > 0 (``verify_tree``: the walk follows the target's own draws): the committed
   sequence of a fixed tree follows the target exactly (verify level), and DSpark's trees, alone and
   with prompt lookup's match beside them, keep the engine's output the target's (engine level);
+- the step scheduler (``deepspec.decoding.schedule``) choosing each step's length, for chains cut on
+  per-slot scores, trees and lookup: the output is the target's; a cut that reads the drawn token fails;
 - power: a deliberately broken acceptance rule (always accept, or no residual) fails the same test,
   and so does an engine whose prefill drops the soft-capping, a tree verified with either broken
   rule, or a tree walk that takes the argmax at T > 0.
@@ -353,13 +355,15 @@ def exact_target_distributions(model, params: SamplingParams) -> tuple[torch.Ten
     return p0_V[:, None] * p1_VV, torch.einsum("a,ab,abc->c", p0_V, p1_VV, p2_VVV)
 
 
-def engine_samples(model, params: SamplingParams, trials: int, seed: int, max_new_tokens: int = 3, proposer=None):
+def engine_samples(model, params: SamplingParams, trials: int, seed: int, max_new_tokens: int = 3, proposer=None,
+                   schedule="fixed", sizes: list[int] | None = None):
     """Over ``trials`` seeded generations: counts ``[V, V]`` of output tokens (1, 2), counts ``[V]``
     of output token 3 (zeros when ``max_new_tokens < 3``), and the number of drafts accepted by the
-    first verify step. ``proposer`` defaults to :class:`BigramProposer`."""
+    first verify step. ``proposer`` defaults to :class:`BigramProposer`; ``schedule`` goes to the engine;
+    ``sizes`` (a list) receives every step's verified draft nodes."""
     from deepspec.decoding.engine import SpeculativeEngine
 
-    engine = SpeculativeEngine(model, [0], proposer or BigramProposer(seed=5), [V + 1])
+    engine = SpeculativeEngine(model, [0], proposer or BigramProposer(seed=5), [V + 1], schedule=schedule)
     g = torch.Generator().manual_seed(seed)
     joint_VV, third_V = torch.zeros(V, V), torch.zeros(V)
     accepted = 0
@@ -370,6 +374,8 @@ def engine_samples(model, params: SamplingParams, trials: int, seed: int, max_ne
         if max_new_tokens >= 3:
             third_V[out[2]] += 1
         accepted += res.steps[0].num_accepted
+        if sizes is not None:
+            sizes.extend(s.num_proposed if s.num_draft_nodes is None else s.num_draft_nodes for s in res.steps)
     return joint_VV, third_V, accepted
 
 
@@ -545,3 +551,78 @@ def test_lookup_beside_a_dspark_tree_follows_target_distribution(target, params)
     p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
     p_third = chi_square_pvalue(counts_V, third_V)
     assert p_joint > PASS_P and p_third > PASS_P, (p_joint, p_third)
+
+
+# ----------------------------------------------------------------------------- the step scheduler at T > 0
+
+
+class ScoredBigramProposer(BigramProposer):
+    """:class:`BigramProposer` with a per-slot score known before the slot's draw (its ``q``'s largest
+    probability, a function of the previous token only): what a confidence head gives the scheduler."""
+
+    max_proposal_len = 3
+
+    def propose(self, anchor_token, anchor_pos, *, sampling, generator):
+        prev, ids, probs, conf = int(anchor_token), [], [], []
+        for _ in range(self.max_proposal_len):
+            conf.append(float(sampling_probs(self.table_VV[prev], sampling).max()))
+            tok, q_V = draw_token(self.table_VV[prev], sampling, generator)
+            ids.append(tok)
+            probs.append(q_V)
+            prev = int(tok)
+        return Proposal(draft_ids_N=torch.cat(ids), draft_probs_NV=None if sampling.greedy else torch.stack(probs),
+                        confidence_N=torch.tensor(conf))
+
+
+def _scheduler(probe_every: int = 2):
+    """A scheduler whose cost curve makes it cut proposals at every length (a second and third draft token
+    cost little, a fourth much), with a short plain-step streak (0: it always proposes)."""
+    from deepspec.decoding.schedule import StepCostCurve, StepScheduler
+
+    return StepScheduler(StepCostCurve((1, 2, 3, 4), (0.010, 0.0103, 0.0112, 0.02)), probe_every=probe_every)
+
+
+def _scheduled_proposers(target):
+    from deepspec.algorithms.ngram.proposer import LookupFirstProposer
+
+    return {
+        "chain": lambda: ScoredBigramProposer(seed=5),
+        "tree": lambda: untrained_dspark_proposer(target, tree_width=3),
+        "lookup": lambda: LookupFirstProposer(untrained_dspark_proposer(target), vocab_size=V, ngram_max=2,
+                                              ngram_min=1),
+    }
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree", "lookup"])
+@pytest.mark.parametrize("params", [PLAIN, FILTERED], ids=["plain", "topk_topp"])
+def test_scheduled_steps_follow_target_distribution(target, params, kind):
+    """With the scheduler choosing each step's length (chains cut by a sequential rule on per-slot scores,
+    trees at a depth planned before the draw, lookup and draft steps mixed, plain steps between), the
+    output is still the target's distribution."""
+    joint_VV, third_V = exact_target_distributions(target, params)
+    trials, sizes = 1200, []
+    counts_VV, counts_V, _ = engine_samples(target, params, trials, seed=8, proposer=_scheduled_proposers(target)[kind](),
+                                            schedule=_scheduler(), sizes=sizes)
+    assert len(set(sizes)) >= 2, sorted(set(sizes))  # the scheduler did choose different lengths
+    p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
+    p_third = chi_square_pvalue(counts_V, third_V)
+    assert p_joint > PASS_P and p_third > PASS_P, (p_joint, p_third)
+
+
+def test_a_schedule_that_reads_the_drawn_token_is_rejected(target, monkeypatch):
+    """Power: a cut that looks at the token drawn at a slot (keep the first draft only when it is its
+    ``q``'s most likely token) conditions the accepted tokens on their own value, and the test sees it."""
+    from deepspec.decoding.schedule import StepScheduler
+
+    def peeking_select(self, proposal, *, greedy):
+        if proposal.num_proposed == 0:
+            return proposal
+        q_V = proposal.draft_probs_NV[0]
+        keep = int(q_V.argmax()) == int(proposal.draft_ids_N[0])
+        return proposal.truncated(proposal.num_proposed if keep else 0)
+
+    monkeypatch.setattr(StepScheduler, "select", peeking_select)
+    joint_VV, _ = exact_target_distributions(target, PLAIN)
+    counts_VV, _, _ = engine_samples(target, PLAIN, trials=3000, seed=8, max_new_tokens=2,
+                                     proposer=ScoredBigramProposer(seed=5), schedule=_scheduler(probe_every=0))
+    assert chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten()) < FAIL_P

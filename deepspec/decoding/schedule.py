@@ -1,0 +1,372 @@
+"""Cost-aware scheduling of speculative steps: how much of each proposal to verify, or none.
+
+A verify forward over ``n`` tokens costs more than a one-token step, and how much more depends on the
+device, dtype and kernels (on the CPUs seen here a verify over 8 tokens costs 1.15x to 3.6x a one-token
+step). A fixed K and tree therefore slow decoding wherever the draft's acceptance is low. The
+scheduler picks, every step, the part of the proposal whose expected committed tokens per expected
+second is best, and a plain target step (no proposal at all) when nothing pays
+(docs/design/decoding.md, "Scheduling").
+
+Three parts:
+
+- :class:`StepCostCurve`: the seconds of one target forward over ``n`` tokens, measured once per
+  target, device, dtype and thread count (:func:`measure_step_costs`, cached on disk by
+  :func:`load_or_measure_step_costs`); the engine keeps its scale current from every step's
+  measured verify time (context length and load change it; the shape is the device's).
+- :class:`AcceptanceEstimator`: the probability that a draft node is accepted given that its parent
+  was, by depth, rank among its siblings and the proposer's own score (DSpark's confidence head),
+  as running counts of what the target accepted in past steps (a Beta prior that starts at the
+  score, so a calibrated head is trusted at once and a miscalibrated one is corrected by the counts).
+- :class:`StepScheduler`: the decision. With ``lam`` the long-run rate (tokens per second) the
+  decoding already achieves (at least target-only's), a step is worth its cost when
+  ``E[committed] - lam * E[seconds]`` is largest (Dinkelbach's rule for maximising a ratio of
+  expectations: the renewal-reward rate of the step sequence).
+
+Lossless: the target's verify rule is unchanged and the choice reads only draft-side information
+and past steps' acceptance, never the target's output for the current step. At T = 0 any such
+choice leaves the output target-only's (verification compares with the target's argmax). At T > 0
+speculative sampling is exact for any proposal whose length is a *stopping time*: whether slot
+``k`` is verified may depend on the drafts before it and on what the draft knew before drawing slot
+``k`` (its confidence for slot ``k`` is computed before the draw), never on the token drawn at slot
+``k`` itself, else the accepted tokens would be conditioned on their own value. So at T > 0 a chain is
+cut by a sequential rule that reads slot ``k``'s score only to decide slot ``k``, and a tree by a depth
+chosen before it was drawn; at T = 0 a tree keeps the nodes of highest estimated path probability.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deepspec.algorithms.protocol import Proposal
+
+# Token counts a cost curve is measured at (the engine measures those up to its longest verify).
+MEASURED_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclass(frozen=True)
+class StepCostCurve:
+    """Seconds of one target forward over ``n`` tokens fed (a verify: the anchor + ``n - 1`` drafts).
+
+    ``tokens``: increasing token counts starting at 1; ``seconds``: the measured median at each.
+    Between points the cost is interpolated linearly, beyond the last extrapolated with the last
+    segment's slope (never below the last point).
+
+    Raises ValueError for an empty curve, a curve not starting at 1 token, unsorted counts or a
+    non-positive time.
+    """
+
+    tokens: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.tokens or len(self.tokens) != len(self.seconds) or self.tokens[0] != 1:
+            raise ValueError(f"StepCostCurve: expected matching token counts starting at 1 and times, got "
+                             f"{self.tokens} and {self.seconds}")
+        if any(b <= a for a, b in zip(self.tokens, self.tokens[1:])) or min(self.seconds) <= 0:
+            raise ValueError(f"StepCostCurve: expected increasing token counts and positive times, got "
+                             f"{self.tokens} and {self.seconds}")
+
+    def seconds_for(self, n: int) -> float:
+        """The forward's seconds over ``n >= 1`` tokens."""
+        t, s = self.tokens, self.seconds
+        if n <= t[0]:
+            return s[0]
+        for i in range(1, len(t)):
+            if n <= t[i]:
+                w = (n - t[i - 1]) / (t[i] - t[i - 1])
+                return s[i - 1] + w * (s[i] - s[i - 1])
+        slope = max((s[-1] - s[-2]) / (t[-1] - t[-2]), 0.0) if len(t) > 1 else 0.0
+        return s[-1] + slope * (n - t[-1])
+
+    def relative(self, n: int) -> float:
+        """The forward over ``n`` tokens in one-token steps."""
+        return self.seconds_for(n) / self.seconds[0]
+
+    def to_dict(self) -> dict[str, list]:
+        return {"tokens": list(self.tokens), "seconds": list(self.seconds)}
+
+    @staticmethod
+    def from_dict(d: dict) -> "StepCostCurve":
+        return StepCostCurve(tuple(int(x) for x in d["tokens"]), tuple(float(x) for x in d["seconds"]))
+
+
+def measure_step_costs(forward_tokens: Callable[[int], None], max_tokens: int, *, repeats: int = 3,
+                       clock: Callable[[], float] = time.perf_counter) -> StepCostCurve:
+    """Time ``forward_tokens(n)`` (one target forward over ``n`` tokens, synchronised, its cache rolled back
+    after) at the :data:`MEASURED_TOKENS` up to ``max_tokens`` and at ``max_tokens``: one warm-up pass,
+    then ``repeats`` interleaved rounds (so a load change hits every size alike), the median per size.
+    A larger size measured faster than a smaller one is raised to it (the cost never decreases with n).
+
+    Raises ValueError for ``max_tokens < 1`` or ``repeats < 1``.
+    """
+    if max_tokens < 1 or repeats < 1:
+        raise ValueError(f"measure_step_costs: expected max_tokens >= 1 and repeats >= 1, got {max_tokens}, {repeats}")
+    sizes = sorted({n for n in MEASURED_TOKENS if n <= max_tokens} | {int(max_tokens)})
+    for n in sizes:
+        forward_tokens(n)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n in sizes:
+            t0 = clock()
+            forward_tokens(n)
+            times[n].append(clock() - t0)
+    seconds, best = [], 0.0
+    for n in sizes:
+        best = max(best, statistics.median(times[n]), 1e-9)
+        seconds.append(best)
+    return StepCostCurve(tuple(sizes), tuple(seconds))
+
+
+def step_cost_cache_dir() -> Path:
+    """Where measured cost curves are kept: ``$DEEPSPEC_CACHE_DIR/step-costs`` or
+    ``~/.cache/deepspec/step-costs``."""
+    root = os.environ.get("DEEPSPEC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "deepspec")
+    return Path(root) / "step-costs"
+
+
+def load_or_measure_step_costs(key: dict, measure: Callable[[], StepCostCurve], *,
+                               cache_dir: Path | None = None) -> tuple[StepCostCurve, bool]:
+    """The cost curve stored under ``key`` (JSON-able: target fingerprint, device, dtype, threads, kernels,
+    longest verify), else ``measure()`` stored there (atomically). Returns ``(curve, measured_now)``.
+    An unreadable stored file is measured again and replaced."""
+    from deepspec.utils import atomic_write_json
+
+    folder = cache_dir or step_cost_cache_dir()
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json"
+    path = folder / name
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+        if stored.get("key") == json.loads(json.dumps(key)):
+            return StepCostCurve.from_dict(stored["curve"]), False
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    curve = measure()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {"key": key, "curve": curve.to_dict()})
+    except OSError:  # a read-only home still decodes; the curve is measured again next time
+        pass
+    return curve, True
+
+
+def _score_bin(score: float | None, bins: int) -> int:
+    return -1 if score is None else min(int(max(score, 0.0) * bins), bins - 1)
+
+
+@dataclass
+class AcceptanceEstimator:
+    """Running estimates of ``P(node accepted | its parent accepted)``.
+
+    Cells are keyed by the node's depth (1 for the anchor's children; capped at ``max_depth``), its
+    rank among its siblings (0: the draft's first choice, a chain's node; capped at ``max_rank``) and,
+    when the proposer scores its nodes (DSpark's confidence head), the score's bin of width ``1 / bins``.
+    Each cell holds decayed counts (``decay`` per update of that cell: recent steps of the request
+    weigh more); its estimate is ``(accepted + strength * prior) / (seen + strength)`` with ``prior``
+    the node's own score when it has one, else the depth's running mean for rank 0, or
+    ``other_prior`` for other ranks.
+    """
+
+    bins: int = 10
+    max_depth: int = 16
+    max_rank: int = 4
+    strength: float = 2.0
+    decay: float = 0.99
+    first_prior: float = 0.5
+    other_prior: float = 0.1
+    cells: dict[tuple[int, int, int], list[float]] = field(default_factory=dict)
+
+    def _key(self, depth: int, rank: int, score: float | None) -> tuple[int, int, int]:
+        return (min(depth, self.max_depth), min(rank, self.max_rank), _score_bin(score, self.bins))
+
+    def _depth_prior(self, depth: int) -> float:
+        cell = self.cells.get((min(depth, self.max_depth), 0, -1))
+        prior = self.first_prior * 0.9 ** (depth - 1)
+        return prior if cell is None else (cell[0] + self.strength * prior) / (cell[1] + self.strength)
+
+    def estimate(self, depth: int, rank: int = 0, score: float | None = None) -> float:
+        """The acceptance probability of one node, in (0, 1)."""
+        if score is not None:
+            prior = min(max(float(score), 0.0), 1.0)
+        else:
+            prior = self._depth_prior(depth) if rank == 0 else self.other_prior
+        cell = self.cells.get(self._key(depth, rank, score))
+        if cell is None:
+            return prior
+        return (cell[0] + self.strength * prior) / (cell[1] + self.strength)
+
+    def observe(self, depth: int, rank: int, score: float | None, accepted: bool) -> None:
+        """Count one verified node whose parent was accepted (and, for a scored node, its depth's
+        unscored cell too, the running mean that plans steps before a proposal exists)."""
+        keys = {self._key(depth, rank, score)}
+        if rank == 0:
+            keys.add(self._key(depth, 0, None))
+        for key in keys:
+            cell = self.cells.setdefault(key, [0.0, 0.0])
+            cell[0] = cell[0] * self.decay + float(accepted)
+            cell[1] = cell[1] * self.decay + 1.0
+
+
+def _sibling_ranks(parents: Sequence[int]) -> list[int]:
+    seen: dict[int, int] = {}
+    ranks = []
+    for p in parents:
+        ranks.append(seen.get(p, 0))
+        seen[p] = ranks[-1] + 1
+    return ranks
+
+
+@dataclass
+class StepScheduler:
+    """Chooses, per step, whether to propose and which part of the proposal the target verifies.
+
+    ``curve``: the target's measured :class:`StepCostCurve`; its scale follows the measured verify
+    times (``observe``). ``probe_every``: after this many plain steps in a row one step proposes
+    anyway, so the acceptance counts keep up with the text (a plain step teaches nothing).
+    ``rate_decay``: the weight of the past in the running rate, propose time and overhead.
+    Use one scheduler per engine; :meth:`reset` starts a request (the counts carry over).
+    """
+
+    curve: StepCostCurve
+    estimator: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
+    probe_every: int = 8
+    rate_decay: float = 0.9
+    scale: float = 1.0  # measured verify seconds / the curve's
+    propose_s: float = 0.0  # running seconds of a propose call
+    overhead_s: float = 0.0  # running seconds of a step besides propose and verify
+    rate: float = 0.0  # running committed tokens per second
+    plain_streak: int = 0
+    depth_limit: int | None = None  # the depth planned before the current proposal (a tree's cut at T > 0)
+
+    def reset(self) -> None:
+        """Start a request: the plain-step streak and plan are forgotten, the counts and timings kept."""
+        self.plain_streak = 0
+        self.depth_limit = None
+
+    def seconds(self, n: int) -> float:
+        """Expected seconds of a verify forward over ``n`` tokens now."""
+        return self.scale * self.curve.seconds_for(n)
+
+    def lam(self) -> float:
+        """The rate a step must beat, tokens per second: the running rate, at least a plain step's."""
+        plain = 1.0 / (self.seconds(1) + self.overhead_s)
+        return max(plain, self.rate)
+
+    def _best_depth(self, accept: Sequence[float], lam: float, start: float = 1.0, base_tokens: int = 1) -> tuple[int, float]:
+        """The length ``m`` (0..len) maximising ``sum_{j<=m} prod_{i<=j} accept_i - lam * seconds(base + m)``
+        with the products started at ``start``; returns ``(m, gain over m = 0)``."""
+        best_m, best, total, path = 0, 0.0, 0.0, start
+        base = self.seconds(base_tokens)
+        for j, a in enumerate(accept, 1):
+            path *= a
+            total += path
+            gain = total - lam * (self.seconds(base_tokens + j) - base)
+            if gain > best:
+                best_m, best = j, gain
+        return best_m, best
+
+    def plan(self, max_depth: int) -> bool:
+        """Before proposing: whether a proposal of up to ``max_depth`` chain tokens is expected to pay for
+        its propose call and verify (from the running per-depth acceptance); a proposer whose call costs
+        under 2 % of a token's time always proposes (the proposal itself tells more), and after
+        ``probe_every`` plain steps in a row one step proposes anyway. Sets :attr:`depth_limit` to the planned depth."""
+        accept = [self.estimator.estimate(d) for d in range(1, max_depth + 1)]
+        lam = self.lam()
+        m, gain = self._best_depth(accept, lam)
+        self.depth_limit = max(m, 1)
+        cheap = lam * self.propose_s < 0.02  # a propose call under 2 % of a token: let select() decide
+        if gain - lam * self.propose_s > 0 or cheap or self.plain_streak >= self.probe_every:
+            self.plain_streak = 0
+            return True
+        self.plain_streak += 1
+        return False
+
+    def select(self, proposal: Proposal, *, greedy: bool) -> Proposal:
+        """The part of ``proposal`` to verify (possibly none: :meth:`Proposal.empty`'s plain step).
+
+        A chain is cut by the sequential rule: slot ``k`` is kept when continuing to some depth
+        ``>= k`` has a positive expected gain, reading slot ``k``'s own estimate (its confidence when
+        the proposer gives one) and the running means beyond it, and the chain stops at the first
+        slot that is not. A tree keeps, at T = 0, the ``m`` nodes of highest estimated path
+        probability (each node closed under its ancestors) for the best ``m``; at T > 0 its nodes up
+        to the depth :meth:`plan` chose before it was drawn."""
+        n = proposal.num_proposed
+        if n == 0:
+            return proposal
+        lam = self.lam()
+        if proposal.parents_N is None:
+            conf = None if proposal.confidence_N is None else proposal.confidence_N.tolist()
+            means = [self.estimator.estimate(d) for d in range(1, n + 1)]
+            path, keep = 1.0, 0
+            for k in range(1, n + 1):
+                a_k = self.estimator.estimate(k, 0, None if conf is None else conf[k - 1])
+                _, gain = self._best_depth([a_k, *means[k:]], lam, start=path, base_tokens=k)
+                if gain <= 0:
+                    break
+                path *= a_k
+                keep = k
+            return proposal if keep == n else proposal.truncated(keep)
+        if not greedy:
+            return proposal.truncated(self.depth_limit or proposal.depth)
+        ranks = _sibling_ranks(proposal.parents_N)
+        depths = proposal.depths_N
+        path_N: list[float] = []
+        for i, p in enumerate(proposal.parents_N):
+            a = self.estimator.estimate(depths[i], ranks[i])
+            path_N.append(a * (1.0 if p < 0 else path_N[p]))
+        order = sorted(range(n), key=lambda i: (-path_N[i], i))  # a parent never scores below its child
+        best_m, best, total = 0, 0.0, 0.0
+        base = self.seconds(1)
+        for m, i in enumerate(order, 1):
+            total += path_N[i]
+            gain = total - lam * (self.seconds(1 + m) - base)
+            if gain > best:
+                best_m, best = m, gain
+        if best_m == n:
+            return proposal
+        return proposal.subset(sorted(order[:best_m]))
+
+    def observe(self, proposal: Proposal, num_accepted: int, path: Sequence[int] | None, *, verify_s: float,
+                propose_s: float | None, overhead_s: float, num_committed: int, step_s: float) -> None:
+        """Learn from a verified step: the acceptance of every node whose parent was accepted
+        (``path``: a tree's accepted nodes, None for a chain), the verify time against the curve's
+        (the scale), the propose time (None: no proposal was made), the overhead and the rate."""
+        n = proposal.num_proposed
+        d = self.rate_decay
+        if verify_s > 0:
+            ratio = verify_s / self.curve.seconds_for(n + 1)
+            self.scale = ratio if self.rate == 0.0 else d * self.scale + (1 - d) * ratio
+        if propose_s is not None:
+            self.propose_s = propose_s if self.propose_s == 0.0 else d * self.propose_s + (1 - d) * propose_s
+        self.overhead_s = d * self.overhead_s + (1 - d) * max(overhead_s, 0.0)
+        step_rate = num_committed / max(step_s, 1e-9)
+        self.rate = step_rate if self.rate == 0.0 else d * self.rate + (1 - d) * step_rate
+        if n == 0:
+            return
+        est = self.estimator
+        if proposal.parents_N is None:
+            conf = None if proposal.confidence_N is None else proposal.confidence_N.tolist()
+            for k in range(1, min(num_accepted + 1, n) + 1):
+                est.observe(k, 0, None if conf is None else conf[k - 1], k <= num_accepted)
+            return
+        on_path = set(path or ())
+        ranks, depths = _sibling_ranks(proposal.parents_N), proposal.depths_N
+        for i, p in enumerate(proposal.parents_N):
+            if p < 0 or p in on_path:
+                est.observe(depths[i], ranks[i], None, i in on_path)
+
+
+def size_histogram(sizes: Sequence[int]) -> dict[str, int]:
+    """``{size: count}`` of chosen proposal sizes (draft tokens verified per step; 0: a plain step), keys as
+    strings for JSON, in increasing size."""
+    counts: dict[int, int] = {}
+    for s in sizes:
+        counts[int(s)] = counts.get(int(s), 0) + 1
+    return {str(k): counts[k] for k in sorted(counts)}
+

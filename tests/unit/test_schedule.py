@@ -1,0 +1,179 @@
+"""The cost-aware step scheduler: the cost curve and its disk cache, the acceptance estimates, the
+choice of what to verify, and the engine with the scheduler on (lossless greedy, only plain steps when
+speculation cannot pay, the fixed K back when every token is free and every draft is right)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepspec.algorithms.protocol import Proposal
+from deepspec.decoding.engine import SpeculativeEngine
+from deepspec.decoding.schedule import (
+    AcceptanceEstimator,
+    StepCostCurve,
+    StepScheduler,
+    load_or_measure_step_costs,
+    measure_step_costs,
+    size_histogram,
+)
+from tests.unit.test_draft_tree import _dspark_draft
+from tests.unit.test_engine import K, LAYER_IDS, PROMPT, OracleProposer, RandomProposer, hf_greedy, target  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FLAT = StepCostCurve((1, 64), (0.01, 0.01))  # every verify costs a one-token step
+STEEP = StepCostCurve((1, 2, 64), (0.01, 0.02, 0.64))  # a verify over n tokens costs n one-token steps
+
+
+def _chain(n: int, conf: list[float] | None = None) -> Proposal:
+    return Proposal(draft_ids_N=torch.arange(2, 2 + n), confidence_N=None if conf is None else torch.tensor(conf))
+
+
+def test_cost_curve_interpolates_extrapolates_and_refuses_bad_points():
+    c = StepCostCurve((1, 3, 5), (1.0, 2.0, 2.5))
+    assert c.seconds_for(1) == 1.0 and c.seconds_for(2) == 1.5 and c.seconds_for(4) == 2.25
+    assert c.seconds_for(9) == pytest.approx(3.5)  # the last segment's slope
+    assert c.relative(3) == 2.0
+    assert StepCostCurve.from_dict(c.to_dict()) == c
+    for tokens, seconds in [((2, 3), (1.0, 2.0)), ((1, 1), (1.0, 2.0)), ((1, 2), (1.0, 0.0)), ((), ())]:
+        with pytest.raises(ValueError, match="StepCostCurve"):
+            StepCostCurve(tokens, seconds)
+
+
+def test_measure_step_costs_takes_medians_interleaved_and_never_decreases():
+    fed: list[int] = []
+    now = [0.0]
+    cost = {1: 1.0, 2: 3.0, 3: 2.0, 4: 4.0}  # 3 tokens measured faster than 2: raised to 2's
+
+    def forward(n):
+        fed.append(n)
+        now[0] += cost[n]
+
+    curve = measure_step_costs(forward, 4, repeats=2, clock=lambda: now[0])
+    assert curve.tokens == (1, 2, 3, 4) and curve.seconds == (1.0, 3.0, 3.0, 4.0)
+    assert fed == [1, 2, 3, 4] * 3  # one warm-up pass, then rounds over every size
+    with pytest.raises(ValueError, match="max_tokens"):
+        measure_step_costs(forward, 0)
+
+
+def test_cost_curve_is_cached_by_key(tmp_path):
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return StepCostCurve((1, 2), (0.5, 0.6))
+
+    key = {"config": "abc", "threads": 2}
+    first, measured = load_or_measure_step_costs(key, measure, cache_dir=tmp_path)
+    again, measured_again = load_or_measure_step_costs(key, measure, cache_dir=tmp_path)
+    assert (measured, measured_again, len(calls)) == (True, False, 1) and again == first
+    load_or_measure_step_costs({**key, "threads": 1}, measure, cache_dir=tmp_path)
+    assert len(calls) == 2  # another thread count is another curve
+    for f in tmp_path.iterdir():
+        f.write_text("{not json")
+    load_or_measure_step_costs(key, measure, cache_dir=tmp_path)
+    assert len(calls) == 3  # an unreadable file is measured again
+
+
+def test_estimator_starts_at_the_score_and_learns_from_counts():
+    est = AcceptanceEstimator()
+    assert est.estimate(1, 0, 0.9) == pytest.approx(0.9)
+    for _ in range(50):
+        est.observe(1, 0, 0.9, accepted=False)  # an overconfident head
+    assert est.estimate(1, 0, 0.9) < 0.1
+    assert est.estimate(1, 0, None) < 0.1  # the depth's running mean learned it too
+    assert est.estimate(1, 0, 0.3) == pytest.approx(0.3)  # other bins keep their prior
+    assert est.estimate(1, 1) == pytest.approx(est.other_prior)
+
+
+def test_flat_costs_and_certain_drafts_verify_the_whole_proposal():
+    sched = StepScheduler(FLAT)
+    sched.estimator = AcceptanceEstimator(first_prior=1.0)
+    assert sched.plan(K)
+    p = _chain(K)
+    assert sched.select(p, greedy=True) is p and sched.select(p, greedy=False) is p
+
+
+def test_costs_that_never_pay_give_plain_steps():
+    sched = StepScheduler(STEEP, probe_every=1000)
+    sched.propose_s = 0.005  # half a step: proposing must pay for itself
+    sched.estimator = AcceptanceEstimator(first_prior=0.5)
+    assert not sched.plan(K)
+    assert sched.select(_chain(K), greedy=True).num_proposed == 0
+    assert sched.select(_chain(K, [0.9, 0.9, 0.9, 0.9]), greedy=False).num_proposed == 0
+
+
+def test_chain_is_cut_where_the_confidence_drops():
+    sched = StepScheduler(StepCostCurve((1, 64), (0.01, 0.01 * 1.5)))  # each token 1/126 of a step
+    cut = sched.select(_chain(4, [0.95, 0.9, 0.001, 0.9]), greedy=False)
+    assert cut.draft_ids_N.tolist() == [2, 3] and cut.confidence_N.tolist() == pytest.approx([0.95, 0.9])
+
+
+def test_tree_keeps_the_likeliest_nodes_with_their_ancestors():
+    # anchor -> a (node 0) -> b (node 2); anchor -> c (node 1, a second-ranked sibling)
+    tree = Proposal(draft_ids_N=torch.tensor([5, 6, 7]), parents_N=(-1, -1, 0))
+    sched = StepScheduler(StepCostCurve((1, 2, 64), (0.01, 0.0101, 0.0101 + 0.062)))
+    sched.estimator = AcceptanceEstimator(first_prior=0.9, other_prior=0.001)
+    kept = sched.select(tree, greedy=True)
+    assert kept.draft_ids_N.tolist() == [5, 7] and kept.parents_N == (-1, 0)
+    sched.depth_limit = 1  # at T > 0 a tree is cut only at the depth planned before it was drawn
+    assert sched.select(tree, greedy=False).draft_ids_N.tolist() == [5, 6]
+
+
+def test_subset_refuses_orphans_and_disorder():
+    tree = Proposal(draft_ids_N=torch.tensor([5, 6, 7]), parents_N=(-1, -1, 0))
+    with pytest.raises(ValueError, match="node 2 is kept without its parent 0"):
+        tree.subset([1, 2])
+    with pytest.raises(ValueError, match="increasing node indices"):
+        tree.subset([1, 0])
+    assert _chain(3).subset([0, 1]).draft_ids_N.tolist() == [2, 3]
+
+
+def test_size_histogram():
+    assert size_histogram([0, 3, 0, 1]) == {"0": 2, "1": 1, "3": 1}
+
+
+def _greedy_engine(model, proposer, schedule):
+    return SpeculativeEngine(model, LAYER_IDS, proposer, [1], schedule=schedule)
+
+
+def test_engine_with_steep_costs_makes_only_plain_steps_and_stays_lossless(target):
+    reference = hf_greedy(target, PROMPT, 20, 1)
+    sched = StepScheduler(STEEP, probe_every=4)
+    sched.estimator = AcceptanceEstimator(first_prior=0.05)
+    res = _greedy_engine(target, RandomProposer(32), sched).generate(PROMPT, max_new_tokens=20)
+    assert res.output_ids == reference
+    assert all(s.num_proposed == 0 for s in res.steps)
+    assert any(not s.drafted for s in res.steps)  # the proposer was not even called on most steps
+
+
+def test_engine_with_free_verifies_and_an_oracle_is_fixed_k(target):
+    seq = PROMPT + hf_greedy(target, PROMPT, 40, 1)
+    fixed = _greedy_engine(target, OracleProposer(32, seq), "fixed").generate(PROMPT, max_new_tokens=20)
+    sched = StepScheduler(FLAT)
+    sched.estimator = AcceptanceEstimator(first_prior=1.0)
+    auto = _greedy_engine(target, OracleProposer(32, seq), sched).generate(PROMPT, max_new_tokens=20)
+    assert auto.output_ids == fixed.output_ids
+    assert [s.num_proposed for s in auto.steps] == [s.num_proposed for s in fixed.steps]
+    assert all(s.drafted and s.schedule_s >= 0 for s in auto.steps)
+
+
+@pytest.mark.parametrize("tree_width", [1, 3], ids=["chain", "tree3"])
+def test_auto_schedule_is_lossless_greedy(target, tree_width, tmp_path, monkeypatch):
+    from deepspec.algorithms.dspark.proposer import DSparkProposer
+
+    monkeypatch.setenv("DEEPSPEC_CACHE_DIR", str(tmp_path))
+    reference = hf_greedy(target, PROMPT, 24, 1)
+    engine = _greedy_engine(target, DSparkProposer(_dspark_draft(target), tree_width=tree_width), "auto")
+    res = engine.generate(PROMPT, max_new_tokens=24)
+    assert res.output_ids == reference
+    assert engine.scheduler is not None and engine.scheduler.curve.tokens[0] == 1
+    assert list((tmp_path / "step-costs").glob("*.json"))  # the measured curve is cached
+    again = engine.generate(PROMPT, max_new_tokens=24)
+    assert again.output_ids == reference
+
+
+def test_bad_schedule_is_refused(target):
+    with pytest.raises(ValueError, match="schedule: expected 'auto'"):
+        _greedy_engine(target, RandomProposer(32), "sometimes")
