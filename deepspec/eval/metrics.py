@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from deepspec.decoding.engine import GenerationResult, StepRecord
+from deepspec.decoding.schedule import size_histogram
 
 DEFAULT_NUM_BINS = 10
 
@@ -58,6 +59,11 @@ METRIC_DEFINITIONS: dict[str, str] = {
     "verify_ms_per_step": "mean wall time of the target forward over [anchor, d_1..d_N] per verify step, ms",
     "overhead_ms_per_step": "mean of (step time - propose time - target forward time) per verify step, ms: "
     "acceptance math, sampling, KV-cache crop, draft context update, bookkeeping",
+    "proposal_sizes": "counts of verify steps by the draft tokens the target verified (a tree's nodes; 0: a plain "
+    "target step), as {size: count}: with --schedule auto the scheduler's choices, else the proposer's",
+    "frac_plain_steps": "fraction of verify steps that verified no draft token (a plain target step)",
+    "frac_steps_not_drafted": "fraction of verify steps on which the scheduler did not call the proposer at all",
+    "schedule_ms_per_step": "mean wall time of the scheduler's own estimates per verify step, ms (inside the overhead)",
     "tok_per_s": "output tokens / wall time of generate() (prefill included), pooled over prompts",
     "ttft_ms": "time to first token: prefill + first-token sampling, mean over prompts",
     "tpot_ms": "time per output token after the first: sum(total - ttft) / sum(output tokens - 1)",
@@ -209,6 +215,19 @@ def step_timing_stats(steps: Sequence[StepRecord]) -> StepTimingStats:
         verify_ms_per_step=1000.0 * verify / n,
         overhead_ms_per_step=1000.0 * (total - propose - verify) / n,
     )
+
+
+def schedule_stats(steps: Sequence[StepRecord]) -> dict[str, Any]:
+    """What the steps verified: ``proposal_sizes`` ({size: count}, a tree's nodes, 0 a plain step),
+    ``frac_plain_steps``, ``frac_steps_not_drafted`` and ``schedule_ms_per_step`` (None without steps)."""
+    n = len(steps)
+    sizes = [s.num_proposed if s.num_draft_nodes is None else s.num_draft_nodes for s in steps]
+    return {
+        "proposal_sizes": size_histogram(sizes),
+        "frac_plain_steps": _ratio(sum(1 for x in sizes if x == 0), n),
+        "frac_steps_not_drafted": _ratio(sum(1 for s in steps if not s.drafted), n),
+        "schedule_ms_per_step": None if not n else 1000.0 * sum(s.schedule_s for s in steps) / n,
+    }
 
 
 # --- confidence calibration -------------------------------------------------------------------
@@ -401,7 +420,7 @@ def benchmark_metrics(
     steps = [s for r in results for s in r.steps]
     acc = acceptance_stats(steps, max_k)
     tim = timing_stats(results)
-    out: dict[str, Any] = {**asdict(tim), **asdict(acc), **asdict(step_timing_stats(steps))}
+    out: dict[str, Any] = {**asdict(tim), **asdict(acc), **asdict(step_timing_stats(steps)), **schedule_stats(steps)}
     out["calibration"] = calibration_stats(steps, max_k, num_bins)
     if baseline is not None:
         if len(baseline) != len(results):

@@ -177,3 +177,17 @@ def test_auto_schedule_is_lossless_greedy(target, tree_width, tmp_path, monkeypa
 def test_bad_schedule_is_refused(target):
     with pytest.raises(ValueError, match="schedule: expected 'auto'"):
         _greedy_engine(target, RandomProposer(32), "sometimes")
+
+
+def test_schedule_stats_count_plain_and_undrafted_steps():
+    from deepspec.decoding.engine import StepRecord
+    from deepspec.eval.metrics import schedule_stats
+
+    steps = [StepRecord(num_proposed=0, num_accepted=0, num_committed=1, time_s=1.0, drafted=False),
+             StepRecord(num_proposed=0, num_accepted=0, num_committed=1, time_s=1.0, schedule_s=0.002),
+             StepRecord(num_proposed=2, num_accepted=1, num_committed=2, time_s=1.0, num_draft_nodes=5,
+                        schedule_s=0.004)]
+    got = schedule_stats(steps)
+    assert got["proposal_sizes"] == {"0": 2, "5": 1}
+    assert got["frac_plain_steps"] == pytest.approx(2 / 3) and got["frac_steps_not_drafted"] == pytest.approx(1 / 3)
+    assert got["schedule_ms_per_step"] == pytest.approx(2.0)
