@@ -74,6 +74,23 @@ def cpu_bf16_flags() -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
+def device_model_name(device: torch.device) -> str:
+    """The processor behind ``device``: the CUDA device's name, or the CPU's ``model name`` from
+    ``/proc/cpuinfo`` (Linux), else :func:`platform.processor` / the machine type. Speed figures cached
+    for one processor must not be reused on another (the CPU of a machine may change between runs)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 BF16_EMULATED_WARNING = (
     "bfloat16 on a CPU with no native bf16 dot products (no avx512_bf16 / amx_bf16 flag): torch converts "
     "through float32, so batched products get slower, not faster. Measured on a 2-core AMD EPYC (Zen 3, AVX2) "

@@ -223,11 +223,6 @@ class Proposal:
         max_depth = max(int(max_depth), 0)
         if self.depth <= max_depth:
             return self
-        if self.parents_N is None:
-            return dataclasses.replace(
-                self, draft_ids_N=self.draft_ids_N[:max_depth],
-                draft_probs_NV=None if self.draft_probs_NV is None else self.draft_probs_NV[:max_depth],
-                confidence_N=None if self.confidence_N is None else self.confidence_N[:max_depth])
         return self.subset([i for i, d in enumerate(self.depths_N) if d <= max_depth])
 
     def subset(self, keep: Sequence[int]) -> "Proposal":

@@ -76,6 +76,7 @@ from deepspec.algorithms.protocol import Proposal, Proposer, draw_token
 from deepspec.decoding.compiled import CompiledTarget
 from deepspec.decoding.schedule import StepScheduler, load_or_measure_step_costs, measure_step_costs
 from deepspec.decoding.verify import GREEDY, verify, verify_tree
+from deepspec.device import device_model_name
 from deepspec.target.capture import target_forward, target_logits
 from deepspec.target.decoding import SamplingParams
 from deepspec.target.few_row_linear import few_row_linear
@@ -112,6 +113,11 @@ class StepRecord:
     drafted: bool = True
     num_drafted: int | None = None
     schedule_s: float = 0.0
+
+    @property
+    def num_nodes_verified(self) -> int:
+        """The draft tokens the target verified beside the anchor: a tree's nodes, a chain's N (0: a plain step)."""
+        return self.num_proposed if self.num_draft_nodes is None else self.num_draft_nodes
 
 
 @dataclass(kw_only=True)
@@ -309,22 +315,21 @@ class SpeculativeEngine:
         self.uses_features = self.can_propose and bool(getattr(proposer, "needs_features", True))
         self._feature_layer_ids = self.target_layer_ids if self.uses_features else []
         self.few_row_linear = bool(few_row_linear)
-        self.schedule = "fixed" if not self.can_propose else ("auto" if isinstance(schedule, StepScheduler) else schedule)
-        self.scheduler: StepScheduler | None = schedule if isinstance(schedule, StepScheduler) else None
+        # a proposer that never proposes needs no schedule; "auto" builds its scheduler at the first generation
+        self._measure_schedule = self.can_propose and schedule == "auto"
+        self.scheduler: StepScheduler | None = (schedule if isinstance(schedule, StepScheduler) and self.can_propose
+                                                else None)
 
     def _cost_key(self, max_tokens: int) -> dict[str, Any]:
         """What a step cost curve depends on: the target's config and size, device, dtype, threads, kernels."""
         import hashlib
-        import platform
 
         m = self.target_model
-        config = m.config.to_json_string(use_diff=False) if hasattr(m.config, "to_json_string") else repr(m.config)
+        config = m.config.to_json_string(use_diff=False)
         param = next(m.parameters())
-        cpu = platform.processor() or platform.machine()
-        if self.device.type == "cuda":
-            cpu = torch.cuda.get_device_name(self.device)
         return {"config": hashlib.sha256(config.encode()).hexdigest()[:16],
-                "params": sum(p.numel() for p in m.parameters()), "device": self.device.type, "device_name": cpu,
+                "params": sum(p.numel() for p in m.parameters()), "device": self.device.type,
+                "device_name": device_model_name(self.device),
                 "dtype": str(param.dtype), "threads": torch.get_num_threads(), "few_row_linear": self.few_row_linear,
                 "compiled": self.compiled is not None, "features": bool(self._feature_layer_ids),
                 "max_tokens": max_tokens, "torch": torch.__version__}
@@ -350,7 +355,7 @@ class SpeculativeEngine:
     def _ensure_scheduler(self) -> None:
         """Build the ``"auto"`` scheduler once: the cost curve up to the longest verify this engine can feed
         (a compiled target: its longest step; else 64 tokens, trees and lookup included), cached on disk."""
-        if self.schedule != "auto" or self.scheduler is not None:
+        if not self._measure_schedule or self.scheduler is not None:
             return
         max_tokens = max(self.compiled.step_lengths) if self.compiled is not None else 64
         max_tokens = max(max_tokens, int(self.proposer.max_proposal_len) + 1)

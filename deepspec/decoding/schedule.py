@@ -36,7 +36,9 @@ chosen before it was drawn; at T = 0 a tree keeps the nodes of highest estimated
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import operator
 import os
 import statistics
 import time
@@ -45,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deepspec.algorithms.protocol import Proposal
+from deepspec.utils import atomic_write_json
 
 # Token counts a cost curve is measured at (the engine measures those up to its longest verify).
 MEASURED_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -136,8 +139,6 @@ def load_or_measure_step_costs(key: dict, measure: Callable[[], StepCostCurve], 
     """The cost curve stored under ``key`` (JSON-able: target fingerprint, device, dtype, threads, kernels,
     longest verify), else ``measure()`` stored there (atomically). Returns ``(curve, measured_now)``.
     An unreadable stored file is measured again and replaced."""
-    from deepspec.utils import atomic_write_json
-
     folder = cache_dir or step_cost_cache_dir()
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json"
     path = folder / name
@@ -241,6 +242,7 @@ class StepScheduler:
     propose_s: float = 0.0  # running seconds of a propose call
     overhead_s: float = 0.0  # running seconds of a step besides propose and verify
     rate: float = 0.0  # running committed tokens per second
+    num_observed: int = 0  # steps observed (the first one sets the running figures)
     plain_streak: int = 0
     depth_limit: int | None = None  # the depth planned before the current proposal (a tree's cut at T > 0)
 
@@ -258,14 +260,14 @@ class StepScheduler:
         plain = 1.0 / (self.seconds(1) + self.overhead_s)
         return max(plain, self.rate)
 
-    def _best_depth(self, accept: Sequence[float], lam: float, start: float = 1.0, base_tokens: int = 1) -> tuple[int, float]:
-        """The length ``m`` (0..len) maximising ``sum_{j<=m} prod_{i<=j} accept_i - lam * seconds(base + m)``
-        with the products started at ``start``; returns ``(m, gain over m = 0)``."""
-        best_m, best, total, path = 0, 0.0, 0.0, start
+    def _best_prefix(self, path_probs: Sequence[float], lam: float, base_tokens: int = 1) -> tuple[int, float]:
+        """The count ``m`` (0..len) maximising ``sum_{j<=m} path_probs_j - lam * (seconds(base + m) - seconds(base))``:
+        the first ``m`` nodes' expected accepted tokens against their verify time on top of ``base_tokens``
+        tokens fed. Returns ``(m, that gain)`` (``(0, 0.0)`` when no prefix gains)."""
+        best_m, best, total = 0, 0.0, 0.0
         base = self.seconds(base_tokens)
-        for j, a in enumerate(accept, 1):
-            path *= a
-            total += path
+        for j, p in enumerate(path_probs, 1):
+            total += p
             gain = total - lam * (self.seconds(base_tokens + j) - base)
             if gain > best:
                 best_m, best = j, gain
@@ -278,7 +280,7 @@ class StepScheduler:
         ``probe_every`` plain steps in a row one step proposes anyway. Sets :attr:`depth_limit` to the planned depth."""
         accept = [self.estimator.estimate(d) for d in range(1, max_depth + 1)]
         lam = self.lam()
-        m, gain = self._best_depth(accept, lam)
+        m, gain = self._best_prefix(list(itertools.accumulate(accept, operator.mul)), lam)
         self.depth_limit = max(m, 1)
         cheap = lam * self.propose_s < 0.02  # a propose call under 2 % of a token: let select() decide
         if gain - lam * self.propose_s > 0 or cheap or self.plain_streak >= self.probe_every:
@@ -306,7 +308,8 @@ class StepScheduler:
             path, keep = 1.0, 0
             for k in range(1, n + 1):
                 a_k = self.estimator.estimate(k, 0, None if conf is None else conf[k - 1])
-                _, gain = self._best_depth([a_k, *means[k:]], lam, start=path, base_tokens=k)
+                ahead = itertools.accumulate([a_k, *means[k:]], operator.mul, initial=path)
+                _, gain = self._best_prefix(list(ahead)[1:], lam, base_tokens=k)
                 if gain <= 0:
                     break
                 path *= a_k
@@ -321,13 +324,7 @@ class StepScheduler:
             a = self.estimator.estimate(depths[i], ranks[i])
             path_N.append(a * (1.0 if p < 0 else path_N[p]))
         order = sorted(range(n), key=lambda i: (-path_N[i], i))  # a parent never scores below its child
-        best_m, best, total = 0, 0.0, 0.0
-        base = self.seconds(1)
-        for m, i in enumerate(order, 1):
-            total += path_N[i]
-            gain = total - lam * (self.seconds(1 + m) - base)
-            if gain > best:
-                best_m, best = m, gain
+        best_m, _ = self._best_prefix([path_N[i] for i in order], lam)
         if best_m == n:
             return proposal
         return proposal.subset(sorted(order[:best_m]))
@@ -338,15 +335,18 @@ class StepScheduler:
         (``path``: a tree's accepted nodes, None for a chain), the verify time against the curve's
         (the scale), the propose time (None: no proposal was made), the overhead and the rate."""
         n = proposal.num_proposed
-        d = self.rate_decay
+        first = self.num_observed == 0
+        self.num_observed += 1
+
+        def running(old: float, new: float) -> float:
+            return new if first else self.rate_decay * old + (1 - self.rate_decay) * new
+
         if verify_s > 0:
-            ratio = verify_s / self.curve.seconds_for(n + 1)
-            self.scale = ratio if self.rate == 0.0 else d * self.scale + (1 - d) * ratio
+            self.scale = running(self.scale, verify_s / self.curve.seconds_for(n + 1))
         if propose_s is not None:
-            self.propose_s = propose_s if self.propose_s == 0.0 else d * self.propose_s + (1 - d) * propose_s
-        self.overhead_s = d * self.overhead_s + (1 - d) * max(overhead_s, 0.0)
-        step_rate = num_committed / max(step_s, 1e-9)
-        self.rate = step_rate if self.rate == 0.0 else d * self.rate + (1 - d) * step_rate
+            self.propose_s = propose_s if self.propose_s == 0.0 else running(self.propose_s, propose_s)
+        self.overhead_s = self.rate_decay * self.overhead_s + (1 - self.rate_decay) * max(overhead_s, 0.0)
+        self.rate = running(self.rate, num_committed / max(step_s, 1e-9))
         if n == 0:
             return
         est = self.estimator

@@ -170,7 +170,7 @@ def acceptance_stats(steps: Sequence[StepRecord], max_k: int | None = None) -> A
     accepted_at = [sum(s.num_accepted >= k for s in steps) for k in range(1, k_max + 1)]
     proposed_at = [sum(s.num_proposed >= k for s in steps) for k in range(1, k_max + 1)]
     reached_at = [sum(s.num_accepted >= k - 1 and s.num_proposed >= k for s in steps) for k in range(1, k_max + 1)]
-    fed = sum((s.num_proposed if s.num_draft_nodes is None else s.num_draft_nodes) + 1 for s in steps)
+    fed = sum(s.num_nodes_verified + 1 for s in steps)
     committed = sum(s.num_committed for s in steps)
     return AcceptanceStats(
         num_steps=n,
@@ -221,7 +221,7 @@ def schedule_stats(steps: Sequence[StepRecord]) -> dict[str, Any]:
     """What the steps verified: ``proposal_sizes`` ({size: count}, a tree's nodes, 0 a plain step),
     ``frac_plain_steps``, ``frac_steps_not_drafted`` and ``schedule_ms_per_step`` (None without steps)."""
     n = len(steps)
-    sizes = [s.num_proposed if s.num_draft_nodes is None else s.num_draft_nodes for s in steps]
+    sizes = [s.num_nodes_verified for s in steps]
     return {
         "proposal_sizes": size_histogram(sizes),
         "frac_plain_steps": _ratio(sum(1 for x in sizes if x == 0), n),

@@ -375,7 +375,7 @@ def engine_samples(model, params: SamplingParams, trials: int, seed: int, max_ne
             third_V[out[2]] += 1
         accepted += res.steps[0].num_accepted
         if sizes is not None:
-            sizes.extend(s.num_proposed if s.num_draft_nodes is None else s.num_draft_nodes for s in res.steps)
+            sizes.extend(s.num_nodes_verified for s in res.steps)
     return joint_VV, third_V, accepted
 
 
