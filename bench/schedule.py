@@ -1,0 +1,155 @@
+"""Step scheduler benchmark: ``schedule="auto"`` beside fixed chains and fixed trees, per prompt set.
+
+One process, one target, one draft; for every prompt set (``--prompts NAME=FILE`` JSONL with ``turns``, or a
+benchmark name loaded with ``deepspec.eval.benchmarks.load_benchmark``) the methods run interleaved per prompt
+after one untimed warm-up each, greedily, each with fresh engines per prompt set (so the scheduler's running
+acceptance starts from its prior on every set; its cost curve is measured once and cached on disk):
+
+- ``target-only``: the engine with ``NullProposer`` (the speedup baseline);
+- ``chain-fixed`` / ``chain-auto``: the draft proposing chains of its K, verified whole / scheduled;
+- ``tree<W>-fixed`` / ``tree<W>-auto`` (``--tree-width W``, default 3; 0 drops them): draft trees of W nodes
+  per slot, verified whole / scheduled.
+
+Printed per set and method: speedup (target-only time per output token / the method's, pooled), the median
+of the per-prompt speedups, tau (committed tokens per verify step), the per-step breakdown (propose, verify,
+overhead and the scheduler's own ms), the share of plain steps and the mean draft tokens verified per step,
+and whether every output equals target-only's. Writes ``schedule_bench.json`` and ``schedule_bench.png`` (speedup
+bars) under ``--output-dir``.
+
+    python bench/schedule.py --draft runs/demo/train --prompts gsm8k mt-bench --num-prompts 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deepspec.algorithms.protocol import NullProposer, set_draft_tree_width  # noqa: E402
+from deepspec.algorithms.registry import algorithm_for_model, load_draft  # noqa: E402
+from deepspec.checkpoints import draft_folder  # noqa: E402
+from deepspec.data.chat import render_prompt  # noqa: E402
+from deepspec.decoding.engine import SpeculativeEngine  # noqa: E402
+from deepspec.eval.benchmarks import load_benchmark  # noqa: E402
+from deepspec.eval.metrics import schedule_stats, step_timing_stats  # noqa: E402
+from deepspec.eval.run import eos_token_ids_of  # noqa: E402
+from deepspec.target.load import EMBEDDED_DEFAULT, load_target  # noqa: E402
+from deepspec.utils import atomic_write_json, pyplot, save_png  # noqa: E402
+
+
+def prompt_sets(specs: list[str], tokenizer, num_prompts: int) -> dict[str, list[list[int]]]:
+    """``{set name: prompt ids}``: ``NAME=FILE`` (a JSONL of ``{"turns": [...]}``) or a benchmark name."""
+    sets = {}
+    for spec in specs:
+        if "=" in spec:
+            name, path = spec.split("=", 1)
+            rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+            messages = [[{"role": "user", "content": r["turns"][0]}] for r in rows[:num_prompts]]
+        else:
+            name = spec
+            messages = [p.messages for p in load_benchmark(spec, max_samples=num_prompts)]
+        sets[name] = [render_prompt(tokenizer, m) for m in messages]
+    return sets
+
+
+def plot(results: dict[str, dict], path: Path) -> None:
+    """Speedup over target-only per prompt set (groups) and method (bars), with the 1.0 line."""
+    plt = pyplot()
+    sets = list(results)
+    methods = list(next(iter(results.values())))
+    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(sets), 3.6))
+    width = 0.8 / len(methods)
+    for j, m in enumerate(methods):
+        ax.bar([i + j * width for i in range(len(sets))], [results[s][m]["speedup"] for s in sets], width, label=m)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(sets))], sets)
+    ax.set_ylabel("speedup over target-only")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_png(fig, path)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--draft", required=True, help="a trained draft (deepspec train run folder or checkpoint)")
+    p.add_argument("--target", default=EMBEDDED_DEFAULT)
+    p.add_argument("--prompts", nargs="+", default=["gsm8k", "mt-bench"], help="benchmark names or NAME=FILE.jsonl")
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--tree-width", type=int, default=3)
+    p.add_argument("--few-row-linear", choices=("on", "off"), default="on")
+    p.add_argument("--output-dir", default="runs/schedule-bench")
+    args = p.parse_args(argv)
+
+    model, tokenizer = load_target(args.target, dtype=torch.float32)
+    _, draft = load_draft(draft_folder(args.draft), target_model=model)
+    draft = draft.float().eval()
+    algorithm = algorithm_for_model(draft)
+    eos = eos_token_ids_of(model, tokenizer)
+    layers = list(draft.config.target_layer_ids)
+    max_pos = int(model.config.max_position_embeddings)
+    few_row = args.few_row_linear == "on"
+
+    def engines() -> dict[str, SpeculativeEngine]:
+        made = {"target-only": SpeculativeEngine(model, layers, NullProposer(), eos, few_row_linear=few_row)}
+        widths = [1] + ([args.tree_width] if args.tree_width >= 2 else [])
+        for w in widths:
+            label = "chain" if w == 1 else f"tree{w}"
+            for schedule in ("fixed", "auto"):
+                proposer = set_draft_tree_width(algorithm.proposer(draft, max_positions=max_pos), w)
+                made[f"{label}-{schedule}"] = SpeculativeEngine(model, layers, proposer, eos, few_row_linear=few_row,
+                                                                schedule=schedule)
+        return made
+
+    results: dict[str, dict] = {}
+    for set_name, prompts in prompt_sets(args.prompts, tokenizer, args.num_prompts).items():
+        made = engines()
+        for engine in made.values():  # warm-up (and the scheduler's cost curve), untimed
+            engine.generate(prompts[0], max_new_tokens=8)
+        runs: dict[str, list] = {name: [] for name in made}
+        for prompt in prompts:
+            for name, engine in made.items():
+                runs[name].append(engine.generate(prompt, max_new_tokens=args.max_new_tokens))
+        base = runs["target-only"]
+        per_token = {n: sum(r.total_time_s for r in rs) / sum(r.num_new_tokens for r in rs) for n, rs in runs.items()}
+        rows = {}
+        for name, rs in runs.items():
+            steps = [s for r in rs for s in r.steps]
+            per_prompt = [(b.total_time_s / b.num_new_tokens) / (r.total_time_s / r.num_new_tokens)
+                          for b, r in zip(base, rs)]
+            rows[name] = {
+                "speedup": per_token["target-only"] / per_token[name],
+                "speedup_median": statistics.median(per_prompt),
+                "tau": sum(s.num_committed for s in steps) / len(steps),
+                "mean_nodes_verified": sum(s.num_nodes_verified for s in steps) / len(steps),
+                "identical": sum(r.output_ids == b.output_ids for r, b in zip(rs, base)) / len(rs),
+                **vars(step_timing_stats(steps)),
+                **schedule_stats(steps),
+            }
+        results[set_name] = rows
+        print(f"\n{set_name} ({len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy, float32)")
+        print(f"{'method':14} {'speedup':>8} {'median':>7} {'tau':>5} {'nodes':>6} {'plain':>6} {'propose':>8} "
+              f"{'verify':>7} {'overhead':>8} {'sched':>6} identical")
+        for name, r in rows.items():
+            print(f"{name:14} {r['speedup']:8.2f} {r['speedup_median']:7.2f} {r['tau']:5.2f} "
+                  f"{r['mean_nodes_verified']:6.2f} {r['frac_plain_steps']:6.2f} {r['propose_ms_per_step']:8.2f} "
+                  f"{r['verify_ms_per_step']:7.2f} {r['overhead_ms_per_step']:8.2f} {r['schedule_ms_per_step']:6.3f} "
+                  f"{r['identical']:.2f}")
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"args": vars(args), "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
+              "results": results}
+    atomic_write_json(out / "schedule_bench.json", record)
+    plot(results, out / "schedule_bench.png")
+    return record
+
+
+if __name__ == "__main__":
+    main()
