@@ -120,9 +120,9 @@ def train(cfg: TrainConfig, *, target_model=None, tokenizer=None,
     size come from its environment): each rank loads the target, takes its disjoint share of every
     step's global batch (``batch_size x grad_accum_steps x world_size`` samples,
     :func:`deepspec.train.data.rank_micro_batches`), and the draft is sharded with FSDP2
-    (:func:`deepspec.train.distributed.shard_model`). The supervision-weight sum is all-reduced before the losses are divided,
-    so a step's gradient is the token-weighted mean over the whole global batch whatever the split
-    into ranks and micro-batches.
+    (:func:`deepspec.train.distributed.shard_model`). The supervision-weight sum is all-reduced
+    before the losses are divided, so a step's gradient is the token-weighted mean over the whole
+    global batch whatever the split into ranks and micro-batches.
 
     In online mode the frozen target computes each micro-batch's features inside the loop
     (:class:`deepspec.data.online.OnlineTargetFeatures`, the cache writer's capture rule), so a
@@ -130,7 +130,8 @@ def train(cfg: TrainConfig, *, target_model=None, tokenizer=None,
 
     The draft weights of a checkpoint are in ``<checkpoint>/draft`` (loadable with the algorithm's
     ``load``). Resume happens only when ``cfg.resume`` asks for it; an ``output_dir`` that already
-    holds a run is refused without it, and ``"never"`` replaces that run (:func:`deepspec.checkpoints.clear_previous_run`).
+    holds a run is refused without it, and ``"never"`` replaces that run
+    (:func:`deepspec.checkpoints.clear_previous_run`).
     Rank 0 alone writes checkpoints, ``train_log.jsonl``, ``train_loss.png`` and the TensorBoard
     events (``<output_dir>/tensorboard``).
 
@@ -145,9 +146,10 @@ def train(cfg: TrainConfig, *, target_model=None, tokenizer=None,
     Raises:
         ValueError: the cache was built for another target/tokenizer/layer set, the mask token occurs
             in the data, a setting is invalid, the checkpoint to resume is past ``cfg.max_steps`` or was
-            trained with another draft shape (:func:`deepspec.train.draft.check_resume_shape`), ``latest`` names a
-            missing checkpoint, ``output_dir`` holds an earlier run and ``cfg.resume`` is None, or
-            ``cfg.cache_dir`` is no finished target cache (:func:`deepspec.train.data.open_target_cache`).
+            trained with another draft shape (:func:`deepspec.train.draft.check_resume_shape`),
+            ``latest`` names a missing checkpoint, ``output_dir`` holds an earlier run and
+            ``cfg.resume`` is None, or ``cfg.cache_dir`` is no finished target cache
+            (:func:`deepspec.train.data.open_target_cache`).
         FileNotFoundError: ``cfg.cache_dir`` missing or holding no target cache.
     """
     ctx = setup_distributed(cfg.device)
