@@ -32,9 +32,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from deepspec.target.load import load_target  # noqa: E402
-from deepspec.train.heldout import REFERENCE_NAME  # noqa: E402
+from deepspec.train.heldout import REFERENCE_NAME, heldout_prompt_ids  # noqa: E402
 from deepspec.train.config import TrainConfig  # noqa: E402
-from deepspec.train.loop import heldout_prompt_ids, train  # noqa: E402
+from deepspec.train.loop import train  # noqa: E402
 from deepspec.utils import atomic_write_json, pyplot, save_png  # noqa: E402
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}

@@ -55,7 +55,8 @@ from deepspec.algorithms.registry import ALGORITHMS, get_algorithm  # noqa: E402
 from deepspec.device import allow_tf32, resolve_device  # noqa: E402
 from deepspec.target.capture import default_target_layer_ids, target_logit_stats  # noqa: E402
 from deepspec.train.config import TrainConfig  # noqa: E402
-from deepspec.train.loop import build_optimizer, to_device  # noqa: E402
+from deepspec.train.data import to_device  # noqa: E402
+from deepspec.train.loop import build_optimizer  # noqa: E402
 from deepspec.utils import pyplot, save_png  # noqa: E402
 
 

@@ -591,34 +591,18 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
     """
     from tqdm.auto import tqdm
 
-    if backend is None and cfg.backend == "local" and (model is None or tokenizer is None):
-        device = resolve_device(cfg.device, "PrepareConfig.device")
-        model, tokenizer = load_target(cfg.target, dtype=resolve_dtype(cfg.dtype, device), device=device,
-                                       chat_template=cfg.chat_template)
-    elif tokenizer is None:
-        tokenizer = load_tokenizer(cfg.target, chat_template=cfg.chat_template)
-    require_chat_template(tokenizer, cfg.target)
-    generation_config = _target_generation_config(cfg, model)
-    stop_ids = stop_token_ids(tokenizer, generation_eos=generation_eos_of(generation_config))
-    if backend is None:
-        backend = _make_backend(cfg, model, tokenizer, log, stop_ids)
-    elif isinstance(backend, OpenAIBackend) and not backend.stop_token_ids:
-        backend.stop_token_ids, backend.eos_token_id = stop_ids, tokenizer.eos_token_id
+    target = _target_and_backend(cfg, model, tokenizer, backend, log)
+    tokenizer, backend, stop_ids = target.tokenizer, target.backend, target.stop_ids
     torch.manual_seed(cfg.seed)
-    ctk = cfg.chat_template_kwargs
     decoding = decoding_record(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                               top_p=cfg.top_p, stop_token_ids=stop_ids, checkpoint_generation_config=generation_config)
-    render = render_record(tokenizer, chat_template_kwargs=ctk, stop_ids=stop_ids)
+                               top_p=cfg.top_p, stop_token_ids=stop_ids,
+                               checkpoint_generation_config=target.generation_config)
+    render = render_record(tokenizer, chat_template_kwargs=cfg.chat_template_kwargs, stop_ids=stop_ids)
 
     skipped: list[dict[str, Any]] = []
     convs, read, lost_in_source = _select(cfg, tokenizer, skipped)
     model_name = backend.resolve_model() if isinstance(backend, OpenAIBackend) else cfg.target
-    # the dtype the answers are generated in (local backend; a server's own is not known here)
-    model_dtype = dtype_name(model.dtype) if cfg.backend == "local" and isinstance(getattr(model, "dtype", None),
-                                                                              torch.dtype) else None
-    model_device = (str(model.device) if model_dtype is not None and isinstance(getattr(model, "device", None),
-                                                                               torch.device) else None)
-    journal = _Journal(journal_path_for(cfg.output), _journal_settings(cfg, model_name, stop_ids, model_dtype))
+    journal = _Journal(journal_path_for(cfg.output), _journal_settings(cfg, model_name, stop_ids, target.model_dtype))
     num_resumed = _restore(convs, journal.entries, journal.path)
     if num_resumed:
         log(f"prepare: resuming from {journal.path}: {num_resumed} of {len(convs)} conversations already finished")
@@ -633,81 +617,158 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
         journal.append(entry)
 
     pending = [c for c in convs if not c.done]
-    sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-    num_tokens = num_turns = num_with_ids = 0
-    generate_s = 0.0
+    counts = _TurnCounts()
     bar = tqdm(total=sum(len(c.assistant_positions) for c in pending), desc="regenerate turns", unit="turn",
                disable=not cfg.show_progress)
     try:
-        for start in range(0, len(pending), cfg.chunk_conversations):
-            chunk = pending[start:start + cfg.chunk_conversations]
-            while True:
-                # One round = the next assistant turn of every unfinished conversation of the chunk.
-                jobs: list[tuple[_Conversation, list[dict[str, str]]]] = []
-                for conv in chunk:
-                    if conv.done:
-                        continue
-                    pos = conv.assistant_positions[conv.next_turn]
-                    begin = conv.assistant_positions[conv.next_turn - 1] + 1 if conv.next_turn else 0
-                    context = conv.history + conv.source[begin:pos]
-                    try:
-                        prompt = render_prompt(tokenizer, context, chat_template_kwargs=ctk)
-                    except _RENDER_ERRORS as exc:
-                        conv.failure = f"render failed at assistant turn {conv.next_turn}: {exc}"
-                        bar.update(len(conv.assistant_positions) - conv.next_turn)
-                        finish(conv)
-                        continue
-                    if len(prompt) > cfg.max_prompt_tokens:
-                        # Stop at the last turn that fits (the first one fits: checked in _select).
-                        bar.update(len(conv.assistant_positions) - conv.next_turn)
-                        finish(conv)
-                        continue
-                    jobs.append((conv, context))
-                if not jobs:
-                    break
-                requests = [TurnRequest(
-                    key=f"{conv.where} assistant turn {conv.next_turn}", messages=context, chat_template_kwargs=ctk,
-                    generation=GenerationParams(max_new_tokens=cfg.max_new_tokens, sampling=sampling,
-                                                seed=_request_seed(cfg.seed, conv.source_index, conv.next_turn)),
-                ) for conv, context in jobs]
-
-                def on_result(i: int, result: TurnResult) -> None:
-                    nonlocal num_tokens, num_turns, num_with_ids
-                    conv, context = jobs[i]
-                    remaining = len(conv.assistant_positions) - conv.next_turn
-                    if result.refused:
-                        if not cfg.skip_bad_rows:
-                            raise BackendError(f"{requests[i].key}: {result.refused} (pass --skip-bad-rows true "
-                                               f"(skip_bad_rows=True) to skip and count such rows)")
-                        conv.failure, conv.history = f"server refused assistant turn {conv.next_turn}: " \
-                                                     f"{result.refused}", []
-                        bar.update(remaining)
-                        finish(conv)
-                        return
-                    num_tokens += result.num_tokens
-                    num_turns += 1
-                    conv.history = context + [{"role": "assistant", "content": result.text}]
-                    if result.token_ids is not None:
-                        conv.generated[len(conv.history) - 1] = list(result.token_ids)
-                        num_with_ids += 1
-                    conv.next_turn += 1
-                    if result.cut:
-                        conv.truncated_turns.append(len(conv.history) - 1)
-                    finished = result.cut or conv.next_turn >= len(conv.assistant_positions)
-                    bar.update(remaining if finished else 1)
-                    if finished:
-                        finish(conv)
-                    bar.set_postfix(tok_per_s=f"{num_tokens / max(generate_s + time.perf_counter() - t0, 1e-9):.0f}",
-                                    refresh=False)
-
-                t0 = time.perf_counter()
-                backend.generate(requests, on_result)
-                generate_s += time.perf_counter() - t0
+        _regenerate(cfg, tokenizer, backend, pending, finish, bar, counts)
     finally:
         bar.close()
         journal.close()
         backend.close()
 
+    summary, train_rows, heldout_rows = _summarize(cfg, convs, skipped, counts, read=read,
+                                                   lost_in_source=lost_in_source, num_resumed=num_resumed,
+                                                   backend=backend, model_dtype=target.model_dtype,
+                                                   model_device=target.model_device)
+    _write_outputs(cfg, summary, skipped, train_rows, heldout_rows, decoding=decoding, render=render)
+    journal.path.unlink()  # every output is in place: the journal has served its purpose
+    _log_summary(cfg, summary, skipped, counts, log)
+    return summary
+
+
+@dataclass
+class _Target:
+    """What ``run_prepare`` regenerates with: the tokenizer, the backend, the stop ids, the target's
+    generation config, and the local model's dtype and device (None for a server: not known here)."""
+
+    tokenizer: Any
+    backend: RegenerationBackend
+    stop_ids: list[int]
+    generation_config: Any
+    model_dtype: str | None
+    model_device: str | None
+
+
+def _target_and_backend(cfg: PrepareConfig, model: Any, tokenizer: Any, backend: RegenerationBackend | None,
+                        log: Callable[[str], None]) -> _Target:
+    """Load what ``run_prepare`` was not given (the target or only its tokenizer, as its docstring says),
+    check the chat template, read the stop ids and build the backend (a given OpenAI backend without
+    stop ids gets the target's)."""
+    if backend is None and cfg.backend == "local" and (model is None or tokenizer is None):
+        device = resolve_device(cfg.device, "PrepareConfig.device")
+        model, tokenizer = load_target(cfg.target, dtype=resolve_dtype(cfg.dtype, device), device=device,
+                                       chat_template=cfg.chat_template)
+    elif tokenizer is None:
+        tokenizer = load_tokenizer(cfg.target, chat_template=cfg.chat_template)
+    require_chat_template(tokenizer, cfg.target)
+    generation_config = _target_generation_config(cfg, model)
+    stop_ids = stop_token_ids(tokenizer, generation_eos=generation_eos_of(generation_config))
+    if backend is None:
+        backend = _make_backend(cfg, model, tokenizer, log, stop_ids)
+    elif isinstance(backend, OpenAIBackend) and not backend.stop_token_ids:
+        backend.stop_token_ids, backend.eos_token_id = stop_ids, tokenizer.eos_token_id
+    # the dtype the answers are generated in (local backend; a server's own is not known here)
+    model_dtype = dtype_name(model.dtype) if cfg.backend == "local" and isinstance(getattr(model, "dtype", None),
+                                                                              torch.dtype) else None
+    model_device = (str(model.device) if model_dtype is not None and isinstance(getattr(model, "device", None),
+                                                                               torch.device) else None)
+    return _Target(tokenizer, backend, stop_ids, generation_config, model_dtype, model_device)
+
+
+@dataclass
+class _TurnCounts:
+    """The regenerated turns, their tokens, the turns whose token ids came back, and the generation time."""
+
+    num_tokens: int = 0
+    num_turns: int = 0
+    num_with_ids: int = 0
+    generate_s: float = 0.0
+
+
+def _regenerate(cfg: PrepareConfig, tokenizer: Any, backend: RegenerationBackend, pending: list[_Conversation],
+                finish: Callable[[_Conversation], None], bar: Any, counts: _TurnCounts) -> None:
+    """Regenerate the assistant turns of ``pending``, ``cfg.chunk_conversations`` conversations at a time,
+    one round (the next turn of each unfinished conversation of the chunk) per backend call; each
+    conversation ends through ``finish`` (kept, cut at the prompt limit, or failed). Adds to ``counts``.
+
+    Raises:
+        BackendError: a server refused a turn and ``cfg.skip_bad_rows`` is False.
+    """
+    ctk = cfg.chat_template_kwargs
+    sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    for start in range(0, len(pending), cfg.chunk_conversations):
+        chunk = pending[start:start + cfg.chunk_conversations]
+        while True:
+            # One round = the next assistant turn of every unfinished conversation of the chunk.
+            jobs: list[tuple[_Conversation, list[dict[str, str]]]] = []
+            for conv in chunk:
+                if conv.done:
+                    continue
+                pos = conv.assistant_positions[conv.next_turn]
+                begin = conv.assistant_positions[conv.next_turn - 1] + 1 if conv.next_turn else 0
+                context = conv.history + conv.source[begin:pos]
+                try:
+                    prompt = render_prompt(tokenizer, context, chat_template_kwargs=ctk)
+                except _RENDER_ERRORS as exc:
+                    conv.failure = f"render failed at assistant turn {conv.next_turn}: {exc}"
+                    bar.update(len(conv.assistant_positions) - conv.next_turn)
+                    finish(conv)
+                    continue
+                if len(prompt) > cfg.max_prompt_tokens:
+                    # Stop at the last turn that fits (the first one fits: checked in _select).
+                    bar.update(len(conv.assistant_positions) - conv.next_turn)
+                    finish(conv)
+                    continue
+                jobs.append((conv, context))
+            if not jobs:
+                break
+            requests = [TurnRequest(
+                key=f"{conv.where} assistant turn {conv.next_turn}", messages=context, chat_template_kwargs=ctk,
+                generation=GenerationParams(max_new_tokens=cfg.max_new_tokens, sampling=sampling,
+                                            seed=_request_seed(cfg.seed, conv.source_index, conv.next_turn)),
+            ) for conv, context in jobs]
+
+            def on_result(i: int, result: TurnResult) -> None:
+                conv, context = jobs[i]
+                remaining = len(conv.assistant_positions) - conv.next_turn
+                if result.refused:
+                    if not cfg.skip_bad_rows:
+                        raise BackendError(f"{requests[i].key}: {result.refused} (pass --skip-bad-rows true "
+                                           f"(skip_bad_rows=True) to skip and count such rows)")
+                    conv.failure, conv.history = f"server refused assistant turn {conv.next_turn}: " \
+                                                 f"{result.refused}", []
+                    bar.update(remaining)
+                    finish(conv)
+                    return
+                counts.num_tokens += result.num_tokens
+                counts.num_turns += 1
+                conv.history = context + [{"role": "assistant", "content": result.text}]
+                if result.token_ids is not None:
+                    conv.generated[len(conv.history) - 1] = list(result.token_ids)
+                    counts.num_with_ids += 1
+                conv.next_turn += 1
+                if result.cut:
+                    conv.truncated_turns.append(len(conv.history) - 1)
+                finished = result.cut or conv.next_turn >= len(conv.assistant_positions)
+                bar.update(remaining if finished else 1)
+                if finished:
+                    finish(conv)
+                seconds = counts.generate_s + time.perf_counter() - t0
+                bar.set_postfix(tok_per_s=f"{counts.num_tokens / max(seconds, 1e-9):.0f}", refresh=False)
+
+            t0 = time.perf_counter()
+            backend.generate(requests, on_result)
+            counts.generate_s += time.perf_counter() - t0
+
+
+def _summarize(cfg: PrepareConfig, convs: list[_Conversation], skipped: list[dict[str, Any]], counts: _TurnCounts, *,
+               read: int, lost_in_source: int, num_resumed: int, backend: RegenerationBackend,
+               model_dtype: str | None, model_device: str | None,
+               ) -> tuple[PrepareSummary, list[dict[str, Any]], list[dict[str, Any]]]:
+    """The run's counts and its train and held-out rows (input order; split by
+    :func:`deepspec.data.sources.assign_split`). Adds the failed conversations to ``skipped`` and
+    sorts it by source index."""
     kept = [c for c in convs if c.failure is None and c.history]  # convs is in input order
     failed_rows = [c for c in convs if c.failure is not None]
     assert all(c.done for c in convs) and len(kept) + len(failed_rows) == len(convs)
@@ -720,19 +781,27 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
         row["split"] = assign_split(c.split_key, heldout_fraction=cfg.heldout_fraction, seed=cfg.split_seed)
         (heldout_rows if row["split"] == "heldout" else train_rows).append(row)
 
+    num_tokens, num_turns = counts.num_tokens, counts.num_turns
     summary = PrepareSummary(
         read=read, kept=len(kept), skipped=sum(1 for s in skipped if s["status"] == "skipped"),
         failed=sum(1 for s in skipped if s["status"] == "failed"),
         truncated=sum(1 for c in kept if c.truncated_turns), lost_in_source=lost_in_source,
         num_train=len(train_rows), num_heldout=len(heldout_rows), num_resumed=num_resumed,
         num_retries=getattr(backend, "num_retries", 0),
-        num_regenerated_turns=num_turns, num_generated_tokens=num_tokens, generate_s=round(generate_s, 3),
-        num_turns_with_ids=num_with_ids, num_turns_text_only=num_turns - num_with_ids,
+        num_regenerated_turns=num_turns, num_generated_tokens=num_tokens, generate_s=round(counts.generate_s, 3),
+        num_turns_with_ids=counts.num_with_ids, num_turns_text_only=num_turns - counts.num_with_ids,
         backend=cfg.backend, model_dtype=model_dtype, model_device=model_device, output=str(cfg.output),
         heldout_path=str(heldout_path_for(cfg.output)),
         skipped_path=str(skipped_path_for(cfg.output)),
     )
     assert summary.read == summary.kept + summary.skipped + summary.failed, summary
+    return summary, train_rows, heldout_rows
+
+
+def _write_outputs(cfg: PrepareConfig, summary: PrepareSummary, skipped: list[dict[str, Any]],
+                   train_rows: list[dict[str, Any]], heldout_rows: list[dict[str, Any]], *,
+                   decoding: dict[str, Any], render: dict[str, Any]) -> None:
+    """Write the summary, skipped, held-out and train files (module docstring), each atomically."""
 
     def rows_text(rows: list[dict[str, Any]]) -> str:
         return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
@@ -751,13 +820,19 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
     with contextlib.ExitStack() as stack:
         for path, text in outputs:
             stack.enter_context(atomic_path(path)).write_text(text, encoding="utf-8")
-    journal.path.unlink()  # every output is in place: the journal has served its purpose
+
+
+def _log_summary(cfg: PrepareConfig, summary: PrepareSummary, skipped: list[dict[str, Any]], counts: _TurnCounts,
+                 log: Callable[[str], None]) -> None:
+    """The run's closing lines: the counts, the first skipped or failed rows with their reasons, and a
+    warning when nothing was kept."""
     lost = (f"; {summary.lost_in_source} record{'s' * (summary.lost_in_source != 1)} lost in the source file itself "
             f"(never read; the ShareGPT V3 demo file is cut mid-record)" if summary.lost_in_source else "")
     log(f"prepare: read {summary.read} = kept {summary.kept} + skipped {summary.skipped} + failed {summary.failed} "
-        f"(train {summary.num_train}, held out {summary.num_heldout}; resumed {num_resumed}); "
+        f"(train {summary.num_train}, held out {summary.num_heldout}; resumed {summary.num_resumed}); "
         f"truncated {summary.truncated}{lost}; "
-        f"{num_turns} turns, {num_tokens} tokens in {generate_s:.1f} s ({summary.tok_per_s:.1f} tok/s) -> {cfg.output}")
+        f"{counts.num_turns} turns, {counts.num_tokens} tokens in {counts.generate_s:.1f} s "
+        f"({summary.tok_per_s:.1f} tok/s) -> {cfg.output}")
     for entry in skipped[:NUM_SKIPPED_SHOWN]:
         log(f"prepare: {entry['status']} {entry['where']} (id {entry['id']}): {entry['reason']}")
     if len(skipped) > NUM_SKIPPED_SHOWN:
@@ -767,4 +842,3 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
     if summary.kept == 0:
         log(f"prepare: warning: no conversation kept ({summary.read} read); see {summary.skipped_path} for the "
             f"reasons" if summary.read else "prepare: warning: no conversation kept: the input holds no rows")
-    return summary

@@ -10,7 +10,12 @@ world_size`` samples), so an exact resume only needs the step counter: nothing s
 The input path of a step: :class:`Prefetcher` reads and collates the next steps' samples in a
 background thread (:func:`collate`, features in the cache's storage dtype, into pinned memory when
 the batch goes to a CUDA device); the training thread moves each batch with :func:`batch_to_device`,
-which converts the features to float32 (fp8: dequantises) on the device.
+which converts the features to float32 (fp8: dequantises) on the device (:func:`to_device` moves what
+an algorithm's ``prepare`` returns, the batch inside it included).
+
+Opening the data: :func:`open_training_data` gives a target cache checked against the target, or in
+online mode the features computed by the target (:func:`resolve_train_target` picks the target a
+cache records when ``--target`` is not given).
 """
 
 from __future__ import annotations
@@ -21,12 +26,18 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Generic, TypeVar
+from pathlib import Path
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from deepspec.algorithms.protocol import TrainBatch
 from deepspec.data.cache.fp8 import dequantize_fp8
+from deepspec.data.cache.reader import TargetCache, check_compatible
+from deepspec.data.online import OnlineTargetFeatures
+from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
+from deepspec.target.load import EMBEDDED_DEFAULT, target_fingerprint, tokenizer_fingerprint
+from deepspec.train.config import TrainConfig
 
 
 def epoch_order(num_samples: int, *, seed: int, epoch: int) -> list[int]:
@@ -179,6 +190,132 @@ def batch_to_device(batch: TrainBatch, device: torch.device | str) -> TrainBatch
         target_argmax_BS=move(batch.target_argmax_BS),
         target_hidden_scale_BSn=None,
     )
+
+
+def map_tensors(fn, obj: Any, *, batch_fn=None) -> Any:
+    """``obj`` (tensors inside dataclasses, dicts, lists, tuples) with every tensor ``t`` replaced by ``fn(t)``,
+    and every :class:`TrainBatch` ``b`` by ``batch_fn(b)`` when given."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if batch_fn is not None and isinstance(obj, TrainBatch):
+        return batch_fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: map_tensors(fn, getattr(obj, f.name), batch_fn=batch_fn)
+                   for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    if isinstance(obj, dict):
+        return {k: map_tensors(fn, v, batch_fn=batch_fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(fn, v, batch_fn=batch_fn) for v in obj)
+    return obj
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` (tensors inside dataclasses, dicts, lists, tuples) with every tensor on ``device``
+    (``non_blocking``: asynchronous from pinned memory), and every :class:`TrainBatch` inside moved by
+    :func:`batch_to_device`: stored-dtype features converted to float32 on ``device``
+    (also on the CPU)."""
+    return map_tensors(lambda t: t.to(device, non_blocking=True), obj,
+                       batch_fn=lambda batch: batch_to_device(batch, device))
+
+
+def load_step_batches(data: TargetCache | OnlineTargetFeatures, cfg: TrainConfig, step: int, *, rank: int,
+                       world_size: int, pin_memory: bool) -> list[tuple[MicroBatchPlan, TrainBatch, list[int]]]:
+    """``rank``'s micro-batches of optimizer step ``step`` (:func:`rank_micro_batches`), each with its
+    plan, its batch collated on the host in the storage dtype (:func:`collate`) and its samples' lengths
+    in tokens: a pure function of the step, so loading ahead changes nothing and a resume skips exactly
+    the steps done."""
+    plans = rank_micro_batches(len(data), batch_size=cfg.batch_size, grad_accum_steps=cfg.grad_accum_steps,
+                               seed=cfg.seed, step=step, rank=rank, world_size=world_size)
+    loaded = []
+    for plan in plans:
+        samples = [data.read(i, dequantize=False) for i in plan.indices]
+        lengths = [int(sample["input_ids"].shape[0]) for sample in samples]
+        loaded.append((plan, collate(samples, plan.indices, pin_memory=pin_memory), lengths))
+    return loaded
+
+
+def open_target_cache(cache_dir: str) -> TargetCache:
+    """The :class:`TargetCache` of ``cache_dir`` (``--cache-dir``), with the errors a user can fix as one line.
+
+    Raises:
+        ValueError: ``cache_dir`` is a file (a prepared JSONL trains online: ``--online-data``), or a
+            folder whose build is unfinished (no manifest beside shards: rerun ``deepspec cache``).
+        FileNotFoundError: no such folder, or a folder that holds no target cache.
+    """
+    path = Path(cache_dir)
+    if path.is_file():
+        raise ValueError(f"train.cache_dir: {path} is a file, not a target cache (a folder written by "
+                         f"`deepspec cache`); to train on a prepared JSONL pass --online-data {path} instead of --cache-dir, or build a "
+                         f"cache from it with `deepspec cache --input {path} --output-dir CACHE_DIR`")
+    try:
+        return TargetCache(path)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"train.cache_dir: {exc}") from None
+    except RuntimeError as exc:  # no manifest beside shards: an unfinished build
+        raise ValueError(f"train.cache_dir: {exc}") from None
+
+
+def resolve_train_target(cfg: TrainConfig, cache: TargetCache | None, *, log=print) -> str:
+    """The target to train against: ``cfg.target`` when given; else the target the cache's manifest
+    records (``deepspec cache --target``, saying so in one line through ``log``); else (online mode, a
+    cache written before caches recorded it) the embedded default. An explicit ``--target`` that is
+    not the cache's target is checked by fingerprint afterwards (:func:`open_training_data`).
+
+    Raises:
+        FileNotFoundError: the recorded target folder no longer exists (the message says to pass --target).
+    """
+    if cfg.target is not None:
+        return cfg.target
+    recorded = None if cache is None else cache.manifest.get("target")
+    if recorded is None:
+        return EMBEDDED_DEFAULT
+    if recorded != EMBEDDED_DEFAULT and not Path(recorded).exists():
+        raise FileNotFoundError(f"train.target: the target cache {cfg.cache_dir} was built with --target {recorded}, "
+                                "which no longer exists; pass --target with that model folder (or its new place)")
+    log(f"train: --target not given; using the target the cache records: {recorded} ({cfg.cache_dir})")
+    return recorded
+
+
+def open_training_data(cfg: TrainConfig, target_model, tokenizer) -> TargetCache | OnlineTargetFeatures:
+    """The training samples: a :class:`TargetCache` (``cfg.cache_dir``) checked against this target,
+    tokenizer and (if given) ``cfg.target_layer_ids``, or in online mode (``cfg.online_data``) an
+    :class:`OnlineTargetFeatures` over the prepared file that computes features with ``target_model``.
+
+    Both return the same features for the same data and settings (bitwise, see
+    :mod:`deepspec.data.online`; a format-3 cache adds the target-logit statistics, which a loss uses
+    when present), so the training loop has no online branch.
+
+    Raises:
+        ValueError: a cache built for another target/tokenizer/layer set, invalid layer ids, or a
+            ``cache_dir`` that is no finished target cache (:func:`open_target_cache`).
+        FileNotFoundError: ``cache_dir`` missing or holding no target cache.
+    """
+    num_layers = target_model.config.num_hidden_layers
+    if cfg.online_data is not None:
+        layer_ids = cfg.target_layer_ids or default_target_layer_ids(num_layers, cfg.num_target_layers)
+        return OnlineTargetFeatures(
+            cfg.online_data,
+            target_model,
+            tokenizer,
+            target_layer_ids=validate_target_layer_ids(layer_ids, num_layers),
+            max_seq_len=cfg.max_seq_len,
+            feature_dtype=cfg.online_feature_dtype,
+        )
+    cache = open_target_cache(cfg.cache_dir)
+    layer_ids = validate_target_layer_ids(cache.manifest["target_layer_ids"], num_layers)
+    if cfg.target_layer_ids is not None and list(cfg.target_layer_ids) != layer_ids:
+        raise ValueError(
+            f"train.target_layer_ids: {cfg.target_layer_ids} differ from the cache's {layer_ids} ({cfg.cache_dir}); "
+            "omit the flag (a cache fixes its layers) or rebuild the cache with these layers"
+        )
+    check_compatible(
+        cache,
+        target_fingerprint=target_fingerprint(target_model),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        target_layer_ids=layer_ids,
+    )
+    return cache
 
 
 _Key = TypeVar("_Key")

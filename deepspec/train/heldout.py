@@ -15,7 +15,9 @@ is equal up to floating-point rounding (exact in the tests, in float32).
 
 So the draft can be evaluated every few hundred training steps on a fixed prompt set at the cost of
 the draft's own forwards alone (a few seconds on a CPU), and the reference (the target's greedy
-outputs and features) is made once per run and kept in the run folder.
+outputs and features) is made once per run and kept in the run folder. :class:`HeldoutCurve` is the
+trainer's side: the reference of a run (made with :func:`capture_target`, on the prompts of
+:func:`heldout_prompt_ids`) and its evaluation of the current weights.
 """
 
 from __future__ import annotations
@@ -31,8 +33,14 @@ import torch
 from torch import Tensor
 
 from deepspec.algorithms.protocol import NullProposer, Proposer
+from deepspec.data.chat import render_prompt, target_stop_token_ids
 from deepspec.decoding.engine import GREEDY, SpeculativeEngine
+from deepspec.device import cast_for_decoding
+from deepspec.eval.benchmarks import load_benchmark
 from deepspec.target.capture import target_forward
+from deepspec.target.load import target_fingerprint
+from deepspec.train.config import TrainConfig
+from deepspec.train.distributed import Dist, state_dict_options
 from deepspec.utils import atomic_path
 
 REFERENCE_NAME = "heldout_reference.pt"
@@ -177,3 +185,66 @@ def load_or_make_reference(path: Path, key: str, make) -> list[HeldoutReference]
     with atomic_path(path) as tmp:
         torch.save({"key": key, "references": [r.__dict__ for r in refs]}, tmp)
     return refs
+
+
+def capture_target(target_model: torch.nn.Module, data, device: torch.device | None = None) -> torch.nn.Module:
+    """The target as it ran when the training features were captured, on ``device`` (None: where it is):
+    cast to a cache's capture dtype (``deepspec cache --dtype bfloat16``), else in its own dtype (float32
+    caches, online mode); ``target_model`` itself when nothing changes, else a copy. The learning curve's
+    reference is made with it, so the held-out features and greedy outputs come from the same target
+    forward as the features the draft trains on, on the training device (a GPU, not the host)."""
+    capture_dtype = ((getattr(data, "manifest", None) or {}).get("capture") or {}).get("dtype")
+    dtype = getattr(torch, capture_dtype) if capture_dtype else next(target_model.parameters()).dtype
+    return cast_for_decoding(target_model, dtype, device)
+
+
+class HeldoutCurve:
+    """The learning curve's held-out set: the reference (target greedy outputs + features, made once
+    on rank 0 and kept in ``<output_dir>/heldout_reference.pt``) and its evaluation."""
+
+    def __init__(self, cfg: TrainConfig, ctx: Dist, algorithm, target_model, tokenizer, target_layer_ids,
+                 prompts: list[tuple[str, str, list[int]]] | None) -> None:
+        self.cfg, self.ctx, self.algorithm = cfg, ctx, algorithm
+        self.max_positions = int(target_model.config.max_position_embeddings)
+        self.eos = target_stop_token_ids(target_model, tokenizer)  # the engine's stop rule
+        self.refs = []
+        if not ctx.is_main:
+            return
+        if prompts is None:
+            prompts = heldout_prompt_ids(cfg.heldout_benchmarks, cfg.heldout_num_prompts, tokenizer)
+        key = reference_key(prompts, target_fingerprint=target_fingerprint(target_model),
+                            target_layer_ids=target_layer_ids, max_new_tokens=cfg.heldout_max_new_tokens,
+                            block_size=cfg.block_size, eos_token_ids=self.eos)
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+
+        def make():
+            print(f"train: learning curve: the target answers {len(prompts)} held-out prompts once (up to "
+                  f"{cfg.heldout_max_new_tokens} tokens each; --heldout-every 0 turns the curve off)", flush=True)
+            return make_reference(target_model, prompts, target_layer_ids, self.eos,
+                                  max_new_tokens=cfg.heldout_max_new_tokens, block_size=cfg.block_size)
+
+        self.refs = load_or_make_reference(Path(cfg.output_dir) / REFERENCE_NAME, key, make)
+
+    def evaluate(self, model: torch.nn.Module, template: torch.nn.Module | None) -> dict[str, float]:
+        """Greedy held-out tau of the current weights (rank 0; other ranks only help gather: ``{}``)."""
+        draft = model
+        if self.ctx.sharded:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            state = get_model_state_dict(model, options=state_dict_options(cpu_offload=True))
+            if not self.ctx.is_main:
+                return {}
+            template.load_state_dict(state)
+            draft = template
+        proposer = self.algorithm.proposer(draft, max_positions=self.max_positions)
+        device = next(draft.parameters()).device
+        return heldout_tau(proposer, self.refs, max_new_tokens=self.cfg.heldout_max_new_tokens,
+                           eos_token_ids=self.eos, device=device)
+
+
+def heldout_prompt_ids(benchmarks: list[str], num_prompts: int, tokenizer) -> list[tuple[str, str, list[int]]]:
+    """``(benchmark, prompt id, prompt ids)`` of the first turn of ``num_prompts`` prompts per
+    benchmark: the same seeded sample ``deepspec eval`` takes (its default seed), rendered with the
+    one prompt rule (:func:`deepspec.data.chat.render_prompt`)."""
+    return [(name, p.id, render_prompt(tokenizer, p.messages))
+            for name in benchmarks for p in load_benchmark(name, max_samples=num_prompts)]

@@ -364,7 +364,7 @@ _SHARD_RECORDER = """
 import json, os, sys
 from deepspec.train import loop
 
-real_shard_model = loop._shard_model
+real_shard_model = loop.shard_model
 
 def recording(model, cfg, ctx):
     model = real_shard_model(model, cfg, ctx)
@@ -374,7 +374,7 @@ def recording(model, cfg, ctx):
         json.dump({"world_size": ctx.world_size, "device": str(ctx.device), "shards": shards}, f)
     return model
 
-loop._shard_model = recording
+loop.shard_model = recording
 from deepspec.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -13,7 +13,7 @@ from deepspec.algorithms.dspark import DSparkAlgorithm
 from deepspec.algorithms.dspark.model import DSparkDraftModel
 from deepspec.data.cache import TargetCache, dequantize_fp8, write_target_cache_from_samples
 from deepspec.target.load import target_fingerprint, tokenizer_fingerprint
-from deepspec.train import draft as train_draft, loop
+from deepspec.train import checkpoint, data as train_data, draft as train_draft, loop
 from deepspec.train.data import collate as collate_fn
 from deepspec.checkpoints import apply_retention
 from deepspec.train.config import TrainConfig
@@ -123,7 +123,7 @@ def test_ten_steps_equal_five_then_resume_then_five(setup, tmp_path, monkeypatch
     assert (tmp_path / "cut" / "latest").read_text().strip() == "checkpoint-000005"
     assert len(order_cut) == 5 * 2  # trained on: steps 1-5 (the prefetcher may have loaded step 6 too)
     loaded: list[list[int]] = []
-    monkeypatch.setattr(loop, "collate", _recording_collate(loaded))
+    monkeypatch.setattr(train_data, "collate", _recording_collate(loaded))
     resumed = train(_cfg(cache, tmp_path / "cut", resume="auto", **kw), target_model=model, tokenizer=tok)
     assert resumed.name == "checkpoint-000010"
     assert loaded == order_full[10:]  # the resumed run loads steps 6-10 only, in order
@@ -158,9 +158,9 @@ def test_resume_from_a_path_in_another_folder(setup, tmp_path):
         assert torch.equal(a[name], b[name]), name
     assert (tmp_path / "resumed" / "latest").read_text().strip() == "checkpoint-000006"
     # resume happens only when asked: a rerun into the run's folder needs `resume` ("never": from step 0)
-    assert loop._resolve_resume(_cfg(cache, tmp_path / "full", resume="never")) is None
+    assert checkpoint.resolve_resume(_cfg(cache, tmp_path / "full", resume="never")) is None
     with pytest.raises(ValueError, match="already holds a training run"):
-        loop._resolve_resume(_cfg(cache, tmp_path / "full"))
+        checkpoint.resolve_resume(_cfg(cache, tmp_path / "full"))
     with pytest.raises(ValueError, match="not a checkpoint folder"):
         train(_cfg(cache, tmp_path / "x", resume=str(tmp_path)), target_model=model, tokenizer=tok)
 
@@ -289,8 +289,8 @@ def test_resume_with_a_changed_schedule_or_global_batch_warns(setup, six_steps, 
     # same global batch split differently (1 x 2 instead of 2 x 1): still exact, no warning
     state = torch.load(middle / "trainer_state.pt", weights_only=False)
     assert state["device"] == "cpu" and state["train_config"]["device"] == "auto"
-    assert loop.warn_resume_changes(state, _cfg(cache, tmp_path, batch_size=1, grad_accum_steps=2), 1) == []
-    assert loop.warn_resume_changes(state, _cfg(cache, tmp_path, batch_size=1), 2) == []
+    assert checkpoint.warn_resume_changes(state, _cfg(cache, tmp_path, batch_size=1, grad_accum_steps=2), 1) == []
+    assert checkpoint.warn_resume_changes(state, _cfg(cache, tmp_path, batch_size=1), 2) == []
     train(_cfg(cache, tmp_path / "other", resume=str(middle), max_steps=7, batch_size=1, grad_accum_steps=3),
           target_model=model, tokenizer=tok)
     err = capsys.readouterr().err
@@ -299,23 +299,23 @@ def test_resume_with_a_changed_schedule_or_global_batch_warns(setup, six_steps, 
     assert ("warning: global batch was 2 x 1 x 1 = 2, now 1 x 3 x 1 = 3; keep batch_size x grad_accum_steps x "
             "ranks equal to continue exactly") in err
     # the peak lr and weight decay come back with the optimizer state: new values are ignored, say so
-    assert loop.warn_resume_changes(state, _cfg(cache, tmp_path, lr=2e-2), 1) == [
+    assert checkpoint.warn_resume_changes(state, _cfg(cache, tmp_path, lr=2e-2), 1) == [
         ("the checkpoint was trained with lr=0.01; resume keeps it (restored with the optimizer state), lr=0.02 is "
          "ignored")]
     # another world size with the same per-rank batch changes the global batch
-    assert loop.warn_resume_changes(state, _cfg(cache, tmp_path), 2) == [
+    assert checkpoint.warn_resume_changes(state, _cfg(cache, tmp_path), 2) == [
         ("global batch was 2 x 1 x 1 = 2, now 2 x 1 x 2 = 4; keep batch_size x grad_accum_steps x ranks equal to "
          "continue exactly")]
 
 
 def test_resume_auto_without_a_checkpoint_and_a_dangling_latest(setup, tmp_path, capsys):
     cache = setup[2]
-    assert loop._resolve_resume(_cfg(cache, tmp_path / "new", resume="auto"), log=True) is None
+    assert checkpoint.resolve_resume(_cfg(cache, tmp_path / "new", resume="auto"), log=True) is None
     assert capsys.readouterr().out == f"resume: no checkpoint in {tmp_path / 'new'}; starting from step 0\n"
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "latest").write_text("checkpoint-000004\n")
     with pytest.raises(ValueError, match=r"latest.* names checkpoint-000004.*--resume"):
-        loop._resolve_resume(_cfg(cache, tmp_path / "run", resume="auto"))
+        checkpoint.resolve_resume(_cfg(cache, tmp_path / "run", resume="auto"))
 
 
 def test_markov_flags_warn_for_drafts_without_a_markov_head(setup, tmp_path, capsys):
@@ -471,7 +471,7 @@ def test_an_fp8_cache_trains_as_with_host_dequantisation(setup, fp8_cache, tmp_p
     kw = dict(max_steps=3, grad_accum_steps=2)
     device = train(_cfg(fp8_cache, tmp_path / "device", **kw), target_model=model, tokenizer=tok)
     assert not _loader_threads()
-    monkeypatch.setattr(loop, "collate", _host_converting_collate)
+    monkeypatch.setattr(train_data, "collate", _host_converting_collate)
     host = train(_cfg(fp8_cache, tmp_path / "host", **kw), target_model=model, tokenizer=tok)
     rows_device, rows_host = _log(tmp_path / "device"), _log(tmp_path / "host")
     assert len(rows_device) == 3

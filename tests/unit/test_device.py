@@ -213,13 +213,13 @@ def test_allow_tf32_turns_on_tf32_products(tf32_off):
 def test_training_on_cuda_allows_tf32_and_decoding_does_not(monkeypatch, tf32_off):
     """The trainer's set-up on a CUDA device allows TF32; resolving a device for decoding does not (a
     float32 eval is the bit-exact reference)."""
-    import deepspec.train.loop as loop
+    import deepspec.train.distributed as distributed
 
     calls = []
-    monkeypatch.setattr(loop, "allow_tf32", lambda: calls.append("tf32"))
-    monkeypatch.setattr(loop, "resolve_device", lambda name, field: torch.device("cuda", 0))
+    monkeypatch.setattr(distributed, "allow_tf32", lambda: calls.append("tf32"))
+    monkeypatch.setattr(distributed, "resolve_device", lambda name, field: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
-    loop._setup_distributed("cuda")
+    distributed.setup_distributed("cuda")
     assert calls == ["tf32"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -93,26 +93,26 @@ def test_the_curve_reference_target_runs_in_the_caches_capture_dtype():
     bf16 copy of the target; a float32 cache and online data (no capture record) use the target itself."""
     from types import SimpleNamespace
 
-    from deepspec.train.loop import _capture_target
+    from deepspec.train.heldout import capture_target
 
     target = torch.nn.Linear(4, 4)
-    bf16 = _capture_target(target, SimpleNamespace(manifest={"capture": {"device": "cpu", "dtype": "bfloat16"}}))
+    bf16 = capture_target(target, SimpleNamespace(manifest={"capture": {"device": "cpu", "dtype": "bfloat16"}}))
     assert bf16 is not target and bf16.weight.dtype == torch.bfloat16 and target.weight.dtype == torch.float32
     assert torch.equal(bf16.weight, target.weight.to(torch.bfloat16))
-    assert _capture_target(target, SimpleNamespace(manifest={"capture": {"dtype": "float32"}})) is target
-    assert _capture_target(target, SimpleNamespace(manifest={"format": "online"})) is target
-    assert _capture_target(target, SimpleNamespace(manifest={}), torch.device("cpu")) is target
+    assert capture_target(target, SimpleNamespace(manifest={"capture": {"dtype": "float32"}})) is target
+    assert capture_target(target, SimpleNamespace(manifest={"format": "online"})) is target
+    assert capture_target(target, SimpleNamespace(manifest={}), torch.device("cpu")) is target
 
 
 def test_the_curve_reference_target_goes_to_the_training_device(monkeypatch):
     """The reference runs where the draft trains (a GPU), not on the host the cache mode loaded it on."""
     from types import SimpleNamespace
 
-    import deepspec.train.loop as loop
+    import deepspec.train.heldout as heldout
 
     seen = []
-    monkeypatch.setattr(loop, "cast_for_decoding", lambda m, dtype, device=None, **kw: seen.append((dtype, device)) or m)
+    monkeypatch.setattr(heldout, "cast_for_decoding", lambda m, dtype, device=None, **kw: seen.append((dtype, device)) or m)
     target = torch.nn.Linear(4, 4)
-    loop._capture_target(target, SimpleNamespace(manifest={"capture": {"dtype": "bfloat16"}}), torch.device("cuda", 0))
-    loop._capture_target(target, SimpleNamespace(manifest={}), torch.device("cuda", 0))
+    heldout.capture_target(target, SimpleNamespace(manifest={"capture": {"dtype": "bfloat16"}}), torch.device("cuda", 0))
+    heldout.capture_target(target, SimpleNamespace(manifest={}), torch.device("cuda", 0))
     assert seen == [(torch.bfloat16, torch.device("cuda", 0)), (torch.float32, torch.device("cuda", 0))]

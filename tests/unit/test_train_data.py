@@ -11,7 +11,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from deepspec.algorithms.dspark import DSparkAlgorithm
 from deepspec.data.cache import TargetCache, write_target_cache_from_samples
-from deepspec.train import loop
 from deepspec.train.data import (
     Prefetcher,
     batch_to_device,
@@ -20,6 +19,7 @@ from deepspec.train.data import (
     micro_batch_seed,
     rank_micro_batches,
     step_sample_indices,
+    to_device,
 )
 
 LAYER_IDS = [0, 1]
@@ -145,11 +145,11 @@ def test_the_reader_keeps_the_fp8_payload_when_asked(caches):
 
 
 def test_the_trainers_to_device_converts_a_batch_inside_an_algorithms_micro_batch(caches):
-    """``loop.to_device`` finds the TrainBatch inside a prepared micro-batch and dequantises it."""
+    """``to_device`` finds the TrainBatch inside a prepared micro-batch and dequantises it."""
     cache = caches["fp8"]
     batch = collate([cache.read(i, dequantize=False) for i in (1, 4)], [1, 4])
     anchors_BA = torch.tensor([[1, 2], [0, 3]])
-    prepared = loop.to_device({"batch": batch, "anchor_pos_BA": anchors_BA}, torch.device("cpu"))
+    prepared = to_device({"batch": batch, "anchor_pos_BA": anchors_BA}, torch.device("cpu"))
     assert torch.equal(prepared["anchor_pos_BA"], anchors_BA)
     assert torch.equal(prepared["batch"].target_hidden_BSF, _host_path([cache[1], cache[4]])[0])
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from deepspec.cli import main
-from deepspec.train import loop
+from deepspec.train import checkpoint, data as train_data, loop
 from deepspec.checkpoints import clear_previous_run, previous_run
 from deepspec.train.config import TrainConfig
 
@@ -45,9 +45,9 @@ def test_output_dir_holding_a_run_is_refused_without_resume(tmp_path, capsys, le
     assert "train.output_dir" in err and left in err and "--resume auto" in err and "--resume never" in err
     assert previous_run(out) == [left]  # nothing touched
     # "never" and "auto" are accepted (auto with a latest naming nothing is its own error)
-    assert loop._resolve_resume(TrainConfig(cache_dir="c", output_dir=str(out), resume="never")) is None
+    assert checkpoint.resolve_resume(TrainConfig(cache_dir="c", output_dir=str(out), resume="never")) is None
     if left != "latest":
-        assert loop._resolve_resume(TrainConfig(cache_dir="c", output_dir=str(out), resume="auto")) is None
+        assert checkpoint.resolve_resume(TrainConfig(cache_dir="c", output_dir=str(out), resume="auto")) is None
 
 
 def test_resume_never_clears_the_earlier_run_only(tmp_path):
@@ -77,7 +77,7 @@ def test_train_without_target_uses_the_target_the_cache_records(tmp_path, monkey
 
     def resolve(target, recorded):
         cfg = TrainConfig(cache_dir=str(tmp_path / "cache"), output_dir=str(tmp_path / "run"), target=target)
-        return loop.resolve_train_target(cfg, SimpleNamespace(manifest={"target": recorded}), log=said.append)
+        return train_data.resolve_train_target(cfg, SimpleNamespace(manifest={"target": recorded}), log=said.append)
 
     assert TrainConfig(cache_dir="c", output_dir="o").target is None  # left out: the cache decides
     monkeypatch.chdir(tmp_path)  # `deepspec cache` records a folder as an absolute path, "default" as is
@@ -97,7 +97,7 @@ def test_train_without_target_uses_the_target_the_cache_records(tmp_path, monkey
                          tokenizer_fingerprint="t", target_layer_ids=[])
     # the online mode has no cache: the embedded default
     online = TrainConfig(online_data="p.jsonl", output_dir=str(tmp_path / "run"))
-    assert loop.resolve_train_target(online, None) == "default"
+    assert train_data.resolve_train_target(online, None) == "default"
 
 
 def test_optimizer_is_fused_adamw_with_the_same_update_as_the_loop():

@@ -21,7 +21,8 @@ from deepspec.algorithms.dspark.loss import dspark_loss, supervision_weights
 from deepspec.algorithms.protocol import TrainBatch
 from deepspec.algorithms.registry import get_algorithm
 from deepspec.models.anchors import sample_anchors
-from deepspec.train.loop import StepMetrics, _Dist
+from deepspec.train.distributed import Dist
+from deepspec.train.log import StepMetrics
 from tests.unit.test_dspark import batch, capture, make_draft
 
 
@@ -171,7 +172,7 @@ def test_a_micro_step_reads_nothing_from_the_device_but_the_slot_count(variant, 
     monkeypatch.undo()
     # the one read gives what summing the per-micro-batch values on the host gives, bit for bit
     outs = [algo.loss(draft, p, weight_sum=weight_sum, autocast=contextlib.nullcontext()) for p in micro]
-    row = metrics.read(_Dist(0, 1, 0, torch.device("cpu")), num_tokens=7, grad_norm=torch.tensor(1.5))
+    row = metrics.read(Dist(0, 1, 0, torch.device("cpu")), num_tokens=7, grad_norm=torch.tensor(1.5))
     for key in outs[0].scalars():
         assert row[key] == sum(float(o.scalars()[key]) for o in outs), key
     assert row["num_tokens"] == 7.0 and row["grad_norm"] == 1.5

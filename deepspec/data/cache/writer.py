@@ -383,27 +383,36 @@ def _write_cache(
         raise
 
 
-def _write_cache_in(
-    units: Iterable[_Unit],
-    out_dir: str | os.PathLike[str],
-    model: nn.Module,
-    *,
-    target_layer_ids: Sequence[int],
-    target_fingerprint: str,
-    tokenizer_fingerprint: str,
-    max_seq_len: int | None,
-    shard_size: int,
-    storage_dtype: str,
-    chat_template: str | None,
-    source_fingerprint: str | None,
-    num_inputs_hint: int | None,
-    progress: bool,
-    rank: int,
-    world_size: int,
-    render: Mapping[str, Any] | None = None,
-    target: str | None = None,
-) -> CacheSummary:
-    out = Path(out_dir)
+@dataclass
+class _Build:
+    """One cache build's fixed inputs (checked by :func:`_start_build`): the output folder, the target,
+    the settings the bytes depend on (``settings``, hashed to ``run_key``) and what the manifest records."""
+
+    out: Path
+    model: nn.Module
+    layer_ids: list[int]
+    hidden_size: int
+    num_hidden_layers: int
+    storage_dtype: str
+    capture_dtype: str
+    max_seq_len: int | None
+    shard_size: int
+    settings: dict[str, Any]
+    run_key: str
+    rank: int
+    world_size: int
+    target_fingerprint: str
+    tokenizer_fingerprint: str
+    chat_template: str | None
+    render: Mapping[str, Any] | None
+    target: str | None
+
+
+def _start_build(out: Path, model: nn.Module, *, target_layer_ids: Sequence[int], target_fingerprint: str,
+                 tokenizer_fingerprint: str, max_seq_len: int | None, shard_size: int, storage_dtype: str,
+                 chat_template: str | None, source_fingerprint: str | None, rank: int, world_size: int,
+                 render: Mapping[str, Any] | None = None, target: str | None = None) -> _Build:
+    """The :class:`_Build` of these arguments. Raises ValueError for a bad setting (names the field)."""
     num_hidden_layers = len(_base_model(model).layers)
     layer_ids = validate_target_layer_ids(list(target_layer_ids), num_hidden_layers)
     _check_storage_dtype(storage_dtype)
@@ -414,8 +423,6 @@ def _write_cache_in(
     if not (world_size >= 1 and 0 <= rank < world_size):
         raise ValueError(f"rank/world_size: expected 0 <= rank < world_size, received {rank}/{world_size}")
     hidden_size = int(model.config.hidden_size)
-    n = len(layer_ids)
-    tensors = shard_tensor_dtypes(storage_dtype)
     capture_dtype = dtype_name(next(model.parameters()).dtype)
 
     settings = {  # everything the bytes depend on (not the rank count: shards do not depend on it)
@@ -435,72 +442,80 @@ def _write_cache_in(
         # the features depend on the dtype the target ran in; float32 caches keep the key they always had
         **({"capture_dtype": capture_dtype} if capture_dtype != "float32" else {}),
     }
-    run_key = _run_key(settings)
+    return _Build(out, model, layer_ids, hidden_size, num_hidden_layers, storage_dtype, capture_dtype, max_seq_len,
+                  shard_size, settings, _run_key(settings), rank, world_size, target_fingerprint,
+                  tokenizer_fingerprint, chat_template, render, target)
 
+
+def _write_cache_in(
+    units: Iterable[_Unit],
+    out_dir: str | os.PathLike[str],
+    model: nn.Module,
+    *,
+    num_inputs_hint: int | None,
+    progress: bool,
+    **settings: Any,
+) -> CacheSummary:
+    """Build the cache (module docstring): check the settings (:func:`_start_build`), return at once
+    when the folder holds the complete cache, else write this rank's missing shards
+    (:func:`_write_own_shards`) and, on rank 0, the manifest (:func:`_write_manifest`)."""
+    b = _start_build(Path(out_dir), model, **settings)
+    out, world_size = b.out, b.world_size
     out.mkdir(parents=True, exist_ok=True)
-    _clean_stale_temp_files(out, rank=rank, world_size=world_size)
-    legacy = _complete_format_2(out, settings)
+    _clean_stale_temp_files(out, rank=b.rank, world_size=world_size)
+    legacy = _complete_format_2(out, b.settings)
     if legacy is not None:
         _barrier(world_size)
         return _summary_from_manifest(out, legacy, num_shards_reused=len(legacy["shards"]), already_complete=True)
-    _check_settings(out, run_key, settings)
+    _check_settings(out, b.run_key, b.settings)
     manifest_path = out / MANIFEST_NAME
-    done = _collect_done(out, run_key)
+    done = _collect_done(out, b.run_key)
     if manifest_path.exists():
         m = json.loads(manifest_path.read_text(encoding="utf-8"))
         if all(s["index"] in done for s in m["shards"]):
             _barrier(world_size)  # every rank takes this branch (same files), so the barrier pairs up
             return _summary_from_manifest(out, m, num_shards_reused=len(m["shards"]), already_complete=True)
 
-    progress_path = out / progress_name(rank)
+    num_inputs, num_reused = _write_own_shards(b, units, done, num_inputs_hint=num_inputs_hint, progress=progress)
+    _barrier(world_size)
+    if b.rank == 0:
+        _write_manifest(b, num_inputs)
+    _barrier(world_size)  # the other ranks return once the manifest exists
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    return _summary_from_manifest(out, manifest, num_shards_reused=num_reused)
+
+
+def _progress_bar(b: _Build, num_inputs_hint: int | None, progress: bool):
+    """The rows bar of this rank (its total: the rows of its shards, when the input size is known); None
+    without ``progress``."""
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    own_rows = None  # rows in this rank's shards
+    if num_inputs_hint is not None:
+        own_rows = sum(min(b.shard_size, num_inputs_hint - k * b.shard_size)
+                       for k in range(b.rank, -(-num_inputs_hint // b.shard_size), b.world_size))
+    return tqdm(total=own_rows, desc=f"target cache (rank {b.rank})" if b.world_size > 1 else "target cache",
+                unit="row", disable=None)
+
+
+def _write_own_shards(b: _Build, units: Iterable[_Unit], done: dict[int, dict[str, Any]], *,
+                      num_inputs_hint: int | None, progress: bool) -> tuple[int, int]:
+    """Render and write the shards of this rank (``k % world_size == rank``) that ``done`` lacks, recording
+    each in ``progress-rank<r>.json`` once written; returns the number of input items and the number of
+    this rank's shards reused."""
+    progress_path = b.out / progress_name(b.rank)
     own: dict[int, dict[str, Any]] = {}  # this rank's progress entries (kept across runs)
     if progress_path.exists():
         for e in json.loads(progress_path.read_text(encoding="utf-8")).get("shards", []):
             if done.get(e["index"]) == e:
                 own[e["index"]] = e
-
-    def save_progress() -> None:
-        atomic_write_json(progress_path, {"format": FORMAT_VERSION, "run_key": run_key, "rank": rank,
-                                          "settings": settings, "shards": [own[k] for k in sorted(own)]})
-
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        own_rows = None  # rows in this rank's shards
-        if num_inputs_hint is not None:
-            own_rows = sum(min(shard_size, num_inputs_hint - k * shard_size)
-                           for k in range(rank, -(-num_inputs_hint // shard_size), world_size))
-        bar = tqdm(total=own_rows, desc=f"target cache (rank {rank})" if world_size > 1 else "target cache",
-                   unit="row", disable=None)
+    bar = _progress_bar(b, num_inputs_hint, progress)
     num_reused = 0
 
     def flush(k: int, items: list[_Item], first: int) -> None:
-        nonlocal num_reused
-        samples: list[_Sample] = []
-        refused: list[dict[str, str]] = []
-        num_heldout = num_truncated = 0
-        turns = dict.fromkeys(TURN_COUNT_KEYS, 0)
-        text_retokenized: list[str] = []
-        for item in items:
-            for key, value in item.turns.items():
-                turns[key] += value
-            if item.turns.get("num_turns_text_retokenized"):
-                text_retokenized.append(item.row_id)
-            if item.samples is None:
-                num_heldout += 1
-                continue
-            for s in item.samples:
-                kept, truncated = keep_sample(s, max_seq_len)
-                num_truncated += int(truncated)
-                if kept is None:
-                    refused.append({"id": str(s[0]), "reason": "empty_mask",
-                                    "detail": "no loss token (after truncation to max_seq_len)"})
-                else:
-                    samples.append(kept)
-        meta = _shard_metadata(run_key=run_key, index=k, first_input=first, num_inputs=len(items),
-                               samples=samples, num_heldout=num_heldout, num_truncated=num_truncated, refused=refused,
-                               turns=turns, text_retokenized=text_retokenized)
+        samples, meta = _shard_contents(b, k, items, first)
         captured = 0
 
         def on_sample(count: int) -> None:  # progress inside a shard; the bar counts rows once it is written
@@ -508,15 +523,16 @@ def _write_cache_in(
             captured += count
             bar.set_postfix_str(f"{shard_name(k)}: {captured}/{len(samples)} samples")
 
-        entry = _write_shard(out / shard_name(k), samples, meta, model, layer_ids=layer_ids,
-                             storage_dtype=storage_dtype, hidden_size=hidden_size,
-                             on_sample=on_sample if bar is not None else None)
-        own[k] = entry
-        save_progress()
+        own[k] = _write_shard(b.out / shard_name(k), samples, meta, b.model, layer_ids=b.layer_ids,
+                              storage_dtype=b.storage_dtype, hidden_size=b.hidden_size,
+                              on_sample=on_sample if bar is not None else None)
+        atomic_write_json(progress_path, {"format": FORMAT_VERSION, "run_key": b.run_key, "rank": b.rank,
+                                          "settings": b.settings, "shards": [own[k] for k in sorted(own)]})
         if bar is not None:
             bar.update(len(items))
 
     num_inputs = 0
+    shard_size, rank, world_size = b.shard_size, b.rank, b.world_size
     try:
         items: list[_Item] = []
         k_cur = 0
@@ -540,65 +556,102 @@ def _write_cache_in(
     finally:
         if bar is not None:
             bar.close()
-    num_shards = -(-num_inputs // shard_size)
+    return num_inputs, num_reused
 
-    _barrier(world_size)
-    if rank == 0:
-        done = _collect_done(out, run_key)
-        missing = [k for k in range(num_shards) if k not in done]
-        if missing:
-            raise RuntimeError(
-                f"{out}: shards {[shard_name(k) for k in missing]} were not written (a rank failed?); "
-                f"{INCOMPLETE_HINT}"
-            )
-        extra = sorted(p.name for p in out.glob("shard-*.safetensors")
-                       if (m := _SHARD_RE.match(p.name)) is None or int(m.group(1)) >= num_shards)
-        if extra:
-            raise ValueError(
-                f"{out}: shard files {extra} were not produced by this input (it has {num_shards} shards); "
-                f"the input changed since the cache was started: use another output folder or delete this one"
-            )
-        shards = [done[k] for k in range(num_shards)]
-        refused_all = [r for s in shards for r in s["refused"]]
-        manifest = {
-            "format": FORMAT_VERSION,
-            "run_key": run_key,
-            "settings": settings,
-            "target": target,  # as named to `deepspec cache`; `deepspec train` without --target uses it
-            "target_fingerprint": target_fingerprint,
-            "tokenizer_fingerprint": tokenizer_fingerprint,
-            "target_layer_ids": layer_ids,
-            "hidden_size": hidden_size,
-            "feature_size": hidden_size * n,
-            "num_hidden_layers": num_hidden_layers,
-            "storage_dtype": storage_dtype,
-            "dtypes": {k: _DTYPE_NAME[v] for k, v in tensors.items() if k != "offsets"},
-            "chat_template": chat_template,
-            "max_seq_len": max_seq_len,
-            "shard_size": shard_size,
-            "num_inputs": num_inputs,
-            "num_heldout": sum(s["num_heldout"] for s in shards),
-            "num_samples": sum(s["num_samples"] for s in shards),
-            "num_tokens": sum(s["num_tokens"] for s in shards),
-            "num_loss_tokens": sum(s["num_loss_tokens"] for s in shards),
-            "num_truncated": sum(s["num_truncated"] for s in shards),
-            "num_refused_empty_mask": sum(r["reason"] == "empty_mask" for r in refused_all),
-            "num_refused_nonfinite": sum(r["reason"] == "nonfinite" for r in refused_all),
-            "refused": refused_all,
-            "stop_token_ids": None if render is None else render["stop_token_ids"],
-            "render": None if render is None else dict(render),
-            "turns": {key: sum(s["turns"].get(key, 0) for s in shards) for key in TURN_COUNT_KEYS},
-            "text_retokenized": [r for s in shards for r in s["text_retokenized"]],
-            "bytes_per_token_estimate": cache_bytes_per_token(hidden_size, n, storage_dtype),
-            # where the target ran (informational, not a setting the bytes are keyed on; the device type only,
-            # so the manifest does not depend on the rank count or on which GPU rank 0 had)
-            "capture": {"device": next(model.parameters()).device.type, "dtype": capture_dtype},
-            "shards": shards,
-        }
-        atomic_write_json(manifest_path, manifest)
-    _barrier(world_size)  # the other ranks return once the manifest exists
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    return _summary_from_manifest(out, manifest, num_shards_reused=num_reused)
+
+def _shard_contents(b: _Build, k: int, items: list[_Item], first: int) -> tuple[list[_Sample], dict[str, Any]]:
+    """The samples shard ``k`` keeps of its input ``items`` (the first is input ``first``; truncated to
+    ``max_seq_len``, those left without a loss token refused) and the shard's metadata."""
+    samples: list[_Sample] = []
+    refused: list[dict[str, str]] = []
+    num_heldout = num_truncated = 0
+    turns = dict.fromkeys(TURN_COUNT_KEYS, 0)
+    text_retokenized: list[str] = []
+    for item in items:
+        for key, value in item.turns.items():
+            turns[key] += value
+        if item.turns.get("num_turns_text_retokenized"):
+            text_retokenized.append(item.row_id)
+        if item.samples is None:
+            num_heldout += 1
+            continue
+        for s in item.samples:
+            kept, truncated = keep_sample(s, b.max_seq_len)
+            num_truncated += int(truncated)
+            if kept is None:
+                refused.append({"id": str(s[0]), "reason": "empty_mask",
+                                "detail": "no loss token (after truncation to max_seq_len)"})
+            else:
+                samples.append(kept)
+    meta = _shard_metadata(run_key=b.run_key, index=k, first_input=first, num_inputs=len(items),
+                           samples=samples, num_heldout=num_heldout, num_truncated=num_truncated, refused=refused,
+                           turns=turns, text_retokenized=text_retokenized)
+    return samples, meta
+
+
+def _write_manifest(b: _Build, num_inputs: int) -> None:
+    """Rank 0, after every rank wrote its shards: check that the shards of ``num_inputs`` items are all
+    there and no others, and write the manifest.
+
+    Raises:
+        RuntimeError: a shard is missing (a rank failed).
+        ValueError: a shard file beyond this input's shards (the input changed since the cache was started).
+    """
+    out = b.out
+    num_shards = -(-num_inputs // b.shard_size)
+    done = _collect_done(out, b.run_key)
+    missing = [k for k in range(num_shards) if k not in done]
+    if missing:
+        raise RuntimeError(
+            f"{out}: shards {[shard_name(k) for k in missing]} were not written (a rank failed?); "
+            f"{INCOMPLETE_HINT}"
+        )
+    extra = sorted(p.name for p in out.glob("shard-*.safetensors")
+                   if (m := _SHARD_RE.match(p.name)) is None or int(m.group(1)) >= num_shards)
+    if extra:
+        raise ValueError(
+            f"{out}: shard files {extra} were not produced by this input (it has {num_shards} shards); "
+            f"the input changed since the cache was started: use another output folder or delete this one"
+        )
+    shards = [done[k] for k in range(num_shards)]
+    refused_all = [r for s in shards for r in s["refused"]]
+    render, hidden_size, n = b.render, b.hidden_size, len(b.layer_ids)
+    manifest = {
+        "format": FORMAT_VERSION,
+        "run_key": b.run_key,
+        "settings": b.settings,
+        "target": b.target,  # as named to `deepspec cache`; `deepspec train` without --target uses it
+        "target_fingerprint": b.target_fingerprint,
+        "tokenizer_fingerprint": b.tokenizer_fingerprint,
+        "target_layer_ids": b.layer_ids,
+        "hidden_size": hidden_size,
+        "feature_size": hidden_size * n,
+        "num_hidden_layers": b.num_hidden_layers,
+        "storage_dtype": b.storage_dtype,
+        "dtypes": {k: _DTYPE_NAME[v] for k, v in shard_tensor_dtypes(b.storage_dtype).items() if k != "offsets"},
+        "chat_template": b.chat_template,
+        "max_seq_len": b.max_seq_len,
+        "shard_size": b.shard_size,
+        "num_inputs": num_inputs,
+        "num_heldout": sum(s["num_heldout"] for s in shards),
+        "num_samples": sum(s["num_samples"] for s in shards),
+        "num_tokens": sum(s["num_tokens"] for s in shards),
+        "num_loss_tokens": sum(s["num_loss_tokens"] for s in shards),
+        "num_truncated": sum(s["num_truncated"] for s in shards),
+        "num_refused_empty_mask": sum(r["reason"] == "empty_mask" for r in refused_all),
+        "num_refused_nonfinite": sum(r["reason"] == "nonfinite" for r in refused_all),
+        "refused": refused_all,
+        "stop_token_ids": None if render is None else render["stop_token_ids"],
+        "render": None if render is None else dict(render),
+        "turns": {key: sum(s["turns"].get(key, 0) for s in shards) for key in TURN_COUNT_KEYS},
+        "text_retokenized": [r for s in shards for r in s["text_retokenized"]],
+        "bytes_per_token_estimate": cache_bytes_per_token(hidden_size, n, b.storage_dtype),
+        # where the target ran (informational, not a setting the bytes are keyed on; the device type only,
+        # so the manifest does not depend on the rank count or on which GPU rank 0 had)
+        "capture": {"device": next(b.model.parameters()).device.type, "dtype": b.capture_dtype},
+        "shards": shards,
+    }
+    atomic_write_json(out / MANIFEST_NAME, manifest)
 
 
 def write_target_cache_from_samples(
