@@ -129,7 +129,7 @@ def _layout(fmt: str, algorithm: str | None) -> ExportFormat:
 def _id_map_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """``lm_head`` and ``d2t`` of a reduced draft vocabulary (``draft_vocab_size`` != ``vocab_size``)."""
     flat = flat_config(config)
-    V = flat["vocab_size"]
+    V = flat.get("vocab_size")
     Vd = flat.get("draft_vocab_size", V)
     return {} if Vd == V else {"lm_head.weight": (Vd, flat["hidden_size"]), "d2t": (Vd,)}
 
