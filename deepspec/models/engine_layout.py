@@ -33,9 +33,9 @@ class ExportFormat:
     registered name of the draft's algorithm; ``verifier``, for a format that ``names_verifier`` (else None), a
     function returning the ``speculators_config.verifier`` record of ``export --verifier`` (resolving it may
     raise, so a format calls it after its own checks). It raises :class:`ExportError` when the format cannot
-    express the draft. ``expected(config)`` is every tensor (name -> shape) the engine's loader reads, besides the id maps,
-    from the written ``config`` alone: the export is checked against it before anything is written, because these
-    loaders do not report a missing weight.
+    express the draft. ``expected(config)`` is every tensor (name -> shape) the engine's loader reads, besides the
+    id maps, from the written ``config`` alone: the export is checked against it before anything is written,
+    because these loaders do not report a missing weight.
     """
 
     write: Callable[..., tuple[dict[str, Any], dict[str, Tensor], str]]

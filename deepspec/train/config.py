@@ -25,13 +25,14 @@ from deepspec.config import _show_default  # a value as the CLI spells it
 from deepspec.data.cache.format import check_storage_dtype
 from deepspec.device import check_device_name, resolve_dtype
 from deepspec.eval.benchmarks import BENCHMARKS
-from deepspec.models.config import BACKBONES
+from deepspec.models.config import draft_backbone
 
 
 @dataclass(kw_only=True)
 class TrainSettings:
-    """The training settings every algorithm shares (:class:`TrainConfig` adds the algorithms' options).
-    Defaults suit the embedded default target on a 2-core CPU."""
+    """The training settings every algorithm shares: the base of :class:`TrainConfig`, which adds the
+    algorithms' options (and with them :class:`~deepspec.algorithms.protocol.DraftOptions`' shared draft
+    settings, which the checks here read). Defaults suit the embedded default target on a 2-core CPU."""
 
     # -- Data and target --
     output_dir: str  # folder for checkpoint-N/, latest, train_log.jsonl, train_loss.png
@@ -131,8 +132,7 @@ class TrainSettings:
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"train.draft_vocab_size: expected 0 / none (full vocabulary) or a positive number of "
                              f"draft tokens, got {self.draft_vocab_size}")
-        if self.draft_backbone not in ("auto", *BACKBONES):
-            raise ValueError(f"train.draft_backbone: expected auto, {' or '.join(BACKBONES)}, got {self.draft_backbone!r}")
+        draft_backbone(self.draft_backbone, "qwen3")  # a bad name fails here, naming the field
         algorithm = get_algorithm(self.algorithm)
         missing = [f.name for f in dataclasses.fields(algorithm.Options) if not hasattr(self, f.name)]
         if missing:
@@ -168,8 +168,8 @@ class TrainSettings:
         fields = {f.name: f for f in dataclasses.fields(self)}
         ignored = [(fields[name], getattr(self, name)) for name in algorithm.ignored_options(self.options)
                    if _given(self, fields[name])]
-        return [f"--{_flag(f.name)} {_show_default(value)} is ignored: a {self.algorithm} draft {f.metadata[OPTION_ELSEWHERE]}"
-                for f, value in ignored + self.foreign_options(refused=False)]
+        return [f"--{_flag(f.name)} {_show_default(value)} is ignored: a {self.algorithm} draft "
+                f"{f.metadata[OPTION_ELSEWHERE]}" for f, value in ignored + self.foreign_options(refused=False)]
 
     def _own_flags(self) -> str:
         shared = {f.name for f in dataclasses.fields(DraftOptions)}

@@ -56,7 +56,8 @@ class ToyDraft(nn.Module):
         self.fc = nn.Linear(4, 3, bias=False)
 
     def save_pretrained(self, path):
-        return save_draft_folder(path, self.state_dict(), {"deepspec_algorithm": "toy", "toy_config": self.config.to_dict()})
+        config = {"deepspec_algorithm": "toy", "toy_config": self.config.to_dict()}
+        return save_draft_folder(path, self.state_dict(), config)
 
     @classmethod
     def from_pretrained(cls, path):
@@ -151,7 +152,8 @@ def test_its_format_is_an_export_format(toy, tmp_path, capsys):
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["ToyEngineDraft"] and config["deepspec"]["algorithm"] == "toy"
     assert config["deepspec"]["config"]["toy_steps"] == 3
-    assert torch.equal(load_file(str(out / "model.safetensors"))["toy.fc.weight"], ToyDraft.from_pretrained(folder).fc.weight)
+    exported = load_file(str(out / "model.safetensors"))
+    assert torch.equal(exported["toy.fc.weight"], ToyDraft.from_pretrained(folder).fc.weight)
     # the shared tensor check guards its layout too
     config, weights, _ = build_export(folder, "toy-engine")
     with pytest.raises(ExportError, match=r"toy-engine: the export does not match .*wrong shapes toy.fc.weight"):

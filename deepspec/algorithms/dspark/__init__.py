@@ -83,8 +83,9 @@ class DSparkAlgorithm:
                 raise ValueError(f"train.{name}: expected a value {'> 0' if name == 'loss_decay_gamma' else '>= 0'}, "
                                  f"got {value}")
         if options.init_from_target_layers is not None and not options.init_from_target:
-            raise ValueError(f"train.init_from_target_layers: names the target layers to copy with --init-from-target, "
-                             f"got {options.init_from_target_layers} without it; add --init-from-target or drop the list")
+            raise ValueError(f"train.init_from_target_layers: names the target layers to copy with "
+                             f"--init-from-target, got {options.init_from_target_layers} without it; add "
+                             "--init-from-target or drop the list")
 
     def ignored_options(self, options: DSparkOptions) -> tuple[str, ...]:
         return () if self.heads else ("markov_head", "markov_rank")  # DFlash has no Markov head

@@ -49,8 +49,8 @@ class Eagle3Algorithm:
             raise ValueError(f"train.ttt_steps: expected an integer >= 1 (none = {DEFAULT_TTT_STEPS}), got "
                              f"{options.ttt_steps}")
         if options.num_chains is not None and options.num_chains < 0:
-            raise ValueError(f"train.num_chains: expected an integer >= 0 (0 = every row, none = {DEFAULT_NUM_CHAINS}), "
-                             f"got {options.num_chains}")
+            raise ValueError(f"train.num_chains: expected an integer >= 0 (0 = every row, none = "
+                             f"{DEFAULT_NUM_CHAINS}), got {options.num_chains}")
 
     def ignored_options(self, options: Eagle3Options) -> tuple[str, ...]:
         return ()
