@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = lambda algorithm, **kw: TrainConfig(online_data="unused.jsonl", output_dir="unused", algorithm=algorithm,  # noqa: E731
                                               num_anchors=args.num_anchors, markov_rank=args.markov_rank,
                                               block_size=args.block_size, draft_vocab_size=d2t_size,
+                                              ttt_steps=args.block_size, num_chains=args.num_anchors,  # Eagle3's
                                               batch_size=args.batch_size, **kw)
 
     def build(name: str, **kw):

@@ -33,7 +33,7 @@ from deepspec.recipes import COMMON, Recipe, load_recipe, recipe_names
 _STAGES = {
     "prepare": ("deepspec.data.prepare", "PrepareConfig", "regenerate assistant turns with the target"),
     "cache": ("deepspec.stages", "CacheConfig", "write the target cache (features + final hidden states)"),
-    "train": ("deepspec.train.config", "TrainConfig",
+    "train": ("deepspec.train.config", "train_config_class",
               "train a draft model on a target cache or online (features computed by the target)"),
     "eval": ("deepspec.eval.stage", "EvalConfig", "evaluate drafts with speculative decoding on benchmarks"),
     "export": ("deepspec.export", "ExportConfig", "write a trained draft in the layout vLLM or SGLang loads"),
@@ -47,7 +47,8 @@ _STAGES = {
 
 def _config_class(stage: str) -> type:
     module, name, _ = _STAGES[stage]
-    return getattr(importlib.import_module(module), name)
+    found = getattr(importlib.import_module(module), name)
+    return found if isinstance(found, type) else found()  # a function: the class for the registry as it is now
 
 
 class _Parser(argparse.ArgumentParser):

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN
 from deepspec.algorithms.protocol import check_tree_setting
-from deepspec.algorithms.registry import ALGORITHMS, check_baselines, load_draft
+from deepspec.algorithms.registry import ALGORITHMS, DEFAULT_ALGORITHM, check_baselines, load_draft
 from deepspec.checkpoints import latest_checkpoint
 from deepspec.data.prepare import PrepareConfig, summary_path_for
 from deepspec.device import check_device_name, check_dtype_name, resolve_device
@@ -99,7 +99,7 @@ class DemoConfig:
     seed: int = 0  # prepare and training seed
     # drafting algorithms trained on the same cache with the same budget and evaluated together
     # (`make recipe`: dspark dflash eagle3)
-    algorithms: list[str] = field(default_factory=lambda: ["dspark"])
+    algorithms: list[str] = field(default_factory=lambda: [DEFAULT_ALGORITHM])
     # also evaluate the first algorithm's draft at its initialisation (same shape, seed and vocabulary) beside the
     # trained one; off by default: the learning curve's step 0 measures the same draft on the held-out prompts
     untrained_control: bool = False
@@ -222,7 +222,7 @@ class DemoConfig:
         """The training stage's settings for ``algorithm`` (its run folder under ``output_dir``).
 
         Raises ValueError (from :class:`TrainConfig`) for an invalid training setting."""
-        train_dir = Path(self.output_dir) / ("train" if algorithm == "dspark" else f"train-{algorithm}")
+        train_dir = Path(self.output_dir) / ("train" if algorithm == DEFAULT_ALGORITHM else f"train-{algorithm}")
         return TrainConfig(
             cache_dir=str(cache_dir),
             output_dir=str(train_dir),

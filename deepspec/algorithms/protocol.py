@@ -3,13 +3,14 @@
 This module imports no algorithm, trainer or evaluation code (only :mod:`deepspec.target` and
 :mod:`deepspec.models`), so every algorithm folder, the trainer and the engine can depend on it.
 
-Training (:class:`DraftAlgorithm`, :class:`LossLike`, :class:`TrainBatch`). An algorithm is three
-things (docs/design/: draft-models.md, training.md, decoding.md):
-a draft model (built from the target's configuration, saved and
-loaded as safetensors + ``config.json``), a training loss, and a proposer for the speculative
-decoding engine. The trainer runs every algorithm through the same loop:
+Training (:class:`DraftAlgorithm`, :class:`DraftOptions`, :class:`LossLike`, :class:`TrainBatch`). An
+algorithm is a few things (docs/design/: draft-models.md, training.md, decoding.md): its training options
+(a :class:`DraftOptions` dataclass, ``deepspec train``'s flags), a draft model (built from the target's
+configuration and the options, saved and loaded as safetensors + ``config.json``), a training loss, a
+proposer for the speculative decoding engine, and the serving-engine layouts its drafts export to
+(:class:`~deepspec.models.engine_layout.ExportFormat`). The trainer runs every algorithm through the same loop:
 
-    prepared = algo.prepare(model, batch, generator)      # per micro-batch (e.g. DSpark's anchors)
+    prepared = algo.prepare(model, batch, generator, options)  # per micro-batch (e.g. DSpark's anchors)
     weight_sum = sum(algo.weight(model, p) for p in micro)  # the global batch's supervision weight
     out = algo.loss(model, prepared, weight_sum=weight_sum) # sum over the micro-batch / weight_sum
 
@@ -53,6 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from deepspec.models.acceptance import AcceptanceCounts
+from deepspec.models.engine_layout import ExportFormat
 from deepspec.target.decoding import SamplingParams, sampling_probs
 
 
@@ -91,25 +93,102 @@ class LossLike(Protocol):
     def scalars(self) -> dict[str, float]: ...  # what the trainer logs (summed over micro-batches)
 
 
+# field metadata of an algorithm's option (:func:`option`)
+OPTION_ELSEWHERE = "deepspec_elsewhere"
+OPTION_REFUSED_ELSEWHERE = "deepspec_refused_elsewhere"
+
+
+@dataclass(kw_only=True)
+class DraftOptions:
+    """The draft settings every algorithm reads: the base of each algorithm's ``Options``.
+
+    An algorithm's ``Options`` is a keyword-only dataclass deriving from this one, one field per setting, each
+    with its ``--help`` text as the field's comment (the trailing ``# ...``, else the comment lines above it;
+    :func:`deepspec.config.field_comments`) and its section as a ``# -- Title --`` header. ``deepspec train``
+    exposes the union of the registered algorithms' options as flags
+    (:func:`deepspec.train.config.train_config_class`), so an option needs no line outside its algorithm's folder.
+    Fields declared by two algorithms are one flag: they must agree on type and default. An option holds data
+    only (no ``__post_init__``, no methods): the algorithm checks it (``check_options``).
+
+    Each field of a subclass says what another algorithm does with it when it is set away from its default
+    (:func:`option`): ignore it with a warning, or refuse it.
+    """
+
+    # -- Draft --
+    num_draft_layers: int = 1  # decoder layers of the draft
+    # the draft layers' attention: qwen3 (per-head q/k RMSNorm, no bias, for any target family: the layer vLLM's
+    # DSpark loader builds) | target (the target family's own) | auto (qwen3 for dspark/dflash, target for eagle3
+    # and with --init-from-target)
+    draft_backbone: str = "auto"
+
+
+def option(default: Any = None, *, elsewhere: str, refused_elsewhere: bool = False) -> Any:
+    """A field of an algorithm's :class:`DraftOptions` subclass with a default and what another algorithm
+    does with it, set away from that default (``deepspec.train.config`` acts on it):
+
+    - ``refused_elsewhere`` False (settings a shared recipe gives every algorithm: shapes, budgets): the run
+      goes on and warns ``--FLAG VALUE is ignored: a <algorithm> draft <elsewhere>``; the same words serve a
+      configuration of the owning algorithm that does not read it (its ``ignored_options``).
+    - ``refused_elsewhere`` True (settings that change what a draft learns or starts from, given on purpose):
+      ``train.FIELD: <elsewhere>; <algorithm> has its own options (...): drop --FLAG``.
+    """
+    return dataclasses.field(default=default, metadata={OPTION_ELSEWHERE: elsewhere,
+                                                        OPTION_REFUSED_ELSEWHERE: refused_elsewhere})
+
+
+@dataclass(frozen=True)
+class TrainingShape:
+    """What a training step of an algorithm supervises per sequence, for the trainer's messages and its
+    learning curve (:meth:`DraftAlgorithm.training_shape`).
+
+    ``proposal_len``: the most tokens one proposal of the draft holds (the held-out reference's margin,
+    :func:`deepspec.train.heldout.make_reference`). ``rows``: the supervised rows of a sequence in words
+    (``"32 anchors x block 7"``). ``memory_flags``: the algorithm's flags whose lower values shrink a
+    micro-batch (``--num-anchors``); ``memory_fixes``: its other ways out of memory, worded for the message.
+    """
+
+    proposal_len: int
+    rows: str
+    memory_flags: tuple[str, ...] = ()
+    memory_fixes: tuple[str, ...] = ()
+
+
 class DraftAlgorithm(Protocol):
-    """What the trainer and the evaluation need from a drafting algorithm."""
+    """What the trainer, the evaluation and the export need from a drafting algorithm."""
 
     name: str
+    # the algorithm's training options: a DraftOptions dataclass (``deepspec train`` flags)
+    Options: type[DraftOptions]
+    # format name -> the layout that carries its drafts (``deepspec export --format``)
+    export_formats: dict[str, ExportFormat]
 
-    def build(self, target_model: nn.Module, tokenizer: Any, cfg: Any, target_layer_ids: list[int], *,
+    def check_options(self, options: Any) -> None:
+        """Raise ValueError (naming ``train.<field>``, what was expected and the fix) for options this
+        algorithm cannot train with; ``options`` is an instance of :attr:`Options`."""
+        ...
+
+    def ignored_options(self, options: Any) -> tuple[str, ...]:
+        """The fields of :attr:`Options` this configuration of the algorithm does not read (the trainer warns
+        when they are set away from their defaults; e.g. DFlash, DSpark without heads, and the Markov head's)."""
+        ...
+
+    def training_shape(self, options: Any) -> TrainingShape:
+        """What a training step with ``options`` supervises (:class:`TrainingShape`)."""
+        ...
+
+    def build(self, target_model: nn.Module, tokenizer: Any, options: Any, target_layer_ids: list[int], *,
               d2t: torch.Tensor | None = None) -> nn.Module:
-        """A freshly initialised draft for this target (``cfg``: the trainer's config; the caller seeds).
-        ``d2t``: the reduced draft vocabulary (draft -> target ids) when ``cfg.draft_vocab_size`` asks for
-        one (:func:`deepspec.models.vocab.select_draft_vocab`); an algorithm without that support refuses it.
-        ``cfg.init_from_target`` (when the config has it): start the draft's decoder layers as copies of
-        the target's (:mod:`deepspec.models.target_init`), or refuse with a ValueError."""
+        """A freshly initialised draft for this target from ``options`` (an instance of :attr:`Options`,
+        checked with :meth:`check_options`; the caller seeds). ``d2t``: the reduced draft vocabulary (draft ->
+        target ids) when ``train --draft-vocab-size`` asks for one (:func:`deepspec.models.vocab.select_draft_vocab`);
+        an algorithm without that support refuses it."""
         ...
 
     def load(self, path: str | Path) -> nn.Module:
         """A draft saved by ``model.save_pretrained(path)``."""
         ...
 
-    def prepare(self, model: nn.Module, batch: TrainBatch, generator: torch.Generator, cfg: Any) -> Any:
+    def prepare(self, model: nn.Module, batch: TrainBatch, generator: torch.Generator, options: Any) -> Any:
         """Everything a micro-batch's loss needs besides the model (a pure function of the generator state)."""
         ...
 

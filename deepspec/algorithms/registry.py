@@ -1,14 +1,18 @@
 """The registry: every drafting algorithm by name, one line each (:data:`ALGORITHMS`), and the
-training-free baselines (:data:`BASELINES`); finding the algorithm of a saved draft and loading it.
+training-free baselines (:data:`BASELINES`); finding the algorithm of a saved draft and loading it; the
+algorithms' training options (:func:`option_classes`, :func:`option_owners`) and export formats
+(:func:`export_formats`).
 
-An algorithm is one folder, ``deepspec/algorithms/<name>/`` (model, loss, proposer, config; its
-``__init__`` holds the :class:`~deepspec.algorithms.protocol.DraftAlgorithm` adapter), plus its line in
-:data:`ALGORITHMS`. ``deepspec train --algorithm``, ``deepspec eval`` (:func:`load_draft`), the demo's
-``--algorithms`` and ``bench/train.py`` read this registry and nothing else.
+An algorithm is one folder, ``deepspec/algorithms/<name>/`` (options, model, loss, proposer, export formats;
+its ``__init__`` holds the :class:`~deepspec.algorithms.protocol.DraftAlgorithm` adapter), plus its line in
+:data:`ALGORITHMS`. ``deepspec train --algorithm`` (its flags: the union of the options), ``deepspec eval``
+(:func:`load_draft`), ``deepspec export --format``, the demo's ``--algorithms`` and ``bench/train.py`` read
+this registry and nothing else.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,8 +23,9 @@ from torch import nn
 from deepspec.algorithms.dspark import DSparkAlgorithm
 from deepspec.algorithms.dspark.original import is_original_layout, load_original_dspark
 from deepspec.algorithms.eagle3 import Eagle3Algorithm
-from deepspec.algorithms.protocol import DraftAlgorithm
+from deepspec.algorithms.protocol import DraftAlgorithm, DraftOptions
 from deepspec.models.config import CONFIG_NAME
+from deepspec.models.engine_layout import ExportFormat
 from deepspec.target.load import target_fingerprint as fingerprint_of
 
 
@@ -30,6 +35,7 @@ ALGORITHMS: dict[str, Callable[[], DraftAlgorithm]] = {
     "dflash": lambda: DSparkAlgorithm("dflash", heads=False),
     "eagle3": Eagle3Algorithm,
 }
+DEFAULT_ALGORITHM = "dspark"  # deepspec train --algorithm
 
 
 # training-free proposers selectable with --baselines (deepspec.algorithms.ngram; built by
@@ -46,6 +52,32 @@ def get_algorithm(name: str) -> DraftAlgorithm:
     if name not in ALGORITHMS:
         raise ValueError(f"algorithm: expected one of {sorted(ALGORITHMS)}, got {name!r}")
     return ALGORITHMS[name]()
+
+
+def option_classes() -> list[type[DraftOptions]]:
+    """The registered algorithms' ``Options`` classes, each once, in registration order (DSpark and DFlash
+    share one)."""
+    return list(dict.fromkeys(get_algorithm(name).Options for name in ALGORITHMS))
+
+
+def option_owners() -> dict[str, list[str]]:
+    """Option field -> the registered algorithms whose ``Options`` have it (the shared
+    :class:`~deepspec.algorithms.protocol.DraftOptions` fields: every algorithm)."""
+    owners: dict[str, list[str]] = {}
+    for name in ALGORITHMS:
+        for field in dataclasses.fields(get_algorithm(name).Options):
+            owners.setdefault(field.name, []).append(name)
+    return owners
+
+
+def export_formats() -> dict[str, dict[str, ExportFormat]]:
+    """Format name -> {algorithm name -> the layout carrying its drafts}, over the registered algorithms'
+    ``export_formats`` (``deepspec export --format``), formats in order of first declaration."""
+    formats: dict[str, dict[str, ExportFormat]] = {}
+    for name in ALGORITHMS:
+        for fmt, layout in get_algorithm(name).export_formats.items():
+            formats.setdefault(fmt, {})[name] = layout
+    return formats
 
 
 def algorithm_of_draft(path: str | Path) -> str:

@@ -48,14 +48,14 @@ def save_draft_folder(out_dir: Any, state: dict[str, Any], config: dict[str, Any
 BACKBONES = ("target", "qwen3")
 
 
-def draft_backbone(name: str, algorithm: str, *, init_from_target: bool = False) -> str:
-    """The backbone ``train --draft-backbone NAME`` gives a draft of ``algorithm``: ``auto`` is ``qwen3``
-    for DSpark / DFlash (the layer vLLM's ``Qwen3DSparkModel`` builds, so the draft exports to vLLM for
-    any target family; docs/export.md), except with ``--init-from-target`` (a copy of the target's
-    layers needs the family's own layer), and ``target`` for Eagle3 (whose engine heads exist for
+def draft_backbone(name: str, auto: str) -> str:
+    """The backbone ``train --draft-backbone NAME`` gives a draft: ``auto`` stands for the algorithm's own
+    choice, the argument ``auto`` (DSpark / DFlash: ``qwen3``, the layer vLLM's ``Qwen3DSparkModel`` builds, so
+    the draft exports to vLLM for any target family, docs/export.md, except with ``--init-from-target``, whose
+    copy of the target's layers needs the family's own layer; Eagle3: ``target``, whose engine heads exist for
     Llama layers too, and SGLang's has no q/k norm). Raises ValueError naming ``train.draft_backbone``."""
     if name == "auto":
-        return "target" if algorithm == "eagle3" or init_from_target else "qwen3"
+        return auto
     if name not in BACKBONES:
         raise ValueError(f"train.draft_backbone: expected auto, {' or '.join(BACKBONES)}, got {name!r}")
     return name

@@ -1,14 +1,27 @@
 """Draft training settings: :class:`TrainConfig`, the fields ``deepspec train`` exposes as flags, with
-their checks (each error names the field and says how to fix it)."""
+their checks (each error names the field and says how to fix it).
+
+:class:`TrainConfig` is the shared settings (:class:`TrainSettings`) plus the union of the registered
+algorithms' options (each algorithm's ``Options`` dataclass, a
+:class:`~deepspec.algorithms.protocol.DraftOptions`), built from the registry by :func:`train_config_class`:
+a new algorithm's options become flags, recipe keys and ``train_config.json`` keys without a line here. The
+chosen algorithm reads its own options (:attr:`TrainSettings.options`) and checks them; another algorithm's
+option set away from its default is ignored with a warning, or refused, as its field says
+(:func:`deepspec.algorithms.protocol.option`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from deepspec.algorithms.registry import ALGORITHMS
+from deepspec.algorithms.protocol import OPTION_ELSEWHERE, OPTION_REFUSED_ELSEWHERE, DraftOptions
+from deepspec.algorithms.registry import (ALGORITHMS, DEFAULT_ALGORITHM, get_algorithm, option_classes,
+                                          option_owners)
+from deepspec.config import _show_default  # a value as the CLI spells it
 from deepspec.data.cache.format import check_storage_dtype
 from deepspec.device import check_device_name, resolve_dtype
 from deepspec.eval.benchmarks import BENCHMARKS
@@ -16,8 +29,10 @@ from deepspec.models.config import draft_backbone
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
-    """Draft training settings. Defaults suit the embedded default target on a 2-core CPU."""
+class TrainSettings:
+    """The training settings every algorithm shares: the base of :class:`TrainConfig`, which adds the
+    algorithms' options (and with them :class:`~deepspec.algorithms.protocol.DraftOptions`' shared draft
+    settings, which the checks here read). Defaults suit the embedded default target on a 2-core CPU."""
 
     # -- Data and target --
     output_dir: str  # folder for checkpoint-N/, latest, train_log.jsonl, train_loss.png
@@ -37,39 +52,11 @@ class TrainConfig:
     chat_template: str | None = None
     # -- Draft --
     # (the --help text is the trailing comment; tests/integration/test_train_resume.py checks that it lists every
-    # algorithm of deepspec.algorithms.registry.ALGORITHMS)
-    algorithm: str = "dspark"  # the drafting algorithm: dspark | dflash | eagle3 (deepspec.algorithms.registry)
-    num_draft_layers: int = 1  # decoder layers of the draft
-    # the draft layers' attention: qwen3 (per-head q/k RMSNorm, no bias, for any target family: the layer vLLM's
-    # DSpark loader builds) | target (the target family's own) | auto (qwen3 for dspark/dflash, target for eagle3
-    # and with --init-from-target)
-    draft_backbone: str = "auto"
-    # dspark/dflash: slots per draft block (the anchor + block_size - 1 mask slots, each proposes one token);
-    # eagle3: the number of unrolled training-time-test steps (tokens proposed per step)
-    block_size: int = 7
-    # dflash: false = z-lab's DFlash layout (each mask slot predicts the token at its own position, the anchor
-    # slot nothing: block_size - 1 tokens per block), the one vLLM's method "dflash" runs (export --format
-    # vllm-dflash); true = DeepSpec's (the anchor slot proposes too, as DSpark)
-    sample_from_anchor: bool = True
-    num_anchors: int = 32  # anchor positions sampled per sequence per step (docs/design/training.md, "Anchors")
-    markov_rank: int = 256  # rank of the DSpark Markov head's low-rank bigram factorisation (dspark only)
-    markov_head: str = "vanilla"  # DSpark Markov head variant: vanilla | gated | rnn (dspark only)
-    mask_token: str | None = None  # token used as the block's mask input; None = a spare embedding row
+    # algorithm of deepspec.algorithms.registry.ALGORITHMS; each algorithm's own options follow, in its section)
+    algorithm: str = DEFAULT_ALGORITHM  # the drafting algorithm: dspark | dflash | eagle3 (deepspec.algorithms.registry)
     # the draft proposes from the N target tokens most frequent among the training data's supervised
     # tokens (saved with the draft as its d2t id map; every algorithm); 0 or none = the full target vocabulary
     draft_vocab_size: int | None = None
-    # dspark/dflash: start the draft's decoder layer(s) and final norm as copies of the target's last layer(s)
-    init_from_target: bool = False
-    # with --init-from-target: the target layers (0-based, one per draft layer) to copy; none = the last ones
-    init_from_target_layers: list[int] | None = None
-    # -- Loss --
-    # dspark/dflash loss weights and slot decay (docs/design/training.md, "DSpark / DFlash loss");
-    # none = the algorithm's own (DSpark: ce 0.1, l1 0.9,
-    # confidence 1.0, gamma 4.0 as the original; DFlash: ce 1.0 only)
-    ce_weight: float | None = None
-    l1_weight: float | None = None
-    confidence_weight: float | None = None
-    loss_decay_gamma: float | None = None
     # -- Optimiser --
     batch_size: int = 4  # sequences per micro-batch
     grad_accum_steps: int = 1  # micro-batches per optimizer step
@@ -81,10 +68,6 @@ class TrainConfig:
     # fp32 | bf16 (autocast) for the draft's forward (float32 / bfloat16 are accepted too) | auto (bf16 where
     # the hardware runs it fast: CUDA, a CPU with AMX / AVX512-BF16; deepspec.device.resolve_dtype)
     dtype: str = "auto"
-    # DSpark/DFlash: compute the draft logits of the supervised slots one chunk at a time in the loss,
-    # recomputed in backward (memory chunk x vocab instead of batch x anchors x block x vocab; each chunk's
-    # output layers run once more): auto (on when those logits would exceed 256 MiB in fp32) | on | off
-    chunked_head_loss: str = "auto"
     # where each process trains: auto (cuda:LOCAL_RANK when CUDA is available, else cpu) | cpu | cuda | cuda:N
     device: str = "auto"
     # -- Checkpoints --
@@ -114,25 +97,16 @@ class TrainConfig:
                 f"prepared JSONL file for online mode), got cache_dir={self.cache_dir!r}, online_data={self.online_data!r}"
             )
         check_storage_dtype(self.online_feature_dtype, "train.online_feature_dtype")
-        positive = ("num_draft_layers", "block_size", "num_anchors", "batch_size", "grad_accum_steps", "max_steps",
-                    "num_target_layers", "max_seq_len")
+        positive = ("num_draft_layers", "batch_size", "grad_accum_steps", "max_steps", "num_target_layers", "max_seq_len")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}: expected an integer >= 1, got {getattr(self, name)}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"train.algorithm: expected one of {sorted(ALGORITHMS)}, got {self.algorithm!r}")
-        if self.algorithm != "eagle3" and self.block_size < 2:
-            raise ValueError(f"train.block_size: expected an integer >= 2 for {self.algorithm} (the anchor slot and at "
-                             f"least one mask slot), got {self.block_size}")
-        if not self.sample_from_anchor and self.algorithm != "dflash":
-            raise ValueError(f"train.sample_from_anchor: false is z-lab's DFlash layout, for --algorithm dflash only, "
-                             f"got it with {self.algorithm!r}; drop --sample-from-anchor false or train dflash")
         self.dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(self.dtype, self.dtype)  # the decoding spelling
         if self.dtype not in ("fp32", "bf16", "auto"):
             raise ValueError(f"train.dtype: expected 'fp32', 'bf16' or 'auto' (or 'float32' / 'bfloat16'), got "
                              f"{self.dtype!r}; auto picks bf16 where the hardware runs it fast")
-        if self.chunked_head_loss not in ("auto", "on", "off"):
-            raise ValueError(f"train.chunked_head_loss: expected auto, on or off, got {self.chunked_head_loss!r}")
         self.device = check_device_name(self.device, "train.device")
         if not 0.0 <= self.warmup_frac < 1.0:
             raise ValueError(f"train.warmup_frac: expected a fraction in [0, 1), got {self.warmup_frac}")
@@ -158,20 +132,100 @@ class TrainConfig:
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"train.draft_vocab_size: expected 0 / none (full vocabulary) or a positive number of "
                              f"draft tokens, got {self.draft_vocab_size}")
-        losses = self.loss_knobs()
-        if losses and self.algorithm == "eagle3":
-            flags = ", ".join("--" + name.replace("_", "-") for name in losses)
-            raise ValueError(f"train: {flags} set the DSpark/DFlash loss; eagle3 has its own, drop them")
-        for name, value in losses.items():
-            if value < 0 or (name == "loss_decay_gamma" and value == 0):
-                raise ValueError(f"train.{name}: expected a value {'> 0' if name == 'loss_decay_gamma' else '>= 0'}, "
-                                 f"got {value}")
-        draft_backbone(self.draft_backbone, self.algorithm)  # a bad name fails here, naming the field
-        if self.init_from_target_layers is not None and not self.init_from_target:
-            raise ValueError(f"train.init_from_target_layers: names the target layers to copy with --init-from-target, "
-                             f"got {self.init_from_target_layers} without it; add --init-from-target or drop the list")
+        draft_backbone(self.draft_backbone, "qwen3")  # a bad name fails here, naming the field
+        algorithm = get_algorithm(self.algorithm)
+        missing = [f.name for f in dataclasses.fields(algorithm.Options) if not hasattr(self, f.name)]
+        if missing:
+            raise ValueError(f"train.algorithm: {self.algorithm}'s options {missing} are not fields of this "
+                             f"{type(self).__name__} (registered after it was built); build the config with "
+                             "deepspec.train.config.train_config_class()")
+        own = self._own_flags()
+        for field, _ in self.foreign_options(refused=True):
+            raise ValueError(f"train.{field.name}: {field.metadata[OPTION_ELSEWHERE]}; {self.algorithm} has its own "
+                             f"options{f' ({own})' if own else ''}: drop --{_flag(field.name)}")
+        algorithm.check_options(self.options)
 
-    def loss_knobs(self) -> dict[str, float]:
-        """The loss settings given (not None), as :class:`~deepspec.algorithms.dspark.config.DraftConfig` knobs."""
-        names = ("ce_weight", "l1_weight", "confidence_weight", "loss_decay_gamma")
-        return {n: float(getattr(self, n)) for n in names if getattr(self, n) is not None}
+    @property
+    def options(self) -> DraftOptions:
+        """The chosen algorithm's options: an instance of its ``Options`` holding these settings' values."""
+        cls = get_algorithm(self.algorithm).Options
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+
+    def foreign_options(self, *, refused: bool) -> list[tuple[dataclasses.Field, Any]]:
+        """``(field, value)`` of each option of another algorithm (not of the chosen one's ``Options``) set away
+        from its default, among those its field refuses (``refused``) or ignores with a warning."""
+        owners = option_owners()
+        own = {f.name for f in dataclasses.fields(get_algorithm(self.algorithm).Options)}
+        return [(f, getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name in owners and f.name not in own and OPTION_ELSEWHERE in f.metadata
+                and bool(f.metadata.get(OPTION_REFUSED_ELSEWHERE)) == refused and _given(self, f)]
+
+    def ignored_option_warnings(self) -> list[str]:
+        """The warnings for options set away from their defaults that the chosen algorithm does not read: its own
+        options its configuration ignores (``ignored_options``), then other algorithms' (``--FLAG VALUE is
+        ignored: a <algorithm> draft <why>``)."""
+        algorithm = get_algorithm(self.algorithm)
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        ignored = [(fields[name], getattr(self, name)) for name in algorithm.ignored_options(self.options)
+                   if _given(self, fields[name])]
+        return [f"--{_flag(f.name)} {_show_default(value)} is ignored: a {self.algorithm} draft "
+                f"{f.metadata[OPTION_ELSEWHERE]}" for f, value in ignored + self.foreign_options(refused=False)]
+
+    def _own_flags(self) -> str:
+        shared = {f.name for f in dataclasses.fields(DraftOptions)}
+        return ", ".join(f"--{_flag(f.name)}" for f in dataclasses.fields(get_algorithm(self.algorithm).Options)
+                         if f.name not in shared)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _default(field: dataclasses.Field) -> Any:
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+
+
+def _given(cfg: Any, field: dataclasses.Field) -> bool:
+    return getattr(cfg, field.name) != _default(field)
+
+
+_CLASSES: dict[tuple[type, ...], type] = {}
+
+
+def train_config_class() -> type[TrainSettings]:
+    """The training config class for the algorithms registered now: :class:`TrainSettings` and every
+    registered ``Options`` class (:func:`deepspec.algorithms.registry.option_classes`) as one keyword-only
+    dataclass, the shared fields first (``--help`` reads each field's comment and section from its class's
+    source). :data:`TrainConfig` is the one for the registry as imported; the CLI asks again, so an algorithm
+    registered later (a test's) gets its flags.
+
+    Raises:
+        TypeError: an option named like a shared setting, two algorithms declaring one option with another
+            type or default, or an ``Options`` class with a ``__post_init__`` (options are data; the
+            algorithm's ``check_options`` checks them).
+    """
+    options = tuple(option_classes())
+    if options not in _CLASSES:
+        shared = {f.name for f in dataclasses.fields(TrainSettings)}
+        seen: dict[str, tuple[type, dataclasses.Field]] = {}
+        for cls in options:
+            if "__post_init__" in vars(cls):
+                raise TypeError(f"{cls.__qualname__}: an algorithm's options define no __post_init__ (check them in "
+                                "its check_options)")
+            for f in dataclasses.fields(cls):
+                if f.name in shared:
+                    raise TypeError(f"{cls.__qualname__}.{f.name}: a shared training setting has this name")
+                first = seen.setdefault(f.name, (cls, f))
+                if first[1] is not f and (str(first[1].type), _default(first[1])) != (str(f.type), _default(f)):
+                    raise TypeError(f"{cls.__qualname__}.{f.name} and {first[0].__qualname__}.{f.name}: one flag, "
+                                    "declared with another type or default")
+        namespace = {"__module__": __name__, "__qualname__": "TrainConfig",
+                     "__doc__": "Draft training settings: the shared ones (TrainSettings) and every registered "
+                                "algorithm's options. Defaults suit the embedded default target on a 2-core CPU."}
+        # the options' bases after TrainSettings in field order: reversed, since fields follow the reversed MRO
+        _CLASSES[options] = dataclass(kw_only=True)(type("TrainConfig", (*reversed(options), TrainSettings),
+                                                         namespace))
+    return _CLASSES[options]
+
+
+TrainConfig = train_config_class()

@@ -3,7 +3,6 @@ init from the target) and checking a checkpoint's draft against the settings of 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -43,9 +42,10 @@ def build_draft(target_model, tokenizer, cfg: TrainConfig, target_layer_ids: lis
     """A freshly initialised draft of ``cfg.algorithm`` and the shape ``cfg`` asks for, seeded by ``cfg.seed``.
 
     With ``cfg.draft_vocab_size`` the draft vocabulary is ``d2t`` if given, else chosen from ``data``
-    (:func:`draft_vocab_from_data`). With ``cfg.init_from_target`` the draft's layers start as copies
-    of the target's (:mod:`deepspec.models.target_init`). The same call with the same seed gives the
-    same untrained draft (used as the eval control).
+    (:func:`draft_vocab_from_data`). The algorithm builds it from its own options (``cfg.options``; e.g.
+    DSpark's ``init_from_target`` starts the draft's layers as copies of the target's,
+    :mod:`deepspec.models.target_init`). The same call with the same seed gives the same untrained draft
+    (used as the eval control).
 
     Raises:
         ValueError: ``cfg.draft_vocab_size`` without ``data`` or ``d2t``, or one the algorithm refuses.
@@ -57,7 +57,7 @@ def build_draft(target_model, tokenizer, cfg: TrainConfig, target_layer_ids: lis
         d2t = draft_vocab_from_data(data, cfg.draft_vocab_size, int(target_model.config.vocab_size))
     with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG
         torch.manual_seed(cfg.seed)
-        return get_algorithm(cfg.algorithm).build(target_model, tokenizer, cfg, target_layer_ids, d2t=d2t)
+        return get_algorithm(cfg.algorithm).build(target_model, tokenizer, cfg.options, target_layer_ids, d2t=d2t)
 
 
 def _draft_settings(draft_config_json: dict[str, Any]) -> dict[str, Any]:
@@ -101,19 +101,12 @@ def check_resume_shape(checkpoint: Path, model: torch.nn.Module, cfg: TrainConfi
         )
 
 
-def warn_ignored_flags(model: torch.nn.Module, cfg: TrainConfig) -> list[str]:
-    """Warn (stderr) about ``--markov-head`` / ``--markov-rank`` set away from their defaults for a
-    draft without a Markov head (dflash, eagle3), and ``--chunked-head-loss`` for eagle3 (whose loss
-    always works in checkpointed chunks), which ignore them; returns the messages."""
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    messages = []
-    if not getattr(model.config, "use_markov_head", False):
-        messages += [f"--{name.replace('_', '-')} {getattr(cfg, name)} is ignored: a {cfg.algorithm} draft has no "
-                     "Markov head (only dspark has one)"
-                     for name in ("markov_head", "markov_rank") if getattr(cfg, name) != defaults[name]]
-    if cfg.algorithm == "eagle3" and cfg.chunked_head_loss != defaults["chunked_head_loss"]:
-        messages.append(f"--chunked-head-loss {cfg.chunked_head_loss} is ignored: eagle3's loss always computes "
-                        "its logits in checkpointed chunks of rows")
+def warn_ignored_flags(cfg: TrainConfig) -> list[str]:
+    """Warn (stderr) about options set away from their defaults that ``cfg.algorithm`` does not read: its own
+    its configuration ignores (``--markov-head`` / ``--markov-rank`` for dflash, which has no Markov head) and
+    other algorithms' (``--block-size`` for eagle3, whose steps are ``--ttt-steps``; ``--ttt-steps`` for dspark),
+    :meth:`~deepspec.train.config.TrainSettings.ignored_option_warnings`; returns the messages."""
+    messages = cfg.ignored_option_warnings()
     for message in messages:
         warn(message)
     return messages

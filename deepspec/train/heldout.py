@@ -214,14 +214,15 @@ class HeldoutCurve:
             prompts = heldout_prompt_ids(cfg.heldout_benchmarks, cfg.heldout_num_prompts, tokenizer)
         key = reference_key(prompts, target_fingerprint=target_fingerprint(target_model),
                             target_layer_ids=target_layer_ids, max_new_tokens=cfg.heldout_max_new_tokens,
-                            block_size=cfg.block_size, eos_token_ids=self.eos)
+                            block_size=algorithm.training_shape(cfg.options).proposal_len, eos_token_ids=self.eos)
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
 
         def make():
             print(f"train: learning curve: the target answers {len(prompts)} held-out prompts once (up to "
                   f"{cfg.heldout_max_new_tokens} tokens each; --heldout-every 0 turns the curve off)", flush=True)
             return make_reference(target_model, prompts, target_layer_ids, self.eos,
-                                  max_new_tokens=cfg.heldout_max_new_tokens, block_size=cfg.block_size)
+                                  max_new_tokens=cfg.heldout_max_new_tokens,
+                                  block_size=algorithm.training_shape(cfg.options).proposal_len)
 
         self.refs = load_or_make_reference(Path(cfg.output_dir) / REFERENCE_NAME, key, make)
 

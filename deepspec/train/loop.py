@@ -229,7 +229,7 @@ def _set_up(cfg: TrainConfig, ctx: Dist, *, target_model=None, tokenizer=None, h
     if resume_from is not None:
         check_resume_shape(resume_from, model, cfg)
     if ctx.is_main:
-        warn_ignored_flags(model, cfg)
+        warn_ignored_flags(cfg)
         if state is not None:
             warn_resume_changes(state, cfg, ctx.world_size)
     check_mask_token_absent(
@@ -277,7 +277,7 @@ def _step(run: _Run, step: int, loaded, autocast) -> dict:
         # random choices (anchors) depend only on (seed, step, slot): resume and any rank or
         # accumulation split reproduce them exactly
         generator = torch.Generator().manual_seed(micro_batch_seed(cfg.seed, step, plan.slot))
-        micro.append(to_device(algorithm.prepare(model, batch, generator, cfg), ctx.device))
+        micro.append(to_device(algorithm.prepare(model, batch, generator, cfg.options), ctx.device))
     weight_sum = sum(algorithm.weight(model, prepared) for prepared in micro).to(ctx.device, torch.float32)
     if ctx.sharded:
         dist.all_reduce(weight_sum)
@@ -336,14 +336,12 @@ def _log_heldout(run: _Run, step_done: int, row: dict | None) -> None:
 def _train_out_of_memory(exc: BaseException, cfg: TrainConfig, ctx: Dist, step: int,
                          longest: int) -> torch.OutOfMemoryError:
     """The out-of-memory error of a training step: the sizes of the micro-batch and the flags that lower them."""
-    rows = f"{cfg.num_anchors} anchors x block {cfg.block_size}" if cfg.algorithm != "eagle3" else (
-        f"{cfg.num_anchors} chains x {cfg.block_size} steps")
+    shape = get_algorithm(cfg.algorithm).training_shape(cfg.options)
     vocab = f"draft vocabulary {cfg.draft_vocab_size}" if cfg.draft_vocab_size else "the full vocabulary"
-    sizes = (f"step {step}, a micro-batch of {cfg.batch_size} sequences of up to {longest} tokens, {rows} each, "
+    sizes = (f"step {step}, a micro-batch of {cfg.batch_size} sequences of up to {longest} tokens, {shape.rows} each, "
              f"{vocab}, {cfg.num_draft_layers} draft layer(s), {'bf16' if cfg.uses_bf16(ctx.device) else 'fp32'}")
-    fix = ("lower --batch-size (raise --grad-accum-steps to keep the global batch), --num-anchors or "
-           "--draft-vocab-size, or train with --dtype bf16"
-           + ("" if cfg.algorithm == "eagle3" or cfg.chunked_head_loss == "on" else
-              " or --chunked-head-loss on (the draft logits per chunk of slots)")
+    fix = ("lower " + ", ".join(("--batch-size (raise --grad-accum-steps to keep the global batch)",
+                                 *shape.memory_flags)) + " or --draft-vocab-size, or train with "
+           + " or ".join(("--dtype bf16", *shape.memory_fixes))
            + "; samples are cut at --max-seq-len online, at `deepspec cache --max-seq-len` in a cache")
     return out_of_memory_error("train", ctx.device, sizes, fix, exc)

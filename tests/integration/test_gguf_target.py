@@ -156,8 +156,9 @@ def test_a_gemma3_gguf_runs_prepare_cache_train_eval_with_identical_outputs(tmp_
                                                                   "<start_of_turn>model\n"
     for algorithm in ("dspark", "eagle3"):
         assert main(["train", "--cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / algorithm),
-                     "--algorithm", algorithm, "--max-steps", "2", "--block-size", "3", "--num-anchors", "4",
-                     "--batch-size", "2", "--mask-token", "<mask>"]) == 0
+                     "--algorithm", algorithm, "--max-steps", "2", "--batch-size", "2",
+                     *(["--ttt-steps", "3", "--num-chains", "4"] if algorithm == "eagle3" else
+                       ["--block-size", "3", "--num-anchors", "4", "--mask-token", "<mask>"])]) == 0
     _, draft = load_draft(draft_folder(str(tmp_path / "dspark")))
     assert draft.config.family == "gemma3_text" and draft.config.embed_scale == pytest.approx(32 ** 0.5)
     saved = json.loads((draft_folder(str(tmp_path / "dspark")) / "config.json").read_text())

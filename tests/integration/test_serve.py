@@ -63,7 +63,7 @@ def setup(tmp_path_factory):
     folders = {}
     for algorithm in ("dspark", "eagle3"):
         train_cfg = TrainConfig(output_dir=str(root), cache_dir=str(root), algorithm=algorithm, markov_rank=8,
-                                block_size=4, mask_token="<repo_name>")
+                                block_size=4, ttt_steps=4, mask_token="<repo_name>")
         torch.manual_seed(0)
         folders[algorithm] = build_draft(target, tok, train_cfg, [0, 2]).save_pretrained(root / algorithm)
     return target, tok, folders

@@ -320,21 +320,28 @@ def test_resume_auto_without_a_checkpoint_and_a_dangling_latest(setup, tmp_path,
 
 def test_markov_flags_warn_for_drafts_without_a_markov_head(setup, tmp_path, capsys):
     model, tok, cache = setup
-    for algorithm in ("dflash", "eagle3"):
+    markov = ["--markov-head gated is ignored: a {} draft has no Markov head (only dspark has one)",
+              "--markov-rank 8 is ignored: a {} draft has no Markov head (only dspark has one)"]
+    # eagle3 has no anchors either (its chains are --num-chains): _cfg's --num-anchors 4 is DSpark's and DFlash's
+    anchors = ["--num-anchors 4 is ignored: a eagle3 draft samples no anchors (only dspark and dflash do)"]
+    for algorithm, before in (("dflash", []), ("eagle3", anchors)):
         cfg = _cfg(cache, tmp_path, algorithm=algorithm, markov_head="gated")  # markov_rank=8 is not the default
-        draft = train_draft.build_draft(model, tok, cfg, LAYER_IDS)
-        assert train_draft.warn_ignored_flags(draft, cfg) == [
-            f"--markov-head gated is ignored: a {algorithm} draft has no Markov head (only dspark has one)",
-            f"--markov-rank 8 is ignored: a {algorithm} draft has no Markov head (only dspark has one)"]
+        train_draft.build_draft(model, tok, cfg, LAYER_IDS)
+        assert train_draft.warn_ignored_flags(cfg) == before + [m.format(algorithm) for m in markov]
         assert "warning: --markov-head gated is ignored" in capsys.readouterr().err
         defaults = TrainConfig(cache_dir=str(cache), output_dir=str(tmp_path), algorithm=algorithm)
-        assert train_draft.warn_ignored_flags(train_draft.build_draft(model, tok, defaults, LAYER_IDS), defaults) == []
+        assert train_draft.warn_ignored_flags(defaults) == []
     cfg = _cfg(cache, tmp_path, markov_head="gated")
-    assert train_draft.warn_ignored_flags(train_draft.build_draft(model, tok, cfg, LAYER_IDS), cfg) == []
-    for algorithm, expected in (("eagle3", ["--chunked-head-loss on is ignored: eagle3's loss always computes its "
-                                            "logits in checkpointed chunks of rows"]), ("dspark", [])):
+    assert train_draft.warn_ignored_flags(cfg) == []
+    for algorithm, expected in (("eagle3", ["--chunked-head-loss on is ignored: a eagle3 draft computes no DSpark / "
+                                            "DFlash block logits to chunk"]), ("dspark", [])):
         cfg = TrainConfig(cache_dir=str(cache), output_dir=str(tmp_path), algorithm=algorithm, chunked_head_loss="on")
-        assert train_draft.warn_ignored_flags(train_draft.build_draft(model, tok, cfg, LAYER_IDS), cfg) == expected
+        assert train_draft.warn_ignored_flags(cfg) == expected
+    # and the other way round: Eagle3's options are ignored by a DSpark draft
+    cfg = TrainConfig(cache_dir=str(cache), output_dir=str(tmp_path), ttt_steps=3, num_chains=8)
+    assert train_draft.warn_ignored_flags(cfg) == [
+        "--ttt-steps 3 is ignored: a dspark draft has no training-time-test steps (only eagle3 unrolls them)",
+        "--num-chains 8 is ignored: a dspark draft has no training-time-test chains (only eagle3 samples them)"]
 
 
 def test_train_help_lists_the_registered_algorithms():
@@ -344,20 +351,24 @@ def test_train_help_lists_the_registered_algorithms():
     stage = build_parser().stage_parsers["train"]
     helps = {a.dest: a.help for a in stage._actions}
     assert all(name in helps["algorithm"] for name in ALGORITHMS), helps["algorithm"]
-    assert "eagle3" in helps["block_size"] and "unrolled" in helps["block_size"]
+    # Eagle3's steps are its own flag; --block-size says so
+    assert "unrolled" in helps["ttt_steps"] and "--ttt-steps" in " ".join(helps["block_size"].split())
 
 
 @pytest.mark.parametrize("algorithm", ["dflash", "eagle3"])
 def test_same_settings_resume_passes_the_shape_check(setup, tmp_path, algorithm):
     """No false alarm: every algorithm's saved config.json matches the draft the same flags build."""
     model, tok, cache = setup
-    kw = {"algorithm": algorithm, "markov_rank": 256, "max_steps": 2, "save_every": 1, "block_size": 3}
+    steps = "ttt_steps" if algorithm == "eagle3" else "block_size"  # tokens drafted per step
+    kw = {"algorithm": algorithm, "markov_rank": 256, "max_steps": 2, "save_every": 1, steps: 3}
+    if algorithm == "eagle3":
+        kw.update(num_anchors=32, num_chains=4)  # _cfg's anchors are DSpark's; eagle3 samples chains
     train(_cfg(cache, tmp_path / "a", **kw), target_model=model, tokenizer=tok)
     resumed = train(_cfg(cache, tmp_path / "b", resume=str(tmp_path / "a" / "checkpoint-000001"), **kw),
                     target_model=model, tokenizer=tok)
     assert resumed.name == "checkpoint-000002"
-    with pytest.raises(ValueError, match="block_size|ttt_steps"):
-        train(_cfg(cache, tmp_path / "c", resume=str(tmp_path / "a" / "checkpoint-000001"), **{**kw, "block_size": 4}),
+    with pytest.raises(ValueError, match=f"{steps}: \\(3, 4\\)"):
+        train(_cfg(cache, tmp_path / "c", resume=str(tmp_path / "a" / "checkpoint-000001"), **{**kw, steps: 4}),
               target_model=model, tokenizer=tok)
 
 

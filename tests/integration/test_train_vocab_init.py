@@ -101,7 +101,8 @@ def test_init_from_target_refusals(setup, tmp_path):
     with pytest.raises(ValueError, match="expected ids in \\[0, 3\\)"):
         train_draft.build_draft(model, tok, _cfg(cache, tmp_path, init_from_target=True, init_from_target_layers=[3]),
                          LAYER_IDS)
-    with pytest.raises(ValueError, match="train.init_from_target: Eagle3's decoder layer"):
+    with pytest.raises(ValueError, match="train.init_from_target: copies the target's layers into a DSpark / DFlash "
+                                         "draft; eagle3 has its own options"):
         train_draft.build_draft(model, tok, _cfg(cache, tmp_path, algorithm="eagle3", init_from_target=True), LAYER_IDS)
     with pytest.raises(ValueError, match="Qwen3-style q/k norms and the target's have none.*--draft-backbone target"):
         train_draft.build_draft(model, tok, _cfg(cache, tmp_path, init_from_target=True, draft_backbone="qwen3"), LAYER_IDS)

@@ -173,8 +173,10 @@ def test_train_help_is_grouped_by_section(capsys):
         main(["train", "--help"])
     out = capsys.readouterr().out
     out = out[out.index("options:"):]
-    order = ["Data and target:", "--cache-dir", "Draft:", "--block-size", "Loss:", "--ce-weight", "Optimiser:",
-             "--lr", "Checkpoints:", "--resume", "Learning curve:", "--heldout-every"]
+    # the shared settings, then each algorithm's options in its own group (their Options classes' sections)
+    order = ["Data and target:", "--cache-dir", "Draft:", "--algorithm", "--num-draft-layers", "Optimiser:", "--lr",
+             "Checkpoints:", "--resume", "Learning curve:", "--heldout-every", "DSpark and DFlash:", "--block-size",
+             "--ce-weight", "Eagle3:", "--ttt-steps", "--num-chains"]
     assert [out.index(s) for s in order] == sorted(out.index(s) for s in order)
 
 

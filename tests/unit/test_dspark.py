@@ -94,14 +94,29 @@ def test_qwen3_backbone_for_every_family(family):
                                  backbone="llama")
 
 
-def test_auto_backbone_per_algorithm():
+def test_auto_backbone_per_algorithm(tmp_path):
+    from deepspec.algorithms.registry import get_algorithm
     from deepspec.models.config import draft_backbone
+    from deepspec.train.config import TrainConfig
+    from tests.unit.test_chat import tiny_chatml_tokenizer
 
-    assert [draft_backbone("auto", a) for a in ("dspark", "dflash", "eagle3")] == ["qwen3", "qwen3", "target"]
-    assert draft_backbone("auto", "dspark", init_from_target=True) == "target"  # a copy needs the family's layer
-    assert draft_backbone("qwen3", "eagle3") == "qwen3"
+    tok = tiny_chatml_tokenizer()
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=64))
+
+    def qk_norm(algorithm, **kw):  # Llama layers have none: q/k norm means the qwen3 backbone
+        cfg = TrainConfig(output_dir=str(tmp_path), online_data="unused.jsonl", algorithm=algorithm, **kw)
+        return get_algorithm(algorithm).build(target, tok, cfg.options, [0, 1]).config.qk_norm
+
+    assert [qk_norm(a) for a in ("dspark", "dflash", "eagle3")] == [True, True, False]
+    assert not qk_norm("dspark", init_from_target=True)  # a copy needs the family's layer
+    assert qk_norm("eagle3", draft_backbone="qwen3")
+    assert draft_backbone("auto", "qwen3") == "qwen3" and draft_backbone("target", "qwen3") == "target"
     with pytest.raises(ValueError, match="train.draft_backbone: expected auto, target or qwen3, got 'gemma'"):
-        draft_backbone("gemma", "dspark")
+        draft_backbone("gemma", "qwen3")
+    with pytest.raises(ValueError, match="train.draft_backbone: expected auto, target or qwen3, got 'gemma'"):
+        TrainConfig(output_dir=str(tmp_path), online_data="unused.jsonl", draft_backbone="gemma")
 
 
 def test_config_qwen3_4b_from_config_alone():

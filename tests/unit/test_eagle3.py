@@ -395,7 +395,7 @@ def test_trainer_lowers_the_loss(tmp_path):
                                     progress=False)
     out = tmp_path / "run"
     ckpt = train(TrainConfig(cache_dir=str(cache), output_dir=str(out), algorithm="eagle3", batch_size=2,
-                             block_size=3, max_steps=10, lr=1e-2, warmup_frac=0.1), target_model=model,
+                             ttt_steps=3, max_steps=10, lr=1e-2, warmup_frac=0.1), target_model=model,
                  tokenizer=tok)
     rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert len(rows) == 10 and rows[-1]["loss"] < rows[0]["loss"]
@@ -405,8 +405,7 @@ def test_trainer_lowers_the_loss(tmp_path):
 
 
 def test_prepare_samples_chain_starts_within_the_supervision_budget():
-    from types import SimpleNamespace
-
+    from deepspec.algorithms.eagle3.config import Eagle3Options
     from deepspec.algorithms.protocol import TrainBatch
 
     B, S = 2, 40
@@ -416,13 +415,13 @@ def test_prepare_samples_chain_starts_within_the_supervision_budget():
     batch = TrainBatch(torch.zeros(B, S, dtype=torch.long), lm, torch.zeros(B, S, 4), torch.zeros(B, S, 2), [0, 1])
     algo = Eagle3Algorithm()
     gen = torch.Generator().manual_seed(0)
-    prepared = algo.prepare(None, batch, gen, SimpleNamespace(num_anchors=6))
+    prepared = algo.prepare(None, batch, gen, Eagle3Options(num_chains=6))
     valid0 = ttt_supervision(lm, 1, 1.0)[0][0]
     assert prepared.rows_BS.sum(1).tolist() == [6, 4]  # capped at 6; all 4 candidates of row 1 kept
     assert not (prepared.rows_BS & ~valid0).any()  # only rows whose first prediction is supervised
-    again = algo.prepare(None, batch, torch.Generator().manual_seed(0), SimpleNamespace(num_anchors=6))
+    again = algo.prepare(None, batch, torch.Generator().manual_seed(0), Eagle3Options(num_chains=6))
     assert torch.equal(prepared.rows_BS, again.rows_BS)  # a pure function of the generator state
-    assert algo.prepare(None, batch, gen, SimpleNamespace(num_anchors=0)).rows_BS is None
+    assert algo.prepare(None, batch, gen, Eagle3Options(num_chains=0)).rows_BS is None
     full = ttt_supervision(lm, 7, 0.8)[1]
     sub = ttt_supervision(lm, 7, 0.8, prepared.rows_BS)[1]
     assert 0 < sub.sum() < full.sum() and torch.all(sub <= full)

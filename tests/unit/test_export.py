@@ -176,7 +176,8 @@ def test_dflash_exports_as_dspark_with_a_zero_markov_head(tmp_path):
                                        "--draft-backbone target. have none.*Train the draft with --draft-backbone qwen3"),
     ("dspark", "qwen3", "vllm-dflash", "mask slots predict their own position.*--sample-from-anchor false"),
     ("dflash", "qwen3", "vllm-dflash", "this dflash draft proposes from the anchor slot on.*--format vllm-dspark"),
-    ("dspark", "qwen3", "vllm-eagle3", "EAGLE-3 formats take eagle3 drafts"),
+    ("dspark", "qwen3", "vllm-eagle3", "dspark draft; use --format vllm-dspark or vllm-dflash or speculators "
+                                       r"\(vllm-eagle3 takes eagle3 drafts\)"),
     ("eagle3", "llama", "vllm-dflash", "eagle3 draft; use --format vllm-eagle3 or sglang-eagle3"),
     ("eagle3", "llama", "vllm-dspark", "vllm-dspark takes dspark and dflash drafts"),
     *((algorithm, "gemma3", fmt, r"gemma3_text target, whose RMSNorms are \(1 \+ w\).*no export format carries them")
@@ -213,7 +214,8 @@ def test_existing_output_needs_overwrite_and_the_cli_says_so(tmp_path, capsys):
     assert main(argv + ["--overwrite"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert main(["export", "--draft", str(folder), "--format", "gguf", "--output-dir", str(tmp_path / "x")]) == 2
-    assert "export.format: expected one of vllm-eagle3" in capsys.readouterr().err
+    assert "export.format: expected one of vllm-dspark, vllm-dflash, speculators, vllm-eagle3, sglang-eagle3, got " \
+           "'gguf'" in capsys.readouterr().err
 
 
 def test_overwrite_replaces_only_an_earlier_export(tmp_path, monkeypatch):

@@ -11,7 +11,6 @@ Shape legend: B batch, S sequence length, T tokens of a sample, V target vocabul
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -113,7 +112,7 @@ def test_losses_with_and_without_the_stats_agree(target, cache_dir, name):
     with_stats = collate(samples, [0, 1, 2, 3])
     without = collate([{k: v for k, v in s.items() if k not in LOGIT_STAT_FIELDS} for s in samples], [0, 1, 2, 3])
     assert with_stats.target_logsumexp_BS is not None and without.target_logsumexp_BS is None
-    cfg = SimpleNamespace(num_anchors=6)
+    cfg = algo.Options(**{"num_chains" if name == "eagle3" else "num_anchors": 6})
     nullctx = torch.autocast("cpu", enabled=False)
     runs = []
     for batch in (without, with_stats):

@@ -60,7 +60,8 @@ def test_vllm_prepare_and_an_exported_eagle3_draft(tmp_path):
     cache, train, exported = tmp_path / "cache", tmp_path / "train", tmp_path / "eagle3-vllm"
     assert main(["cache", "--recipe", "demo", "--input", str(PREPARED), "--output-dir", str(cache)]) == 0
     assert main(["train", "--recipe", "demo", "--algorithm", "eagle3", "--cache-dir", str(cache),
-                 "--output-dir", str(train), "--max-steps", "60", "--heldout-every", "0"]) == 0
+                 "--output-dir", str(train), "--max-steps", "60", "--heldout-every", "0",
+                 "--ttt-steps", "3", "--num-chains", "64"]) == 0  # the demo recipe's block and anchors
     assert main(["export", "--draft", str(train), "--format", "vllm-eagle3", "--output-dir", str(exported),
                  "--dtype", "float32"]) == 0
     config = json.loads((exported / "config.json").read_text())

@@ -1,11 +1,12 @@
 """DSpark, and DFlash as its configuration without heads (docs/design/draft-models.md): one folder.
 
-- :mod:`.config`: :class:`DraftConfig` (shape from the target, block / head / loss knobs) and
-  :func:`dflash_knobs`, the knobs that make it DFlash.
+- :mod:`.config`: :class:`DraftConfig` (shape from the target, block / head / loss knobs),
+  :func:`dflash_knobs`, the knobs that make it DFlash, and :class:`DSparkOptions`, the training options.
 - :mod:`.model`: :class:`DSparkDraftModel`, the block-parallel drafter with its Markov and confidence heads.
 - :mod:`.loss`: the DSpark / DFlash training loss (CE + L1 + confidence, slot-decayed weights).
 - :mod:`.proposer`: :class:`DSparkProposer`, the drafter behind the engine's ``Proposer`` protocol.
 - :mod:`.original`: drafts in the original DeepSpec checkpoint layout (detect, load, write).
+- :mod:`.export`: the serving-engine layouts its drafts export to (vllm-dspark, vllm-dflash, speculators).
 
 This module is the algorithm adapter the registry holds (:class:`DSparkAlgorithm`, registered twice:
 ``dspark`` with heads, ``dflash`` without); it reuses the shared pieces of :mod:`deepspec.models`
@@ -18,11 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from deepspec.algorithms.dspark.config import DraftConfig, dflash_knobs, draft_config_from_target
+from deepspec.algorithms.dspark.config import (DraftConfig, DSparkOptions, dflash_knobs, draft_config_from_target,
+                                               loss_knobs)
+from deepspec.algorithms.dspark.export import FORMATS
 from deepspec.algorithms.dspark.loss import compute_dtype, dspark_loss, supervision_weights
 from deepspec.algorithms.dspark.model import DSparkDraftModel
 from deepspec.algorithms.dspark.proposer import DSparkProposer
-from deepspec.algorithms.protocol import TrainBatch
+from deepspec.algorithms.protocol import TrainBatch, TrainingShape
 from deepspec.models.anchors import sample_anchors
 from deepspec.models.config import draft_backbone
 from deepspec.models.mask_token import choose_mask_token_id
@@ -56,49 +59,84 @@ class DSparkAlgorithm:
     """DSpark (DSpark paper): block-parallel drafter with Markov and confidence heads. With
     ``heads=False`` it is DFlash: the same backbone, CE loss only."""
 
+    Options = DSparkOptions
+    export_formats = FORMATS
+
     def __init__(self, name: str, *, heads: bool) -> None:
         self.name = name
         self.heads = heads
 
-    def draft_config(self, target_config, num_embeddings: int, tokenizer, cfg, target_layer_ids, *,
+    def check_options(self, options: DSparkOptions) -> None:
+        for field in ("block_size", "num_anchors"):
+            if getattr(options, field) < 1:
+                raise ValueError(f"train.{field}: expected an integer >= 1, got {getattr(options, field)}")
+        if options.block_size < 2:
+            raise ValueError(f"train.block_size: expected an integer >= 2 for {self.name} (the anchor slot and at "
+                             f"least one mask slot), got {options.block_size}")
+        if not options.sample_from_anchor and self.heads:
+            raise ValueError(f"train.sample_from_anchor: false is z-lab's DFlash layout, for --algorithm dflash only, "
+                             f"got it with {self.name!r}; drop --sample-from-anchor false or train dflash")
+        if options.chunked_head_loss not in ("auto", "on", "off"):
+            raise ValueError(f"train.chunked_head_loss: expected auto, on or off, got {options.chunked_head_loss!r}")
+        for name, value in loss_knobs(options).items():
+            if value < 0 or (name == "loss_decay_gamma" and value == 0):
+                raise ValueError(f"train.{name}: expected a value {'> 0' if name == 'loss_decay_gamma' else '>= 0'}, "
+                                 f"got {value}")
+        if options.init_from_target_layers is not None and not options.init_from_target:
+            raise ValueError(f"train.init_from_target_layers: names the target layers to copy with "
+                             f"--init-from-target, got {options.init_from_target_layers} without it; add "
+                             "--init-from-target or drop the list")
+
+    def ignored_options(self, options: DSparkOptions) -> tuple[str, ...]:
+        return () if self.heads else ("markov_head", "markov_rank")  # DFlash has no Markov head
+
+    def training_shape(self, options: DSparkOptions) -> TrainingShape:
+        return TrainingShape(
+            proposal_len=options.block_size, rows=f"{options.num_anchors} anchors x block {options.block_size}",
+            memory_flags=("--num-anchors",),
+            memory_fixes=() if options.chunked_head_loss == "on" else (
+                "--chunked-head-loss on (the draft logits per chunk of slots)",))
+
+    def draft_config(self, target_config, num_embeddings: int, tokenizer, options: DSparkOptions, target_layer_ids, *,
                      draft_vocab_size: int | None = None) -> DraftConfig:
         """The draft's config from the target's config alone (no weights: a recipe builds it on the meta
         device); ``num_embeddings`` = rows of the target's input embedding (for the mask token)."""
-        mask_token_id = choose_mask_token_id(tokenizer, num_embeddings, cfg.mask_token)
+        mask_token_id = choose_mask_token_id(tokenizer, num_embeddings, options.mask_token)
         return draft_config_from_target(
             target_config,
-            num_draft_layers=cfg.num_draft_layers,
+            num_draft_layers=options.num_draft_layers,
             target_layer_ids=target_layer_ids,
             mask_token_id=mask_token_id,
-            block_size=cfg.block_size,
-            markov_rank=cfg.markov_rank,
-            markov_head_type=cfg.markov_head,
+            block_size=options.block_size,
+            markov_rank=options.markov_rank,
+            markov_head_type=options.markov_head,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
             draft_vocab_size=draft_vocab_size,
-            backbone=draft_backbone(getattr(cfg, "draft_backbone", "auto"), self.name,
-                                    init_from_target=getattr(cfg, "init_from_target", False)),
-            sample_from_anchor=getattr(cfg, "sample_from_anchor", True),
+            # a copy of the target's layers needs the family's own layer; else the one vLLM's loader builds
+            backbone=draft_backbone(options.draft_backbone, "target" if options.init_from_target else "qwen3"),
+            sample_from_anchor=options.sample_from_anchor,
             # the algorithm's own knobs, then the loss settings given to train over them
-            **{**({} if self.heads else dflash_knobs()), **cfg.loss_knobs()},
+            **{**({} if self.heads else dflash_knobs()), **loss_knobs(options)},
         )
 
-    def build(self, target_model, tokenizer, cfg, target_layer_ids, *, d2t=None):
+    def build(self, target_model, tokenizer, options: DSparkOptions, target_layer_ids, *, d2t=None):
+        self.check_options(options)
         draft_config = self.draft_config(target_model.config, target_model.get_input_embeddings().num_embeddings,
-                                         tokenizer, cfg, target_layer_ids,
+                                         tokenizer, options, target_layer_ids,
                                          draft_vocab_size=None if d2t is None else int(d2t.shape[0]))
         model = DSparkDraftModel.from_target(target_model, draft_config, d2t=d2t)
-        if getattr(cfg, "init_from_target", False):
-            init_layers_from_target(model, target_model, getattr(cfg, "init_from_target_layers", None))
+        if options.init_from_target:
+            init_layers_from_target(model, target_model, options.init_from_target_layers)
         return model
 
     def load(self, path):
         return DSparkDraftModel.from_pretrained(path)
 
-    def prepare(self, model, batch, generator, cfg):
-        anchor_pos_BA, block_valid_BA = sample_anchors(batch.loss_mask_BS, cfg.num_anchors, generator)
+    def prepare(self, model, batch, generator, options: DSparkOptions):
+        anchor_pos_BA, block_valid_BA = sample_anchors(batch.loss_mask_BS, options.num_anchors, generator)
         c = model.config
-        defer = defer_head_logits(getattr(cfg, "chunked_head_loss", "auto"), anchor_pos_BA.shape[0], cfg.num_anchors,
+        defer = defer_head_logits(options.chunked_head_loss, anchor_pos_BA.shape[0], options.num_anchors,
                                   c.num_draft_slots, c.output_vocab_size)
         return _BlockMicroBatch(batch, anchor_pos_BA, block_valid_BA, defer)
 

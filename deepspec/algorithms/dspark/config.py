@@ -1,4 +1,5 @@
-"""Typed configuration of a DSpark / DFlash draft model (:class:`DraftConfig`), derived from the target's config.
+"""Typed configuration of a DSpark / DFlash draft model (:class:`DraftConfig`), derived from the target's config,
+and the training options ``deepspec train --algorithm dspark | dflash`` builds it from (:class:`DSparkOptions`).
 
 The shape fields are the target's (:class:`~deepspec.models.config.TargetShapeConfig`); only
 ``num_draft_layers``, ``target_layer_ids``, ``mask_token_id``, ``block_size`` and the head / loss knobs
@@ -22,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from deepspec.algorithms.protocol import DraftOptions, option
 from deepspec.models.config import TargetShapeConfig, config_error, config_from_dict, target_shape_fields
 
 
@@ -43,6 +45,57 @@ ARCHITECTURES = {
     # original's Gemma 4 class cannot read it: Gemma 4 layers differ).
     "gemma3_text": "Gemma3DSparkModel",
 }
+
+
+_LOSS = "sets the DSpark / DFlash loss"
+_MARKOV = "has no Markov head (only dspark has one)"
+_INIT = "copies the target's layers into a DSpark / DFlash draft"
+
+
+@dataclass(kw_only=True)
+class DSparkOptions(DraftOptions):
+    """DSpark's and DFlash's training options (``deepspec train --algorithm dspark | dflash``; the shared draft
+    settings come from :class:`~deepspec.algorithms.protocol.DraftOptions`). Another algorithm ignores the
+    block, anchor, head and mask-token settings with a warning (a recipe gives them to every algorithm it
+    trains) and refuses the layout, init and loss settings (:func:`~deepspec.algorithms.protocol.option`)."""
+
+    # -- DSpark and DFlash --
+    # slots per draft block (the anchor + block_size - 1 mask slots, each proposes one token); dspark and dflash
+    # only (eagle3's tokens per step are its --ttt-steps; it ignores --block-size with a warning)
+    block_size: int = option(7, elsewhere="has no draft blocks (only dspark and dflash have them)")
+    # dflash: false = z-lab's DFlash layout (each mask slot predicts the token at its own position, the anchor
+    # slot nothing: block_size - 1 tokens per block), the one vLLM's method "dflash" runs (export --format
+    # vllm-dflash); true = DeepSpec's (the anchor slot proposes too, as DSpark)
+    sample_from_anchor: bool = option(True, elsewhere="false is z-lab's DFlash layout, for --algorithm dflash only",
+                                      refused_elsewhere=True)
+    # anchor positions sampled per sequence per step (docs/design/training.md, "Anchors")
+    num_anchors: int = option(32, elsewhere="samples no anchors (only dspark and dflash do)")
+    # DSpark Markov head variant: vanilla | gated | rnn (dspark only)
+    markov_head: str = option("vanilla", elsewhere=_MARKOV)
+    # rank of the DSpark Markov head's low-rank bigram factorisation (dspark only)
+    markov_rank: int = option(256, elsewhere=_MARKOV)
+    # token used as the block's mask input; None = a spare embedding row
+    mask_token: str | None = option(None, elsewhere="has no mask token (only dspark and dflash have one)")
+    # start the draft's decoder layer(s) and final norm as copies of the target's last layer(s)
+    init_from_target: bool = option(False, elsewhere=_INIT, refused_elsewhere=True)
+    # with --init-from-target: the target layers (0-based, one per draft layer) to copy; none = the last ones
+    init_from_target_layers: list[int] | None = option(None, elsewhere=_INIT, refused_elsewhere=True)
+    # the loss weights and slot decay (docs/design/training.md, "DSpark / DFlash loss"); none = the algorithm's
+    # own (DSpark: ce 0.1, l1 0.9, confidence 1.0, gamma 4.0 as the original; DFlash: ce 1.0 only)
+    ce_weight: float | None = option(None, elsewhere=_LOSS, refused_elsewhere=True)
+    l1_weight: float | None = option(None, elsewhere=_LOSS, refused_elsewhere=True)
+    confidence_weight: float | None = option(None, elsewhere=_LOSS, refused_elsewhere=True)
+    loss_decay_gamma: float | None = option(None, elsewhere=_LOSS, refused_elsewhere=True)
+    # compute the draft logits of the supervised slots one chunk at a time in the loss, recomputed in backward
+    # (memory chunk x vocab instead of batch x anchors x block x vocab; each chunk's output layers run once more):
+    # auto (on when those logits would exceed 256 MiB in fp32) | on | off
+    chunked_head_loss: str = option("auto", elsewhere="computes no DSpark / DFlash block logits to chunk")
+
+
+def loss_knobs(options: DSparkOptions) -> dict[str, float]:
+    """The loss settings ``options`` gives (not None), as :class:`DraftConfig` knobs."""
+    names = ("ce_weight", "l1_weight", "confidence_weight", "loss_decay_gamma")
+    return {n: float(getattr(options, n)) for n in names if getattr(options, n) is not None}
 
 
 def _err(field_name: str, expected: str, received: Any, fix: str) -> ValueError:

@@ -1,4 +1,5 @@
-"""Typed configuration of an Eagle3 draft (:class:`Eagle3Config`), derived from the target's config.
+"""Typed configuration of an Eagle3 draft (:class:`Eagle3Config`), derived from the target's config, and the
+training options ``deepspec train --algorithm eagle3`` builds it from (:class:`Eagle3Options`).
 
 The shape fields are the target's (:class:`~deepspec.models.config.TargetShapeConfig`, as for DSpark);
 the knobs are the training-time-test steps and their loss decay.
@@ -10,9 +11,29 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from deepspec.algorithms.protocol import DraftOptions, option
 from deepspec.models.config import TargetShapeConfig, config_from_dict, target_shape_fields
 
 ALGORITHM_NAME = "eagle3"
+DEFAULT_TTT_STEPS = 7  # the original's
+DEFAULT_NUM_CHAINS = 32  # the supervision budget of DSpark's default anchors (32 blocks of 7)
+
+
+@dataclass(kw_only=True)
+class Eagle3Options(DraftOptions):
+    """Eagle3's training options (``deepspec train --algorithm eagle3``; the shared draft settings come from
+    :class:`~deepspec.algorithms.protocol.DraftOptions`). Eagle3 ignores DSpark's block, anchor, head and
+    mask-token flags with a warning and refuses its layout, loss and ``--init-from-target`` flags: its decoder
+    layer's q/k/v projections read ``[embedding ; hidden]`` (2H inputs, the target's read H), so it cannot start
+    as a copy of a target layer. Eagle3 read ``--block-size`` and ``--num-anchors`` before it had these options."""
+
+    # -- Eagle3 --
+    # unrolled training-time-test steps = tokens drafted per proposal; none = 7 (the original's). eagle3 only
+    # (dspark's and dflash's are --block-size, which eagle3 ignores with a warning)
+    ttt_steps: int | None = option(None, elsewhere="has no training-time-test steps (only eagle3 unrolls them)")
+    # chain starts supervised per sequence per step, drawn among the supervised rows (the supervision budget of
+    # --num-anchors for dspark, which eagle3 ignores with a warning); 0 = every row; none = 32
+    num_chains: int | None = option(None, elsewhere="has no training-time-test chains (only eagle3 samples them)")
 
 
 @dataclass(kw_only=True)
