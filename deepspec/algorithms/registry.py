@@ -33,7 +33,7 @@ ALGORITHMS: dict[str, Callable[[], DraftAlgorithm]] = {
 
 
 # training-free proposers selectable with --baselines (deepspec.algorithms.ngram; built by
-# deepspec.eval.stage.baseline_proposers)
+# deepspec.decoding.settings.build_proposers)
 BASELINES = ("ngram", "ngram+corpus")
 
 
