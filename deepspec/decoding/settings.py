@@ -90,6 +90,9 @@ class DecodeSettings:
         check_tree_width(self.draft_tree_width, f"{_WHERE}.draft_tree_width")
         if not isinstance(self.lookup_beside_draft, bool):
             raise ValueError(f"{_WHERE}.lookup_beside_draft: expected true or false, got {self.lookup_beside_draft!r}")
+        threshold = self.confidence_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 1.0:
+            raise ValueError(f"{_WHERE}.confidence_threshold: expected a value in [0, 1), got {threshold!r}")
         if self.draft_tree_width > 1 and self.confidence_threshold > 0:
             raise ValueError(f"{_WHERE}.draft_tree_width: a draft tree is not cut by confidence; drop "
                              f"--confidence-threshold or give --tree-width 0 or 1 (got {self.draft_tree_width})")
@@ -97,9 +100,6 @@ class DecodeSettings:
             name = "draft_tree_width" if self.draft_tree_width > 1 else "lookup_beside_draft"
             raise ValueError(f"{_WHERE}.{name}: draft trees need the eager target path (a dynamic KV cache "
                              "whose accepted entries are moved); give --tree-width 0 with --compile")
-        if isinstance(self.confidence_threshold, bool) or not 0.0 <= self.confidence_threshold < 1.0:
-            raise ValueError(f"{_WHERE}.confidence_threshold: expected a value in [0, 1), got "
-                             f"{self.confidence_threshold!r}")
         if (isinstance(self.corpus_ngram_min, bool) or not isinstance(self.corpus_ngram_min, int)
                 or not 1 <= self.corpus_ngram_min <= DEFAULT_CORPUS_NGRAM_MAX):
             raise ValueError(f"{_WHERE}.corpus_ngram_min: expected an integer in [1, {DEFAULT_CORPUS_NGRAM_MAX}] (the "

@@ -143,7 +143,7 @@ class EvalConfig:
             confidence_threshold=self.confidence_threshold, lookup_first=self.lookup_first,
             lookup_num_tokens=self.lookup_num_tokens, ngram_max=self.ngram_max, ngram_min=self.ngram_min,
             ngram_num_tokens=self.ngram_num_tokens, corpus_ngram_min=self.corpus_ngram_min,
-            baselines=tuple(self.baselines), dtype=self.dtype, device=self.device,
+            baselines=self.baselines, dtype=self.dtype, device=self.device,
             few_row_linear=self.few_row_linear, compile=self.compile)
 
     def sampling_params(self):

@@ -138,6 +138,12 @@ def test_eval_serve_and_bench_build_the_same_proposers_through_build_proposers(s
     decoder = EngineDecoder(target, tok, draft=folders["dspark"], **flags)
     assert calls == ["serve"] and signature(decoder.proposer) == signature(evaluated[names[1]])
 
+    settings = DecodeSettings.from_flags("serve", **{**flags, "device": "cpu"})
+    same = EngineDecoder(target, tok, draft=folders["dspark"], settings=settings)
+    assert same.settings == decoder.settings and signature(same.proposer) == signature(decoder.proposer)
+    with pytest.raises(ValueError, match="serve: num_draft_tokens given beside settings"):
+        EngineDecoder(target, tok, draft=folders["dspark"], settings=settings, num_draft_tokens=2)
+
     # bench/decode: its rows from the settings without lookup and trees, varied per row
     calls.clear()
     base = DecodeSettings(num_draft_tokens=2, ngram_num_tokens=5, baselines=("ngram",), dtype="float32")
