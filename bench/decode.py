@@ -398,6 +398,41 @@ def qwen3_4b_target_and_draft(device: torch.device, dtype: torch.dtype,
     return model, tokenizer, draft
 
 
+def bench_proposers(settings: Any, target_model: Any, draft: torch.nn.Module, *, corpus: Any = None,
+                    tree_widths: list[int] = (0,), lookup_first: list[int] = (),
+                    lookup_num_tokens: int = 0) -> dict[str, Any]:
+    """The bench's rows, each built by :func:`deepspec.decoding.settings.build_proposers` from ``settings``
+    (a :class:`~deepspec.decoding.settings.DecodeSettings` without lookup or trees): ``speculative`` (the
+    draft) and the baselines; per width W >= 2 of ``tree_widths`` ``speculative-treeW`` (a draft tree of W
+    nodes per slot, no confidence cut); per width W and N of ``lookup_first`` ``lookup-first-nN[-treeW]``
+    (the draft behind prompt lookup, its match beside the draft for W >= 1) and, with ``corpus``, the same
+    with ``+corpus`` (context, then corpus, then the draft). Raises ValueError for a width W >= 2 with a
+    draft that proposes chains only, and what build_proposers raises."""
+    from dataclasses import replace
+
+    from deepspec.decoding.settings import build_proposers
+
+    drafts = {"speculative": draft}
+    rows = build_proposers(settings, target_model, drafts, corpus=corpus, where="bench")
+    alone = replace(settings, baselines=())
+    for w in tree_widths:
+        if w > 1:
+            tree = build_proposers(replace(alone, draft_tree_width=w, confidence_threshold=0.0), target_model,
+                                   drafts)["speculative"]
+            if getattr(tree, "tree_width", 1) != w:
+                raise ValueError(f"--tree-widths: {type(tree).__name__} drafts propose chains only; give widths 0 or 1")
+            rows[f"speculative-tree{w}"] = tree
+    for w in tree_widths:
+        for n in lookup_first:
+            lookup = replace(alone, lookup_first=n, lookup_num_tokens=lookup_num_tokens or None,
+                             draft_tree_width=max(w, 1), lookup_beside_draft=w >= 1,
+                             confidence_threshold=settings.confidence_threshold if w <= 1 else 0.0)
+            for suffix, with_corpus in (("", None), *((("+corpus", corpus),) if corpus else ())):
+                (row,) = build_proposers(lookup, target_model, drafts, corpus=with_corpus, draft_rows=False).values()
+                rows[f"lookup-first-n{n}{f'-tree{w}' if w else ''}{suffix}"] = row
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--draft", default="runs/demo/train",
@@ -489,19 +524,20 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     from deepspec.algorithms.ngram.corpus import (NGramCorpus, check_corpus_use, check_corpus_vocab,
                                                    check_prompts_in_corpus)
-    from deepspec.algorithms.ngram.proposer import (LookupFirstProposer, NGramProposer, check_ngram_range,
-                                                    corpus_lookup)
-    from deepspec.algorithms.protocol import cap_proposal_len, set_draft_tree_width
-    from deepspec.algorithms.registry import check_baselines
-    from deepspec.device import cast_for_decoding, check_dtype_name, dtype_name, resolve_device, resolve_dtype
-    from deepspec.target.few_row_linear import check_few_row_mode, few_row_linear_applies
+    from deepspec.algorithms.ngram.proposer import LookupFirstProposer, check_ngram_range, corpus_lookup
+    from deepspec.decoding.settings import DecodeSettings
+    from deepspec.device import dtype_name, resolve_device, resolve_dtype
+    from deepspec.target.few_row_linear import few_row_linear_applies
 
     try:
-        check_dtype_name(args.dtype, "--dtype")
-        check_few_row_mode(args.few_row_linear, "--few-row-linear")
-        baselines = check_baselines([b for b in args.baselines.split(",") if b], "--baselines")
-        check_ngram_range(ngram_max=args.ngram_max, ngram_min=args.ngram_min, field="bench")
         lookup_first = [int(n) for n in args.lookup_first.split(",") if n.strip()]
+        # the decoding set-up eval and serve share; the rows below vary its lookup and tree settings
+        settings = DecodeSettings.from_flags(
+            "bench", num_draft_tokens=args.num_draft_tokens or None, confidence_threshold=args.confidence_threshold,
+            ngram_max=args.ngram_max, ngram_min=args.ngram_min, ngram_num_tokens=args.lookup_num_tokens or None,
+            corpus_ngram_min=args.corpus_ngram_min, baselines=[b for b in args.baselines.split(",") if b],
+            dtype=args.dtype, device=args.device, few_row_linear=args.few_row_linear, compile=args.compile == "on")
+        baselines = list(settings.baselines)
         tree_widths = [int(w) for w in args.tree_widths.split(",") if w.strip()] or [0]
         if any(w < 0 for w in tree_widths):
             raise ValueError(f"--tree-widths: expected comma-separated integers >= 0, got {args.tree_widths!r}")
@@ -518,7 +554,7 @@ def main(argv: list[str] | None = None) -> dict:
         check_corpus_use(corpus_files, args.corpus_ngram_min, lookup_first=lookup_first[0] if lookup_first else None,
                          baselines=baselines, field="bench")
         corpus = NGramCorpus.from_prepared(corpus_files, field="bench.lookup_corpus") if corpus_files else None
-        device = resolve_device(args.device, "--device")  # before the draft folder and the target
+        device = resolve_device(settings.device, "--device")  # before the draft folder and the target
     except (ValueError, FileNotFoundError) as exc:
         p.error(str(exc))
 
@@ -533,10 +569,10 @@ def main(argv: list[str] | None = None) -> dict:
                     "or --draft untrained for the cost of a step")
             sys.exit(f"bench/decode: {exc}\n{hint}")
 
-    from deepspec.algorithms.registry import algorithm_for_model, load_draft
+    from deepspec.algorithms.registry import load_draft
     from deepspec.data.chat import render_prompt
     from deepspec.eval.benchmarks import load_benchmark
-    from deepspec.target.load import load_target, target_fingerprint
+    from deepspec.target import load
 
     if args.synthetic_prompts:
         benchmarks = ["synthetic"]
@@ -548,57 +584,33 @@ def main(argv: list[str] | None = None) -> dict:
     answered = {} if corpus is None else check_prompts_in_corpus(
         corpus, {b: [(pr.id, pr.turns[0]) for bb, pr in bench_prompts if bb == b] for b in benchmarks},
         "--lookup-corpus", log=lambda line: print(f"bench/decode: {line}", file=sys.stderr))
-    dtype = resolve_dtype(args.dtype, device)
+    dtype = resolve_dtype(settings.dtype, device)
     if args.qwen3_4b:
         model, tokenizer, draft = qwen3_4b_target_and_draft(device, dtype, args.layers or None)
         algorithm, args.target = "dspark", "random Qwen3-4B-shaped target"
     else:
-        model, tokenizer = load_target(args.target)
-        # the fingerprint of the weights as loaded (as training recorded it), before the decoding cast
-        fingerprint = target_fingerprint(model)
-        model = cast_for_decoding(model, dtype, device, in_place=True).eval()
+        # fingerprinted as loaded (as training recorded it), then cast in place for decoding
+        target = load.open_target(args.target, dtype=dtype, device=device)
+        model, tokenizer = target.model, target.tokenizer
         if folder is None:
             algorithm, draft = "dspark", untrained_draft(model, tokenizer)
         else:
-            algorithm, draft = load_draft(folder, target_model=model, target_fingerprint=fingerprint)
+            algorithm, draft = load_draft(folder, target_model=model, target_fingerprint=target.fingerprint)
     draft = draft.to(device=device, dtype=dtype).eval()  # the frozen embed / lm_head too
     layer_ids = list(draft.config.target_layer_ids)
-    max_pos = model.config.max_position_embeddings
-    proposer = algorithm_for_model(draft).proposer(
-        draft, max_positions=max_pos,
-        confidence_threshold=args.confidence_threshold if args.confidence_threshold > 0 else None)
-    if args.num_draft_tokens:
-        cap_proposal_len(proposer, args.num_draft_tokens)
     eos = eos_token_ids_of(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    few_rows = few_row_linear_applies(args.few_row_linear, model)  # the eager engines'
-    proposers = {"target-only": NullProposer(), "speculative": proposer}
-    vocab = int(model.get_output_embeddings().weight.shape[0])
+    few_rows = few_row_linear_applies(settings.few_row_linear, model)  # the eager engines'
     try:
         if corpus is not None:
-            check_corpus_vocab(corpus, vocab, "bench.lookup_corpus")
+            check_corpus_vocab(corpus, int(model.get_output_embeddings().weight.shape[0]), "bench.lookup_corpus")
+        proposers = {"target-only": NullProposer(), **bench_proposers(settings, model, draft, corpus=corpus,
+                                                                        tree_widths=tree_widths,
+                                                                        lookup_first=lookup_first,
+                                                                        lookup_num_tokens=args.lookup_num_tokens)}
     except ValueError as exc:
         p.error(str(exc))
-    lookup_kw = dict(corpus_ngram_min=args.corpus_ngram_min, max_positions=max_pos, device=device)
-    for name in baselines:  # ngram | ngram+corpus
-        proposers[name] = NGramProposer(vocab_size=vocab, num_tokens=args.lookup_num_tokens or proposer.max_proposal_len,
-                                        ngram_max=args.ngram_max, ngram_min=args.ngram_min,
-                                        corpus=corpus if name == "ngram+corpus" else None, **lookup_kw)
-    tree_drafts = {}
-    for w in tree_widths:
-        if w > 1:
-            if not hasattr(proposer, "tree_width"):
-                p.error(f"--tree-widths: {algorithm} drafts propose chains only; give widths 0 or 1")
-            tree_drafts[w] = set_draft_tree_width(algorithm_for_model(draft).proposer(draft, max_positions=max_pos), w)
-            if args.num_draft_tokens:
-                cap_proposal_len(tree_drafts[w], args.num_draft_tokens)
-            proposers[f"speculative-tree{w}"] = tree_drafts[w]
-    for w in tree_widths:
-        for n in lookup_first:  # the same draft proposer: each engine resets it before every prompt
-            for suffix, with_corpus in (("", None), *((("+corpus", corpus),) if corpus else ())):
-                proposers[f"lookup-first-n{n}{f'-tree{w}' if w else ''}{suffix}"] = LookupFirstProposer(
-                    tree_drafts.get(w, proposer), vocab_size=vocab, ngram_max=max(n, args.ngram_max), ngram_min=n,
-                    lookup_num_tokens=args.lookup_num_tokens or None, corpus=with_corpus, tree=w >= 1, **lookup_kw)
+    proposer = proposers["speculative"]
     if args.compile == "on":
         from deepspec.decoding.compiled import CompiledTarget
 

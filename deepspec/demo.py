@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN
-from deepspec.algorithms.protocol import check_tree_setting
 from deepspec.algorithms.registry import ALGORITHMS, DEFAULT_ALGORITHM, check_baselines, load_draft
 from deepspec.checkpoints import latest_checkpoint
 from deepspec.data.prepare import PrepareConfig, summary_path_for
@@ -133,15 +132,11 @@ class DemoConfig:
         self.dtype = check_dtype_name(self.dtype, "demo.dtype")
         self.device = check_device_name(self.device, "demo.device")
         self.baselines = check_baselines(self.baselines, "demo.baselines")
-        check_tree_setting(self.tree_width, "demo.tree_width")
 
         unknown = [a for a in self.algorithms if a not in ALGORITHMS]
         if unknown or not self.algorithms or len(set(self.algorithms)) != len(self.algorithms):
             raise ValueError(f"demo.algorithms: expected distinct names among {sorted(ALGORITHMS)}, "
                              f"got {self.algorithms}")
-        if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
-            raise ValueError(f"demo.num_draft_tokens: expected an integer >= 1 or none (the draft's K), "
-                             f"got {self.num_draft_tokens}")
         for name in ("train_steps", "eval_num_prompts", "eval_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"demo.{name}: expected an integer >= 1, got {getattr(self, name)}")
@@ -156,7 +151,7 @@ class DemoConfig:
         if "ngram+corpus" in self.baselines and not self.lookup_corpus:
             raise ValueError("demo.baselines: ngram+corpus needs demo.lookup_corpus (the demo's regenerated answers): "
                              "give --lookup-corpus true or drop the baseline")
-        try:  # the eval settings too (benchmark names, temperature, ...), named by the demo's own fields
+        try:  # the eval settings too (decoding set-up, benchmark names, temperature, ...), named by the demo's fields
             self.eval_config(["draft"], Path(self.output_dir) / "eval")
         except ValueError as exc:
             message = str(exc)

@@ -18,8 +18,9 @@ from deepspec.data.prepare import PrepareConfig, run_prepare
 from deepspec.device import cast_for_decoding, check_device_name, check_dtype_name, resolve_device, resolve_dtype
 from deepspec.models.config import unsupported_family_note
 from deepspec.serve import openai_server
-from deepspec.target.capture import default_target_layer_ids, validate_target_layer_ids
-from deepspec.target.load import load_target, recorded_target_name, require_chat_template, target_fingerprint
+from deepspec.target import load  # load.open_target, where tests stub load.load_target
+from deepspec.target.capture import validate_target_layer_ids
+from deepspec.target.load import load_target, recorded_target_name
 from deepspec.train.loop import train
 from deepspec.utils import format_bytes, torchrun_env
 
@@ -109,21 +110,16 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
             dist.init_process_group("gloo", timeout=datetime.timedelta(days=7))
             created_group = True
     try:
-        dtype = resolve_dtype(cfg.dtype, device)
-        loaded_here = target_model is None
-        if loaded_here:
-            target_model, tokenizer = load_target(cfg.target, chat_template=cfg.chat_template)
-        # of the weights as loaded (as train and eval take it), before the cast to the capture dtype
-        fingerprint = target_fingerprint(target_model)
-        # a copy when the caller's target has another dtype or device; the stage's own target is cast in place
-        target_model = cast_for_decoding(target_model, dtype, device, in_place=loaded_here)
-        require_chat_template(tokenizer, cfg.target)
+        # fingerprinted as loaded (as train and eval take it), then cast to the capture dtype: in place when
+        # loaded here, else a copy when the caller's target has another dtype or device
+        target = load.open_target(cfg.target, chat_template=cfg.chat_template, model=target_model, tokenizer=tokenizer,
+                                  dtype=resolve_dtype(cfg.dtype, device), device=device)
+        target_model, tokenizer, fingerprint = target.model, target.tokenizer, target.fingerprint
         note = unsupported_family_note(target_model.config, "cache")
         if note and rank == 0:
             print(note, flush=True)
-        num_layers = target_model.config.num_hidden_layers
-        layer_ids = cfg.target_layer_ids or default_target_layer_ids(num_layers, cfg.num_target_layers)
-        layer_ids = validate_target_layer_ids(layer_ids, num_layers)
+        layer_ids = cfg.target_layer_ids or target.default_layer_ids(cfg.num_target_layers)
+        layer_ids = validate_target_layer_ids(layer_ids, target_model.config.num_hidden_layers)
         summary = write_target_cache(
             cfg.input,
             cfg.output_dir,

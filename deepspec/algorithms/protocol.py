@@ -18,8 +18,10 @@ so the loss of a step is the supervision-weighted mean over the whole global bat
 micro-batching (and, under data parallelism, ranks all-reduce ``weight_sum``).
 
 Decoding (:class:`Proposer`, :class:`Proposal`, :func:`draw_token`, :class:`NullProposer`). The
-engine (``deepspec.decoding.engine``) drives every proposer through the same three calls:
+engine (``deepspec.decoding.engine``) drives every proposer through the same four calls:
 
+0. ``prepare(num_positions)`` before each generation, untimed: the most positions it will hold (most
+   proposers do nothing; a compiled draft allocates its static buffers and compiles for them);
 1. ``reset()`` before each prompt;
 2. ``extend_context(target_hidden_TF, token_ids_T)`` with the target features of the next committed
    positions and the tokens at those positions, in order (first the whole prompt after prefill,
@@ -201,9 +203,13 @@ class DraftAlgorithm(Protocol):
         ...
 
     def proposer(self, model: nn.Module, *, confidence_threshold: float | None = None,
-                 max_positions: int | None = None) -> Proposer:
-        """A :class:`Proposer` drafting with ``model`` (algorithms without a confidence head ignore
-        ``confidence_threshold``)."""
+                 max_positions: int | None = None, tree_width: int = 1,
+                 num_draft_tokens: int | None = None) -> Proposer:
+        """A :class:`Proposer` drafting with ``model``, built with its final settings (the decoding set-up:
+        :func:`deepspec.decoding.settings.build_proposers`): at most ``num_draft_tokens`` tokens per step
+        (None: the draft's own K; :func:`cap_proposal_len`), a draft tree of ``tree_width`` nodes per slot
+        (1: a chain; an algorithm that drafts chains only ignores more), proposals cut at
+        ``confidence_threshold`` (algorithms without a confidence head ignore it)."""
         ...
 
     def owns(self, model: nn.Module) -> bool:
@@ -480,6 +486,11 @@ class Proposer(Protocol):
 
     max_proposal_len: int
 
+    def prepare(self, num_positions: int) -> None:
+        """Get ready for a generation of at most ``num_positions`` positions (prompt, output and the K a
+        last verify may feed beyond them), before its clock starts; most proposers do nothing."""
+        ...
+
     def reset(self) -> None:
         """Forget all context (called before every prompt)."""
         ...
@@ -511,6 +522,9 @@ class NullProposer:
     """Proposes nothing: the engine becomes plain target-only decoding (the speedup baseline)."""
 
     max_proposal_len: int = 0
+
+    def prepare(self, num_positions: int) -> None:
+        pass
 
     def reset(self) -> None:
         pass
@@ -553,7 +567,7 @@ def check_tree_setting(value: object, field: str, *, has_draft: bool = True) -> 
 
     0: chains. 1: a draft with prompt lookup in front verifies the match beside the draft's proposal
     (``LookupFirstProposer(tree=True)``). W >= 2: also draft trees of W nodes per slot from drafts that
-    can propose them (:func:`set_draft_tree_width`)."""
+    can propose them. :meth:`deepspec.decoding.settings.DecodeSettings.from_flags` splits the setting in two."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{field}: expected an integer >= 0 (0: chains; 1: prompt lookup's match verified beside the "
                          f"draft; 2-4: also draft trees of that many nodes per slot), got {value!r}")
@@ -561,15 +575,6 @@ def check_tree_setting(value: object, field: str, *, has_draft: bool = True) -> 
         raise ValueError(f"{field}: set with no draft; draft trees come from a draft (and prompt lookup in front of "
                          "it): give --draft, or drop --tree-width")
     return value
-
-
-def set_draft_tree_width(proposer: Proposer, tree_width: int) -> Proposer:
-    """Apply the ``--tree-width`` setting to a draft's proposer; returns it. With ``tree_width >= 2`` a proposer
-    that can propose draft trees (one with a ``tree_width`` attribute: DSpark, DFlash, Eagle3) proposes that many
-    nodes per slot; other proposers and smaller settings keep chains."""
-    if tree_width >= 2 and hasattr(proposer, "tree_width"):
-        proposer.tree_width = int(tree_width)
-    return proposer
 
 
 def cap_proposal_len(proposer: Proposer, num_draft_tokens: int) -> Proposer:

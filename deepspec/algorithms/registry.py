@@ -39,7 +39,7 @@ DEFAULT_ALGORITHM = "dspark"  # deepspec train --algorithm
 
 
 # training-free proposers selectable with --baselines (deepspec.algorithms.ngram; built by
-# deepspec.eval.stage.baseline_proposers)
+# deepspec.decoding.settings.build_proposers)
 BASELINES = ("ngram", "ngram+corpus")
 
 

@@ -465,9 +465,7 @@ class SpeculativeEngine:
         if self.compiled is not None:  # compile what this generation runs, before its clock starts
             self.compiled.prepare(self._feature_layer_ids, num_positions,
                                   self.compiled.lengths_up_to(proposer.max_proposal_len + 1))
-        prepare = getattr(proposer, "prepare", None)  # a proposer with static buffers (compiled drafts)
-        if prepare is not None:
-            prepare(num_positions)
+        proposer.prepare(num_positions)  # a proposer with static buffers (compiled drafts) allocates them
         self._ensure_scheduler()
         sched = self.scheduler
         if sched is not None:

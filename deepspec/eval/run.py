@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from dataclasses import dataclass
 import os
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -34,12 +35,14 @@ from deepspec.data.chat import render_prompt, target_stop_token_ids
 from deepspec.decoding.compiled import CompiledTarget
 from deepspec.decoding.engine import GenerationResult, SpeculativeEngine
 from deepspec.decoding.flips import argmax_flip_positions, chunked_argmax, divergence_record, first_divergence, flip_rate
+from deepspec.decoding.settings import DecodeSettings
 from deepspec.device import dtype_name, is_out_of_memory, out_of_memory_error
 from deepspec.eval.benchmarks import BenchmarkPrompt
 from deepspec.eval.metrics import METRIC_DEFINITIONS, benchmark_metrics
 from deepspec.eval.report import BASELINE, HF_GENERATE, environment_info, write_report
 from deepspec.target.decoding import SamplingParams, decoding_record, pinned_generate
 from deepspec.target.few_row_linear import few_row_linear as few_row_linear_context
+from deepspec.target.few_row_linear import few_row_linear_applies
 
 
 def eos_token_ids_of(target_model: Any, tokenizer: Any) -> list[int]:
@@ -168,6 +171,38 @@ def argmax_flip_figures(target_model: Any, prompts: Sequence[Sequence[int]], bas
             rec["at_argmax_flip"] or rec["token_is_runner_up"] for rec in records)
 
 
+@dataclass
+class _Run:
+    """What every prompt of a :func:`run_eval` call shares: the target, the engines (target-only first),
+    the proposers they drive and the decoding settings."""
+
+    target_model: Any
+    tokenizer: Any
+    proposers: Mapping[str, Proposer]
+    engines: dict[str, SpeculativeEngine]
+    sampling: SamplingParams
+    max_new_tokens: int
+    seed: int
+    num_turns: int
+    eos: list[int]
+    pad: int
+    chat_template_kwargs: Mapping[str, Any] | None
+    compare_hf_generate: bool
+    few_row_linear: bool
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.target_model.parameters()).device
+
+    @property
+    def methods(self) -> list[str]:
+        return list(self.engines) + ([HF_GENERATE] if self.compare_hf_generate else [])
+
+    def new_generator(self, seed: int) -> torch.Generator:
+        # On the target's device, so proposers can sample device tensors with it (no host copies).
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+
 def run_eval(
     target_model: Any,
     tokenizer: Any,
@@ -175,6 +210,7 @@ def run_eval(
     proposers: Mapping[str, Proposer],
     benchmarks: Mapping[str, Sequence[BenchmarkPrompt]],
     *,
+    settings: DecodeSettings = DecodeSettings(),
     max_new_tokens: int,
     sampling: SamplingParams,
     seed: int,
@@ -187,17 +223,24 @@ def run_eval(
     log: Callable[[str], None] = print,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     measure_argmax_flips: bool = True,
-    few_row_linear: bool = False,
-    compile_target: bool = False,
 ) -> dict[str, Any]:
     """Run the target-only baseline and each proposer on every benchmark prompt; write the report.
 
     Args:
-        target_model, tokenizer: the target (eval mode) and its tokenizer; prompts are rendered with
-            ``deepspec.data.chat.render_prompt`` (the training-time template rule).
+        target_model, tokenizer: the target (eval mode, in its decoding dtype and device) and its tokenizer;
+            prompts are rendered with ``deepspec.data.chat.render_prompt`` (the training-time template rule).
         target_layer_ids: layers whose features the proposers read.
-        proposers: name -> proposer (names must differ from ``"target-only"`` / ``"hf-generate"``).
+        proposers: name -> proposer (names must differ from ``"target-only"`` / ``"hf-generate"``;
+            :func:`deepspec.decoding.settings.build_proposers` builds them).
         benchmarks: name -> prompts (see ``deepspec.eval.benchmarks.load_benchmarks``).
+        settings: the decoding set-up (:class:`~deepspec.decoding.settings.DecodeSettings`); this reads its
+            ``few_row_linear`` (every engine, the baseline too, and the argmax-flip re-run use the few-row
+            linear path, :mod:`deepspec.target.few_row_linear`, where it applies to the target) and
+            ``compile`` (every engine runs the target's decode steps on one shared compiled path,
+            :class:`deepspec.decoding.compiled.CompiledTarget`, compiled untimed before each generation's
+            clock, and DSpark / DFlash chain drafts propose through compiled graphs,
+            :func:`deepspec.algorithms.dspark.compiled.compile_proposer`; the few-row path is then off).
+            Both are recorded in the report's config.
         max_new_tokens, sampling, seed: decoding settings shared by every method (per turn:
             ``max_new_tokens`` bounds each turn's answer).
         out_dir: where the report goes (None: no files).
@@ -215,13 +258,6 @@ def run_eval(
             that forward's argmax differs from the one-token decode, and where each divergent
             output first differs (:func:`argmax_flip_figures`). Untimed; about one verify forward per
             K + 1 output tokens.
-        few_row_linear: every engine (the baseline too) and the argmax-flip re-run use the few-row
-            linear path (:mod:`deepspec.target.few_row_linear`); recorded in the report's config.
-        compile_target: every engine (the baseline too) runs the target's decode steps on one shared
-            compiled path (:class:`deepspec.decoding.compiled.CompiledTarget`; compiled untimed, before each
-            generation's clock), and DSpark / DFlash chain drafts propose through compiled graphs
-            (:func:`deepspec.algorithms.dspark.compiled.compile_proposer`); recorded in the report's
-            config. Not with ``few_row_linear``.
 
     Returns the results dict (``config``, ``environment``, ``definitions``, ``benchmarks``:
     bench -> method -> metrics, ``samples``: bench -> method -> one record per (prompt, turn), with
@@ -232,152 +268,42 @@ def run_eval(
     """
     from tqdm.auto import tqdm
 
-    for name in proposers:
-        if name in (BASELINE, HF_GENERATE):
-            raise ValueError(f"proposers: the name {name!r} is reserved for a baseline; rename that proposer.")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: expected >= 1, received {max_new_tokens}.")
-    if isinstance(num_turns, bool) or not isinstance(num_turns, int) or num_turns < 1:
-        raise ValueError(f"num_turns: expected an integer >= 1, received {num_turns!r}.")
-    if not isinstance(sampling, SamplingParams):
-        raise ValueError(f"sampling: expected a SamplingParams, received {type(sampling).__name__}.")
-    eos = eos_token_ids_of(target_model, tokenizer)
-    pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else eos[0]
-    compiled = None
-    if compile_target:
-        proposers = {n: compile_proposer(p) for n, p in proposers.items()}
-        compiled = CompiledTarget.for_proposers(target_model, proposers.values())
-    engines = {n: SpeculativeEngine(target_model, target_layer_ids, p, eos, few_row_linear=few_row_linear,
-                                    compiled=compiled)
-               for n, p in {BASELINE: NullProposer(), **proposers}.items()}
-    max_k = {n: e.proposer.max_proposal_len for n, e in engines.items()}
+    _check_run_args(proposers, max_new_tokens=max_new_tokens, num_turns=num_turns, sampling=sampling)
+    run = _new_run(target_model, tokenizer, target_layer_ids, proposers, settings, sampling=sampling,
+                   max_new_tokens=max_new_tokens, seed=seed, num_turns=num_turns,
+                   chat_template_kwargs=chat_template_kwargs, compare_hf_generate=compare_hf_generate)
+    max_k = {n: e.proposer.max_proposal_len for n, e in run.engines.items()}
     flip_chunk_len = (max(max_k.values()) or DEFAULT_NUM_TOKENS) + 1  # a verify forward: anchor + K drafts
     measure_flips = measure_argmax_flips and sampling.greedy
-    device = next(target_model.parameters()).device
-
-    def new_generator(s: int) -> torch.Generator:
-        # On the target's device, so proposers can sample device tensors with it (no host copies).
-        return torch.Generator(device=device).manual_seed(s)
-
     rendered = render_benchmark_prompts(tokenizer, benchmarks, chat_template_kwargs=chat_template_kwargs)
-    if warmup:
-        first = next((ids for ids in rendered.values() if ids), [None])[0]
-        if first is not None:
-            for engine in engines.values():
-                engine.generate(first, max_new_tokens=min(8, max_new_tokens), sampling=sampling,
-                                generator=new_generator(seed))
+    first = next((ids for ids in rendered.values() if ids), [None])[0]
+    if warmup and first is not None:  # one short untimed generation per engine
+        for engine in run.engines.values():
+            engine.generate(first, max_new_tokens=min(8, max_new_tokens), sampling=sampling,
+                            generator=run.new_generator(seed))
 
-    methods = list(engines) + ([HF_GENERATE] if compare_hf_generate else [])
-    total = sum(len(v) for v in rendered.values()) * len(methods)
+    total = sum(len(v) for v in rendered.values()) * len(run.methods)
     bar = tqdm(total=total, desc="eval", disable=not progress, unit="prompt")
     figures: dict[str, dict[str, Any]] = {}
     samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    turns_kw = dict(num_turns=num_turns, eos=eos, chat_template_kwargs=chat_template_kwargs)
     for bench, prompts in benchmarks.items():
-        runs: dict[str, list[GenerationResult]] = {m: [] for m in methods}
-        prompts_of: dict[str, list[list[int]]] = {m: [] for m in methods}  # the prompt ids of each result
-        turn_of: list[tuple[str, int]] = []  # (prompt id, turn 1..) of each pooled result, in order
-        lookup_counts = {n: (p.steps_from_lookup, p.steps_from_draft) for n, p in proposers.items()
-                         if hasattr(p, "steps_from_lookup")}  # a draft with prompt lookup in front
-        corpus_lookups = {n: corpus_lookup(p) for n, p in proposers.items() if corpus_lookup(p) is not None}
-        corpus_counts = {n: p.steps_from_corpus for n, p in corpus_lookups.items()}
-        for i, (prompt, ids) in enumerate(zip(prompts, rendered[bench])):
-            turn_of.extend((prompt.id, t + 1) for t in range(min(num_turns, len(prompt.turns))))
-            for name, engine in engines.items():
-                bar.set_postfix_str(f"{bench} {name}")
-                gen = new_generator(seed + i)
-
-                def generate(x: list[int], engine=engine, gen=gen, name=name, pid=prompt.id) -> GenerationResult:
-                    try:
-                        return engine.generate(x, max_new_tokens=max_new_tokens, sampling=sampling, generator=gen)
-                    except RuntimeError as exc:  # torch.OutOfMemoryError is one
-                        if not is_out_of_memory(exc):
-                            raise
-                        dtype = dtype_name(next(target_model.parameters()).dtype)
-                        sizes = f"{bench} prompt {pid}, {name}: {len(x)} prompt tokens + up to {max_new_tokens} new, {dtype}"
-                        fix = ("lower --max-new-tokens or --num-draft-tokens, or evaluate fewer or shorter-prompt "
-                               "--benchmarks" + (", or decode in --dtype bfloat16" if dtype == "float32" else ""))
-                        raise out_of_memory_error("eval", device, sizes, fix, exc) from exc
-
-                turn_ids, results = _run_turns(generate, tokenizer, prompt, first_ids=ids, **turns_kw)
-                prompts_of[name].extend(turn_ids)
-                runs[name].extend(results)
-                bar.update(1)
-            if compare_hf_generate:
-                torch.manual_seed(seed + i)
-                turn_ids, results = _run_turns(
-                    lambda x: hf_generate(target_model, x, max_new_tokens=max_new_tokens, sampling=sampling,
-                                           eos=eos, pad=pad),
-                    tokenizer, prompt, first_ids=ids, **turns_kw)
-                prompts_of[HF_GENERATE].extend(turn_ids)
-                runs[HF_GENERATE].extend(results)
-                bar.update(1)
-        base = runs[BASELINE]
-        figures[bench] = {
-            name: benchmark_metrics(res, baseline=None if name == BASELINE else base, max_k=max_k.get(name, 0))
-            for name, res in runs.items()
-        }
-        for name, (from_lookup, from_draft) in lookup_counts.items():
-            n_lookup = proposers[name].steps_from_lookup - from_lookup
-            n_all = n_lookup + proposers[name].steps_from_draft - from_draft
-            figures[bench][name]["frac_steps_from_lookup"] = n_lookup / n_all if n_all else None
-        for name, before in corpus_counts.items():
-            n_all = sum(len(r.steps) for r in runs[name])
-            figures[bench][name]["frac_steps_from_corpus"] = (
-                (corpus_lookups[name].steps_from_corpus - before) / n_all if n_all else None)
+        counts = _proposal_counts(run.proposers)
+        runs, prompts_of, turn_of = _run_benchmark(run, bench, prompts, rendered[bench], bar)
+        figures[bench] = _benchmark_figures(run, runs, counts, max_k=max_k)
         if measure_flips:
-            with few_row_linear_context(target_model) if few_row_linear else contextlib.nullcontext():
-                argmax_flip_figures(target_model, prompts_of[BASELINE], base, {n: runs[n] for n in proposers},
-                                    figures[bench], chunk_len=flip_chunk_len, turn_of=turn_of)
-        if compare_hf_generate:
-            hf = figures[bench][HF_GENERATE]
-            figures[bench][HF_GENERATE] = {k: hf[k] for k in (
-                "num_prompts", "num_output_tokens", "total_time_s", "tok_per_s", "time_per_output_token_ms",
-                "speedup", "frac_identical_to_baseline")}
-        samples[bench] = {
-            name: [
-                {"id": pid, "turn": turn, "prompt_len": r.prompt_len, "num_new_tokens": r.num_new_tokens,
-                 "stop_reason": r.stop_reason, "num_steps": len(r.steps), "total_time_s": r.total_time_s,
-                 "identical_to_baseline": r.output_ids == b.output_ids,
-                 "prompt": tokenizer.decode(prompt_ids), "output": answer_text(tokenizer, r.output_ids, eos)}
-                for (pid, turn), prompt_ids, r, b in zip(turn_of, prompts_of[name], res, base)
-            ]
-            for name, res in runs.items()
-        }
-        summary = ", ".join(
-            f"{name}: tau {figures[bench][name]['tau']:.2f} (break-even {figures[bench][name]['break_even_tau'] or 0:.2f}) "
-            f"speedup {figures[bench][name]['speedup'] or 0:.2f}x"
-            for name in proposers
-        )
-        if measure_flips:
-            base_fig = figures[bench][BASELINE]
-            summary += (f"; argmax flips {base_fig['num_argmax_flips']}/{base_fig['num_flip_positions']} tokens "
-                        f"({dtype_name(next(target_model.parameters()).dtype)})")
-        (bar.write if log is print and progress else log)(f"[eval] {bench}: baseline {figures[bench][BASELINE]['tok_per_s']:.1f} tok/s; {summary or 'no proposers'}")
+            with few_row_linear_context(target_model) if run.few_row_linear else contextlib.nullcontext():
+                argmax_flip_figures(target_model, prompts_of[BASELINE], runs[BASELINE],
+                                    {n: runs[n] for n in run.proposers}, figures[bench], chunk_len=flip_chunk_len,
+                                    turn_of=turn_of)
+        samples[bench] = _sample_records(run, runs, prompts_of, turn_of)
+        (bar.write if log is print and progress else log)(_summary_line(run, bench, figures[bench], measure_flips))
     bar.close()
 
     results: dict[str, Any] = {
         "config": {
-            "max_new_tokens": max_new_tokens,
-            "sampling": dataclasses.asdict(sampling),
-            "temperature": sampling.temperature,
-            "num_turns": num_turns,
-            "seed": seed,
-            "target_layer_ids": list(target_layer_ids),
-            "eos_token_ids": eos,
-            "decoding": decoding_record(max_new_tokens=max_new_tokens, temperature=sampling.temperature,
-                                        top_k=sampling.top_k, top_p=sampling.top_p, stop_token_ids=eos,
-                                        checkpoint_generation_config=getattr(target_model, "generation_config",
-                                                                             None)),
-            "proposers": {n: _proposer_info(p) for n, p in proposers.items()},
-            "dtype": dtype_name(next(target_model.parameters()).dtype),
-            "few_row_linear": few_row_linear,
-            "compile": compile_target,
-            "flip_chunk_len": flip_chunk_len if measure_flips else None,
-            "num_prompts": {b: len(v) for b, v in benchmarks.items()},
-            "compare_hf_generate": compare_hf_generate,
-            "batch_size": 1,
-            "target": str(getattr(target_model.config, "_name_or_path", "") or type(target_model).__name__),
+            **_run_config(run, settings, target_layer_ids=target_layer_ids,
+                          flip_chunk_len=flip_chunk_len if measure_flips else None,
+                          num_prompts={b: len(v) for b, v in benchmarks.items()}),
             **dict(config_extra or {}),
         },
         "environment": environment_info(),
@@ -389,3 +315,184 @@ def run_eval(
         paths = write_report(results, out_dir)
         log(f"[eval] report: {paths['markdown']} ({', '.join(p.name for k, p in paths.items() if k != 'markdown')})")
     return results
+
+
+def _check_run_args(proposers: Mapping[str, Proposer], *, max_new_tokens: int, num_turns: int,
+                    sampling: SamplingParams) -> None:
+    """:func:`run_eval`'s ValueErrors, before any work."""
+    for name in proposers:
+        if name in (BASELINE, HF_GENERATE):
+            raise ValueError(f"proposers: the name {name!r} is reserved for a baseline; rename that proposer.")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected >= 1, received {max_new_tokens}.")
+    if isinstance(num_turns, bool) or not isinstance(num_turns, int) or num_turns < 1:
+        raise ValueError(f"num_turns: expected an integer >= 1, received {num_turns!r}.")
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling: expected a SamplingParams, received {type(sampling).__name__}.")
+
+
+def _new_run(target_model: Any, tokenizer: Any, target_layer_ids: Sequence[int], proposers: Mapping[str, Proposer],
+             settings: DecodeSettings, **shared: Any) -> _Run:
+    """The engines of a run: target-only first, then one per proposer, on the compiled target path
+    (proposers compiled too) or the eager one, with the few-row linear path where ``settings`` asks."""
+    eos = eos_token_ids_of(target_model, tokenizer)
+    pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else eos[0]
+    few_rows = few_row_linear_applies(settings.few_row_linear, target_model) and not settings.compile
+    compiled = None
+    if settings.compile:
+        proposers = {n: compile_proposer(p) for n, p in proposers.items()}
+        compiled = CompiledTarget.for_proposers(target_model, proposers.values())
+    engines = {n: SpeculativeEngine(target_model, target_layer_ids, p, eos, few_row_linear=few_rows, compiled=compiled)
+               for n, p in {BASELINE: NullProposer(), **proposers}.items()}
+    return _Run(target_model=target_model, tokenizer=tokenizer, proposers=proposers, engines=engines, eos=eos, pad=pad,
+                few_row_linear=few_rows, **shared)
+
+
+def _run_benchmark(
+    run: _Run, bench: str, prompts: Sequence[BenchmarkPrompt], rendered: Sequence[list[int]], bar: Any,
+) -> tuple[dict[str, list[GenerationResult]], dict[str, list[list[int]]], list[tuple[str, int]]]:
+    """Every method on every prompt of ``bench``, interleaved per prompt (the module docstring). Returns
+    each method's results (one per (prompt, turn), pooled in order), the prompt ids of each, and the
+    (prompt id, turn 1..) of each pooled result."""
+    runs: dict[str, list[GenerationResult]] = {m: [] for m in run.methods}
+    prompts_of: dict[str, list[list[int]]] = {m: [] for m in run.methods}
+    turn_of: list[tuple[str, int]] = []
+    turns_kw = dict(num_turns=run.num_turns, eos=run.eos, chat_template_kwargs=run.chat_template_kwargs)
+    for i, (prompt, ids) in enumerate(zip(prompts, rendered)):
+        turn_of.extend((prompt.id, t + 1) for t in range(min(run.num_turns, len(prompt.turns))))
+        for name, engine in run.engines.items():
+            bar.set_postfix_str(f"{bench} {name}")
+            gen = run.new_generator(run.seed + i)
+
+            def generate(x: list[int], engine=engine, gen=gen, name=name, pid=prompt.id) -> GenerationResult:
+                return _generate_or_explain(run, engine, x, gen, where=f"{bench} prompt {pid}, {name}")
+
+            turn_ids, results = _run_turns(generate, run.tokenizer, prompt, first_ids=ids, **turns_kw)
+            prompts_of[name].extend(turn_ids)
+            runs[name].extend(results)
+            bar.update(1)
+        if run.compare_hf_generate:
+            torch.manual_seed(run.seed + i)
+            turn_ids, results = _run_turns(
+                lambda x: hf_generate(run.target_model, x, max_new_tokens=run.max_new_tokens, sampling=run.sampling,
+                                       eos=run.eos, pad=run.pad),
+                run.tokenizer, prompt, first_ids=ids, **turns_kw)
+            prompts_of[HF_GENERATE].extend(turn_ids)
+            runs[HF_GENERATE].extend(results)
+            bar.update(1)
+    return runs, prompts_of, turn_of
+
+
+def _generate_or_explain(run: _Run, engine: SpeculativeEngine, prompt_ids: list[int], generator: torch.Generator, *,
+                         where: str) -> GenerationResult:
+    """``engine.generate`` on one turn; out of memory becomes an error naming the prompt, sizes and fixes."""
+    try:
+        return engine.generate(prompt_ids, max_new_tokens=run.max_new_tokens, sampling=run.sampling,
+                               generator=generator)
+    except RuntimeError as exc:  # torch.OutOfMemoryError is one
+        if not is_out_of_memory(exc):
+            raise
+        dtype = dtype_name(next(run.target_model.parameters()).dtype)
+        sizes = f"{where}: {len(prompt_ids)} prompt tokens + up to {run.max_new_tokens} new, {dtype}"
+        fix = ("lower --max-new-tokens or --num-draft-tokens, or evaluate fewer or shorter-prompt "
+               "--benchmarks" + (", or decode in --dtype bfloat16" if dtype == "float32" else ""))
+        raise out_of_memory_error("eval", run.device, sizes, fix, exc) from exc
+
+
+def _proposal_counts(proposers: Mapping[str, Proposer]) -> dict[str, dict[str, int]]:
+    """Each counting proposer's counters now (a draft with prompt lookup in front: steps from the lookup and
+    from the draft; a lookup with a corpus: steps from the corpus), to take a benchmark's share after it."""
+    counts: dict[str, dict[str, int]] = {}
+    for name, p in proposers.items():
+        if hasattr(p, "steps_from_lookup"):
+            counts.setdefault(name, {}).update(lookup=p.steps_from_lookup, draft=p.steps_from_draft)
+        corpus = corpus_lookup(p)
+        if corpus is not None:
+            counts.setdefault(name, {})["corpus"] = corpus.steps_from_corpus
+    return counts
+
+
+def _benchmark_figures(run: _Run, runs: Mapping[str, Sequence[GenerationResult]],
+                       counts: Mapping[str, Mapping[str, int]], *, max_k: Mapping[str, int]) -> dict[str, Any]:
+    """Each method's metrics on one benchmark (:func:`benchmark_metrics` against target-only; Hugging Face
+    ``generate()``'s throughput and identity only), with the shares of steps a lookup in front of a draft
+    (``frac_steps_from_lookup``) and a corpus (``frac_steps_from_corpus``) proposed, from the counters
+    before it (:func:`_proposal_counts`)."""
+    base = runs[BASELINE]
+    figures = {name: benchmark_metrics(res, baseline=None if name == BASELINE else base, max_k=max_k.get(name, 0))
+               for name, res in runs.items()}
+    for name, before in counts.items():
+        p = run.proposers[name]
+        if "lookup" in before:
+            n_lookup = p.steps_from_lookup - before["lookup"]
+            n_all = n_lookup + p.steps_from_draft - before["draft"]
+            figures[name]["frac_steps_from_lookup"] = n_lookup / n_all if n_all else None
+        if "corpus" in before:
+            n_all = sum(len(r.steps) for r in runs[name])
+            figures[name]["frac_steps_from_corpus"] = (
+                (corpus_lookup(p).steps_from_corpus - before["corpus"]) / n_all if n_all else None)
+    if HF_GENERATE in figures:  # throughput and identity only: generate() records no steps
+        figures[HF_GENERATE] = {k: figures[HF_GENERATE][k] for k in (
+            "num_prompts", "num_output_tokens", "total_time_s", "tok_per_s", "time_per_output_token_ms",
+            "speedup", "frac_identical_to_baseline")}
+    return figures
+
+
+def _sample_records(run: _Run, runs: Mapping[str, Sequence[GenerationResult]],
+                    prompts_of: Mapping[str, Sequence[list[int]]],
+                    turn_of: Sequence[tuple[str, int]]) -> dict[str, list[dict[str, Any]]]:
+    """One record per (prompt, turn) and method: sizes, stop reason, time, identity with target-only, and
+    the prompt and output texts."""
+    base = runs[BASELINE]
+    return {
+        name: [
+            {"id": pid, "turn": turn, "prompt_len": r.prompt_len, "num_new_tokens": r.num_new_tokens,
+             "stop_reason": r.stop_reason, "num_steps": len(r.steps), "total_time_s": r.total_time_s,
+             "identical_to_baseline": r.output_ids == b.output_ids,
+             "prompt": run.tokenizer.decode(prompt_ids), "output": answer_text(run.tokenizer, r.output_ids, run.eos)}
+            for (pid, turn), prompt_ids, r, b in zip(turn_of, prompts_of[name], res, base)
+        ]
+        for name, res in runs.items()
+    }
+
+
+def _summary_line(run: _Run, bench: str, figures: Mapping[str, Any], measure_flips: bool) -> str:
+    """The log line of one benchmark: target-only tok/s, each proposer's tau, break-even tau and speedup,
+    and the argmax flips when measured."""
+    summary = ", ".join(
+        f"{name}: tau {figures[name]['tau']:.2f} (break-even {figures[name]['break_even_tau'] or 0:.2f}) "
+        f"speedup {figures[name]['speedup'] or 0:.2f}x"
+        for name in run.proposers
+    )
+    if measure_flips:
+        base_fig = figures[BASELINE]
+        summary += (f"; argmax flips {base_fig['num_argmax_flips']}/{base_fig['num_flip_positions']} tokens "
+                    f"({dtype_name(next(run.target_model.parameters()).dtype)})")
+    return f"[eval] {bench}: baseline {figures[BASELINE]['tok_per_s']:.1f} tok/s; {summary or 'no proposers'}"
+
+
+def _run_config(run: _Run, settings: DecodeSettings, *, target_layer_ids: Sequence[int], flip_chunk_len: int | None,
+                num_prompts: Mapping[str, int]) -> dict[str, Any]:
+    """The report config's record of the run's decoding (its ``config`` beside the caller's entries)."""
+    sampling = run.sampling
+    return {
+        "max_new_tokens": run.max_new_tokens,
+        "sampling": dataclasses.asdict(sampling),
+        "temperature": sampling.temperature,
+        "num_turns": run.num_turns,
+        "seed": run.seed,
+        "target_layer_ids": list(target_layer_ids),
+        "eos_token_ids": run.eos,
+        "decoding": decoding_record(max_new_tokens=run.max_new_tokens, temperature=sampling.temperature,
+                                    top_k=sampling.top_k, top_p=sampling.top_p, stop_token_ids=run.eos,
+                                    checkpoint_generation_config=getattr(run.target_model, "generation_config", None)),
+        "proposers": {n: _proposer_info(p) for n, p in run.proposers.items()},
+        "dtype": dtype_name(next(run.target_model.parameters()).dtype),
+        "few_row_linear": run.few_row_linear,
+        "compile": settings.compile,
+        "flip_chunk_len": flip_chunk_len,
+        "num_prompts": dict(num_prompts),
+        "compare_hf_generate": run.compare_hf_generate,
+        "batch_size": 1,
+        "target": str(getattr(run.target_model.config, "_name_or_path", "") or type(run.target_model).__name__),
+    }

@@ -1,5 +1,7 @@
 """``deepspec eval`` as a stage: its config, the policy around the run (benchmark loading, draft
-naming and checks, training-free baselines, confidence thresholds) and the output folder.
+naming and checks, confidence thresholds) and the output folder. The proposers (drafts, prompt lookup in
+front of them, the training-free baselines) come from the decoding set-up
+(:func:`deepspec.decoding.settings.build_proposers`) that serve, the demo and ``bench/decode.py`` share.
 
 The evaluation itself is :func:`deepspec.eval.run.run_eval`; this module decides what it runs
 on. The CLI (``deepspec.cli``) builds :class:`EvalConfig` from its flags and calls
@@ -16,19 +18,16 @@ from pathlib import Path
 
 from deepspec.algorithms.ngram.corpus import (DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus, check_corpus_use,
                                                check_corpus_vocab, check_prompts_in_corpus)
-from deepspec.algorithms.ngram.proposer import (DEFAULT_NUM_TOKENS, LookupFirstProposer, NGramProposer,
-                                                 check_lookup_settings, check_ngram_range)
-from deepspec.algorithms.protocol import cap_proposal_len, check_tree_setting, set_draft_tree_width
-from deepspec.algorithms.registry import algorithm_for_model, check_baselines, check_draft_target, load_draft
+from deepspec.algorithms.registry import check_draft_target, load_draft
 from deepspec.checkpoints import draft_folder
 from deepspec.data.sources import SourceUnavailableError
-from deepspec.device import cast_for_decoding, check_device_name, check_dtype_name, resolve_device, resolve_dtype
+from deepspec.decoding.settings import DecodeSettings, build_proposers, unique_name
+from deepspec.device import cast_for_decoding, resolve_device, resolve_dtype
 from deepspec.eval.benchmarks import BENCHMARKS, DEEPSPEC_NUM_SAMPLES, SOURCES, load_benchmark
 from deepspec.eval.run import run_eval
+from deepspec.target import load  # load.open_target, where tests stub load.load_target
 from deepspec.target.decoding import SamplingParams
-from deepspec.target.few_row_linear import check_few_row_mode, few_row_linear_applies
-from deepspec.target.load import load_target, require_chat_template, target_fingerprint
-
+from deepspec.target.load import LoadedTarget
 
 @dataclass(kw_only=True)
 class EvalConfig:
@@ -106,28 +105,9 @@ class EvalConfig:
     def __post_init__(self) -> None:
 
         self.sampling_params()  # validates temperature, top_k, top_p
-        self.dtype = check_dtype_name(self.dtype, "eval.dtype")
-        self.device = check_device_name(self.device, "eval.device")
-        self.few_row_linear = check_few_row_mode(self.few_row_linear, "eval.few_row_linear")
-        if self.compile and self.few_row_linear == "on":
-            raise ValueError("eval.few_row_linear: on cannot be combined with eval.compile (the compiled path picks its "
-                             "own kernels); pass --few-row-linear auto or off with --compile.")
-        if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
-            raise ValueError(f"eval.num_draft_tokens: expected an integer >= 1 or none (each proposer's own K), "
-                             f"got {self.num_draft_tokens}")
-        self.baselines = check_baselines(self.baselines, "eval.baselines")
-        check_ngram_range(ngram_max=self.ngram_max, ngram_min=self.ngram_min, field="eval")
-        ngram_k = self.ngram_num_tokens
-        if ngram_k is not None and (isinstance(ngram_k, bool) or not isinstance(ngram_k, int) or ngram_k < 1):
-            raise ValueError(f"eval.ngram_num_tokens: expected an integer >= 1 or none (the draft's K), got {ngram_k!r}")
-        check_lookup_settings(self.lookup_first, self.lookup_num_tokens, has_draft=True, field="eval")
-        check_tree_setting(self.tree_width, "eval.tree_width")
-        if self.tree_width > 1 and self.confidence_threshold > 0:
-            raise ValueError(f"eval.tree_width: a draft tree is not cut by confidence; drop --confidence-threshold "
-                             f"or give --tree-width 0 or 1 (got {self.tree_width})")
-        if self.tree_width and self.compile:
-            raise ValueError("eval.tree_width: draft trees need the eager target path (a dynamic KV cache whose "
-                             "accepted entries are moved); give --tree-width 0 with --compile")
+        settings = self.decode_settings()  # validates the decoding set-up, naming eval's flags
+        self.dtype, self.device, self.few_row_linear = settings.dtype, settings.device, settings.few_row_linear
+        self.baselines = list(settings.baselines)
         check_corpus_use(self.lookup_corpus, self.corpus_ngram_min, lookup_first=self.lookup_first,
                          baselines=self.baselines, field="eval")
         if self.max_new_tokens < 1:
@@ -136,8 +116,6 @@ class EvalConfig:
             raise ValueError(f"eval.num_prompts: expected an integer >= 1 or none (all), got {self.num_prompts}")
         if self.num_turns not in (1, 2):
             raise ValueError(f"eval.num_turns: expected 1 (first turn) or 2 (both turns), got {self.num_turns}")
-        if not 0.0 <= self.confidence_threshold < 1.0:
-            raise ValueError(f"eval.confidence_threshold: expected a value in [0, 1), got {self.confidence_threshold}")
         if self.benchmark_source not in SOURCES:
             raise ValueError(f"eval.benchmark_source: expected one of {', '.join(SOURCES)}, got {self.benchmark_source!r}")
         known = ", ".join(sorted(BENCHMARKS))
@@ -156,6 +134,17 @@ class EvalConfig:
         for name, cap in self.caps().items():
             if cap < 1:
                 raise ValueError(f"eval.num_prompts_per_benchmark: {name}={cap}; expected a cap >= 1")
+
+    def decode_settings(self) -> DecodeSettings:
+        """The decoding set-up of these flags (:class:`deepspec.decoding.settings.DecodeSettings`;
+        ``--tree-width`` split in two); ValueError naming the flag (``eval.<flag>``) for a bad value."""
+        return DecodeSettings.from_flags(
+            "eval", tree_width=self.tree_width, num_draft_tokens=self.num_draft_tokens,
+            confidence_threshold=self.confidence_threshold, lookup_first=self.lookup_first,
+            lookup_num_tokens=self.lookup_num_tokens, ngram_max=self.ngram_max, ngram_min=self.ngram_min,
+            ngram_num_tokens=self.ngram_num_tokens, corpus_ngram_min=self.corpus_ngram_min,
+            baselines=self.baselines, dtype=self.dtype, device=self.device,
+            few_row_linear=self.few_row_linear, compile=self.compile)
 
     def sampling_params(self):
         """The decoding settings as a :class:`deepspec.target.decoding.SamplingParams` (validated there)."""
@@ -267,39 +256,6 @@ def _output_folder(path: str) -> Iterator[Path]:
         raise
 
 
-def _unique_name(name: str, taken: dict) -> str:
-    """``name``, or ``name#2``, ``name#3``, ... if already taken (two drafts never share a report row)."""
-    candidate, k = name, 1
-    while candidate in taken:
-        k += 1
-        candidate = f"{name}#{k}"
-    return candidate
-
-
-def baseline_proposers(cfg: EvalConfig, target_model, *, drafts: dict, taken: dict,
-                       corpus: NGramCorpus | None = None) -> dict:
-    """The training-free proposers of ``cfg.baselines`` (name -> proposer), for ``target_model``.
-
-    The n-gram baselines propose ``cfg.ngram_num_tokens`` tokens per step, by default as many as the
-    first of ``drafts`` (name -> proposer, already capped by ``cfg.num_draft_tokens``) does, else 7
-    capped by ``cfg.num_draft_tokens``; their report names are ``ngram`` (prompt lookup) and
-    ``ngram+corpus`` (prompt lookup, then ``corpus`` where the context has no match), with ``#2``
-    appended if ``taken`` already holds the name.
-    """
-
-    out = {}
-    k = cfg.ngram_num_tokens or next((p.max_proposal_len for p in drafts.values()),
-                                     min(DEFAULT_NUM_TOKENS, cfg.num_draft_tokens or DEFAULT_NUM_TOKENS))
-    for name in cfg.baselines:  # "ngram" | "ngram+corpus"
-        out[_unique_name(name, taken)] = NGramProposer(
-            vocab_size=int(target_model.get_output_embeddings().weight.shape[0]), num_tokens=k,
-            ngram_max=cfg.ngram_max, ngram_min=cfg.ngram_min,
-            max_positions=target_model.config.max_position_embeddings,
-            device=next(target_model.parameters()).device,
-            corpus=corpus if name == "ngram+corpus" else None, corpus_ngram_min=cfg.corpus_ngram_min)
-    return out
-
-
 def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts: dict | None = None) -> dict:
     """Evaluate each draft (name -> draft model of any registered algorithm; default: loaded from
     ``cfg.draft``) against the target-only baseline on ``cfg``'s benchmarks; returns the results dict
@@ -320,91 +276,40 @@ def run_eval_stage(cfg: EvalConfig, *, target_model=None, tokenizer=None, drafts
 def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, drafts: dict | None) -> dict:
     """:func:`run_eval_stage` once its output folder exists."""
     # Everything the user controls is checked before the target loads (minutes for a large model).
-    device = resolve_device(cfg.device, "eval.device")
+    settings = cfg.decode_settings()
+    device = resolve_device(settings.device, "eval.device")
     folders = [draft_folder(path) for path in cfg.draft] if drafts is None else []
     benchmarks, skipped = load_eval_benchmarks(cfg)
     corpus = NGramCorpus.from_prepared(cfg.lookup_corpus, field="eval.lookup_corpus") if cfg.lookup_corpus else None
     answered = {} if corpus is None else check_prompts_in_corpus(
         corpus, {name: [(p.id, p.turns[0]) for p in prompts] for name, prompts in benchmarks.items()},
         "eval.lookup_corpus", log=lambda line: print(f"[eval] {line}", file=sys.stderr, flush=True))
-    dtype = resolve_dtype(cfg.dtype, device)
-    loaded_here = target_model is None
-    if loaded_here:
-        target_model, tokenizer = load_target(cfg.target, chat_template=cfg.chat_template)
-    require_chat_template(tokenizer, cfg.target)
-    fingerprint = target_fingerprint(target_model)  # of the weights as loaded, before the decoding cast
-    # a copy when the caller's target has another dtype or device; the stage's own target is cast in place
-    target_model = cast_for_decoding(target_model, dtype, device, in_place=loaded_here)
-    drafts_loaded_here = drafts is None
-    if drafts_loaded_here:
-        drafts = {}
-        for folder in folders:
-            algorithm, model = load_draft(folder, target_model=target_model, target_fingerprint=fingerprint,
-                                          allow_target_mismatch=cfg.allow_target_mismatch)
-            checkpoint = (folder.parent if folder.name == "draft" else folder).resolve()  # a parent even for "x"
-            name = _unique_name(f"{algorithm}:{checkpoint.parent.name}/{checkpoint.name}", drafts)
-            drafts[name] = model
-    target_check = {}
-    for name, model in drafts.items():
-        target_check[name] = check_draft_target(name, model.config, target_model, target_fingerprint=fingerprint,
-                                                allow_mismatch=cfg.allow_target_mismatch)
-        if target_check[name]["message"]:
-            print(f"[eval] {target_check[name]['message']}", file=sys.stderr, flush=True)
-    # frozen embed/lm_head too
-    drafts = {name: cast_for_decoding(model, dtype, device, in_place=drafts_loaded_here)
-              for name, model in drafts.items()}
-    layer_ids = None
-    for name, model in drafts.items():
-        model.eval()
-        if layer_ids is None:
-            layer_ids = list(model.config.target_layer_ids)
-        elif list(model.config.target_layer_ids) != layer_ids:
-            raise ValueError(
-                f"draft {name}: target_layer_ids {model.config.target_layer_ids} differ from the other drafts' "
-                f"{layer_ids}; evaluate drafts trained on different layer sets in separate runs"
-            )
-    max_positions = target_model.config.max_position_embeddings
+    # float32 as loaded, fingerprinted, then cast: in place when loaded here, else a copy when needed
+    target = load.open_target(cfg.target, chat_template=cfg.chat_template, model=target_model, tokenizer=tokenizer,
+                              dtype=resolve_dtype(settings.dtype, device), device=device)
+    drafts, target_check = _eval_drafts(cfg, target, folders, drafts, device)
+    if corpus is not None:
+        check_corpus_vocab(corpus, int(target.model.get_output_embeddings().weight.shape[0]), "eval.lookup_corpus")
+    proposers = build_proposers(settings, target.model, drafts, corpus=corpus, where="eval")
     thresholded = [n for n, m in drafts.items() if getattr(m, "confidence_head", None) is not None]
-    if cfg.confidence_threshold > 0:
-        if not thresholded:
-            raise ValueError(f"eval.confidence_threshold: {cfg.confidence_threshold} needs a draft with a confidence "
-                             f"head (DSpark); none of {', '.join(drafts)} has one. Drop the threshold.")
+    if settings.confidence_threshold > 0:
         for name in drafts:
             if name not in thresholded:
                 print(f"[eval] {name}: no confidence head, --confidence-threshold not applied (full proposals)")
-
-    def draft_proposer(name: str, model):
-        threshold = cfg.confidence_threshold if cfg.confidence_threshold > 0 and name in thresholded else None
-        proposer = algorithm_for_model(model).proposer(model, confidence_threshold=threshold, max_positions=max_positions)
-        set_draft_tree_width(proposer, cfg.tree_width)
-        return proposer if cfg.num_draft_tokens is None else cap_proposal_len(proposer, cfg.num_draft_tokens)
-
-    proposers = {name: draft_proposer(name, model) for name, model in drafts.items()}
-    vocab = int(target_model.get_output_embeddings().weight.shape[0])
-    if corpus is not None:
-        check_corpus_vocab(corpus, vocab, "eval.lookup_corpus")
-    if cfg.lookup_first is not None:  # a proposer of its own per row: the rows run interleaved per prompt
-        for name, model in drafts.items():
-            proposers[_unique_name(f"{name}+lookup", proposers)] = LookupFirstProposer(
-                draft_proposer(name, model), vocab_size=vocab, ngram_max=max(cfg.lookup_first, cfg.ngram_max),
-                ngram_min=cfg.lookup_first, max_positions=max_positions, device=device,
-                lookup_num_tokens=cfg.lookup_num_tokens, corpus=corpus, corpus_ngram_min=cfg.corpus_ngram_min,
-                tree=cfg.tree_width >= 1)
-    proposers.update(baseline_proposers(cfg, target_model, drafts=proposers, taken=proposers, corpus=corpus))
+    layer_ids = next((list(m.config.target_layer_ids) for m in drafts.values()), [])
     return run_eval(
-        target_model,
-        tokenizer,
-        layer_ids or [],
+        target.model,
+        target.tokenizer,
+        layer_ids,
         proposers,
         benchmarks,
+        settings=settings,
         max_new_tokens=cfg.max_new_tokens,
         sampling=cfg.sampling_params(),
         num_turns=cfg.num_turns,
         seed=cfg.seed,
         out_dir=out_dir,
         compare_hf_generate=cfg.compare_hf_generate,
-        few_row_linear=few_row_linear_applies(cfg.few_row_linear, target_model) and not cfg.compile,
-        compile_target=cfg.compile,
         chat_template_kwargs=None if cfg.enable_thinking is None else {"enable_thinking": cfg.enable_thinking},
         config_extra={
             "eval": asdict(cfg),
@@ -413,7 +318,7 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
             "benchmarks_skipped": skipped,
             "benchmark_origins": {name: prompts[0].origin for name, prompts in benchmarks.items()},
             "confidence_threshold": {n: cfg.confidence_threshold for n in thresholded if cfg.confidence_threshold > 0},
-            "target_fingerprint": fingerprint,
+            "target_fingerprint": target.fingerprint,
             "target_check": target_check,
             "lookup_corpus": None if corpus is None else {"files": list(cfg.lookup_corpus),
                                                           "num_sequences": corpus.num_sequences,
@@ -421,3 +326,40 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
                                                           "prompts_answered": answered},
         },
     )
+
+
+def _eval_drafts(cfg: EvalConfig, target: LoadedTarget, folders: list[Path], drafts: dict | None,
+                 device) -> tuple[dict, dict]:
+    """The drafts evaluated (name -> model in eval mode, in the target's decoding dtype and on ``device``;
+    loaded from ``folders`` when ``drafts`` is None, cast in place then, else cast as copies where needed)
+    and each one's check against the target (name -> :func:`check_draft_target`'s record). Raises
+    ValueError for a draft made for another target (unless ``cfg.allow_target_mismatch`` and only the
+    fingerprint differs), or drafts that read different target layers."""
+    loaded_here = drafts is None
+    if loaded_here:
+        drafts = {}
+        for folder in folders:
+            algorithm, model = load_draft(folder, target_model=target.model, target_fingerprint=target.fingerprint,
+                                          allow_target_mismatch=cfg.allow_target_mismatch)
+            checkpoint = (folder.parent if folder.name == "draft" else folder).resolve()  # a parent even for "x"
+            name = unique_name(f"{algorithm}:{checkpoint.parent.name}/{checkpoint.name}", drafts)
+            drafts[name] = model
+    target_check = {}
+    for name, model in drafts.items():
+        target_check[name] = check_draft_target(name, model.config, target.model, target_fingerprint=target.fingerprint,
+                                                allow_mismatch=cfg.allow_target_mismatch)
+        if target_check[name]["message"]:
+            print(f"[eval] {target_check[name]['message']}", file=sys.stderr, flush=True)
+    dtype = next(target.model.parameters()).dtype
+    drafts = {name: cast_for_decoding(model, dtype, device, in_place=loaded_here).eval()  # frozen embed/lm_head too
+              for name, model in drafts.items()}
+    layer_ids = None
+    for name, model in drafts.items():
+        if layer_ids is None:
+            layer_ids = list(model.config.target_layer_ids)
+        elif list(model.config.target_layer_ids) != layer_ids:
+            raise ValueError(
+                f"draft {name}: target_layer_ids {model.config.target_layer_ids} differ from the other drafts' "
+                f"{layer_ids}; evaluate drafts trained on different layer sets in separate runs"
+            )
+    return drafts, target_check

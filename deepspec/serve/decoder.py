@@ -23,17 +23,22 @@ from typing import Any
 import torch
 
 from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus, check_corpus_vocab
-from deepspec.algorithms.ngram.proposer import (DEFAULT_NGRAM_MAX, LookupFirstProposer,
-                                                 check_lookup_settings)
-from deepspec.algorithms.protocol import NullProposer, cap_proposal_len, check_tree_setting, set_draft_tree_width
-from deepspec.algorithms.registry import algorithm_for_model, load_draft
+from deepspec.algorithms.ngram.proposer import check_lookup_settings
+from deepspec.algorithms.protocol import NullProposer, check_tree_setting
+from deepspec.algorithms.registry import load_draft
 from deepspec.checkpoints import draft_folder
 from deepspec.data.chat import target_stop_token_ids
 from deepspec.decoding.engine import SpeculativeEngine
+from deepspec.decoding.settings import DecodeSettings, build_proposers
 from deepspec.device import cast_for_decoding, resolve_device, resolve_dtype
 from deepspec.target.decoding import SamplingParams
 from deepspec.target.few_row_linear import few_row_linear_applies
 from deepspec.target.load import target_fingerprint
+
+
+# EngineDecoder's keyword flags at their defaults (what settings= stands in for)
+_FLAG_DEFAULTS = dict(num_draft_tokens=None, dtype="auto", device=None, few_row_linear="auto", lookup_first=None,
+                      lookup_num_tokens=None, corpus_ngram_min=DEFAULT_CORPUS_NGRAM_MIN, tree_width=0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +76,10 @@ class EngineDecoder:
         target_model, tokenizer: the loaded target (any dtype; a cast copy decodes when ``dtype`` differs).
         draft: a training run folder, checkpoint or draft folder (``deepspec train``'s output); None or
             "" = target-only.
+        settings: the decoding set-up (:class:`~deepspec.decoding.settings.DecodeSettings`, shared with
+            eval, the demo and ``bench/decode.py``): K, draft trees, prompt lookup in front of the draft, dtype,
+            device (``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``), the few-row linear path. None: built from
+            the keyword flags below, named as ``serve.<flag>`` in its errors; give one or the other.
         num_draft_tokens: cap on the tokens proposed per step (vLLM's ``num_speculative_tokens``); None
             = the draft's own block size.
         dtype: ``auto`` | ``float32`` | ``bfloat16`` (aliases fp32, bf16) for target and draft.
@@ -95,53 +104,65 @@ class EngineDecoder:
         FileNotFoundError: no draft at ``draft``.
         ValueError: a bad dtype or device name, a device that is not there, ``num_draft_tokens < 1``,
             ``lookup_first`` or ``lookup_num_tokens`` < 1 or set without a draft, a corpus without
-            ``lookup_first``, a ``tree_width`` below 0 or above 0 without a draft, or a draft made for another target.
+            ``lookup_first``, a ``tree_width`` below 0 or above 0 without a draft, settings given beside
+            keyword flags, baselines or a compiled target path in ``settings``, or a draft made for another
+            target.
     """
 
     def __init__(self, target_model: Any, tokenizer: Any, *, draft: str | Path | None = None,
+                 settings: DecodeSettings | None = None,
                  num_draft_tokens: int | None = None, dtype: str = "auto", device: str | None = None,
                  few_row_linear: str = "auto", allow_target_mismatch: bool = False,
                  lookup_first: int | None = None, lookup_num_tokens: int | None = None,
                  corpus: NGramCorpus | None = None, corpus_ngram_min: int = DEFAULT_CORPUS_NGRAM_MIN,
                  tree_width: int = 0, cast_in_place: bool = False) -> None:
-        check_lookup_settings(lookup_first, lookup_num_tokens, has_draft=bool(draft), field="serve")
-        check_tree_setting(tree_width, "serve.tree_width", has_draft=bool(draft))
-        if corpus is not None and lookup_first is None:
+        flags = dict(num_draft_tokens=num_draft_tokens, dtype=dtype, device=device, few_row_linear=few_row_linear,
+                     lookup_first=lookup_first, lookup_num_tokens=lookup_num_tokens,
+                     corpus_ngram_min=corpus_ngram_min, tree_width=tree_width)
+        if settings is None:
+            check_lookup_settings(lookup_first, lookup_num_tokens, has_draft=bool(draft), field="serve")
+            check_tree_setting(tree_width, "serve.tree_width", has_draft=bool(draft))
+            target_device = str(next(target_model.parameters()).device)
+            settings = DecodeSettings.from_flags("serve", **{**flags, "device": device or target_device})
+        else:
+            given = [name for name, value in flags.items() if value != _FLAG_DEFAULTS[name]]
+            if given:
+                raise ValueError(f"serve: {', '.join(given)} given beside settings; set them in the DecodeSettings")
+            if settings.baselines or settings.compile:
+                raise ValueError("serve: settings with baselines or compile; a server decodes one proposer on the "
+                                 "eager target path")
+            if not draft and (settings.lookup_first is not None or settings.tree_width):
+                raise ValueError("serve: settings with prompt lookup or draft trees but no draft; give the draft")
+        if corpus is not None and settings.lookup_first is None:
             raise ValueError("serve.lookup_corpus: set without serve.lookup_first; the corpus is searched by the "
                              "prompt lookup in front of the draft: give --lookup-first N or drop it")
-        device = (resolve_device(device, "serve.device") if device is not None
-                  else next(target_model.parameters()).device)
-        decode_dtype = resolve_dtype(dtype, device)
+        self.settings = settings
+        device = resolve_device(settings.device, "serve.device")
+        decode_dtype = resolve_dtype(settings.dtype, device)
         folder = draft_folder(draft) if draft else None  # a wrong path fails before any work
         fingerprint = target_fingerprint(target_model) if folder is not None else None
         self.target_model = cast_for_decoding(target_model, decode_dtype, device, in_place=cast_in_place).eval()
         self.device = device
         self.dtype = decode_dtype
         self.draft_name = None
+        self.lookup_first = settings.lookup_first
         if folder is None:
             self.proposer, self.target_layer_ids = NullProposer(), []
         else:
             algorithm, model = load_draft(folder, target_model=self.target_model, target_fingerprint=fingerprint,
                                           allow_target_mismatch=allow_target_mismatch)
             model = cast_for_decoding(model, decode_dtype, device, in_place=True).eval()  # loaded here
-            self.proposer = set_draft_tree_width(algorithm_for_model(model).proposer(
-                model, max_positions=self.target_model.config.max_position_embeddings), tree_width)
-            self.target_layer_ids = list(model.config.target_layer_ids)
+            if corpus is not None:
+                check_corpus_vocab(corpus, int(self.target_model.get_output_embeddings().weight.shape[0]),
+                                   "serve.lookup_corpus")
             self.draft_name = f"{algorithm}:{folder}"
-        if num_draft_tokens is not None:
-            cap_proposal_len(self.proposer, num_draft_tokens)
-        self.lookup_first = lookup_first
-        if corpus is not None:
-            check_corpus_vocab(corpus, int(self.target_model.get_output_embeddings().weight.shape[0]),
-                               "serve.lookup_corpus")
-        if lookup_first is not None:
-            self.proposer = LookupFirstProposer(
-                self.proposer, vocab_size=int(self.target_model.get_output_embeddings().weight.shape[0]),
-                ngram_max=max(lookup_first, DEFAULT_NGRAM_MAX), ngram_min=lookup_first,
-                lookup_num_tokens=lookup_num_tokens, max_positions=self.target_model.config.max_position_embeddings,
-                device=device, corpus=corpus, corpus_ngram_min=corpus_ngram_min, tree=tree_width >= 1)
+            # the one row a server decodes with: the draft, or the draft behind prompt lookup
+            proposers = build_proposers(settings, self.target_model, {self.draft_name: model}, corpus=corpus,
+                                        draft_rows=settings.lookup_first is None, where="serve")
+            (self.proposer,) = proposers.values()
+            self.target_layer_ids = list(model.config.target_layer_ids)
         self.stop_token_ids = target_stop_token_ids(self.target_model, tokenizer)
-        self.few_row_linear = few_row_linear_applies(few_row_linear, self.target_model)
+        self.few_row_linear = few_row_linear_applies(settings.few_row_linear, self.target_model)
 
     @property
     def num_draft_tokens(self) -> int:

@@ -28,6 +28,7 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -416,6 +417,52 @@ def load_target(target: str = EMBEDDED_DEFAULT, *, dtype: torch.dtype = torch.fl
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+@dataclass(frozen=True)
+class LoadedTarget:
+    """A target ready for a stage (:func:`open_target`): the model in the stage's dtype and device, its
+    tokenizer, and the fingerprint of its weights as loaded (before any cast: the one a draft and a cache
+    record, docs/design/targets.md, "Fingerprints")."""
+
+    model: Any
+    tokenizer: Any
+    fingerprint: str
+    spec: str  # the target as named: "default", a Hugging Face folder or a GGUF file
+    loaded_here: bool  # open_target loaded it (and cast it in place), rather than the caller passing it
+
+    def default_layer_ids(self, num_layers: int = 5) -> list[int]:
+        """:func:`deepspec.target.capture.default_target_layer_ids` for this target's depth."""
+        from deepspec.target.capture import default_target_layer_ids
+
+        return default_target_layer_ids(int(self.model.config.num_hidden_layers), num_layers)
+
+
+def open_target(spec: str = EMBEDDED_DEFAULT, *, chat_template: str | Path | None = None,
+                dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                model: Any = None, tokenizer: Any = None, require_template: bool = True) -> LoadedTarget:
+    """The one way a stage gets its target: loaded (:func:`load_target`, float32 on the CPU, with
+    ``chat_template``) unless the caller passes ``model`` and ``tokenizer`` (the demo, tests); its chat
+    template required (:func:`require_chat_template`, unless ``require_template`` is false); fingerprinted
+    (:func:`target_fingerprint`, of the weights as loaded); then cast to ``dtype`` and moved to ``device``
+    (None: kept) by :func:`deepspec.device.cast_for_decoding`: in place when loaded here (no second copy of a
+    large model), else a copy when the caller's model has another dtype or device.
+
+    Raises what :func:`load_target` raises, and ValueError for a tokenizer without a chat template."""
+    from deepspec.device import cast_for_decoding
+
+    loaded_here = model is None
+    if loaded_here:
+        model, tokenizer = load_target(spec, chat_template=chat_template)
+    if require_template:
+        require_chat_template(tokenizer, spec)
+    fingerprint = target_fingerprint(model)
+    if dtype is not None:
+        model = cast_for_decoding(model, dtype, device, in_place=loaded_here)
+    elif device is not None:
+        model = cast_for_decoding(model, next(model.parameters()).dtype, device, in_place=loaded_here)
+    return LoadedTarget(model=model, tokenizer=tokenizer, fingerprint=fingerprint, spec=str(spec),
+                        loaded_here=loaded_here)
 
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -324,6 +324,9 @@ class BigramProposer:
     def __init__(self, seed: int):
         self.table_VV = torch.randn(V, V, generator=torch.Generator().manual_seed(seed)) * 2.0
 
+    def prepare(self, num_positions):
+        pass
+
     def reset(self):
         pass
 

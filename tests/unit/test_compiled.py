@@ -197,6 +197,9 @@ def test_inductor_compiled_engine_is_lossless(target):
         max_proposal_len = K
         seq = PROMPT + hf_greedy(target, PROMPT, max_new + K + 1, EOS)
 
+        def prepare(self, num_positions):
+            pass
+
         def reset(self):
             pass
 
@@ -214,6 +217,7 @@ def test_inductor_compiled_engine_is_lossless(target):
 def test_run_eval_with_the_compiled_target_is_lossless_and_recorded(target, tmp_path, monkeypatch):
     """``deepspec eval --compile``: every method and the baseline on one shared compiled path."""
     from deepspec.eval import run as run_mod
+    from deepspec.decoding.settings import DecodeSettings
     from deepspec.eval.benchmarks import BenchmarkPrompt
     from tests.unit.test_engine import _FakeChatTokenizer
 
@@ -227,7 +231,7 @@ def test_run_eval_with_the_compiled_target_is_lossless_and_recorded(target, tmp_
     benches = {"tiny": [BenchmarkPrompt(id=f"p{i}", turns=(f"hello {i}",)) for i in range(2)]}
     res = run_mod.run_eval(target, _FakeChatTokenizer(), [0], {"random": RandomProposer(32, seed=2)}, benches,
                            max_new_tokens=6, sampling=SamplingParams(), seed=0, out_dir=tmp_path, progress=False,
-                           log=lambda _: None, compile_target=True)
+                           log=lambda _: None, settings=DecodeSettings(compile=True))
     assert len(built) == 1 and built[0][1].num_graphs == 3  # (1 token, no features), (1, features), (K + 1, features)
     assert res["benchmarks"]["tiny"]["random"]["frac_identical_to_baseline"] == 1.0
     assert res["config"]["compile"] is True

@@ -107,7 +107,6 @@ def test_every_stage_config_checks_its_device(tmp_path):
 def test_every_stage_refuses_cuda_without_it_before_loading_the_target(tmp_path, monkeypatch):
     import deepspec.serve.openai_server as openai_server
     import deepspec.data.prepare as prepare
-    import deepspec.eval.stage as eval_stage
     import deepspec.stages as stages
     import deepspec.train.loop as train_loop
     from deepspec.data.prepare import PrepareConfig
@@ -119,10 +118,10 @@ def test_every_stage_refuses_cuda_without_it_before_loading_the_target(tmp_path,
     from deepspec.train.loop import train
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for module in (stages, prepare, eval_stage, train_loop):
+    for module in (stages, prepare, train_loop):
         monkeypatch.setattr(module, "load_target", lambda *a, **k: pytest.fail("the target loaded"))
     monkeypatch.setattr(openai_server.load, "load_target", lambda *a, **k: pytest.fail("the target loaded"))
-    # (deepspec.demo loads through the same module: load.load_target)
+    # (deepspec.demo and the eval stage, through load.open_target, load through the same module: load.load_target)
     runs = {
         "PrepareConfig.device": lambda: run_prepare_stage(PrepareConfig(input="sharegpt-demo", output=tmp_path / "p.jsonl",
                                                                   device="cuda")),

@@ -73,6 +73,9 @@ class CheckingProposer:
         self.tokens: list[int] = []
         self.num_calls = 0
 
+    def prepare(self, num_positions):
+        pass
+
     def reset(self):
         self.num_context = 0
         self.tokens = []  # the committed tokens at the positions whose features were received
@@ -265,6 +268,9 @@ class RollbackCheckingProposer:
         self.max_proposal_len = inner.max_proposal_len
         self.cache_lens: list[int] = []
 
+    def prepare(self, num_positions):
+        self.inner.prepare(num_positions)
+
     def reset(self):
         self.inner.reset()
 
@@ -403,6 +409,9 @@ def test_baseline_reads_no_features(target):
 
     class Blind:
         max_proposal_len = 0
+
+        def prepare(self, num_positions):
+            pass
 
         def reset(self):
             pass
@@ -643,6 +652,9 @@ def test_sampling_is_lossless_statistically():
 
     class SkewedProposer:
         max_proposal_len = 2
+
+        def prepare(self, num_positions):
+            pass
 
         def reset(self):
             pass

@@ -24,6 +24,9 @@ class PlannedProposer:
     def __init__(self, full: list[int], k: int = 4):
         self.full, self.max_proposal_len = full, k
 
+    def prepare(self, num_positions):
+        pass
+
     def reset(self):
         pass
 

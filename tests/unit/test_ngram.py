@@ -173,19 +173,20 @@ def test_eval_config_baselines_and_ngram_knobs():
         EvalConfig(draft=["x"], output_dir="o", ngram_num_tokens=0)
 
 
-def test_baseline_proposers_take_the_drafts_k(target):
-    from deepspec.eval.stage import EvalConfig, baseline_proposers
+def test_baseline_proposers_take_their_settings(target):
+    from deepspec.decoding.settings import build_proposers
+    from deepspec.eval.stage import EvalConfig
 
-    cfg = EvalConfig(draft=["x"], output_dir="o", ngram_max=4, ngram_min=2)
-    drafts = {"d": NGramProposer(vocab_size=VOCAB, num_tokens=5)}  # any proposer with K = 5
-    out = baseline_proposers(cfg, target, drafts=drafts, taken=drafts)
+    settings = EvalConfig(draft=["x"], output_dir="o", ngram_max=4, ngram_min=2).decode_settings()
+    out = build_proposers(settings, target, {})
     assert list(out) == ["ngram"]
     prop = out["ngram"]
-    assert (prop.max_proposal_len, prop.ngram_max, prop.ngram_min, prop.vocab_size) == (5, 4, 2, VOCAB)
-    assert baseline_proposers(cfg, target, drafts={}, taken={})["ngram"].max_proposal_len == 7
-    assert list(baseline_proposers(cfg, target, drafts={}, taken={"ngram": None})) == ["ngram#2"]
-    assert baseline_proposers(EvalConfig(draft=["x"], output_dir="o", baselines=["none"]), target, drafts={},
-                              taken={}) == {}
+    assert (prop.max_proposal_len, prop.ngram_max, prop.ngram_min, prop.vocab_size) == (7, 4, 2, VOCAB)
+    capped = EvalConfig(draft=["x"], output_dir="o", num_draft_tokens=3).decode_settings()
+    assert build_proposers(capped, target, {})["ngram"].max_proposal_len == 3  # no draft: 7, capped
+    assert build_proposers(EvalConfig(draft=["x"], output_dir="o", baselines=["none"]).decode_settings(), target,
+                           {}) == {}
+    # (the first draft's K as the default: tests/unit/test_decode_settings.py)
 
 
 # ----------------------------------------------------------------------------- lookup in front of a draft
@@ -196,6 +197,9 @@ class StubDraft:
         self.max_proposal_len = k
         self.calls: list[tuple] = []
         self.features = 0
+
+    def prepare(self, num_positions):
+        pass
 
     def reset(self):
         self.calls.append(("reset",))

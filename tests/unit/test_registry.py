@@ -4,7 +4,7 @@ import pytest
 
 from deepspec.algorithms.registry import ALGORITHMS, algorithm_of_draft, get_algorithm
 from deepspec.checkpoints import draft_folder
-from deepspec.eval.stage import _unique_name
+from deepspec.decoding.settings import unique_name as _unique_name
 
 
 def test_registry_lists_the_three_algorithms_and_refuses_unknown_names():

@@ -159,8 +159,9 @@ class DSparkAlgorithm:
                            lm_head_rows_WH=None if model.d2t is None else model.frozen_as(model.lm_head.weight, cdt),
                            autocast=autocast)
 
-    def proposer(self, model, *, confidence_threshold=None, max_positions=None):
-        return DSparkProposer(model, confidence_threshold=confidence_threshold, max_positions=max_positions)
+    def proposer(self, model, *, confidence_threshold=None, max_positions=None, tree_width=1, num_draft_tokens=None):
+        return DSparkProposer(model, confidence_threshold=confidence_threshold, max_positions=max_positions,
+                              tree_width=tree_width, num_draft_tokens=num_draft_tokens)
 
     def owns(self, model):
         return isinstance(model, DSparkDraftModel) and (

@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from deepspec.algorithms.dspark.model import DSparkDraftModel
-from deepspec.algorithms.protocol import DraftTree, Proposal, TreeLevel, check_tree_width, draw_token, grow_draft_tree
+from deepspec.algorithms.protocol import (DraftTree, Proposal, TreeLevel, cap_proposal_len, check_tree_width, draw_token,
+                                         grow_draft_tree)
 from deepspec.target.decoding import SamplingParams
 
 
@@ -36,7 +37,9 @@ class DSparkProposer:
     The confidence head gives ``c_k = sigmoid(logit)`` per slot (returned as ``confidence_N``); with
     ``confidence_threshold`` set, the proposal is cut before the first slot with ``c_k`` below it.
     ``max_positions`` (the target's ``max_position_embeddings``): draft tokens never land at a
-    position ``>= max_positions``.
+    position ``>= max_positions``. ``num_draft_tokens``: K is at most this (vLLM's
+    ``num_speculative_tokens``; the block is still predicted whole and its first slots kept); None: the
+    draft's slots.
 
     ``tree_width`` W > 1: a draft tree of up to W nodes per slot (EAGLE-2's expansion, Li et al. 2024,
     s.4, on DSpark's slots). Slot ``k`` expands each of the W nodes kept at slot ``k - 1`` (the anchor at
@@ -53,7 +56,7 @@ class DSparkProposer:
     """
 
     def __init__(self, model, *, confidence_threshold: float | None = None, max_positions: int | None = None,
-                 tree_width: int = 1):
+                 tree_width: int = 1, num_draft_tokens: int | None = None):
         if not isinstance(model, DSparkDraftModel):
             raise ValueError(f"DSparkProposer.model: expected a DSparkDraftModel, received {type(model).__name__}.")
         if confidence_threshold is not None and model.confidence_head is None:
@@ -66,10 +69,15 @@ class DSparkProposer:
         self.tree_width = int(tree_width)
         self.model = model.eval()
         self.max_proposal_len = int(model.config.num_draft_slots)
+        if num_draft_tokens is not None:  # the whole block is still predicted; the first slots are kept
+            cap_proposal_len(self, num_draft_tokens)
         self.confidence_threshold = confidence_threshold
         self.max_positions = int(max_positions if max_positions is not None
                                  else model.config.max_position_embeddings)
         self.cache = model.new_context_cache()
+
+    def prepare(self, num_positions: int) -> None:
+        pass  # the eager context cache grows as it goes (the compiled proposer allocates here)
 
     def reset(self) -> None:
         self.cache = self.model.new_context_cache()

@@ -102,8 +102,9 @@ class Eagle3Algorithm:
                            weight_sum=weight_sum, autocast=autocast, rows_BS=prepared.rows_BS,
                            target_logsumexp_BS=b.target_logsumexp_BS, target_argmax_BS=b.target_argmax_BS)
 
-    def proposer(self, model, *, confidence_threshold=None, max_positions=None):
-        return Eagle3Proposer(model, max_positions=max_positions)
+    def proposer(self, model, *, confidence_threshold=None, max_positions=None, tree_width=1, num_draft_tokens=None):
+        k = None if num_draft_tokens is None else min(int(model.config.ttt_steps), int(num_draft_tokens))
+        return Eagle3Proposer(model, k=k, max_positions=max_positions, tree_width=tree_width)
 
     def owns(self, model):
         return isinstance(model, Eagle3DraftModel)

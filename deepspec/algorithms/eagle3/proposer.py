@@ -54,6 +54,9 @@ class Eagle3Proposer:
                                  else model.config.max_position_embeddings)
         self.reset()
 
+    def prepare(self, num_positions: int) -> None:
+        pass  # the draft's cache grows as it goes
+
     def reset(self) -> None:
         self.cache = self.model.new_cache()
         self.tokens: list[int] = []  # committed tokens by position (0 .. num_features - 1)

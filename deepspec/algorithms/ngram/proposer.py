@@ -103,6 +103,9 @@ class NGramProposer:
         self.steps_from_corpus = 0
         self.tokens: list[int] = []
 
+    def prepare(self, num_positions: int) -> None:
+        pass
+
     def reset(self) -> None:
         self.tokens = []
 
@@ -256,9 +259,7 @@ class LookupFirstProposer:
     def prepare(self, num_positions: int) -> None:
         """The draft's set-up for a generation of ``num_positions`` positions, where it has one
         (:meth:`~deepspec.algorithms.dspark.compiled.CompiledDSparkProposer.prepare`)."""
-        prepare = getattr(self.draft, "prepare", None)
-        if prepare is not None:
-            prepare(num_positions)
+        self.draft.prepare(num_positions)
 
     def extend_context(self, target_hidden_TF: Tensor | None, token_ids_T: Sequence[int]) -> None:
         self.draft.extend_context(target_hidden_TF, token_ids_T)
