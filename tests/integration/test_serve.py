@@ -8,7 +8,10 @@ through the real ``openai`` client. Checked: greedy answers (text and ids) equal
 the non-streamed text and end with ``[DONE]``; a seeded sampled request repeats exactly; usage and
 the per-request acceptance figures are consistent (``tau`` = (accepted + steps) / steps, at most
 ``num_speculative_tokens`` drafts a step); bad or unsupported requests get a 400 naming the field,
-before any decoding; a client that closes its connection stops its request at the next step.
+before any decoding; a client that closes its connection stops its request at the next step. With the
+engine held on an event (deterministic): requests are decoded in arrival order, a full queue answers 503
+with ``Retry-After`` (a bad request still gets its 400), a client that leaves the queue is never decoded;
+a decoding error is answered 500 and the server goes on.
 """
 
 from __future__ import annotations
@@ -371,6 +374,24 @@ def test_a_client_that_leaves_the_queue_is_never_decoded(setup):
         second.join(60)
         server.stop()
     assert started == [3, 4] and [answers[i][0] for i in (0, 1)] == [200, 200]
+
+
+def test_a_decoding_error_is_answered_500_and_the_server_goes_on(setup, serve, capsys):
+    """An exception while decoding: a 500 in OpenAI's format naming it (streamed: an error event, then
+    ``[DONE]``); the next request is answered."""
+    server, _ = serve()
+    generate = server.decoder.generate
+    server.decoder.generate = lambda *a, **k: (_ for _ in ()).throw(FloatingPointError("nan logits"))
+    status, body = _post(server, {"model": "tiny", "messages": MESSAGES[0], "max_tokens": 4})
+    assert status == 500 and body["error"]["message"] == "decoding failed: FloatingPointError: nan logits"
+    answers: dict = {}
+    _post_in_thread(server, {"model": "tiny", "messages": MESSAGES[0], "max_tokens": 4, "stream": True},
+                    answers, 0).join(60)
+    assert answers[0] == (200, {"error": {"message": "decoding failed: FloatingPointError: nan logits",
+                                          "type": "server_error", "param": None, "code": 500}})
+    assert "FloatingPointError: nan logits" in capsys.readouterr().err  # the traceback, for the operator
+    server.decoder.generate = generate
+    assert _post(server, {"model": "tiny", "messages": MESSAGES[0], "max_tokens": 4})[0] == 200
 
 
 def test_the_engine_decoder_refuses_a_draft_for_another_target(setup):
