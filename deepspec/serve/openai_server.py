@@ -5,7 +5,8 @@
 draft proposes and the target verifies, losslessly; without it the same engine decodes target-only.
 The server object without a decoder answers through the local backend (Hugging Face ``generate``);
 the tests of :class:`deepspec.data.backends.OpenAIBackend` use it that way, with fault injection.
-Production serving uses vLLM or SGLang (``deepspec export``). Endpoints:
+Production serving uses vLLM or SGLang (``deepspec export``). The HTTP stack is theirs: a Starlette
+application served by uvicorn. Endpoints:
 
 - ``GET /v1/models``: one model, named by ``model_name``.
 - ``POST /v1/chat/completions``: ``messages``, ``max_tokens`` (or ``max_completion_tokens``),
@@ -19,13 +20,13 @@ Production serving uses vLLM or SGLang (``deepspec export``). Endpoints:
   one stop rule (:func:`deepspec.data.chat.target_stop_token_ids`). Answers with ``finish_reason``
   ``"length"`` when ``max_tokens`` cut the answer, else ``"stop"`` (``stop_reason``: the stop
   token id, null for the tokenizer's eos, as vLLM), and ``usage.completion_tokens``. Every field it
-  reads is checked (:func:`request_messages`, :func:`request_generation`): a bad value, ``n > 1``,
-  or a feature this server does not implement (stop strings, logprobs, tools, ``logit_bias``, ...)
-  is refused with 400 in OpenAI's error format, whose ``param`` names the field, never answered as
-  if absent; fields it does not know are ignored, as vLLM does.
-  A ``model`` other than ``model_name`` is refused with 404 ``"The model `X` does not exist."``, as
-  vLLM does (a missing ``model`` is refused with 400); a prompt that does not fit the target's
-  positions is refused with 400.
+  reads is checked (:func:`deepspec.serve.requests.request_messages`,
+  :func:`deepspec.serve.requests.request_generation`): a bad value, ``n > 1``, or a feature this
+  server does not implement (stop strings, logprobs, tools, ``logit_bias``, ...) is refused with 400
+  in OpenAI's error format, whose ``param`` names the field, never answered as if absent; fields it
+  does not know are ignored, as vLLM does. A ``model`` other than ``model_name`` is refused with 404
+  ``"The model `X` does not exist."``, as vLLM does (a missing ``model`` is refused with 400); a
+  prompt that does not fit the target's positions is refused with 400.
 - With a decoder: ``stream: true`` answers as server-sent events in OpenAI's chunk format (a role
   chunk, content chunks as the engine commits tokens, a last chunk with ``finish_reason``, a usage
   chunk when ``stream_options.include_usage``, then ``data: [DONE]``); and every answer carries the
@@ -36,27 +37,42 @@ Production serving uses vLLM or SGLang (``deepspec export``). Endpoints:
   verify steps of accepted + 1) and ``tok_per_s`` (in the last chunk when streamed). Without one,
   streaming is refused (400).
 
-Requests are served one at a time through the model (a lock; ``ThreadingHTTPServer`` accepts
-connections concurrently). With a decoder, a client that closes its connection stops its request at
-the next decoding step, so an abandoned request does not hold the queue. Test-only fault injection
-is set through the constructor, never through the environment: ``fail_first`` answers the first
-k chat requests with HTTP 500, ``delay_s`` adds a random delay (seeded), ``hold`` (a
-``threading.Event``) blocks chat requests after ``hold_after`` of them until the event is set, and
-``token_ids=False`` never returns generated ids (a server that returns only text).
+Requests are checked on the event loop as they arrive, then decoded one at a time in arrival order
+(the model is not thread-safe): they wait in a bounded FIFO queue (:class:`EngineQueue`) whose one
+worker thread runs the generations off the event loop. When ``max_queued_requests`` requests already
+wait, one more is answered 503 with ``Retry-After`` (seconds) and an OpenAI error (``type``
+``"server_overloaded"``). A client that closes its connection leaves the queue at once, or stops its
+request at the next decoding step (with a decoder), so an abandoned request does not hold the queue.
+An exception while decoding is answered 500 (an error event and ``[DONE]`` once a stream has begun).
+Test-only fault injection is set through the constructor, never through the environment:
+``fail_first`` answers the first k chat requests with HTTP 500, ``delay_s`` adds a random delay
+(seeded), ``hold`` (a ``threading.Event``) holds chat requests after ``hold_after`` of them until the
+event is set (before they queue), and ``token_ids=False`` never returns generated ids (a server that
+returns only text).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import math
 import random
-import select
 import socket
+import sys
 import threading
 import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from deepspec.algorithms.ngram.corpus import DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus, check_corpus_use
 from deepspec.algorithms.ngram.proposer import check_lookup_settings
@@ -67,119 +83,174 @@ from deepspec.data.chat import render_prompt
 from deepspec.device import check_device_name, check_dtype_name, resolve_device
 from deepspec.eval.run import answer_text
 from deepspec.serve.decoder import EngineDecoder
+from deepspec.serve.engine_queue import EngineQueue, QueueFull
+from deepspec.serve.requests import (RequestError, invalid_request, openai_error, request_generation,
+                                     request_messages, usage)
 from deepspec.target import load  # called as load.load_target, where tests stub it
-from deepspec.target.decoding import NEUTRAL_SETTINGS, SamplingParams
 from deepspec.target.few_row_linear import check_few_row_mode
 
-
-class _QuietHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        import sys
-
-        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):  # client went away: fine
-            super().handle_error(request, client_address)
+DEFAULT_MAX_QUEUED_REQUESTS = 64
+# seconds a stopping server gives answers in flight before it cancels them (their decoding stops at the next step)
+SHUTDOWN_GRACE_S = 2
 
 
 class OpenAICompatServer:
-    """The server object; :meth:`start` runs it in a daemon thread, :meth:`serve_forever` in this one.
+    """The server object: it listens from construction on; :meth:`start` serves in a daemon thread,
+    :meth:`serve_forever` in this one (Ctrl-C stops it), :meth:`stop` stops a started one.
+
+    Args:
+        model, tokenizer: the target (the local backend answers with them when ``decoder`` is None).
+        host, port: the address to listen on (port 0: any free port; :attr:`port` tells which).
+        model_name: the one model ``GET /v1/models`` lists and requests must name.
+        decoder: the engine that answers (streaming and acceptance figures need it); None = the local
+            backend (Hugging Face ``generate``).
+        max_queued_requests: requests that may wait for the engine behind the one it decodes (>= 1);
+            one more is answered 503 with ``Retry-After``.
+        fail_first, delay_s, delay_seed, hold, hold_after, token_ids: test-only fault injection (module
+            docstring).
+
+    Raises:
+        OSError: ``host:port`` cannot be listened on.
+        ValueError: ``max_queued_requests`` is not an integer >= 1.
 
     Attributes:
         received: every chat-completions request body (parsed JSON), in arrival order.
         prompts: the rendered prompt ids of each answered request (what the template produced).
         num_failed_injected: requests answered with an injected 500.
+        num_abandoned: requests whose client went away before their answer (dropped from the queue, or
+            stopped at the next decoding step).
+        num_refused_full: requests answered 503 because the queue was full.
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, host: str = "127.0.0.1", port: int = 0,
                  model_name: str = "deepspec-target", fail_first: int = 0,
                  delay_s: tuple[float, float] = (0.0, 0.0), delay_seed: int = 0,
                  hold: threading.Event | None = None, hold_after: int = 0, token_ids: bool = True,
-                 decoder: EngineDecoder | None = None) -> None:
+                 decoder: EngineDecoder | None = None,
+                 max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS) -> None:
         self.backend = LocalBackend(model, tokenizer, batch_size=1)
         self.decoder = decoder
         self.token_ids = token_ids
         self.model_name = model_name
         self.fail_first, self.delay_s, self.hold, self.hold_after = fail_first, delay_s, hold, hold_after
         self._rng = random.Random(delay_seed)
-        self._lock = threading.Lock()  # one generation at a time; also guards the counters
-        self._count_lock = threading.Lock()
         self.num_chat_requests = 0
         self.num_failed_injected = 0
-        self.num_abandoned = 0  # requests whose client went away while they were decoded
+        self.num_abandoned = 0
+        self.num_refused_full = 0
         self.received: list[dict[str, Any]] = []
         self.prompts: list[list[int]] = []
-        self.httpd = _QuietHTTPServer((host, port), self._handler())
-        self.httpd.daemon_threads = True
+        self.queue = EngineQueue(max_queued_requests)
+        self.socket = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        routes = [Route(path + slash, endpoint, methods=[method])
+                  for path, endpoint, method in (("/v1/models", self._models, "GET"),
+                                                 ("/v1/chat/completions", self._chat_endpoint, "POST"))
+                  for slash in ("", "/")]
+        self.app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, lifespan="off", log_config=None, log_level="warning",
+                                                     access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
         self._thread: threading.Thread | None = None
 
     @property
     def port(self) -> int:
-        return self.httpd.server_address[1]
+        return self.socket.getsockname()[1]
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.httpd.server_address[0]}:{self.port}/v1"
+        host = self.socket.getsockname()[0]
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}/v1"
 
-    def start(self) -> "OpenAICompatServer":
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name=f"openai-server-{self.port}",
-                                        daemon=True)
+    def start(self, timeout_s: float = 60.0) -> "OpenAICompatServer":
+        """Serve in a daemon thread; returns once the server accepts requests.
+
+        Raises RuntimeError when it has not started within ``timeout_s`` seconds or its thread ended."""
+        self._thread = threading.Thread(target=self.serve_forever, name=f"openai-server-{self.port}", daemon=True)
         self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"serve: the HTTP server on port {self.port} did not start")
+            time.sleep(0.005)
         return self
 
     def serve_forever(self) -> None:
-        self.httpd.serve_forever()
+        """Serve in this thread until :meth:`stop` (or Ctrl-C in the main thread: uvicorn stops the server,
+        then raises KeyboardInterrupt); closes the socket and the queue when it returns."""
+        try:
+            self.uvicorn.run(sockets=[self.socket])
+        finally:
+            self.socket.close()
+            self.queue.close()
 
     def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        """Stop a server :meth:`start` started: answers in flight get ``SHUTDOWN_GRACE_S`` seconds."""
+        self.uvicorn.should_exit = True
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=SHUTDOWN_GRACE_S + 10)
+        self.socket.close()
+        self.queue.close()
 
     # ----------------------------------------------------------------------------------- handling
-    def _chat(self, body: dict[str, Any], client: "_Client") -> tuple[int, dict[str, Any]] | None:
-        """Answer one chat-completions request: ``(status, payload)``, or None when the answer was streamed
-        to ``client`` (a request with ``stream: true`` served by :attr:`decoder`) or the client went away
-        while it was decoded (the decoding stops at the next step)."""
-        with self._count_lock:
-            self.num_chat_requests += 1
-            number = self.num_chat_requests
-            self.received.append(body)
-            delay = self._rng.uniform(*self.delay_s) if self.delay_s[1] > 0 else 0.0
+    async def _models(self, request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "deepspec"}]})
+
+    async def _chat_endpoint(self, request: Request) -> Any:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return _json(*invalid_request("body: expected a JSON object"))
+        answer = await self._chat(body)
+        if isinstance(answer, tuple):
+            return _json(*answer)
+        return await answer.admit(request.receive)
+
+    async def _chat(self, body: dict[str, Any]) -> "tuple[int, dict[str, Any]] | _QueuedAnswer":
+        """Check one chat-completions request: ``(status, payload)`` when it is refused, else the
+        :class:`_QueuedAnswer` that queues its job and sends the answer."""
+        self.num_chat_requests += 1
+        number = self.num_chat_requests
+        self.received.append(body)
+        delay = self._rng.uniform(*self.delay_s) if self.delay_s[1] > 0 else 0.0
         if self.hold is not None and number > self.hold_after:
-            self.hold.wait()
+            while not self.hold.is_set():  # polled: the event loop goes on serving
+                await asyncio.sleep(0.01)
         if delay:
-            time.sleep(delay)
+            await asyncio.sleep(delay)
         if number <= self.fail_first:
-            with self._count_lock:
-                self.num_failed_injected += 1
+            self.num_failed_injected += 1
             return 500, {"error": {"message": f"injected failure {number}/{self.fail_first}", "type": "server_error"}}
         model = body.get("model")
         if not isinstance(model, str) or not model:
-            return _invalid("model: expected the served model name (see GET /v1/models)", "model")
+            return invalid_request("model: expected the served model name (see GET /v1/models)", "model")
         if model != self.model_name:  # vLLM's message and status
-            return _error(404, f"The model `{model}` does not exist.", param="model", type_="NotFoundError",
-                          code=404)
+            return openai_error(404, f"The model `{model}` does not exist.", param="model", type_="NotFoundError",
+                                code=404)
         stream = body.get("stream")
         if stream not in (None, False, True):
-            return _invalid(f"stream={stream!r}: expected true or false", "stream")
+            return invalid_request(f"stream={stream!r}: expected true or false", "stream")
         if stream and self.decoder is None:
-            return _invalid("stream is supported by `deepspec serve` (the engine's decoder) only", "stream")
+            return invalid_request("stream is supported by `deepspec serve` (the engine's decoder) only", "stream")
         try:
             messages = request_messages(body)
             generation, stop_ids = request_generation(body, vocab_size=int(self.backend.model.config.vocab_size))
         except RequestError as exc:
-            return _invalid(str(exc), exc.param)
+            return invalid_request(str(exc), exc.param)
         if self.decoder is not None:
-            return self._engine_chat(body, number, messages, generation, stop_ids, client, bool(stream))
-        try:
-            with self._lock:
+            return self._engine_chat(body, number, messages, generation, stop_ids, bool(stream))
+
+        def local(client: _Client) -> tuple[int, dict[str, Any]]:
+            try:
                 result, prompt = self.backend.answer_one(messages, generation, body.get("chat_template_kwargs"),
                                                          extra_stop_token_ids=stop_ids)
-                self.prompts.append(prompt)
-        except Exception as exc:  # template errors etc. are the client's problem: 400 with the reason
-            return _invalid(f"{type(exc).__name__}: {exc}")
-        return 200, self._completion(body, number, prompt, result.text, result.token_ids or [], result.cut)
+            except Exception as exc:  # template errors etc. are the client's problem: 400 with the reason
+                return invalid_request(f"{type(exc).__name__}: {exc}")
+            self.prompts.append(prompt)
+            return 200, self._completion(body, number, prompt, result.text, result.token_ids or [], result.cut)
+
+        return _QueuedAnswer(self, local, stream=False)
 
     def _stop_reason(self, token_ids: list[int], cut: bool) -> int | None:
         """vLLM's ``stop_reason``: the stop token id, None for the tokenizer's eos or a cut answer."""
@@ -196,31 +267,32 @@ class OpenAICompatServer:
             choice["token_ids"] = token_ids
         return {
             "id": f"chatcmpl-{number}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.model_name, "choices": [choice], "usage": _usage(prompt, token_ids),
+            "model": self.model_name, "choices": [choice], "usage": usage(prompt, token_ids),
         }
 
     def _engine_chat(self, body: dict[str, Any], number: int, messages: list, generation: GenerationParams,
-                     stop_ids: list[int], client: "_Client", stream: bool) -> tuple[int, dict[str, Any]] | None:
-        """A request decoded by :attr:`decoder` (speculatively with a draft). Non-streamed: ``(status,
-        payload)``; streamed: the events are written to ``client`` and None returned. Both carry the
-        request's acceptance figures under ``deepspec`` (:class:`ServeResult`). A client that goes away
-        stops the decoding at the next step (None; nothing is sent)."""
+                     stop_ids: list[int], stream: bool) -> "tuple[int, dict[str, Any]] | _QueuedAnswer":
+        """A request decoded by :attr:`decoder` (speculatively with a draft): ``(status, payload)`` when the
+        prompt is refused, else its queued answer. Its job (run on the engine's thread) returns ``(status,
+        payload)``, or streams its events to the client and returns None. Both carry the request's
+        acceptance figures under ``deepspec`` (:class:`ServeResult`). A client that goes away stops the
+        decoding at the next step (:class:`_ClientGone`; nothing is sent)."""
         tokenizer = self.backend.tokenizer
         kwargs = body.get("chat_template_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):
-            return _invalid(f"chat_template_kwargs={kwargs!r:.80}: expected an object", "chat_template_kwargs")
+            return invalid_request(f"chat_template_kwargs={kwargs!r:.80}: expected an object", "chat_template_kwargs")
         try:
             prompt = render_prompt(tokenizer, messages, chat_template_kwargs=kwargs)
         except Exception as exc:  # template errors are the client's problem: 400 with the reason
-            return _invalid(f"messages: the chat template refused the conversation ({type(exc).__name__}: {exc})",
-                            "messages")
+            return invalid_request(f"messages: the chat template refused the conversation ({type(exc).__name__}: "
+                                   f"{exc})", "messages")
         limit = int(self.decoder.target_model.config.max_position_embeddings)
         if len(prompt) >= limit:
-            return _invalid(f"the prompt has {len(prompt)} tokens; the target's context holds {limit} positions: "
-                            "shorten the conversation", "messages")
+            return invalid_request(f"the prompt has {len(prompt)} tokens; the target's context holds {limit} "
+                                   "positions: shorten the conversation", "messages")
         stop_set = self.decoder.stop_token_ids_for(stop_ids)
 
-        def decode(on_tokens):
+        def decode(client: _Client, on_tokens):
             def checked(new: list[int]) -> None:
                 if client.gone():
                     raise _ClientGone
@@ -237,18 +309,16 @@ class OpenAICompatServer:
                     "lookup_first": self.decoder.lookup_first, "num_lookup_tokens": self.decoder.num_lookup_tokens,
                     **result.acceptance()}
 
-        if not stream:
-            with self._lock:
-                try:
-                    result = decode(lambda new: None)
-                except _ClientGone:
-                    self.num_abandoned += 1
-                    return None
+        def answer(client: _Client) -> tuple[int, dict[str, Any]]:
+            result = decode(client, lambda new: None)
             cut = result.finish_reason == "length"
             text = answer_text(tokenizer, result.output_ids, stop_set)
             payload = self._completion(body, number, prompt, text, result.output_ids, cut)
             payload["deepspec"] = acceptance(result)
             return 200, payload
+
+        if not stream:
+            return _QueuedAnswer(self, answer, stream=False)
 
         options = body.get("stream_options") or {}
         head = {"id": f"chatcmpl-{number}", "object": "chat.completion.chunk", "created": int(time.time()),
@@ -258,30 +328,25 @@ class OpenAICompatServer:
             return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
                                          **extra}]}
 
-        ids: list[int] = []
-        sent = ""
+        def streamed(client: _Client) -> None:
+            ids: list[int] = []
+            sent = ""
 
-        def send_text(final: bool) -> None:
-            # the text of the ids so far, less what was sent; held back while it ends in an incomplete
-            # character (a byte-level token can split one), or if decoding more ids rewrote earlier text
-            nonlocal sent
-            text = answer_text(tokenizer, ids, stop_set)  # as the local backend: the stop token is not text
-            if text.startswith(sent) and len(text) > len(sent) and (final or not text.endswith("\ufffd")):
-                client.send(chunk({"content": text[len(sent):]}))
-                sent = text
+            def send_text(final: bool) -> None:
+                # the text of the ids so far, less what was sent; held back while it ends in an incomplete
+                # character (a byte-level token can split one), or if decoding more ids rewrote earlier text
+                nonlocal sent
+                text = answer_text(tokenizer, ids, stop_set)  # as the local backend: the stop token is not text
+                if text.startswith(sent) and len(text) > len(sent) and (final or not text.endswith("\ufffd")):
+                    client.send(chunk({"content": text[len(sent):]}))
+                    sent = text
 
-        def on_tokens(new: list[int]) -> None:
-            ids.extend(new)
-            send_text(final=False)
+            def on_tokens(new: list[int]) -> None:
+                ids.extend(new)
+                send_text(final=False)
 
-        with self._lock:
-            try:
-                client.start()
-                client.send(chunk({"role": "assistant", "content": ""}))
-                result = decode(on_tokens)
-            except _ClientGone:
-                self.num_abandoned += 1
-                return None
+            client.send(chunk({"role": "assistant", "content": ""}))
+            result = decode(client, on_tokens)
             send_text(final=True)
             cut = result.finish_reason == "length"
             extra = {"stop_reason": self._stop_reason(result.output_ids, cut)}
@@ -291,234 +356,154 @@ class OpenAICompatServer:
             last["deepspec"] = acceptance(result)
             client.send(last)
             if options.get("include_usage"):
-                client.send({**head, "choices": [], "usage": _usage(prompt, result.output_ids)})
+                client.send({**head, "choices": [], "usage": usage(prompt, result.output_ids)})
             client.done()
-        return None
 
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        server = self
+        return _QueuedAnswer(self, streamed, stream=True)
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
 
-            def log_message(self, format: str, *args: Any) -> None:  # quiet: tests and batch jobs
-                pass
+def _json(status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(payload, status_code=status, headers=headers)
 
-            def _send(self, status: int, payload: dict[str, Any]) -> None:
-                data = json.dumps(payload).encode("utf-8")
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
 
-            def do_GET(self) -> None:
-                if self.path.rstrip("/") == "/v1/models":
-                    self._send(200, {"object": "list", "data": [
-                        {"id": server.model_name, "object": "model", "created": 0, "owned_by": "deepspec"}]})
-                else:
-                    self._send(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
-
-            def do_POST(self) -> None:
-                try:
-                    length = int(self.headers.get("Content-Length") or 0)
-                except ValueError:
-                    length = -1
-                if length < 0:
-                    self.close_connection = True
-                    self._send(*_invalid("Content-Length: expected a number of bytes >= 0"))
-                    return
-                raw = self.rfile.read(length)
-                if self.path.rstrip("/") != "/v1/chat/completions":
-                    self._send(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
-                    return
-                try:
-                    body = json.loads(raw)
-                    assert isinstance(body, dict)
-                except (ValueError, AssertionError):
-                    self._send(*_invalid("body: expected a JSON object"))
-                    return
-                answer = server._chat(body, _Client(self))
-                if answer is None:  # streamed, or the client went away
-                    self.close_connection = True
-                else:
-                    self._send(*answer)
-
-        return Handler
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's routing errors (no such route: 404; a route without this method: 405) in OpenAI's format."""
+    assert isinstance(exc, HTTPException)
+    message = f"no route {request.url.path}" if exc.status_code == 404 else \
+        f"{request.method} {request.url.path}: {exc.detail}"
+    return _json(exc.status_code, {"error": {"message": message, "type": "not_found" if exc.status_code == 404
+                                             else "invalid_request_error", "param": None, "code": exc.status_code}},
+                 headers=exc.headers)
 
 
 class _ClientGone(Exception):
     """The client closed its connection while its request was decoded."""
 
 
-class _Client:
-    """The connection of one request: :meth:`gone` tells whether the client closed it; :meth:`start`,
-    :meth:`send` and :meth:`done` write server-sent events (OpenAI's streaming format: ``data: <json>``
-    lines, then ``data: [DONE]``; the connection closes after it, no Content-Length). A write to a
-    closed connection raises :class:`_ClientGone`."""
+_DONE = b"data: [DONE]\n\n"
+_END = object()  # the job has finished: its future is settled
 
-    def __init__(self, handler: BaseHTTPRequestHandler) -> None:
-        self.handler = handler
+
+class _Client:
+    """What a job on the engine's thread sees of its request: :meth:`gone` tells whether the client
+    closed its connection (or the server is stopping); :meth:`send` and :meth:`done` hand server-sent
+    events (OpenAI's streaming format: ``data: <json>`` lines, then ``data: [DONE]``) to the event loop,
+    which writes them. :meth:`send` raises :class:`_ClientGone` once the client is gone."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> None:
+        self._loop, self._events = loop, events
+        self.left = threading.Event()
 
     def gone(self) -> bool:
-        """True when the peer has closed the connection (readable, and a peek reads end of file). A client
-        waiting for its answer sends nothing, so readable bytes mean a close (or a pipelined request)."""
-        sock = self.handler.connection
-        try:
-            if not select.select([sock], [], [], 0)[0]:
-                return False
-            return sock.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
-            return True
+        return self.left.is_set()
 
-    def _write(self, data: bytes) -> None:
+    def put(self, item: Any) -> None:
+        """Hand ``item`` to the event loop (from any thread); nothing when the loop has closed."""
         try:
-            self.handler.wfile.write(data)
-            self.handler.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError) as exc:
-            raise _ClientGone from exc
-
-    def start(self) -> None:
-        h = self.handler
-        h.send_response(200)
-        h.send_header("Content-Type", "text/event-stream")
-        h.send_header("Cache-Control", "no-cache")
-        h.send_header("Connection", "close")
-        h.end_headers()
-        h.close_connection = True
+            self._loop.call_soon_threadsafe(self._events.put_nowait, item)
+        except RuntimeError:  # the server stopped: nobody reads the events
+            pass
 
     def send(self, event: dict[str, Any]) -> None:
-        self._write(b"data: " + json.dumps(event).encode("utf-8") + b"\n\n")
+        if self.gone():
+            raise _ClientGone
+        self.put(b"data: " + json.dumps(event).encode("utf-8") + b"\n\n")
 
     def done(self) -> None:
-        self._write(b"data: [DONE]\n\n")
+        self.put(_DONE)
 
 
-class RequestError(ValueError):
-    """A request this server refuses with 400; ``param`` names the offending field (OpenAI's ``param``)."""
+class _Nothing:
+    """No answer: the client has gone."""
 
-    def __init__(self, param: str | None, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def _error(status: int, message: str, *, param: str | None = None, type_: str = "invalid_request_error",
-           code: Any = None) -> tuple[int, dict[str, Any]]:
-    """An error answer in OpenAI's format: ``{"error": {"message", "type", "param", "code"}}``."""
-    return status, {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pass
 
 
-def _invalid(message: str, param: str | None = None) -> tuple[int, dict[str, Any]]:
-    """A 400 answer in OpenAI's error format."""
-    return _error(400, message, param=param)
+class _QueuedAnswer:
+    """The answer of one admitted request, an ASGI response: :meth:`admit` queues its job (or refuses it
+    with 503 when the queue is full); called, it sends the job's answer (JSON, or the events of a stream
+    as the job produces them), or nothing when the client went away.
 
+    ``job(client)`` runs on the engine's thread and returns ``(status, payload)``, or (streamed) sends
+    its events through ``client`` and returns None."""
 
-def _usage(prompt: list[int], token_ids: list[int]) -> dict[str, int]:
-    return {"prompt_tokens": len(prompt), "completion_tokens": len(token_ids),
-            "total_tokens": len(prompt) + len(token_ids)}
+    def __init__(self, server: OpenAICompatServer, job: Callable[["_Client"], Any], *, stream: bool) -> None:
+        self.server, self.job, self.stream = server, job, stream
 
+    async def admit(self, receive: Receive) -> "_QueuedAnswer | JSONResponse | _Nothing":
+        """Watch for the client leaving (``receive`` yields ``http.disconnect``) and queue the job: this
+        answer, the 503 when the queue is full, or nothing when the client has left already."""
+        loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.client = _Client(loop, self.events)
+        self.future: Future | None = None
+        self.watcher = loop.create_task(self._watch(receive))
+        await asyncio.sleep(0)  # the watcher reads once: a client that left while its request was held is seen now
+        if self.client.gone():
+            self.server.num_abandoned += 1
+            return _Nothing()
+        queue = self.server.queue
+        try:
+            self.future = queue.submit(lambda: self.job(self.client))
+        except (QueueFull, RuntimeError) as exc:
+            self.watcher.cancel()
+            retry_after = exc.retry_after_s if isinstance(exc, QueueFull) else SHUTDOWN_GRACE_S
+            if isinstance(exc, QueueFull):
+                self.server.num_refused_full += 1
+                message = (f"the server is busy: {exc.num_waiting} requests wait for the engine (its queue holds "
+                           f"{queue.max_queued}, --max-queued-requests); retry after {retry_after} s")
+            else:
+                message = f"the server is stopping; retry after {retry_after} s (on another server)"
+            return _json(*openai_error(503, message, type_="server_overloaded", code=503),
+                         headers={"Retry-After": str(retry_after)})
+        self.future.add_done_callback(lambda _: self.client.put(_END))
+        return self
 
-_INT64 = (-(2 ** 63), 2 ** 63 - 1)  # the range of a request seed, as vLLM's schema
-# OpenAI request features this server does not implement, with the value that means "not used": a request
-# that uses one is refused (400), never answered as if the field were absent.
-_UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "stop": ((None, "", []), "stop strings are not supported; send stop_token_ids (token ids) instead"),
-    "logprobs": ((None, False), "logprobs are not returned; send return_token_ids for the generated ids"),
-    "top_logprobs": ((None, 0), "logprobs are not returned"),
-    "logit_bias": ((None, {}), "logit_bias would change the target's distribution; decoding is pinned"),
-    "tools": ((None, []), "tool calling is not supported"),
-    "functions": ((None, []), "function calling is not supported"),
-    "response_format": ((None, {"type": "text"}), "structured output is not supported"),
-    "best_of": ((None, 1), "best_of > 1 is not supported (one choice per request)"),
-    "use_beam_search": ((None, False), "beam search is not supported"),
-}
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.client.left.set()  # the job stops at its next decoding step ...
+        if self.future is not None:
+            self.future.cancel()  # ... or leaves the queue now if it has not started
 
-
-def _integer(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int | None = None,
-             hint: str = "") -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise RequestError(name, f"{name}={value!r}: expected an integer {bound}{hint}")
-    return value
-
-
-def _number(body: dict[str, Any], name: str, default: float, ok: Any, expected: str) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
-        raise RequestError(name, f"{name}={value!r}: expected {expected}")
-    return float(value)
-
-
-def request_messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    """The request's ``messages`` as ``[{"role", "content"}]`` with string contents: a content given as
-    OpenAI content parts keeps its text parts, joined by newlines (as vLLM). Raises :class:`RequestError`
-    naming the message (``messages[i].role`` / ``.content``) and what to send instead."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages", "messages: expected a non-empty list of {\"role\", \"content\"} objects")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise RequestError("messages", f"messages[{i}]: expected an object with role and content")
-        role, content = m.get("role"), m.get("content")
-        if role not in ("system", "user", "assistant"):
-            raise RequestError("messages", f"messages[{i}].role={role!r}: expected system, user or assistant")
-        if isinstance(content, list):
-            parts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in content]
-            if not all(isinstance(t, str) for t in parts):
-                raise RequestError("messages", f"messages[{i}].content: only text parts "
-                                               "({\"type\": \"text\", \"text\": ...}) are supported")
-            content = "\n".join(parts)
-        if not isinstance(content, str):
-            raise RequestError("messages", f"messages[{i}].content: expected a string or a list of text parts, "
-                                           f"received {type(content).__name__}")
-        out.append({"role": role, "content": content})
-    return out
-
-
-def request_generation(body: dict[str, Any], *, vocab_size: int) -> tuple[GenerationParams, list[int]]:
-    """The pinned generation settings of a chat-completions request and its extra stop ids.
-
-    Fields: ``max_tokens`` (or ``max_completion_tokens``; an integer >= 1, default 256), ``temperature``
-    (>= 0, default 0 = greedy), ``top_p`` (in (0, 1], default 1), ``top_k`` (an integer; 0 or -1 = off),
-    ``seed`` (an int64), ``stop_token_ids`` (ids in ``[0, vocab_size)``), ``n`` (1). Penalties and
-    ``min_p`` are accepted at their neutral values only (decoding is pinned, :mod:`deepspec.target.decoding`);
-    the features in ``_UNSUPPORTED`` (stop strings, logprobs, tools, ...) are refused when used.
-
-    Raises:
-        RequestError: (a 400) naming the field, the value received and what is accepted.
-    """
-    for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-        neutral = NEUTRAL_SETTINGS[name]
-        if _number(body, name, neutral, lambda v: True, "a number") != float(neutral):
-            raise RequestError(name, f"{name}={body[name]!r}: deepspec serve decodes with {name}={neutral} only "
-                                     f"(pinned decoding); drop the field or send {neutral}")
-    for name, (unused, reason) in _UNSUPPORTED.items():
-        if body.get(name) not in unused:
-            raise RequestError(name, f"{name}={body[name]!r:.80}: {reason}")
-    _integer(body, "n", 1, 1, 1, " (one choice per request: n > 1 is not supported)")
-    max_tokens = _integer(body, "max_tokens", None, 1)
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_completion_tokens", 256, 1)
-    top_k = _integer(body, "top_k", 0, -1, hint=" (0 or -1 = off)")
-    seed = _integer(body, "seed", None, *_INT64)
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in stop_ids):
-        raise RequestError("stop_token_ids", f"stop_token_ids={stop_ids!r:.80}: expected a list of token ids "
-                                             f"in [0, {vocab_size})")
-    sampling = SamplingParams(
-        temperature=_number(body, "temperature", 0.0, lambda v: v >= 0, "a number >= 0 (0 = greedy)"),
-        top_k=max(top_k, 0),
-        top_p=_number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "a number in (0, 1] (1 = off)"))
-    return GenerationParams(max_new_tokens=max_tokens, sampling=sampling, seed=seed), stop_ids
-
-
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+        try:
+            while (item := await self.events.get()) is not _END:
+                if not self.stream or self.client.gone():
+                    continue
+                if not started:
+                    started = True
+                    await send({"type": "http.response.start", "status": 200, "headers": [
+                        (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+                await send({"type": "http.response.body", "body": item, "more_body": True})
+        except asyncio.CancelledError:  # the server is stopping: the job stops at its next step
+            self.client.left.set()
+            if self.future is not None:
+                self.future.cancel()
+            raise
+        finally:
+            self.watcher.cancel()
+        future = self.future
+        assert future is not None
+        error = None if future.cancelled() else future.exception()
+        if future.cancelled() or isinstance(error, _ClientGone) or self.client.gone():
+            self.server.num_abandoned += 1
+            return
+        if error is not None:
+            traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+            status, payload = openai_error(500, f"decoding failed: {type(error).__name__}: {error}",
+                                           type_="server_error", code=500)
+            if not started:
+                await _json(status, payload)(scope, receive, send)
+                return
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(payload).encode("utf-8")
+                        + b"\n\n" + _DONE, "more_body": True})
+        if self.stream:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        else:
+            await _json(*future.result())(scope, receive, send)
 @dataclass(kw_only=True)
 class ServeConfig:
     """``deepspec serve``: an OpenAI-compatible server over the target (for tests and CPU use)."""
@@ -551,6 +536,9 @@ class ServeConfig:
     device: str = "auto"
     few_row_linear: str = "auto"  # verify forwards' few-row linear path (deepspec.target.few_row_linear): auto | on | off
     allow_target_mismatch: bool = False  # serve a draft whose recorded target fingerprint differs (same shape)
+    # requests that may wait for the engine behind the one it decodes (served in arrival order); one more is
+    # answered 503 with Retry-After
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
@@ -569,6 +557,10 @@ class ServeConfig:
         check_corpus_use(self.lookup_corpus, self.corpus_ngram_min, lookup_first=self.lookup_first, baselines=None,
                          field="serve")
         check_tree_setting(self.tree_width, "serve.tree_width", has_draft=bool(self.draft))
+        if isinstance(self.max_queued_requests, bool) or not isinstance(self.max_queued_requests, int) \
+                or self.max_queued_requests < 1:
+            raise ValueError(f"serve.max_queued_requests={self.max_queued_requests!r}: expected an integer >= 1 "
+                             "(requests that may wait for the engine; more are answered 503)")
 
 
 def _port_unavailable(host: str, port: int, exc: OSError) -> ValueError:
@@ -583,7 +575,7 @@ def check_listenable(host: str, port: int) -> None:
     address, a privileged port)."""
     try:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server binds
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as socket.create_server binds
             probe.bind((host, port))
     except OSError as exc:
         raise _port_unavailable(host, port, exc) from None
@@ -613,7 +605,8 @@ def run_serve_stage(cfg: ServeConfig, *, target_model: Any = None, tokenizer: An
                             cast_in_place=loaded_here)
     try:
         server = OpenAICompatServer(decoder.target_model, tokenizer, host=cfg.host, port=cfg.port,
-                                    model_name=cfg.model_name or cfg.target, decoder=decoder)
+                                    model_name=cfg.model_name or cfg.target, decoder=decoder,
+                                    max_queued_requests=cfg.max_queued_requests)
     except OSError as exc:  # taken between the check and now
         raise _port_unavailable(cfg.host, cfg.port, exc) from None
     mode = (f"speculative, draft {decoder.draft_name}"
@@ -622,8 +615,6 @@ def run_serve_stage(cfg: ServeConfig, *, target_model: Any = None, tokenizer: An
             f"{f', draft trees (--tree-width {cfg.tree_width})' if cfg.tree_width else ''}, "
             f"up to {decoder.num_draft_tokens} tokens per step" if decoder.draft_name else "target-only")
     print(f"serve: {server.model_name!r} at {server.base_url} (POST /chat/completions, GET /models; {mode}; "
-          f"{str(decoder.dtype).removeprefix('torch.')} on {decoder.device}); Ctrl-C stops", flush=True)
-    try:
-        server.serve_forever()
-    finally:
-        server.httpd.server_close()
+          f"{str(decoder.dtype).removeprefix('torch.')} on {decoder.device}; up to {cfg.max_queued_requests} "
+          "requests queued); Ctrl-C stops", flush=True)
+    server.serve_forever()

@@ -8,7 +8,10 @@ through the real ``openai`` client. Checked: greedy answers (text and ids) equal
 the non-streamed text and end with ``[DONE]``; a seeded sampled request repeats exactly; usage and
 the per-request acceptance figures are consistent (``tau`` = (accepted + steps) / steps, at most
 ``num_speculative_tokens`` drafts a step); bad or unsupported requests get a 400 naming the field,
-before any decoding; a client that closes its connection stops its request at the next step.
+before any decoding; a client that closes its connection stops its request at the next step. With the
+engine held on an event (deterministic): requests are decoded in arrival order, a full queue answers 503
+with ``Retry-After`` (a bad request still gets its 400), a client that leaves the queue is never decoded;
+a decoding error is answered 500 and the server goes on.
 """
 
 from __future__ import annotations
@@ -253,6 +256,144 @@ def test_a_client_that_goes_away_stops_its_request_at_the_next_step(setup, serve
         server.stop()
 
 
+def _blocked(setup, **kwargs):
+    """A started target-only server (``kwargs`` to :class:`OpenAICompatServer`) whose decoder waits on an event
+    before each generation: (server, the event, the ``max_new_tokens`` of each generation started, in order)."""
+    target, tok, _ = setup
+    decoder = EngineDecoder(target, tok, dtype="float32")
+    server = OpenAICompatServer(decoder.target_model, tok, model_name="tiny", decoder=decoder, **kwargs).start()
+    gate, started = threading.Event(), []
+    generate = server.decoder.generate
+
+    def blocked(*args, **kwargs):
+        started.append(kwargs["max_new_tokens"])
+        gate.wait(60)
+        return generate(*args, **kwargs)
+
+    server.decoder.generate = blocked
+    return server, gate, started
+
+
+def _until(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def _post_in_thread(server, payload, answers: dict, key) -> threading.Thread:
+    """POST ``payload`` from a thread; ``answers[key]``: (status, the JSON body, or a stream's last event)."""
+    def post():
+        if not payload.get("stream"):
+            answers[key] = _post(server, payload)
+            return
+        request = urllib.request.Request(server.base_url + "/chat/completions", data=json.dumps(payload).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            lines = [line for line in response.read().decode().split("\n") if line]
+            answers[key] = response.status, json.loads(lines[-2][len("data: "):])
+
+    thread = threading.Thread(target=post, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_full_queue_is_answered_503_with_retry_after(setup):
+    """One request decodes (held on an event) and one waits: with --max-queued-requests 1 the next is refused
+    at once with 503, ``Retry-After`` and an OpenAI error, while a bad request still gets its 400 naming the
+    field; once the engine is free both admitted requests are answered."""
+    server, gate, started = _blocked(setup, max_queued_requests=1)
+    answers: dict = {}
+    try:
+        threads = [_post_in_thread(server, {"model": "tiny", "messages": MESSAGES[0], "max_tokens": 3}, answers, 0)]
+        _until(lambda: started == [3])  # decoding (held)
+        threads.append(_post_in_thread(server, {"model": "tiny", "messages": MESSAGES[1], "max_tokens": 4}, answers, 1))
+        _until(lambda: server.queue.num_waiting == 1)
+        request = urllib.request.Request(server.base_url + "/chat/completions", headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"model": "tiny", "messages": MESSAGES[0]}).encode())
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 503 and int(refused.value.headers["Retry-After"]) >= 1
+        error = json.loads(refused.value.read())["error"]
+        assert error["type"] == "server_overloaded" and error["code"] == 503
+        assert "1 requests wait" in error["message"] and "--max-queued-requests" in error["message"]
+        status, body = _post(server, {"model": "tiny", "messages": MESSAGES[0], "top_p": 0})
+        assert status == 400 and body["error"]["param"] == "top_p"
+        assert server.num_refused_full == 1 and started == [3]
+    finally:
+        gate.set()
+        for thread in threads:
+            thread.join(60)
+        server.stop()
+    assert [answers[i][0] for i in (0, 1)] == [200, 200] and started == [3, 4]
+    assert [answers[i][1]["usage"]["completion_tokens"] <= n for i, n in ((0, 3), (1, 4))] == [True, True]
+
+
+def test_requests_are_decoded_in_arrival_order(setup):
+    """Requests that arrive while the engine is busy are decoded first come, first served (each request is
+    told apart by its max_tokens; each arrives once the one before it waits)."""
+    server, gate, started = _blocked(setup)
+    answers: dict = {}
+    order = [2, 7, 3, 6, 4, 5]
+    threads = []
+    try:
+        for i, max_tokens in enumerate(order):
+            threads.append(_post_in_thread(server, {"model": "tiny", "messages": MESSAGES[i % 2],
+                                                    "max_tokens": max_tokens, "stream": i % 2 == 1}, answers, i))
+            _until(lambda: started == order[:1] if i == 0 else server.queue.num_waiting == i)
+    finally:
+        gate.set()
+        for thread in threads:
+            thread.join(60)
+        server.stop()
+    assert started == order and len(server.prompts) == len(order)
+    assert [answers[i][0] for i in range(len(order))] == [200] * len(order)
+    assert [answers[i][1]["choices"][0]["finish_reason"] in ("stop", "length") for i in range(len(order))] \
+        == [True] * len(order)
+
+
+def test_a_client_that_leaves_the_queue_is_never_decoded(setup):
+    """A request waiting behind a busy engine whose client closes the connection leaves the queue at once:
+    its place frees before the engine does, and it is never decoded."""
+    server, gate, started = _blocked(setup, max_queued_requests=1)
+    answers: dict = {}
+    try:
+        first = _post_in_thread(server, {"model": "tiny", "messages": MESSAGES[0], "max_tokens": 3}, answers, 0)
+        _until(lambda: started == [3])
+        payload = json.dumps({"model": "tiny", "messages": MESSAGES[1], "max_tokens": 9}).encode()
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+            _until(lambda: server.queue.num_waiting == 1)
+        _until(lambda: server.num_abandoned == 1 and server.queue.num_waiting == 0)  # the engine is still held
+        second = _post_in_thread(server, {"model": "tiny", "messages": MESSAGES[1], "max_tokens": 4}, answers, 1)
+        _until(lambda: server.queue.num_waiting == 1)  # the freed place
+    finally:
+        gate.set()
+        first.join(60)
+        second.join(60)
+        server.stop()
+    assert started == [3, 4] and [answers[i][0] for i in (0, 1)] == [200, 200]
+
+
+def test_a_decoding_error_is_answered_500_and_the_server_goes_on(setup, serve, capsys):
+    """An exception while decoding: a 500 in OpenAI's format naming it (streamed: an error event, then
+    ``[DONE]``); the next request is answered."""
+    server, _ = serve()
+    generate = server.decoder.generate
+    server.decoder.generate = lambda *a, **k: (_ for _ in ()).throw(FloatingPointError("nan logits"))
+    status, body = _post(server, {"model": "tiny", "messages": MESSAGES[0], "max_tokens": 4})
+    assert status == 500 and body["error"]["message"] == "decoding failed: FloatingPointError: nan logits"
+    answers: dict = {}
+    _post_in_thread(server, {"model": "tiny", "messages": MESSAGES[0], "max_tokens": 4, "stream": True},
+                    answers, 0).join(60)
+    assert answers[0] == (200, {"error": {"message": "decoding failed: FloatingPointError: nan logits",
+                                          "type": "server_error", "param": None, "code": 500}})
+    assert "FloatingPointError: nan logits" in capsys.readouterr().err  # the traceback, for the operator
+    server.decoder.generate = generate
+    assert _post(server, {"model": "tiny", "messages": MESSAGES[0], "max_tokens": 4})[0] == 200
+
+
 def test_the_engine_decoder_refuses_a_draft_for_another_target(setup):
     target, tok, folders = setup
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -301,3 +442,5 @@ def test_serve_with_a_missing_draft_fails_before_loading_the_target(tmp_path, ca
     assert "serve.tree_width: set with no draft" in capsys.readouterr().err
     assert main(["serve", "--port", "0", "--draft", str(tmp_path), "--lookup-corpus", str(tmp_path / "p.jsonl")]) == 2
     assert "serve.lookup_corpus: nothing reads it" in capsys.readouterr().err
+    assert main(["serve", "--port", "0", "--max-queued-requests", "0"]) == 2
+    assert "serve.max_queued_requests=0: expected an integer >= 1" in capsys.readouterr().err
