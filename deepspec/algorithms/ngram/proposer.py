@@ -20,10 +20,10 @@ proposers do) proposes at most ``d`` tokens on such a tail, whatever K is.
 Hugging Face and vLLM (``vllm/v1/spec_decode/ngram_proposer.py``: the longest n in
 [``prompt_lookup_min``, ``prompt_lookup_max``], then its earliest position) take the leftmost
 occurrence; the most recent one is taken here. Measured side by side (``bench/lookup_rule.py``,
-``docs/results/lookup-rule_cpu_2026-12-05``): on the demo's benchmarks the two are within 0.06 of tau
-(the most recent ahead on gsm8k and mt-bench, behind on humaneval); on loops whose repeated text is
-already in the prompt the leftmost is ahead, since the most recent occurrence there is the last of
-the prompt's repeats, followed by the prompt's end.
+``docs/results/lookup-rule_cpu_2026-12-05``): on the demo's benchmarks, both continued, the two
+decode in steps within 3 of each other (the leftmost ahead on humaneval); on loops whose repeated
+text is already in the prompt the leftmost is ahead, since the most recent occurrence there is the
+last of the prompt's repeats, followed by the prompt's end.
 
 The proposal is deterministic, so its draft distribution is a point mass: at T > 0 each row of
 ``draft_probs_NV`` is one-hot (fp32), and rejection sampling accepts ``d`` with probability
