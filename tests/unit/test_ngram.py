@@ -24,30 +24,52 @@ VOCAB = 64
 
 def slow_ngram_proposal(context, *, ngram_max, ngram_min, num_tokens):
     """The rule read literally: for n = max..min, every start whose n tokens equal the last n tokens and
-    that ends before the last token; the latest such start wins; the tokens after it follow."""
+    that ends before the last token; the latest such start wins; the tokens after it are copied one by
+    one onto the end of the context, so the copy reads what it has just written."""
     L = len(context)
     for n in range(ngram_max, ngram_min - 1, -1):
         if n >= L:
             continue
         starts = [s for s in range(L - n) if context[s:s + n] == context[L - n:]]
         if starts:
-            s = max(starts)
-            return context[s + n:s + n + num_tokens]
+            s, grown = max(starts), list(context)
+            for i in range(num_tokens):
+                grown.append(grown[s + n + i])
+            return grown[L:]
     return []
 
 
 def test_ngram_proposal_hand_made_cases():
-    # last 2-gram (7, 8) occurred at 1..2 and 4..5: the most recent one (4..5) is followed by 9, 7, 8
+    # last 2-gram (7, 8) occurred at 1..2 and 4..5: the most recent one (4..5) is followed by 9, 7, 8,
+    # the context's end; the copy goes on with what it proposed (the period 9, 7, 8 continued)
     ctx = [1, 7, 8, 2, 7, 8, 9, 7, 8]
-    assert ngram_proposal(ctx, ngram_max=2, ngram_min=1, num_tokens=5) == [9, 7, 8]
+    assert ngram_proposal(ctx, ngram_max=2, ngram_min=1, num_tokens=5) == [9, 7, 8, 9, 7]
     assert ngram_proposal(ctx, ngram_max=2, ngram_min=1, num_tokens=2) == [9, 7]
     # no 3-gram match falls back to the 2-gram
     assert ngram_proposal(ctx, ngram_max=3, ngram_min=2, num_tokens=3) == [9, 7, 8]
     # nothing matches: empty; a single token has no earlier occurrence
     assert ngram_proposal([1, 2, 3, 4], ngram_max=2, ngram_min=1, num_tokens=3) == []
     assert ngram_proposal([5], ngram_max=3, ngram_min=1, num_tokens=3) == []
-    # a run of one token: the latest earlier occurrence is followed by the last token only
-    assert ngram_proposal([4, 4, 4, 4], ngram_max=1, ngram_min=1, num_tokens=3) == [4]
+    # the continued copy past the context's end: a short context's one repeat gives all K
+    assert ngram_proposal([4, 4], ngram_max=3, ngram_min=1, num_tokens=6) == [4] * 6
+
+
+@pytest.mark.parametrize("k", [1, 3, 7, 10])
+def test_ngram_proposal_continues_a_repeating_tail_for_all_k_tokens(k):
+    """Text repeating with period p < K: the most recent match overlaps the context's end, and a copy
+    cut there proposed p tokens (1 on a run of one token, 2 on "ab ab", 3 on a repeated 3-token line);
+    continued, it proposes K, each the token the repetition puts there."""
+    a, b, x, y, nl = 11, 12, 15, 16, 14
+    cases = {  # context (prompt-like head, then the repetition), the repeating unit as it goes on
+        "run of one token": ([5, 6] + [a] * 9, [a]),
+        "ab ab": ([5, 6] + [a, b] * 4, [a, b]),
+        "repeated 3-token line": ([5] + [x, y, nl] * 3, [x, y, nl]),
+        "a repetition that only started": ([5, 6, a, b, a, b], [a, b]),
+    }
+    for name, (ctx, unit) in cases.items():
+        for n_max, n_min in ((3, 1), (3, 2), (1, 1)):
+            got = ngram_proposal(ctx, ngram_max=n_max, ngram_min=n_min, num_tokens=k)
+            assert got == (unit * k)[:k], (name, n_max, n_min)
 
 
 def test_ngram_proposal_matches_slow_version_and_stays_in_context():
@@ -273,6 +295,44 @@ def test_lookup_first_match_proposes_up_to_lookup_num_tokens_and_a_cap_bounds_bo
     assert (prop.max_proposal_len, prop.lookup.max_proposal_len, draft.max_proposal_len) == (3, 3, 2)
     prop.max_proposal_len = 9  # never above what each was built with
     assert (prop.max_proposal_len, prop.lookup.max_proposal_len, draft.max_proposal_len) == (5, 5, 2)
+
+
+def test_lookup_first_and_the_corpus_continue_a_repeating_tail():
+    """The +lookup proposer (eval and ``serve --lookup-first``) and the ngram+corpus baseline propose all
+    K tokens on repeated text, as the context rule does, both chain and tree; the corpus walk continues a
+    loop it holds."""
+    from deepspec.algorithms.ngram.corpus import NGramCorpus
+    from deepspec.algorithms.ngram.proposer import LookupFirstProposer
+
+    a, b, x, y, nl = 11, 12, 15, 16, 14
+    g = SamplingParams()
+    for tree in (False, True):
+        for ctx, anchor, want in (([5, 6, a, a, a], a, [a] * 7),  # a run of one token
+                                  ([5, 6, a, b, a, b, a], b, [a, b] * 3 + [a]),  # "ab ab"
+                                  ([5, x, y, nl, x, y, nl, x], y, [nl, x, y] * 2 + [nl])):  # a repeated line
+            draft = StubDraft(k=3)
+            prop = LookupFirstProposer(draft, vocab_size=VOCAB, ngram_max=3, ngram_min=2, lookup_num_tokens=7,
+                                       tree=tree)
+            prop.reset()
+            prop.extend_context(torch.zeros(len(ctx), 4), ctx)
+            out = prop.propose(anchor, len(ctx), sampling=g, generator=None)
+            assert prop.steps_from_lookup == 1
+            if tree:  # the draft's chain first, then the match beside it: the match is the tree's deepest path
+                assert out.max_proposal_len == 7 and out.draft_ids_N[-7:].tolist() == want
+            else:
+                assert out.draft_ids_N.tolist() == want and out.max_proposal_len == 7
+    # ngram+corpus: the context's repeated line wins over the corpus and is continued for all K
+    corpus = NGramCorpus([[20, 21, 22, 23, 24]], ngram_max=3)
+    prop = NGramProposer(vocab_size=VOCAB, num_tokens=7, ngram_max=3, ngram_min=1, corpus=corpus)
+    prop.extend_context(None, [5, x, y, nl, x, y, nl, x])
+    assert prop.propose(y, 8, sampling=g, generator=None).draft_ids_N.tolist() == [nl, x, y] * 2 + [nl]
+    assert prop.steps_from_corpus == 0
+    # where the context has no match, the corpus's walk continues a loop it holds for all K
+    corpus = NGramCorpus([[x, y, nl] * 4], ngram_max=3)
+    prop = NGramProposer(vocab_size=VOCAB, num_tokens=7, ngram_max=2, ngram_min=2, corpus=corpus, corpus_ngram_min=2)
+    prop.extend_context(None, [5, 6, x])
+    assert prop.propose(y, 3, sampling=g, generator=None).draft_ids_N.tolist() == [nl, x, y] * 2 + [nl]
+    assert prop.steps_from_corpus == 1
 
 
 def test_lookup_first_with_a_dspark_draft_is_lossless_greedy(target):

@@ -3,13 +3,27 @@
 Legend: N proposal length (0 <= N <= K), V vocab, T positions.
 
 Rule (Saxena 2023, "Prompt Lookup Decoding", Hugging Face ``prompt_lookup_num_tokens``; vLLM's
-``ngram`` speculator): the context is the prompt + every committed token + the anchor. For n from
-``ngram_max`` down to ``ngram_min``, look for the most recent *earlier* occurrence of the context's
-last n tokens (an occurrence that ends before the context's last token); the first n with a match
-wins, and the proposal is the up-to-K tokens that followed that occurrence in the context (fewer
-when the context ends sooner). No match: an empty proposal (the engine does a plain target step).
-Hugging Face takes the earliest occurrence; the most recent one is taken here (as vLLM's proposer
-does), since recent text predicts the next tokens of a repetitive answer better.
+``ngram`` speculator; docs/design/decoding.md, "Training-free baseline: prompt lookup"): the context
+is the prompt + every committed token + the anchor. For n from ``ngram_max`` down to ``ngram_min``,
+look for the most recent *earlier* occurrence of the context's last n tokens (an occurrence that
+ends before the context's last token); the first n with a match wins. No match: an empty proposal
+(the engine does a plain target step).
+
+The proposal copies K tokens from just after that occurrence, and the copy may run past the
+context's end into its own output (the overlapping copy of LZ77, Ziv and Lempel 1977): with the
+match ending at position e (< L, the context's length), proposed token i is ``context[e + i]`` while
+``e + i < L`` and proposed token ``e + i - L`` after that. So a context whose tail repeats with period
+``d = L - e`` is continued with that period for all K tokens: a run of one token, ``ab ab``, a
+repeated line, a loop. Cutting the copy at the context's end instead (Hugging Face's and vLLM's
+proposers do) proposes at most ``d`` tokens on such a tail, whatever K is.
+
+Hugging Face and vLLM (``vllm/v1/spec_decode/ngram_proposer.py``: the longest n in
+[``prompt_lookup_min``, ``prompt_lookup_max``], then its earliest position) take the leftmost
+occurrence; the most recent one is taken here. Measured side by side (``bench/lookup_rule.py``,
+``docs/results/lookup-rule_cpu_2026-12-05``): on the demo's benchmarks, both continued, the two
+decode in steps within 3 of each other (the leftmost ahead on humaneval); on loops whose repeated
+text is already in the prompt the leftmost is ahead, since the most recent occurrence there is the
+last of the prompt's repeats, followed by the prompt's end.
 
 The proposal is deterministic, so its draft distribution is a point mass: at T > 0 each row of
 ``draft_probs_NV`` is one-hot (fp32), and rejection sampling accepts ``d`` with probability
@@ -40,11 +54,13 @@ DEFAULT_NUM_TOKENS = 7  # K when there is no draft to copy its block size from
 
 
 def ngram_proposal(context: Sequence[int], *, ngram_max: int, ngram_min: int, num_tokens: int) -> list[int]:
-    """The prompt-lookup proposal for ``context`` (see the module docstring): at most ``num_tokens`` ids.
+    """The prompt-lookup proposal for ``context`` (see the module docstring): ``num_tokens`` ids after a
+    match, none without one.
 
     Pure; ``context`` ends with the anchor. For each n = ``ngram_max`` .. ``ngram_min`` (skipping n
     that do not fit: an earlier occurrence needs ``len(context) >= n + 1``), scan start positions
-    from the most recent earlier one backwards and return the tokens after the first match.
+    from the most recent earlier one backwards; the tokens after the first match are copied, the
+    copy running on into its own output past the context's end (the period of the tail continued).
     """
     length = len(context)
     for n in range(ngram_max, ngram_min - 1, -1):
@@ -53,8 +69,19 @@ def ngram_proposal(context: Sequence[int], *, ngram_max: int, ngram_min: int, nu
         suffix = list(context[length - n:])
         for start in range(length - n - 1, -1, -1):
             if context[start] == suffix[0] and list(context[start:start + n]) == suffix:
-                return list(context[start + n:start + n + num_tokens])
+                return continued_copy(context, start + n, num_tokens)
     return []
+
+
+def continued_copy(context: Sequence[int], source: int, num_tokens: int) -> list[int]:
+    """``num_tokens`` ids copied from ``context[source:]`` (``0 <= source < len(context)``), the copy
+    reading its own output once it passes the context's end: the tail ``context[source:]`` repeated
+    with period ``len(context) - source`` (see the module docstring)."""
+    length = len(context)
+    out: list[int] = []
+    for i in range(num_tokens):
+        out.append(int(context[source + i]) if source + i < length else out[source + i - length])
+    return out
 
 
 class NGramProposer:
@@ -78,6 +105,8 @@ class NGramProposer:
     """
 
     needs_features = False
+    # the context lookup; bench/lookup_rule.py sets an instance's to earlier rules to compare tau
+    context_rule = staticmethod(ngram_proposal)
 
     def __init__(self, *, vocab_size: int, num_tokens: int = DEFAULT_NUM_TOKENS, ngram_max: int = DEFAULT_NGRAM_MAX,
                  ngram_min: int = DEFAULT_NGRAM_MIN, max_positions: int | None = None,
@@ -123,7 +152,7 @@ class NGramProposer:
         if n_max <= 0:
             return Proposal.empty(self.device)
         context = [*self.tokens, int(anchor_token)]
-        ids = ngram_proposal(context, ngram_max=self.ngram_max, ngram_min=self.ngram_min, num_tokens=n_max)
+        ids = self.context_rule(context, ngram_max=self.ngram_max, ngram_min=self.ngram_min, num_tokens=n_max)
         if not ids and self.corpus is not None:
             ids = self.corpus.continuation(context, max_len=n_max, ngram_min=self.corpus_ngram_min)
             self.steps_from_corpus += bool(ids)
