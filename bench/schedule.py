@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deepspec.algorithms.protocol import NullProposer, set_draft_tree_width  # noqa: E402
+from deepspec.algorithms.protocol import NullProposer  # noqa: E402
 from deepspec.algorithms.registry import algorithm_for_model, load_draft  # noqa: E402
 from deepspec.checkpoints import draft_folder  # noqa: E402
 from deepspec.data.chat import render_prompt  # noqa: E402
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
         for w in widths:
             label = "chain" if w == 1 else f"tree{w}"
             for schedule in ("fixed", "auto"):
-                proposer = set_draft_tree_width(algorithm.proposer(draft, max_positions=max_pos), w)
+                proposer = algorithm.proposer(draft, max_positions=max_pos, tree_width=w)
                 made[f"{label}-{schedule}"] = SpeculativeEngine(model, layers, proposer, eos, few_row_linear=few_row,
                                                                 schedule=schedule)
         return made

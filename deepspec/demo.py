@@ -127,6 +127,9 @@ class DemoConfig:
     # with lookup went from gsm8k tau 2.48 to 3.14 (docs/results/draft-trees-cpu-2026-12-03); `make recipe`, over
     # blocks of 7, uses 4 (docs/results/block7-cpu-2026-12-04)
     tree_width: int = 3
+    # auto: per step a cost-aware scheduler verifies the part of each proposal worth its cost on this machine, or
+    # makes a plain target step (deepspec.decoding.schedule; lossless); fixed: every proposal is verified whole
+    schedule: str = "auto"
 
     def __post_init__(self) -> None:
         self.dtype = check_dtype_name(self.dtype, "demo.dtype")
@@ -211,6 +214,7 @@ class DemoConfig:
                 self.lookup_first is not None or "ngram+corpus" in self.baselines) else [],
             corpus_ngram_min=self.corpus_ngram_min,
             tree_width=self.tree_width,
+            schedule=self.schedule,
         )
 
     def train_config(self, algorithm: str, cache_dir: Path) -> TrainConfig:

@@ -352,16 +352,19 @@ class SpeculativeEngine:
 
         return measure_step_costs(forward_tokens, max_tokens)
 
-    def _ensure_scheduler(self) -> None:
-        """Build the ``"auto"`` scheduler once: the cost curve up to the longest verify this engine can feed
-        (a compiled target: its longest step; else 64 tokens, trees and lookup included), cached on disk."""
+    def ensure_scheduler(self) -> StepScheduler | None:
+        """Build the ``"auto"`` scheduler once (:meth:`generate` does it before its clock starts; a server
+        calls it at start-up): the cost curve up to the longest verify this engine can feed (a compiled
+        target: its longest step; else 64 tokens, trees and lookup included), cached on disk. Returns the
+        scheduler, None with ``schedule="fixed"`` or a proposer that never proposes."""
         if not self._measure_schedule or self.scheduler is not None:
-            return
+            return self.scheduler
         max_tokens = max(self.compiled.step_lengths) if self.compiled is not None else 64
         max_tokens = max(max_tokens, int(self.proposer.max_proposal_len) + 1)
         with torch.inference_mode():
             curve, _ = load_or_measure_step_costs(self._cost_key(max_tokens), lambda: self._measure_costs(max_tokens))
         self.scheduler = StepScheduler(curve)
+        return self.scheduler
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -466,8 +469,8 @@ class SpeculativeEngine:
             self.compiled.prepare(self._feature_layer_ids, num_positions,
                                   self.compiled.lengths_up_to(proposer.max_proposal_len + 1))
         proposer.prepare(num_positions)  # a proposer with static buffers (compiled drafts) allocates them
-        self._ensure_scheduler()
-        sched = self.scheduler
+        sched = self.ensure_scheduler()
+        without_draft = getattr(proposer, "propose_without_draft", None) if sched is not None else None
         if sched is not None:
             sched.reset()
         sync()
@@ -505,8 +508,12 @@ class SpeculativeEngine:
             # < max_position_embeddings; the scheduler then keeps what is worth verifying.
             drafted = sched is None or sched.plan(proposer.max_proposal_len)
             t_planned = time.perf_counter()
-            proposal = (proposer.propose(anchor, anchor_pos, sampling=sampling, generator=generator) if drafted
-                        else Proposal.empty(self.device))
+            if drafted:
+                proposal = proposer.propose(anchor, anchor_pos, sampling=sampling, generator=generator)
+            elif without_draft is not None:  # what costs no draft call (a prompt-lookup match) is still offered
+                proposal = without_draft(anchor, anchor_pos, sampling=sampling, generator=generator)
+            else:
+                proposal = Proposal.empty(self.device)
             proposal = proposal.truncated(self.max_positions - 1 - anchor_pos)
             t_proposed = time.perf_counter()
             num_drafted = proposal.num_proposed

@@ -342,7 +342,8 @@ def _new_run(target_model: Any, tokenizer: Any, target_layer_ids: Sequence[int],
     if settings.compile:
         proposers = {n: compile_proposer(p) for n, p in proposers.items()}
         compiled = CompiledTarget.for_proposers(target_model, proposers.values())
-    engines = {n: SpeculativeEngine(target_model, target_layer_ids, p, eos, few_row_linear=few_rows, compiled=compiled)
+    engines = {n: SpeculativeEngine(target_model, target_layer_ids, p, eos, few_row_linear=few_rows, compiled=compiled,
+                                    schedule=settings.schedule)
                for n, p in {BASELINE: NullProposer(), **proposers}.items()}
     return _Run(target_model=target_model, tokenizer=tokenizer, proposers=proposers, engines=engines, eos=eos, pad=pad,
                 few_row_linear=few_rows, **shared)
@@ -490,6 +491,9 @@ def _run_config(run: _Run, settings: DecodeSettings, *, target_layer_ids: Sequen
         "dtype": dtype_name(next(run.target_model.parameters()).dtype),
         "few_row_linear": run.few_row_linear,
         "compile": settings.compile,
+        "schedule": settings.schedule,
+        # the step cost curve the scheduler measured for this target (every engine reads the same cached one)
+        "step_cost_curve": next((e.scheduler.curve.to_dict() for e in run.engines.values() if e.scheduler), None),
         "flip_chunk_len": flip_chunk_len,
         "num_prompts": dict(num_prompts),
         "compare_hf_generate": run.compare_hf_generate,

@@ -15,7 +15,7 @@ Per-request acceptance (:class:`ServeResult`): verify steps, drafts proposed and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from deepspec.algorithms.registry import load_draft
 from deepspec.checkpoints import draft_folder
 from deepspec.data.chat import target_stop_token_ids
 from deepspec.decoding.engine import SpeculativeEngine
+from deepspec.decoding.schedule import StepScheduler
 from deepspec.decoding.settings import DecodeSettings, build_proposers
 from deepspec.device import cast_for_decoding, resolve_device, resolve_dtype
 from deepspec.target.decoding import SamplingParams
@@ -38,7 +39,8 @@ from deepspec.target.load import target_fingerprint
 
 # EngineDecoder's keyword flags at their defaults (what settings= stands in for)
 _FLAG_DEFAULTS = dict(num_draft_tokens=None, dtype="auto", device=None, few_row_linear="auto", lookup_first=None,
-                      lookup_num_tokens=None, corpus_ngram_min=DEFAULT_CORPUS_NGRAM_MIN, tree_width=0)
+                      lookup_num_tokens=None, corpus_ngram_min=DEFAULT_CORPUS_NGRAM_MIN, tree_width=0,
+                      schedule="auto")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +99,8 @@ class EngineDecoder:
         tree_width: requests verify draft trees (:func:`~deepspec.algorithms.protocol.check_tree_setting`:
             0 chains; 1 the lookup's match beside the draft; W >= 2 also W draft nodes per slot;
             sampled requests walk the tree with the target's own draws).
+        schedule: ``auto`` (a cost-aware scheduler, :mod:`deepspec.decoding.schedule`, shared by every
+            request and measured here) | ``fixed`` (every proposal verified whole).
         cast_in_place: cast and move ``target_model`` itself instead of a copy (a target nobody else
             holds, such as the one ``deepspec serve`` loads: no second copy in host memory).
 
@@ -115,10 +119,10 @@ class EngineDecoder:
                  few_row_linear: str = "auto", allow_target_mismatch: bool = False,
                  lookup_first: int | None = None, lookup_num_tokens: int | None = None,
                  corpus: NGramCorpus | None = None, corpus_ngram_min: int = DEFAULT_CORPUS_NGRAM_MIN,
-                 tree_width: int = 0, cast_in_place: bool = False) -> None:
+                 tree_width: int = 0, schedule: str = "auto", cast_in_place: bool = False) -> None:
         flags = dict(num_draft_tokens=num_draft_tokens, dtype=dtype, device=device, few_row_linear=few_row_linear,
                      lookup_first=lookup_first, lookup_num_tokens=lookup_num_tokens,
-                     corpus_ngram_min=corpus_ngram_min, tree_width=tree_width)
+                     corpus_ngram_min=corpus_ngram_min, tree_width=tree_width, schedule=schedule)
         if settings is None:
             check_lookup_settings(lookup_first, lookup_num_tokens, has_draft=bool(draft), field="serve")
             check_tree_setting(tree_width, "serve.tree_width", has_draft=bool(draft))
@@ -163,6 +167,15 @@ class EngineDecoder:
             self.target_layer_ids = list(model.config.target_layer_ids)
         self.stop_token_ids = target_stop_token_ids(self.target_model, tokenizer)
         self.few_row_linear = few_row_linear_applies(settings.few_row_linear, self.target_model)
+        # one scheduler for every request (its acceptance counts and timings carry over; each request resets its
+        # plan), its step cost curve measured now rather than in the first request's time
+        self.scheduler: StepScheduler | None = None
+        self.scheduler = self._engine(self.stop_token_ids).ensure_scheduler()
+
+    def _engine(self, stop_token_ids: Collection[int]) -> SpeculativeEngine:
+        return SpeculativeEngine(self.target_model, self.target_layer_ids, self.proposer, stop_token_ids,
+                                 few_row_linear=self.few_row_linear,
+                                 schedule=self.scheduler or self.settings.schedule)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -186,9 +199,7 @@ class EngineDecoder:
         """Decode one request (see the module docstring); ``on_tokens`` gets the committed tokens step by
         step (:meth:`SpeculativeEngine.generate`). Raises ValueError for what the engine refuses (an empty
         prompt, one that does not fit the target's positions, ``max_new_tokens < 1``)."""
-        engine = SpeculativeEngine(self.target_model, self.target_layer_ids, self.proposer,
-                                   self.stop_token_ids_for(extra_stop_token_ids),
-                                   few_row_linear=self.few_row_linear)
+        engine = self._engine(self.stop_token_ids_for(extra_stop_token_ids))
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=engine.device)
