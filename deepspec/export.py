@@ -198,11 +198,12 @@ def build_export(draft_path: str | Path, fmt: str, *, dtype: torch.dtype = torch
     config, weights, hint = layout.write(
         model, algorithm=algorithm,
         verifier=(lambda: _verifier(verifier or "default", c)) if layout.names_verifier else None)
-    if is_reduced_vocab(c.vocab_size, c.draft_vocab_size):  # the id maps of a reduced vocabulary
-        weights["lm_head.weight"] = model.state_dict()["lm_head.weight"]
-        weights["d2t"] = d2t_to_offsets(model.d2t)
-    elif c.draft_vocab_size is not None:  # all V target ids: the full vocabulary
-        _full_size_draft_vocab(model, fmt)
+    if c.draft_vocab_size is not None:
+        if is_reduced_vocab(c.vocab_size, c.draft_vocab_size):  # the id maps of a reduced vocabulary
+            weights["lm_head.weight"] = model.state_dict()["lm_head.weight"]
+            weights["d2t"] = d2t_to_offsets(model.d2t)
+        else:  # all V target ids: the full vocabulary
+            _full_size_draft_vocab(model, fmt)
     weights = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu() for k, v in weights.items()}
     check_export(fmt, config, weights, algorithm=algorithm)
     config["deepspec"] = _deepspec_record(algorithm, c, folder)

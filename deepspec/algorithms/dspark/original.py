@@ -151,7 +151,7 @@ def _check_against_target(shape: dict[str, Any], target_config: Any, source: str
         if key == "rope_parameters":
             have, want = _rope_key(have), _rope_key(want)
         if have != want:
-            raise _cfg_error(source, cfg_key, f"{want!r} (the target's {key})", have,
+            raise _cfg_error(source, cfg_key, f"{want!r} (the target's)", have,
                              "The draft's forward depends on it and the original copies it from the target it was "
                              "trained for: pass that target, or restore the target's value in config.json.")
 
