@@ -16,8 +16,8 @@ accepted EOS, which no bonus token follows), with every chain as one verify step
 where ``survive_k`` sums the survival of the chains supervised at slot ``k``, ``count_k`` counts
 them and ``ended_k`` sums the survival of those whose label at slot ``k`` is an end-of-sequence token
 (an accepted EOS ends the step: the chain's own + 1 is not committed; the slots after an EOS label are
-never verified, so they are not counted). Both are plain sums, so they add up over micro-batches and ranks; the ratio is taken once,
-at the end of a step. (Multiplying per-slot *rates* within each micro-batch and averaging the
+never verified, so they are not counted). Both are plain sums, so they add up over micro-batches and ranks;
+the ratio is taken once, at the end of a step. (Multiplying per-slot *rates* within each micro-batch and averaging the
 products over micro-batches gives a value that depends on how the chains are grouped: chains with
 leading-accepted runs 3, 2, 1, 0 give 2.25 grouped as (3, 1), (2, 0) and 2.5 grouped as (3, 2),
 (1, 0); pooled counts give 2.5 for any grouping.)

@@ -159,7 +159,8 @@ def _check_against_target(shape: dict[str, Any], target_config: Any, source: str
 def _check_full_attention(cfg: dict[str, Any], family: str, num_draft_layers: int, source: str) -> None:
     """Raise unless every draft layer attends to the whole context, as DeepSpec's DSpark layers do.
 
-    ``layer_types`` (the original writes it, all ``full_attention``) decides when present. Without it transformers derives the layers' attention from the window keys the original copies
+    ``layer_types`` (the original writes it, all ``full_attention``) decides when present. Without it
+    transformers derives the layers' attention from the window keys the original copies
     from the target: ``use_sliding_window`` with ``sliding_window`` (Qwen2 / Qwen3: layers from
     ``max_window_layers`` on), ``sliding_window`` alone (Mistral: every layer; Gemma 3: its pattern), so a
     window set there is refused rather than read as full attention.
