@@ -10,7 +10,8 @@ requests give the target's own greedy answer (lossless, docs/design/decoding.md)
 distribution (rejection sampling), seeded by the request's ``seed``.
 
 Per-request acceptance (:class:`ServeResult`): verify steps, drafts proposed and accepted, and
-``tau`` = mean over verify steps of (accepted drafts + 1), the metric ``deepspec eval`` reports.
+``tau`` = mean over verify steps of the tokens each committed (accepted drafts + 1, or the accepted drafts
+alone at an accepted EOS, which no bonus token follows), the metric ``deepspec eval`` reports.
 """
 
 from __future__ import annotations
@@ -55,19 +56,34 @@ class ServeResult:
     num_verify_steps: int
     num_draft_tokens: int  # drafts proposed, summed over the verify steps
     num_accepted_tokens: int  # drafts accepted, summed over the verify steps
+    num_committed_tokens: int  # tokens the verify steps committed (before the max_tokens cut), summed
     time_s: float
+
+    @classmethod
+    def from_generation(cls, out: Any) -> ServeResult:
+        """The result of one :meth:`SpeculativeEngine.generate <deepspec.decoding.engine.SpeculativeEngine.generate>`
+        (a ``GenerationResult``): its output, finish reason and the counts summed over its step records."""
+        steps = out.steps
+        return cls(output_ids=out.output_ids, finish_reason="stop" if out.stop_reason == "eos" else "length",
+                   num_verify_steps=len(steps),
+                   num_draft_tokens=sum(s.num_draft_nodes or s.num_proposed for s in steps),
+                   num_accepted_tokens=sum(s.num_accepted for s in steps),
+                   num_committed_tokens=sum(s.num_committed for s in steps), time_s=out.total_time_s)
 
     @property
     def tau(self) -> float | None:
-        """Acceptance length: mean over verify steps of (accepted drafts + 1); 1.0 for target-only."""
+        """Acceptance length: mean over verify steps of the tokens each committed (accepted drafts + 1, or the
+        accepted drafts at an accepted EOS: no bonus token follows it), as :mod:`deepspec.eval.metrics`; 1.0 for
+        target-only."""
         if not self.num_verify_steps:
             return None
-        return (self.num_accepted_tokens + self.num_verify_steps) / self.num_verify_steps
+        return self.num_committed_tokens / self.num_verify_steps
 
     def acceptance(self) -> dict[str, Any]:
         """The per-request acceptance figures a response reports."""
         return {"num_verify_steps": self.num_verify_steps, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens, "tau": self.tau,
+                "num_accepted_tokens": self.num_accepted_tokens, "num_committed_tokens": self.num_committed_tokens,
+                "tau": self.tau,
                 "tok_per_s": len(self.output_ids) / self.time_s if self.time_s > 0 else None}
 
 
@@ -209,6 +225,4 @@ class EngineDecoder:
                 generator.manual_seed(int(seed))
         out = engine.generate(list(prompt_ids), max_new_tokens=max_new_tokens, sampling=sampling, generator=generator,
                               on_tokens=on_tokens)
-        return ServeResult(output_ids=out.output_ids, finish_reason="stop" if out.stop_reason == "eos" else "length",
-                           num_verify_steps=len(out.steps), num_draft_tokens=sum(s.num_draft_nodes or s.num_proposed for s in out.steps),
-                           num_accepted_tokens=sum(s.num_accepted for s in out.steps), time_s=out.total_time_s)
+        return ServeResult.from_generation(out)

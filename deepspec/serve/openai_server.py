@@ -33,8 +33,9 @@ application served by uvicorn. Endpoints:
   request's acceptance figures under ``deepspec``: ``draft``, ``num_speculative_tokens`` (the most
   tokens proposed per step), ``lookup_first`` and ``num_lookup_tokens`` (prompt lookup in front of the
   draft: the shortest match that proposes and the most tokens it proposes; None when off),
-  ``num_verify_steps``, ``num_draft_tokens`` (proposed), ``num_accepted_tokens``, ``tau`` (mean over
-  verify steps of accepted + 1) and ``tok_per_s`` (in the last chunk when streamed). Without one,
+  ``num_verify_steps``, ``num_draft_tokens`` (proposed), ``num_accepted_tokens``, ``num_committed_tokens``,
+  ``tau`` (mean over verify steps of the tokens committed: accepted + 1, or accepted at an accepted EOS) and
+  ``tok_per_s`` (in the last chunk when streamed). Without one,
   streaming is refused (400).
 
 Requests are checked on the event loop as they arrive, then decoded one at a time in arrival order

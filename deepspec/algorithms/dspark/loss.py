@@ -61,7 +61,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from deepspec.algorithms.dspark.config import DraftConfig
-from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance
+from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance, is_eos
 from deepspec.models.vocab import t2d_table
 from deepspec.target.capture import STATS_MISSING, target_draft_logits
 
@@ -383,7 +383,10 @@ def dspark_loss(
             match_BAK[b_N, a_N, k_N] = match_N.bool()
             prob_BAK = torch.zeros(valid_BAK.shape, device=dev)
             prob_BAK[b_N, a_N, k_N] = acc_N.float()
-            acceptance = chain_acceptance(valid_BAK.flatten(0, 1), match_BAK.flatten(0, 1), prob_BAK.flatten(0, 1))
+            eos_BAK = torch.zeros_like(valid_BAK)  # the label is an EOS: an accepted one ends the step, no bonus
+            eos_BAK[b_N, a_N, k_N] = is_eos(labels_N, config.eos_token_ids)
+            acceptance = chain_acceptance(valid_BAK.flatten(0, 1), match_BAK.flatten(0, 1), prob_BAK.flatten(0, 1),
+                                          eos_BAK.flatten(0, 1))
     return LossOutput(loss=loss, ce=ce.detach(), l1=l1.detach(), confidence=conf.detach(), weight_sum=norm.detach(),
                       local_weight_sum=local_ws, num_valid_slots=int(N), accept_rate_K=accept_K, top1_match_K=top1_K,
                       acceptance=acceptance, num_labels_outside_vocab=num_outside)

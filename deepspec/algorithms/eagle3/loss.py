@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from deepspec.algorithms.eagle3.model import Eagle3DraftModel
-from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance
+from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance, is_eos
 from deepspec.target.capture import STATS_MISSING, target_draft_probs
 
 
@@ -182,6 +182,14 @@ def eagle3_loss(model: Eagle3DraftModel, input_ids_BS: Tensor, loss_mask_BS: Ten
         accept_KBS[k][b_N, t_N] = torch.cat(accepts)
         acc_K[k] = torch.cat(matches).mean()
     # one chain per start row (b, t): its step k is slot k
-    acceptance = chain_acceptance(valid_KBS.flatten(1).T, match_KBS.flatten(1).T, accept_KBS.flatten(1).T)
+    # step k of the chain at row t predicts x_{t+k+2} (ttt_supervision); an accepted EOS ends the step, no bonus
+    eos_BS = is_eos(input_ids_BS.to(dev), c.eos_token_ids)
+    eos_KBS = torch.zeros_like(valid_KBS)
+    S = eos_BS.shape[1]
+    for k in range(K):
+        if k + 2 < S:
+            eos_KBS[k][:, :S - k - 2] = eos_BS[:, k + 2:]
+    acceptance = chain_acceptance(valid_KBS.flatten(1).T, match_KBS.flatten(1).T, accept_KBS.flatten(1).T,
+                                  eos_KBS.flatten(1).T)
     return Eagle3LossOutput(loss=loss, weight_sum=norm.detach(), local_weight_sum=local_ws.detach(),
                             num_supervised_K=counts, acc_K=acc_K, acceptance=acceptance)
