@@ -16,6 +16,7 @@ from deepspec.algorithms.dspark.model import DSparkDraftModel, GatedMarkovHead, 
 from deepspec.algorithms.dspark.proposer import DSparkProposer
 from deepspec.decoding.verify import SamplingParams
 from deepspec.models.anchors import sample_anchors
+from tests.helpers import require_flex_attention_on_cpu
 
 V, MASK = 64, 5
 LAYER_IDS = [0, 1]
@@ -176,12 +177,10 @@ def _forward(draft, *args, use_flex):
 
     if not use_flex:
         return draft.forward_train(*args, use_flex=False)
+    require_flex_attention_on_cpu()
     with warnings.catch_warnings(), torch.no_grad():  # flex on CPU: forward only
         warnings.simplefilter("ignore")
-        try:
-            return draft.forward_train(*args, use_flex=True)
-        except (RuntimeError, NotImplementedError) as e:  # pragma: no cover - depends on torch build
-            pytest.skip(f"flex_attention forward unavailable on CPU: {e}")
+        return draft.forward_train(*args, use_flex=True)
 
 
 @pytest.mark.parametrize("use_flex", [False, True])
@@ -253,12 +252,10 @@ def test_flex_path_matches_dense_forward_on_cpu():
     ap = torch.tensor([[3, 5, 17], [2, 0, 0]])
     valid = torch.tensor([[True, True, True], [True, False, False]])
     dense = draft.forward_train(ids, feats, ap, valid, use_flex=False)
+    require_flex_attention_on_cpu()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        try:
-            flex = draft.forward_train(ids, feats, ap, valid, use_flex=True)
-        except (RuntimeError, NotImplementedError) as e:  # pragma: no cover - depends on torch build
-            pytest.skip(f"flex_attention forward unavailable on CPU: {e}")
+        flex = draft.forward_train(ids, feats, ap, valid, use_flex=True)
     torch.testing.assert_close(flex.logits_BAKV, dense.logits_BAKV, atol=1e-4, rtol=1e-4)
 
 
