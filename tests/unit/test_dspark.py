@@ -337,6 +337,35 @@ def test_proposer_greedy_matches_serial_markov_and_respects_limits(markov):
     assert prop.cache.length == 0
 
 
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0)], ids=["greedy", "t1"])
+def test_confidence_cut_mid_block_keeps_the_slots_before_the_first_low_one(sampling):
+    """A threshold between the block's confidences cuts the proposal before the first slot below it, whichever
+    slot that is: the slots before it are the uncut proposal's (tokens, confidences and, at T > 0, draft rows,
+    drawn from the same generator). A threshold equal to every slot's confidence or 0 cuts nothing."""
+    target, draft = make_draft("llama")
+    ids, _ = batch(B=1, S=20)
+    feats, _ = capture(target, ids)
+
+    def propose(threshold):
+        prop = DSparkProposer(draft, max_positions=128, confidence_threshold=threshold)
+        prop.extend_context(feats[0, :12], ids[0, :12].tolist())
+        return prop.propose(int(ids[0, 12]), 12, sampling=sampling, generator=torch.Generator().manual_seed(0))
+
+    full = propose(None)
+    conf = full.confidence_N.tolist()
+    cuts = []
+    for j in range(1, len(conf)):
+        if min(conf[:j]) > conf[j]:  # a threshold in between cuts at slot j
+            cut = propose((min(conf[:j]) + conf[j]) / 2)
+            assert cut.draft_ids_N.tolist() == full.draft_ids_N[:j].tolist(), (j, conf)
+            assert torch.equal(cut.confidence_N, full.confidence_N[:j])
+            if not sampling.greedy:
+                assert torch.equal(cut.draft_probs_NV, full.draft_probs_NV[:j])
+            cuts.append(j)
+    assert cuts, conf  # the block's confidences do fall below an earlier slot's
+    assert propose(min(conf)).num_proposed == propose(0.0).num_proposed == len(conf)
+
+
 def test_proposer_sampling_probs_and_determinism():
     target, draft = make_draft("qwen3")
     ids, _ = batch(B=1, S=20)
