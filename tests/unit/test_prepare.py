@@ -22,6 +22,7 @@ from deepspec.data.prepare import (
     run_prepare,
     skipped_path_for,
 )
+from deepspec.data.sources import assign_split
 from deepspec.stages import run_prepare_stage
 
 try:
@@ -310,7 +311,9 @@ def test_prepare_heldout_split_and_chat_template_kwargs(tmp_path, tok):
     heldout = [json.loads(line) for line in heldout_path_for(cfg.output).read_text().splitlines()]
     assert (summary.num_train, summary.num_heldout) == (len(train), len(heldout))
     assert summary.kept == summary.num_train + summary.num_heldout == 4
-    assert {r["split"] for r in train} <= {"train"} and {r["split"] for r in heldout} <= {"heldout"}
+    for rows, split in ((train, "train"), (heldout, "heldout")):  # the split is the row key's (no ids: its index)
+        assert all(r["split"] == split == assign_split(str(r["source_index"]), heldout_fraction=0.5, seed=3)
+                   for r in rows)
     assert train and heldout  # seed 3 splits these 4 rows 2/2 (a pure function of the row key)
     assert sorted(r["source_index"] for r in train + heldout) == [0, 2, 4, 5]
     assert all(r["chat_template_kwargs"] == {"enable_thinking": False} for r in train + heldout)
