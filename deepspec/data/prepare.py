@@ -462,7 +462,8 @@ def _render_changes(old: Any, new: dict[str, Any]) -> list[str]:
         lines.append(f"the chat template reads strftime_now (today's date): the journal's rows were rendered on "
                      f"{old.get('render_date', '?')}, this run renders on {new.get('render_date', '?')}")
     if not lines and old != new:
-        lines = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+        lines = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+                 if old.get(k) != new.get(k)]
     return lines
 
 
