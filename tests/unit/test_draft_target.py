@@ -216,7 +216,8 @@ def test_eval_lookup_first_adds_a_row_per_draft_with_its_lookup_share(setup, tmp
 
 def test_eval_with_a_confidence_threshold_cuts_dspark_proposals_mid_block(setup, tmp_path):
     """``confidence_threshold`` in the eval stage: DSpark's proposals are cut before their first slot below it
-    (an untrained head's confidences straddle 0.5, so some steps keep part of the block), no evaluated
+    (an untrained head's confidences straddle 0.5, so some steps keep part of the block; the fixed schedule
+    verifies each proposal whole, so the cut is the threshold's), no evaluated
     confidence is below it, the output stays the target's greedy output, and the report records the
     threshold for DSpark only: Eagle3 has no confidence head and proposes whole blocks."""
     from deepspec.eval.stage import EvalConfig, run_eval_stage
@@ -226,7 +227,7 @@ def test_eval_with_a_confidence_threshold_cuts_dspark_proposals_mid_block(setup,
     bench.write_text(json.dumps({"question": "1 + 1 = 1 + 1 = 1 + 1 = ?", "answer": "#### 2"}) + "\n")
     res = run_eval_stage(EvalConfig(draft=[str(folders["dspark"]), str(folders["eagle3"])], benchmarks=["gsm8k"],
                                     benchmark_files=[f"gsm8k={bench}"], num_prompts=1, max_new_tokens=24,
-                                    compare_hf_generate=False, baselines=["none"], dtype="float32",
+                                    compare_hf_generate=False, baselines=["none"], dtype="float32", schedule="fixed",
                                     confidence_threshold=0.5, output_dir=str(tmp_path / "e")),
                          target_model=targets["A"], tokenizer=tok)
     proposers = res["config"]["proposers"]
