@@ -224,3 +224,33 @@ class CountingBackend:
     def __call__(self, gm, example_inputs):
         self.num_graphs += 1
         return gm.forward
+
+
+_FLEX_CPU_PROBE: list[str | None] = []
+
+
+def require_flex_attention_on_cpu() -> None:
+    """Skip the calling test when this torch build cannot run eager flex_attention forward on the CPU.
+
+    The capability is probed once, on a plain causal mask built here, never on the code under test: a
+    failure of the project's own flex code (its block masks, its calls) fails the test, not skips it.
+    """
+    import warnings
+
+    import pytest
+    import torch
+
+    if not _FLEX_CPU_PROBE:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                mask = create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 8, 8, device="cpu")
+                x = torch.randn(1, 1, 8, 8)
+                flex_attention(x, x, x, block_mask=mask)
+            _FLEX_CPU_PROBE.append(None)
+        except (ImportError, RuntimeError, NotImplementedError) as e:  # pragma: no cover - depends on torch build
+            _FLEX_CPU_PROBE.append(f"{type(e).__name__}: {e}")
+    if _FLEX_CPU_PROBE[0] is not None:  # pragma: no cover - depends on torch build
+        pytest.skip(f"flex_attention forward unavailable on CPU in this torch build: {_FLEX_CPU_PROBE[0]}")
