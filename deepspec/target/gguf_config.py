@@ -55,8 +55,9 @@ _GEMMA3_27B_LAYERS = 62  # llama.cpp scales Gemma 3 27B's queries by 1/sqrt(n_em
 @dataclass
 class GGUFHeader:
     """A GGUF file's header: ``arch`` (``general.architecture``), ``fields`` (every key, decoded: str, int, float
-    or list), ``tensors`` (name -> shape as GGUF stores it, innermost first) and ``rope_freqs`` (the
-    ``rope_freqs.weight`` values as float64, shape ``(n_rot / 2,)``, when the file holds that tensor)."""
+    or list; a long ``tokenizer.*`` array only as ``"<n values>"``), ``tensors`` (name -> shape as GGUF stores
+    it, innermost first) and ``rope_freqs`` (the ``rope_freqs.weight`` values as float64, shape
+    ``(n_rot / 2,)``, when the file holds that tensor)."""
 
     path: Path
     arch: str
@@ -83,7 +84,8 @@ def read_gguf_header(path: Path) -> GGUFHeader:
 
     try:
         reader = GGUFReader(str(path))
-        fields = {name: f.contents() for name, f in reader.fields.items()}
+        fields = {name: f"<{len(f.data)} values>" if name.startswith("tokenizer.") and len(f.data) > 64
+                  else f.contents() for name, f in reader.fields.items()}  # the vocabulary is not read here
     except Exception as exc:  # noqa: BLE001 - the reader raises ValueError/IndexError/struct.error on bad files
         raise ValueError(f"target={str(path)!r}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
     arch = fields.get("general.architecture")

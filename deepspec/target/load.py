@@ -152,26 +152,60 @@ def ensure_gguf_target(path: Path) -> Path:
     return folder
 
 
+# Bumped whenever what the GGUF header checks apply changes, so converted folders are checked again.
+_HEADER_CHECKS = 1
+_HEADER_STAMP = "DEEPSPEC_GGUF_CHECKED.json"
+
+
 def _ensure_converted(gguf: Path, folder: Path, source: dict[str, Any]) -> None:
-    """Convert ``gguf`` into ``folder`` unless it already holds the file's model: a converted folder's config.json
-    is checked against the header (:func:`deepspec.target.gguf_config.check_gguf_config`) and converted again when
-    it disagrees (converted before DeepSpec applied a key); otherwise the header's config
-    (:func:`gguf_target_config`) is built and checked first, so a file DeepSpec cannot convert faithfully is
-    refused before any weight is read."""
+    """Convert ``gguf`` into ``folder`` unless it already holds the file's model.
+
+    A converted folder's config.json is checked against the header
+    (:func:`deepspec.target.gguf_config.check_gguf_config`) and converted again when it disagrees (converted
+    before DeepSpec applied a key); a passed check is stamped in the folder (:data:`_HEADER_STAMP`: the file's
+    size and mtime, the config's mtime, :data:`_HEADER_CHECKS`), so later processes skip it. A new conversion
+    builds and checks the header's config first (:func:`gguf_target_config`), so a file DeepSpec cannot convert
+    faithfully is refused before any weight is read.
+
+    Raises:
+        ValueError: what :func:`gguf_target_config` raises, or a missing weight (:func:`_convert_gguf`).
+    """
     from transformers import AutoConfig
 
     from deepspec.target.gguf_config import check_gguf_config
 
     if _is_converted(folder):
+        if _read_stamp(folder) == _stamp(gguf, folder):
+            return
         stat, saved = gguf.stat(), (folder / "config.json").stat()
         problem = _converted_folder_problem(str(gguf), stat.st_size, stat.st_mtime_ns, str(folder),
                                             saved.st_mtime_ns)
         if problem is None:
+            _write_stamp(gguf, folder)
             return
         print(f"target: {folder} was converted without what the GGUF header says ({problem}); converting again",
               flush=True)
     _convert_gguf(gguf, folder, source)
     check_gguf_config(_gguf_header_of(gguf), AutoConfig.from_pretrained(str(folder)), tensors=False)
+    _write_stamp(gguf, folder)
+
+
+def _stamp(gguf: Path, folder: Path) -> dict[str, Any]:
+    stat, saved = gguf.stat(), (folder / "config.json").stat()
+    return {"gguf": str(gguf), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "config_mtime_ns": saved.st_mtime_ns, "checks": _HEADER_CHECKS}
+
+
+def _read_stamp(folder: Path) -> Any:
+    try:
+        return json.loads((folder / _HEADER_STAMP).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _write_stamp(gguf: Path, folder: Path) -> None:
+    with atomic_path(folder / _HEADER_STAMP) as tmp:
+        tmp.write_text(json.dumps(_stamp(gguf, folder)) + "\n", encoding="utf-8")
 
 
 def _gguf_header_of(gguf: Path) -> Any:
@@ -183,15 +217,16 @@ def _gguf_header_of(gguf: Path) -> Any:
 @functools.lru_cache(maxsize=16)
 def _converted_folder_problem(gguf: str, size: int, mtime_ns: int, folder: str, config_mtime_ns: int) -> str | None:
     """Why the converted ``folder``'s config.json is not the model the GGUF header declares (None: it is), once per
-    process for the same file and folder (a stage resolves its target more than once)."""
+    process for the same file and folder. Raises ValueError for a header DeepSpec cannot convert at all (a
+    converted folder or not)."""
     from transformers import AutoConfig
 
-    from deepspec.target.gguf_config import check_gguf_config
+    from deepspec.target.gguf_config import check_gguf_config, gguf_config_fields
 
     header = _gguf_header_of(Path(gguf))
-    gguf_target_config(Path(gguf), header)  # refuses what cannot be converted, converted folder or not
+    gguf_config_fields(header)  # refuses what cannot be converted
     try:
-        check_gguf_config(header, AutoConfig.from_pretrained(folder), tensors=False)
+        check_gguf_config(header, AutoConfig.from_pretrained(folder))
     except ValueError as exc:
         return str(exc)
     return None
