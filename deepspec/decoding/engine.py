@@ -84,7 +84,7 @@ from deepspec.decoding.verify import GREEDY, verify, verify_tree
 from deepspec.device import device_model_name
 from deepspec.target.capture import target_forward, target_logits
 from deepspec.target.decoding import SamplingParams
-from deepspec.target.exact_rows import ExactRows
+from deepspec.target.exact_rows import PROBE_ROWS, ExactRows
 from deepspec.target.few_row_linear import few_row_linear
 
 
@@ -326,7 +326,9 @@ class SpeculativeEngine:
         self._feature_layer_ids = self.target_layer_ids if self.uses_features else []
         self.few_row_linear = bool(few_row_linear)
         self.exact = bool(exact)
-        self._exact_rows = ExactRows(target_model) if self.exact and self.can_propose else None
+        # linear layers tested up to the verify of a whole chain (K + 1 rows): longer ones go in chunks
+        self._exact_rows = (ExactRows(target_model, max_rows=min(int(proposer.max_proposal_len) + 1, PROBE_ROWS))
+                            if self.exact and self.can_propose else None)
         # a proposer that never proposes needs no schedule; "auto" builds its scheduler at the first generation
         self._measure_schedule = self.can_propose and schedule == "auto"
         self.scheduler: StepScheduler | None = (schedule if isinstance(schedule, StepScheduler) and self.can_propose

@@ -28,10 +28,10 @@ embedding and the activations are elementwise or per-row reductions and are):
   gathered) and with the mask a one-token forward gets there (none where every key is attended).
   Forwards without a cache (a prompt's prefill) are left as they are.
 - linear layers: inputs of more than ``c`` rows are computed in chunks of at most ``c`` rows, where
-  ``c`` is the largest row count (<= :data:`PROBE_ROWS`) at which this layer's ``F.linear`` gives every
-  row exactly as over that row alone (tested once per weight shape, dtype, device and thread count:
-  :func:`row_invariant_rows`; ``c = 1`` computes row by row). Only the layers with ``c`` below the
-  forward's row count are swapped, and those another context swapped (the few-row path of
+  ``c`` is the largest row count (<= ``max_rows``, default :data:`PROBE_ROWS`) at which this layer's
+  ``F.linear`` gives every row exactly as over that row alone (tested once per weight shape, dtype, device
+  and thread count: :func:`row_invariant_rows`; ``c = 1`` computes row by row). Only the layers with ``c``
+  below the forward's row count are swapped, and those another context swapped (the few-row path of
   :mod:`deepspec.target.few_row_linear`), which go back to ``F.linear``. One row is ``F.linear`` as always.
 
 Only verify forwards change: one-token forwards run the stock kernels, so target-only decoding with or
@@ -54,10 +54,11 @@ import torch
 import torch.nn.functional as F
 
 EXACT_PREFIX = "deepspec_exact_"
-PROBE_ROWS = 16  # the longest chunk a linear layer is tested at; longer inputs go in chunks of at most this
+PROBE_ROWS = 16  # the longest chunk a linear layer is tested at by default; longer inputs go in chunks of at most this
 
 
-def _cancelling_inputs(rows: int, out_features: int, in_features: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+def _cancelling_inputs(rows: int, out_features: int, in_features: int,
+                       gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 ``x [rows, I]`` and ``W [O, I]`` whose products span 2^-20..2^20 and cancel in pairs, so that a
     sum in another order changes most outputs' last bits (random normals hide most reorderings in bf16)."""
     half = (in_features + 1) // 2
@@ -74,31 +75,34 @@ def _cancelling_inputs(rows: int, out_features: int, in_features: int, gen: torc
 
 @functools.cache
 def _row_invariant_rows(out_features: int, in_features: int, bias: bool, dtype: torch.dtype, device: str,
-                        threads: int) -> int:
+                        threads: int, max_rows: int) -> int:
     gen = torch.Generator().manual_seed(0)
     x, weight = (t.to(dtype=dtype, device=device) for t in
-                 _cancelling_inputs(2 * PROBE_ROWS, out_features, in_features, gen))
+                 _cancelling_inputs(2 * max_rows, out_features, in_features, gen))
     b = torch.randn(out_features, generator=gen).to(dtype=dtype, device=device) if bias else None
     one = torch.cat([F.linear(x[r:r + 1], weight, b) for r in range(x.shape[0])])
-    for rows in range(2, PROBE_ROWS + 1):
+    for rows in range(2, max_rows + 1):
         chunked = torch.cat([F.linear(x[r:r + rows], weight, b) for r in range(0, x.shape[0], rows)])
         if not torch.equal(chunked, one):
             return rows - 1
-    return PROBE_ROWS
+    return max_rows
 
 
-def row_invariant_rows(layer: torch.nn.Linear) -> int:
-    """The largest ``c`` in ``1..PROBE_ROWS`` such that ``F.linear`` over every row count ``2..c`` gives each
+def row_invariant_rows(layer: torch.nn.Linear, max_rows: int = PROBE_ROWS) -> int:
+    """The largest ``c`` in ``1..max_rows`` such that ``F.linear`` over every row count ``2..c`` gives each
     row bit for bit as ``F.linear`` over that row alone, for a layer of ``layer``'s shape, dtype, bias and
     device at the current ``torch.get_num_threads()``.
 
     Tested on inputs built to expose any change of summation order (:func:`_cancelling_inputs`; the
     kernels' order depends on shapes, not values), once per process for each key: a few milliseconds
-    for a small layer, about a second for a 50k-row ``lm_head``.
+    for a small layer, about a second for a 50k-row ``lm_head`` (mostly oneDNN building a kernel per row count).
+    Raises ValueError for ``max_rows < 1``.
     """
+    if max_rows < 1:
+        raise ValueError(f"exact_rows.max_rows: expected an integer >= 1, received {max_rows}.")
     w = layer.weight
     return _row_invariant_rows(layer.out_features, layer.in_features, layer.bias is not None, w.dtype, str(w.device),
-                               torch.get_num_threads())
+                               torch.get_num_threads(), max_rows)
 
 
 def exact_linear_forward(layer: torch.nn.Linear, x: torch.Tensor, chunk_rows: int) -> torch.Tensor:
@@ -177,14 +181,17 @@ class ExactRows:
             registered under ``config._attn_implementation`` (``sdpa``, the default, or another registered one).
         attention / linear: False leaves that op as it is (to measure what each contributes; exactness
             needs both).
+        max_rows: the most rows a linear layer's ``F.linear`` is tested at (:func:`row_invariant_rows`): give the
+            longest verify usually fed (a longer one is still exact, in chunks of at most this).
 
-    Construction tests every linear layer's shape (:func:`row_invariant_rows`; about a second for the
-    embedded target, once per process). ``chunk_rows`` maps each linear layer's module name to its
+    Construction tests every linear layer's shape (:func:`row_invariant_rows`; seconds for the embedded target
+    at 16 rows, once per process). ``chunk_rows`` maps each linear layer's module name to its
     ``c``. Raises ValueError for an attention implementation not registered with transformers' attention
-    interface (``eager`` is its built-in fallback, not registered).
+    interface (``eager`` is its built-in fallback, not registered), and for ``max_rows < 1``.
     """
 
-    def __init__(self, model: torch.nn.Module, *, attention: bool = True, linear: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, *, attention: bool = True, linear: bool = True,
+                 max_rows: int = PROBE_ROWS) -> None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         self.configs = _configs(model) if attention else []
@@ -197,7 +204,7 @@ class ExactRows:
                                  "attn_implementation='sdpa' (the default).")
             self._exact_impl.append(impl if impl.startswith(EXACT_PREFIX) else _register(impl))
         named = {id(m): (name, m) for name, m in model.named_modules() if linear and isinstance(m, torch.nn.Linear)}
-        self.chunk_rows = {name: row_invariant_rows(m) for name, m in named.values()}
+        self.chunk_rows = {name: row_invariant_rows(m, max_rows) for name, m in named.values()}
         self._layers = [(self.chunk_rows[name], m, types.MethodType(
             functools.partial(_chunked_forward, chunk_rows=self.chunk_rows[name]), m)) for name, m in named.values()]
 
