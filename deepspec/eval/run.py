@@ -38,7 +38,9 @@ from deepspec.device import dtype_name, is_out_of_memory, out_of_memory_error
 from deepspec.eval.benchmarks import BenchmarkPrompt
 from deepspec.eval.metrics import METRIC_DEFINITIONS, benchmark_metrics
 from deepspec.eval.report import BASELINE, HF_GENERATE, environment_info, write_report
+from deepspec.target.capture import target_forward
 from deepspec.target.decoding import SamplingParams, decoding_record, pinned_generate
+from deepspec.target.exact_rows import PROBE_ROWS, ExactRows, exact_target_forward
 from deepspec.target.few_row_linear import few_row_linear as few_row_linear_context
 
 
@@ -136,7 +138,8 @@ def _proposer_info(proposer: Proposer) -> dict[str, Any]:
 
 def argmax_flip_figures(target_model: Any, prompts: Sequence[Sequence[int]], baseline: Sequence[GenerationResult],
                         runs: Mapping[str, Sequence[GenerationResult]], results: Mapping[str, dict[str, Any]],
-                        *, chunk_len: int, turn_of: Sequence[tuple[str, int]]) -> None:
+                        *, chunk_len: int, turn_of: Sequence[tuple[str, int]],
+                        forward_fn: Callable[..., Any] = target_forward) -> None:
     """Greedy only: measure argmax flips on the target-only outputs and explain each divergent output.
 
     ``prompts[i]`` and ``baseline[i]`` are the prompt ids and target-only result of pooled generation
@@ -146,11 +149,12 @@ def argmax_flip_figures(target_model: Any, prompts: Sequence[Sequence[int]], bas
     ``flip_chunk_len``; each proposer's gets ``divergences`` (one
     :func:`~deepspec.decoding.flips.divergence_record` per output that differs from target-only, with
     its prompt ``id`` and ``turn``) and ``num_divergent_at_flip_or_runner_up``. See
-    :mod:`deepspec.decoding.flips`.
+    :mod:`deepspec.decoding.flips`. ``forward_fn``: the target forward of the re-run (the engines' own:
+    :func:`~deepspec.target.exact_rows.exact_target_forward` where they decode with exact rows).
     """
     chunks, flips = [], []
     for ids, base in zip(prompts, baseline):
-        chunk = chunked_argmax(target_model, ids, base.output_ids, chunk_len=chunk_len)
+        chunk = chunked_argmax(target_model, ids, base.output_ids, chunk_len=chunk_len, forward_fn=forward_fn)
         chunks.append(chunk)
         flips.append(argmax_flip_positions(chunk.argmax, base.output_ids))
     num_positions = sum(max(len(b.output_ids) - 1, 0) for b in baseline)
@@ -188,6 +192,7 @@ def run_eval(
     chat_template_kwargs: Mapping[str, Any] | None = None,
     measure_argmax_flips: bool = True,
     few_row_linear: bool = False,
+    exact: bool = False,
     compile_target: bool = False,
 ) -> dict[str, Any]:
     """Run the target-only baseline and each proposer on every benchmark prompt; write the report.
@@ -217,6 +222,9 @@ def run_eval(
             K + 1 output tokens.
         few_row_linear: every engine (the baseline too) and the argmax-flip re-run use the few-row
             linear path (:mod:`deepspec.target.few_row_linear`); recorded in the report's config.
+        exact: every engine verifies with exact rows (``SpeculativeEngine(exact=True)``:
+            :mod:`deepspec.target.exact_rows`), and the argmax-flip re-run's chunks are computed the same way;
+            recorded in the report's config. Not with ``compile_target``.
         compile_target: every engine (the baseline too) runs the target's decode steps on one shared
             compiled path (:class:`deepspec.decoding.compiled.CompiledTarget`; compiled untimed, before each
             generation's clock), and DSpark / DFlash chain drafts propose through compiled graphs
@@ -248,11 +256,13 @@ def run_eval(
         proposers = {n: compile_proposer(p) for n, p in proposers.items()}
         compiled = CompiledTarget.for_proposers(target_model, proposers.values())
     engines = {n: SpeculativeEngine(target_model, target_layer_ids, p, eos, few_row_linear=few_row_linear,
-                                    compiled=compiled)
+                                    exact=exact, compiled=compiled)
                for n, p in {BASELINE: NullProposer(), **proposers}.items()}
     max_k = {n: e.proposer.max_proposal_len for n, e in engines.items()}
     flip_chunk_len = (max(max_k.values()) or DEFAULT_NUM_TOKENS) + 1  # a verify forward: anchor + K drafts
     measure_flips = measure_argmax_flips and sampling.greedy
+    flip_forward = (exact_target_forward(ExactRows(target_model, max_rows=min(flip_chunk_len, PROBE_ROWS)))
+                    if exact and measure_flips else target_forward)
     device = next(target_model.parameters()).device
 
     def new_generator(s: int) -> torch.Generator:
@@ -328,7 +338,8 @@ def run_eval(
         if measure_flips:
             with few_row_linear_context(target_model) if few_row_linear else contextlib.nullcontext():
                 argmax_flip_figures(target_model, prompts_of[BASELINE], base, {n: runs[n] for n in proposers},
-                                    figures[bench], chunk_len=flip_chunk_len, turn_of=turn_of)
+                                    figures[bench], chunk_len=flip_chunk_len, turn_of=turn_of,
+                                    forward_fn=flip_forward)
         if compare_hf_generate:
             hf = figures[bench][HF_GENERATE]
             figures[bench][HF_GENERATE] = {k: hf[k] for k in (
@@ -372,6 +383,7 @@ def run_eval(
             "proposers": {n: _proposer_info(p) for n, p in proposers.items()},
             "dtype": dtype_name(next(target_model.parameters()).dtype),
             "few_row_linear": few_row_linear,
+            "exact": exact,
             "compile": compile_target,
             "flip_chunk_len": flip_chunk_len if measure_flips else None,
             "num_prompts": {b: len(v) for b, v in benchmarks.items()},

@@ -47,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -241,3 +241,19 @@ class ExactRows:
 
 def _chunked_forward(layer: torch.nn.Linear, x: torch.Tensor, *, chunk_rows: int) -> torch.Tensor:
     return exact_linear_forward(layer, x, chunk_rows)
+
+
+def exact_target_forward(exact: ExactRows) -> Callable[..., Any]:
+    """:func:`deepspec.target.capture.target_forward` (same arguments and result) running every forward over 2
+    or more tokens after a non-empty cache under ``exact``: the ``forward_fn`` with which
+    :func:`deepspec.decoding.flips.chunked_argmax` re-runs an output decoded with exact rows."""
+    from deepspec.target.capture import target_forward
+
+    def forward(model: Any, input_ids_BT: torch.Tensor, target_layer_ids: list[int], **kwargs: Any) -> Any:
+        cache = kwargs.get("past_key_values")
+        rows = input_ids_BT.shape[1]
+        continues = cache is not None and int(cache.get_seq_length()) > 0
+        with exact(rows) if rows > 1 and continues else contextlib.nullcontext():
+            return target_forward(model, input_ids_BT, target_layer_ids, **kwargs)
+
+    return forward

@@ -17,8 +17,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from deepspec.algorithms.protocol import NullProposer, Proposal
 from deepspec.decoding.engine import SpeculativeEngine, tree_attention_mask
+from deepspec.decoding.flips import argmax_flip_positions, chunked_argmax
 from deepspec.target.capture import target_forward
-from deepspec.target.exact_rows import ExactRows
+from deepspec.target.exact_rows import ExactRows, exact_target_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -122,6 +123,13 @@ def test_bf16_speculative_output_with_exact_is_target_only_output(target_bf16):
     assert all(s.num_accepted == s.num_proposed for s in res.steps)
     assert target_bf16.config._attn_implementation == "sdpa"
     assert not any("forward" in m.__dict__ for m in target_bf16.modules())
+
+
+def test_flip_rerun_with_exact_rows_finds_no_flip(target_bf16):
+    prompt = list(range(2, 14))
+    ref = SpeculativeEngine(target_bf16, [], NullProposer(), EOS).generate(prompt, max_new_tokens=64).output_ids
+    chunk = chunked_argmax(target_bf16, prompt, ref, chunk_len=8, forward_fn=exact_target_forward(ExactRows(target_bf16)))
+    assert argmax_flip_positions(chunk.argmax, ref) == []
 
 
 def test_exact_under_the_few_row_linear_path():
