@@ -6,7 +6,8 @@ One target forward over ``n`` new tokens at ``--context`` tokens of KV cache (th
 :class:`deepspec.target.exact_rows.ExactRows` (``on``, the engine's ``exact=True``). Timed interleaved
 (every round runs each (n, path) once, in one process), ``--rounds`` rounds after two warm-up rounds; the
 median is printed. ``on / off`` is the exact verify's cost over a plain one; ``n = 1`` is the one-token
-step, which exact rows leave alone.
+step, which exact rows leave alone. ``--breakdown`` adds exact rows for attention only and for the linear
+layers only (times and differences), to show what each op costs and fixes.
 
 Then, per ``n`` and path, the logits of the ``n``-token forward are compared with those of ``n`` one-token
 forwards over the same tokens (``--prompts`` random prompts of ``--context`` tokens): the fraction of logits
@@ -42,7 +43,7 @@ from deepspec.target.capture import target_forward
 from deepspec.target.exact_rows import ExactRows
 from deepspec.utils import atomic_write_json
 
-PATHS = ("off", "on")
+BREAKDOWN = ("attention", "linear")  # --breakdown: exact rows for one op only
 
 
 def _forward(model, ids: list[int], start: int, cache) -> torch.Tensor:
@@ -51,25 +52,27 @@ def _forward(model, ids: list[int], start: int, cache) -> torch.Tensor:
                           past_key_values=cache, use_cache=True, compute_logits=True).logits_BTV[0]
 
 
-def _context(exact: ExactRows, path: str, n: int):
-    return exact(n) if path == "on" and n > 1 else contextlib.nullcontext()
+def _context(exact: dict[str, ExactRows], path: str, n: int):
+    return exact[path](n) if path != "off" and n > 1 else contextlib.nullcontext()
 
 
 @torch.inference_mode()
-def measure(model, exact: ExactRows, *, context: int, num_tokens: list[int], rounds: int,
+def measure(model, exact: dict[str, ExactRows], *, context: int, num_tokens: list[int], rounds: int,
             seed: int) -> dict[str, dict[int, float]]:
-    """Median seconds of a forward over ``n`` new tokens after ``context`` cached ones, per path and n."""
+    """Median seconds of a forward over ``n`` new tokens after ``context`` cached ones, per path and n
+    (``off``, and each path of ``exact``: name -> its ExactRows)."""
+    paths = ("off", *exact)
     from transformers import DynamicCache
 
     gen = torch.Generator().manual_seed(seed)
     vocab = int(model.config.vocab_size)
     cache = DynamicCache()
     _forward(model, torch.randint(0, vocab, (context,), generator=gen).tolist(), 0, cache)
-    times: dict[str, dict[int, list[float]]] = {p: {n: [] for n in num_tokens} for p in PATHS}
+    times: dict[str, dict[int, list[float]]] = {p: {n: [] for n in num_tokens} for p in paths}
     for r in range(rounds + 2):
         for n in num_tokens:
             ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
-            for path in PATHS:
+            for path in paths:
                 t0 = time.perf_counter()
                 with _context(exact, path, n):
                     _forward(model, ids, context, cache)
@@ -80,7 +83,7 @@ def measure(model, exact: ExactRows, *, context: int, num_tokens: list[int], rou
 
 
 @torch.inference_mode()
-def differences(model, exact: ExactRows, *, context: int, num_tokens: list[int], prompts: int,
+def differences(model, exact: dict[str, ExactRows], *, context: int, num_tokens: list[int], prompts: int,
                 seed: int) -> dict[str, dict[int, dict[str, float]]]:
     """Per path and n: ``logits`` (fraction of the n-token forward's logits that differ from n one-token
     forwards'), ``max`` (largest absolute difference) and ``argmax`` (fraction of rows whose argmax differs)."""
@@ -89,7 +92,8 @@ def differences(model, exact: ExactRows, *, context: int, num_tokens: list[int],
     gen = torch.Generator().manual_seed(seed + 1)
     vocab = int(model.config.vocab_size)
     n_max = max(num_tokens)
-    stats = {p: {n: {"logits": [], "max": [], "argmax": []} for n in num_tokens} for p in PATHS}
+    paths = ("off", *exact)
+    stats = {p: {n: {"logits": [], "max": [], "argmax": []} for n in num_tokens} for p in paths}
     for _ in range(prompts):
         ids = torch.randint(0, vocab, (context + n_max,), generator=gen).tolist()
         cache = DynamicCache()
@@ -97,7 +101,7 @@ def differences(model, exact: ExactRows, *, context: int, num_tokens: list[int],
         one_cache = copy.deepcopy(cache)
         one_NV = torch.cat([_forward(model, [t], context + i, one_cache) for i, t in enumerate(ids[context:])]).float()
         for n in num_tokens:
-            for path in PATHS:
+            for path in paths:
                 with _context(exact, path, n):
                     many_NV = _forward(model, ids[context:context + n], context, copy.deepcopy(cache)).float()
                 diff = (many_NV - one_NV[:n]).abs()
@@ -119,6 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompts", type=int, default=3, help="random prompts for the logit comparison")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time exact rows for attention only and for linear layers only")
     p.add_argument("--output-dir", default="runs/bench-exact-verify")
     args = p.parse_args(argv)
     dtypes = [d for d in args.dtypes.split(",") if d]
@@ -148,14 +154,17 @@ def main(argv: list[str] | None = None) -> dict:
         dtype = resolve_dtype(name, device)
         model, _ = load_target(args.target, dtype=dtype)
         t0 = time.perf_counter()
-        exact = ExactRows(model)
+        exact = {"on": ExactRows(model)}
         setup_s = time.perf_counter() - t0
-        chunked = sorted({f"{n.rsplit('.', 1)[-1]}: {c}" for n, c in exact.chunk_rows.items()})
+        if args.breakdown:
+            exact |= {"attention": ExactRows(model, linear=False), "linear": ExactRows(model, attention=False)}
+        chunk_rows = exact["on"].chunk_rows
+        chunked = sorted({f"{n.rsplit('.', 1)[-1]}: {c}" for n, c in chunk_rows.items()})
         med = measure(model, exact, context=args.context, num_tokens=num_tokens, rounds=args.rounds, seed=args.seed)
         diff = differences(model, exact, context=args.context, num_tokens=num_tokens, prompts=args.prompts,
                            seed=args.seed)
         results["dtypes"][dtype_name(dtype)] = {
-            "setup_s": setup_s, "chunk_rows": exact.chunk_rows,
+            "setup_s": setup_s, "chunk_rows": chunk_rows,
             "ms": {pa: {str(n): 1e3 * t for n, t in by_n.items()} for pa, by_n in med.items()},
             "differences": {pa: {str(n): s for n, s in by_n.items()} for pa, by_n in diff.items()},
         }
@@ -169,6 +178,12 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{n:>3}{1e3 * off:>9.1f}{1e3 * on:>9.1f}{on / off:>8.2f}"
                   f"{d0['logits']:>20.3f}{d0['max']:>8.3f}{d0['argmax']:>8.3f}"
                   f"{d1['logits']:>19.3f}{d1['max']:>8.3f}{d1['argmax']:>8.3f}")
+        if args.breakdown:
+            print("exact rows for one op only (on/off: its time over off; differ: fraction of logits that differ)")
+            print(f"{'n':>3}" + "".join(f"{b + ' on/off':>18}{b + ' differ':>18}" for b in BREAKDOWN))
+            for n in num_tokens:
+                print(f"{n:>3}" + "".join(f"{med[b][n] / med['off'][n]:>18.2f}{diff[b][n]['logits']:>18.3f}"
+                                          for b in BREAKDOWN))
         del model, exact
     out = Path(args.output_dir)
     atomic_write_json(out / "exact_verify.json", results)
