@@ -77,6 +77,8 @@ class EngineDecoder:
         device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N`` (:func:`deepspec.device.resolve_device`) for both;
             None = where ``target_model`` already is.
         few_row_linear: ``auto`` | ``on`` | ``off`` (:mod:`deepspec.target.few_row_linear`).
+        exact: verify with exact rows (``SpeculativeEngine(exact=True)``, :mod:`deepspec.target.exact_rows`):
+            greedy output token-identical to target-only in bfloat16 too, at a cost per verify step.
         allow_target_mismatch: accept a draft whose recorded target fingerprint differs (same shape).
         lookup_first: prompt lookup in front of the draft (:class:`~deepspec.algorithms.ngram.proposer.
             LookupFirstProposer`): an n-gram match of at least this many tokens proposes, else the draft;
@@ -100,7 +102,7 @@ class EngineDecoder:
 
     def __init__(self, target_model: Any, tokenizer: Any, *, draft: str | Path | None = None,
                  num_draft_tokens: int | None = None, dtype: str = "auto", device: str | None = None,
-                 few_row_linear: str = "auto", allow_target_mismatch: bool = False,
+                 few_row_linear: str = "auto", exact: bool = False, allow_target_mismatch: bool = False,
                  lookup_first: int | None = None, lookup_num_tokens: int | None = None,
                  corpus: NGramCorpus | None = None, corpus_ngram_min: int = DEFAULT_CORPUS_NGRAM_MIN,
                  tree_width: int = 0, cast_in_place: bool = False) -> None:
@@ -142,6 +144,7 @@ class EngineDecoder:
                 device=device, corpus=corpus, corpus_ngram_min=corpus_ngram_min, tree=tree_width >= 1)
         self.stop_token_ids = target_stop_token_ids(self.target_model, tokenizer)
         self.few_row_linear = few_row_linear_applies(few_row_linear, self.target_model)
+        self.exact = bool(exact)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -167,7 +170,7 @@ class EngineDecoder:
         prompt, one that does not fit the target's positions, ``max_new_tokens < 1``)."""
         engine = SpeculativeEngine(self.target_model, self.target_layer_ids, self.proposer,
                                    self.stop_token_ids_for(extra_stop_token_ids),
-                                   few_row_linear=self.few_row_linear)
+                                   few_row_linear=self.few_row_linear, exact=self.exact)
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=engine.device)
