@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
             off, on = med["off"][n], med["on"][n]
             d0, d1 = diff["off"][n], diff["on"][n]
             print(f"{n:>3}{1e3 * off:>9.1f}{1e3 * on:>9.1f}{on / off:>8.2f}"
-                  f"{d0['logits']:>20.3f}{d0['max']:>8.3f}{d0['argmax']:>8.3f}"
-                  f"{d1['logits']:>19.3f}{d1['max']:>8.3f}{d1['argmax']:>8.3f}")
+                  f"{d0['logits']:>20.3f}{d0['max']:>8.2g}{d0['argmax']:>8.3f}"
+                  f"{d1['logits']:>19.3f}{d1['max']:>8.2g}{d1['argmax']:>8.3f}")
         if args.breakdown:
             print("exact rows for one op only (on/off: its time over off; differ: fraction of logits that differ)")
             print(f"{'n':>3}" + "".join(f"{b + ' on/off':>18}{b + ' differ':>18}" for b in BREAKDOWN))
