@@ -13,6 +13,11 @@ Then, per ``n`` and path, the logits of the ``n``-token forward are compared wit
 forwards over the same tokens (``--prompts`` random prompts of ``--context`` tokens): the fraction of logits
 that differ, the largest difference, and the fraction of rows whose argmax differs. ``on`` should show 0.
 
+``--lossless N``: greedy decoding of ``N`` tokens for a few chat prompts, target-only, then speculative with
+a scripted draft that proposes the target-only output itself (K = 7: every draft is the target's own
+choice, near-ties included), with exact rows off and on: how many outputs are identical to target-only and
+how many drafts were accepted. Off, a bf16 verify's near-ties reject drafts and outputs diverge; on, none.
+
 Writes ``exact_verify.json`` under ``--output-dir``.
 
     python bench/exact_verify.py                               # embedded SmolLM2-135M, bfloat16 and float32
@@ -43,6 +48,7 @@ from deepspec.target.capture import target_forward
 from deepspec.target.exact_rows import ExactRows
 from deepspec.utils import atomic_write_json
 
+PATHS = ("off", "on")
 BREAKDOWN = ("attention", "linear")  # --breakdown: exact rows for one op only
 
 
@@ -112,6 +118,58 @@ def differences(model, exact: dict[str, ExactRows], *, context: int, num_tokens:
                     "argmax": statistics.mean(s["argmax"])} for n, s in by_n.items()} for p, by_n in stats.items()}
 
 
+LOSSLESS_PROMPTS = ("What is the capital of France? Answer in one sentence.",
+                    "Write a Python function that returns the n-th Fibonacci number.",
+                    ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                     "How many clips did Natalia sell altogether in April and May?"))
+
+
+class ScriptedProposer:
+    """Proposes the next ``max_proposal_len`` tokens of a fixed sequence (prompt + target-only output)."""
+
+    needs_features = False
+    max_proposal_len = 7
+
+    def __init__(self, sequence: list[int], vocab_size: int) -> None:
+        self.sequence, self.vocab_size = sequence, vocab_size
+
+    def reset(self) -> None:
+        pass
+
+    def extend_context(self, target_hidden_TF, token_ids_T) -> None:
+        pass
+
+    def propose(self, anchor_token, anchor_pos, *, sampling, generator):
+        from deepspec.algorithms.protocol import Proposal
+
+        ids = torch.tensor(self.sequence[anchor_pos + 1:anchor_pos + 1 + self.max_proposal_len], dtype=torch.long)
+        return Proposal(draft_ids_N=ids, draft_probs_NV=torch.nn.functional.one_hot(ids, self.vocab_size).float())
+
+
+def lossless(model, tokenizer, *, max_new_tokens: int) -> dict[str, dict[str, int]]:
+    """Per path: ``identical`` outputs (of ``len(LOSSLESS_PROMPTS)``), ``accepted`` / ``proposed`` drafts, with a
+    scripted draft that proposes the target-only output (see the module docstring)."""
+    from deepspec.algorithms.protocol import NullProposer
+    from deepspec.data.chat import render_prompt
+    from deepspec.decoding.engine import SpeculativeEngine
+    from deepspec.eval.run import eos_token_ids_of
+
+    eos = eos_token_ids_of(model, tokenizer)
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    out = {p: {"identical": 0, "accepted": 0, "proposed": 0} for p in PATHS}
+    for question in LOSSLESS_PROMPTS:
+        prompt = render_prompt(tokenizer, [{"role": "user", "content": question}])
+        ref = SpeculativeEngine(model, [], NullProposer(), eos).generate(prompt, max_new_tokens=max_new_tokens)
+        for path in PATHS:
+            engine = SpeculativeEngine(model, [], ScriptedProposer(prompt + ref.output_ids, vocab), eos,
+                                       exact=path == "on")
+            res = engine.generate(prompt, max_new_tokens=max_new_tokens)
+            out[path]["identical"] += res.output_ids == ref.output_ids
+            out[path]["accepted"] += sum(s.num_accepted for s in res.steps)
+            out[path]["proposed"] += sum(s.num_proposed for s in res.steps)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="default", help="target (default: the embedded SmolLM2-135M)")
@@ -123,6 +181,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompts", type=int, default=3, help="random prompts for the logit comparison")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--lossless", type=int, default=0, metavar="N",
+                   help="also decode N tokens greedily per chat prompt with a draft that proposes the target-only "
+                        "output, exact rows off and on (0: skip)")
     p.add_argument("--breakdown", action="store_true",
                    help="also time exact rows for attention only and for linear layers only")
     p.add_argument("--output-dir", default="runs/bench-exact-verify")
@@ -152,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
           "the n-token forward against n one-token forwards")
     for name in dtypes:
         dtype = resolve_dtype(name, device)
-        model, _ = load_target(args.target, dtype=dtype)
+        model, tokenizer = load_target(args.target, dtype=dtype)
         t0 = time.perf_counter()
         exact = {"on": ExactRows(model)}
         setup_s = time.perf_counter() - t0
@@ -184,6 +245,13 @@ def main(argv: list[str] | None = None) -> dict:
             for n in num_tokens:
                 print(f"{n:>3}" + "".join(f"{med[b][n] / med['off'][n]:>18.2f}{diff[b][n]['logits']:>18.3f}"
                                           for b in BREAKDOWN))
+        if args.lossless:
+            check = lossless(model, tokenizer, max_new_tokens=args.lossless)
+            results["dtypes"][dtype_name(dtype)]["lossless"] = check
+            print(f"greedy, {args.lossless} tokens, {len(LOSSLESS_PROMPTS)} chat prompts, a draft proposing the "
+                  "target-only output (K = 7): " + "; ".join(
+                      f"exact {p}: {c['identical']}/{len(LOSSLESS_PROMPTS)} identical to target-only, "
+                      f"{c['accepted']}/{c['proposed']} drafts accepted" for p, c in check.items()))
         del model, exact
     out = Path(args.output_dir)
     atomic_write_json(out / "exact_verify.json", results)
