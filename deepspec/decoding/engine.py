@@ -304,7 +304,7 @@ class SpeculativeEngine:
         if compiled is not None:
             if forward_fn is not None or few_row_linear or exact:
                 raise ValueError("compiled: the compiled target path is its own forward with its own kernels; pass "
-                                 "it without forward_fn and with few_row_linear and exact off.")
+                                 "it without forward_fn, with few_row_linear off and exact off.")
             if compiled.model is not target_model:
                 raise ValueError("compiled: a CompiledTarget built for another model than target_model.")
             if max(compiled.step_lengths) < int(proposer.max_proposal_len) + 1:
