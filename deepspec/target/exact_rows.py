@@ -94,9 +94,8 @@ def row_invariant_rows(layer: torch.nn.Linear, max_rows: int = PROBE_ROWS) -> in
     device at the current ``torch.get_num_threads()``.
 
     Tested on inputs built to expose any change of summation order (:func:`_cancelling_inputs`; the
-    kernels' order depends on shapes, not values), once per process for each key: a few milliseconds
-    for a small layer, about a second for a 50k-row ``lm_head`` (mostly oneDNN building a kernel per row count).
-    Raises ValueError for ``max_rows < 1``.
+    kernels' order depends on shapes, not values), once per process for each key: up to a second per shape on
+    a small CPU, mostly the backend building a kernel for each row count. Raises ValueError for ``max_rows < 1``.
     """
     if max_rows < 1:
         raise ValueError(f"exact_rows.max_rows: expected an integer >= 1, received {max_rows}.")
@@ -123,8 +122,8 @@ def exact_attention(inner: Any, module: torch.nn.Module, query_BQTD: torch.Tenso
                     value_BKSD: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[Any, Any]:
     """A transformers attention function over T queries whose every row is computed as a one-token forward's.
 
-    ``inner``: the model's own attention function (``sdpa_attention_forward``, ``eager_attention_forward``,
-    ...), called as transformers calls it. ``query_BQTD`` [B, Q, T, D]; ``key_BKSD`` / ``value_BKSD`` [B, K, S, D]
+    ``inner``: the model's own attention function (``sdpa_attention_forward`` or another registered one),
+    called as transformers calls it. ``query_BQTD`` [B, Q, T, D]; ``key_BKSD`` / ``value_BKSD`` [B, K, S, D]
     with the T new tokens last; ``attention_mask``: None, or a 4-D mask ``[B, 1, T, S]`` (bool, True =
     attend, or additive float, 0 = attend). T = 1, S = T (no cache: a prefill) and B > 1 go to ``inner``
     unchanged. Else row ``i`` (its own key at ``S - T + i``, the last key it attends to) is ``inner`` over
