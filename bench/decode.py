@@ -483,6 +483,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="auto: a cost-aware scheduler verifies per step the part of each proposal worth its cost, or "
                         "makes a plain target step (deepspec.decoding.schedule); fixed: every proposal verified whole "
                         "(bench/schedule.py puts the two side by side)")
+    p.add_argument("--exact", action="store_true",
+                   help="verify forwards compute each row bit for bit as a one-token forward would "
+                        "(deepspec.target.exact_rows; bench/exact_verify.py measures its cost)")
     p.add_argument("--layers", type=int, default=0,
                    help="--qwen3-4b: decoder layers of the random target (0: Qwen3-4B's 36); fewer keep compiles short")
     p.add_argument("--synthetic-prompts", type=int, default=0,
@@ -541,7 +544,7 @@ def main(argv: list[str] | None = None) -> dict:
             ngram_max=args.ngram_max, ngram_min=args.ngram_min, ngram_num_tokens=args.lookup_num_tokens or None,
             corpus_ngram_min=args.corpus_ngram_min, baselines=[b for b in args.baselines.split(",") if b],
             dtype=args.dtype, device=args.device, few_row_linear=args.few_row_linear, compile=args.compile == "on",
-            schedule=args.schedule)
+            schedule=args.schedule, exact=args.exact)
         baselines = list(settings.baselines)
         tree_widths = [int(w) for w in args.tree_widths.split(",") if w.strip()] or [0]
         if any(w < 0 for w in tree_widths):
@@ -628,7 +631,7 @@ def main(argv: list[str] | None = None) -> dict:
         engines[EAGER] = SpeculativeEngine(model, layer_ids, NullProposer(), eos, few_row_linear=few_rows)
     else:
         engines = {name: SpeculativeEngine(model, layer_ids, prop, eos, few_row_linear=few_rows,
-                                           schedule=args.schedule)
+                                           exact=args.exact, schedule=args.schedule)
                    for name, prop in proposers.items()}
 
     prompts = [render_prompt(tokenizer, pr.messages) for _, pr in bench_prompts]
@@ -656,7 +659,7 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict[str, Any] = {
         "target": args.target, "device": str(device), "threads": torch.get_num_threads(),
         "dtype": dtype_name(dtype), "dtype_requested": args.dtype, "few_row_linear": few_rows,
-        "compile": args.compile == "on", "schedule": args.schedule,
+        "compile": args.compile == "on", "schedule": args.schedule, "exact": args.exact,
         "draft": str(folder) if folder is not None else "untrained", "algorithm": algorithm,
         "max_proposal_len": proposer.max_proposal_len, "baselines": baselines,
         "ngram": {"ngram_max": args.ngram_max, "ngram_min": args.ngram_min} if baselines else None,

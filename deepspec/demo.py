@@ -130,6 +130,9 @@ class DemoConfig:
     # auto: per step a cost-aware scheduler verifies the part of each proposal worth its cost on this machine, or
     # makes a plain target step (deepspec.decoding.schedule; lossless); fixed: every proposal is verified whole
     schedule: str = "auto"
+    # verify forwards compute each row bit for bit as a one-token forward would (deepspec.target.exact_rows): the
+    # greedy outputs of every row equal target-only's in bfloat16 too, at a cost per verify step
+    exact: bool = False
 
     def __post_init__(self) -> None:
         self.dtype = check_dtype_name(self.dtype, "demo.dtype")
@@ -215,6 +218,7 @@ class DemoConfig:
             corpus_ngram_min=self.corpus_ngram_min,
             tree_width=self.tree_width,
             schedule=self.schedule,
+            exact=self.exact,
         )
 
     def train_config(self, algorithm: str, cache_dir: Path) -> TrainConfig:

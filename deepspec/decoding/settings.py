@@ -65,6 +65,9 @@ class DecodeSettings:
     device: str = "auto"  # auto | cpu | cuda | cuda:N (deepspec.device.resolve_device)
     few_row_linear: str = "auto"  # auto | on | off (deepspec.target.few_row_linear)
     compile: bool = False  # the target's decode steps on the compiled path (deepspec.decoding.compiled)
+    # verify forwards compute each row as a one-token forward would, bit for bit (deepspec.target.exact_rows):
+    # greedy output equal to target-only's in bfloat16 too, at a measured cost per verify
+    exact: bool = False
     # auto: a cost-aware scheduler chooses per step how much of each proposal to verify, or a plain target step
     # (deepspec.decoding.schedule; lossless); fixed: every proposal is verified whole
     schedule: str = "auto"
@@ -80,8 +83,12 @@ class DecodeSettings:
             object.__setattr__(self, name, value)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"{_WHERE}.schedule: expected one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"{_WHERE}.compile: expected true or false, got {self.compile!r}")
+        for name in ("compile", "exact"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{_WHERE}.{name}: expected true or false, got {getattr(self, name)!r}")
+        if self.exact and self.compile:
+            raise ValueError(f"{_WHERE}.exact: exact rows need the eager target path (the compiled one picks its own "
+                             "kernels); drop --exact or --compile.")
         if self.compile and self.few_row_linear == "on":
             raise ValueError(f"{_WHERE}.few_row_linear: on cannot be combined with {_WHERE}.compile (the compiled "
                              "path picks its own kernels); pass --few-row-linear auto or off with --compile.")

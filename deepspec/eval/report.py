@@ -279,6 +279,7 @@ def _setup_lines(cfg: Mapping[str, Any]) -> list[str]:
         lines += ["", "Tokens proposed per step (K): " + ", ".join(
             f"{m} {p.get('max_proposal_len')}" + _tree_note(p) for m, p in proposers.items())
             + ("; few-row linear path on (deepspec.target.few_row_linear)" if cfg.get("few_row_linear") else "")
+            + ("; exact verify rows on (deepspec.target.exact_rows)" if cfg.get("exact") else "")
             + ("; the target decodes on the compiled path, static KV cache + torch.compile (deepspec.decoding.compiled)"
                if cfg.get("compile") else "") + "."]
     corpus = cfg.get("lookup_corpus")

@@ -41,7 +41,7 @@ from deepspec.target.load import target_fingerprint
 # EngineDecoder's keyword flags at their defaults (what settings= stands in for)
 _FLAG_DEFAULTS = dict(num_draft_tokens=None, dtype="auto", device=None, few_row_linear="auto", lookup_first=None,
                       lookup_num_tokens=None, corpus_ngram_min=DEFAULT_CORPUS_NGRAM_MIN, tree_width=0,
-                      schedule="auto")
+                      schedule="auto", exact=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +104,8 @@ class EngineDecoder:
         device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N`` (:func:`deepspec.device.resolve_device`) for both;
             None = where ``target_model`` already is.
         few_row_linear: ``auto`` | ``on`` | ``off`` (:mod:`deepspec.target.few_row_linear`).
+        exact: verify with exact rows (``SpeculativeEngine(exact=True)``, :mod:`deepspec.target.exact_rows`):
+            greedy output token-identical to target-only in bfloat16 too, at a cost per verify step.
         allow_target_mismatch: accept a draft whose recorded target fingerprint differs (same shape).
         lookup_first: prompt lookup in front of the draft (:class:`~deepspec.algorithms.ngram.proposer.
             LookupFirstProposer`): an n-gram match of at least this many tokens proposes, else the draft;
@@ -132,13 +134,13 @@ class EngineDecoder:
     def __init__(self, target_model: Any, tokenizer: Any, *, draft: str | Path | None = None,
                  settings: DecodeSettings | None = None,
                  num_draft_tokens: int | None = None, dtype: str = "auto", device: str | None = None,
-                 few_row_linear: str = "auto", allow_target_mismatch: bool = False,
+                 few_row_linear: str = "auto", exact: bool = False, allow_target_mismatch: bool = False,
                  lookup_first: int | None = None, lookup_num_tokens: int | None = None,
                  corpus: NGramCorpus | None = None, corpus_ngram_min: int = DEFAULT_CORPUS_NGRAM_MIN,
                  tree_width: int = 0, schedule: str = "auto", cast_in_place: bool = False) -> None:
         flags = dict(num_draft_tokens=num_draft_tokens, dtype=dtype, device=device, few_row_linear=few_row_linear,
                      lookup_first=lookup_first, lookup_num_tokens=lookup_num_tokens,
-                     corpus_ngram_min=corpus_ngram_min, tree_width=tree_width, schedule=schedule)
+                     corpus_ngram_min=corpus_ngram_min, tree_width=tree_width, schedule=schedule, exact=exact)
         if settings is None:
             check_lookup_settings(lookup_first, lookup_num_tokens, has_draft=bool(draft), field="serve")
             check_tree_setting(tree_width, "serve.tree_width", has_draft=bool(draft))
@@ -190,7 +192,7 @@ class EngineDecoder:
 
     def _engine(self, stop_token_ids: Collection[int]) -> SpeculativeEngine:
         return SpeculativeEngine(self.target_model, self.target_layer_ids, self.proposer, stop_token_ids,
-                                 few_row_linear=self.few_row_linear,
+                                 few_row_linear=self.few_row_linear, exact=self.settings.exact,
                                  schedule=self.scheduler or self.settings.schedule)
 
     @property

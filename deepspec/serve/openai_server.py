@@ -541,6 +541,9 @@ class ServeConfig:
     # auto: per step a cost-aware scheduler verifies the part of the draft's proposal worth its cost, or makes a
     # plain target step (deepspec.decoding.schedule; lossless); fixed: every proposal is verified whole
     schedule: str = "auto"
+    # verify forwards compute each row bit for bit as a one-token forward would (deepspec.target.exact_rows):
+    # greedy answers equal target-only's in bfloat16 too, at a cost per verify step
+    exact: bool = False
     # requests that may wait for the engine behind the one it decodes (served in arrival order); one more is
     # answered 503 with Retry-After
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
@@ -609,7 +612,7 @@ def run_serve_stage(cfg: ServeConfig, *, target_model: Any = None, tokenizer: An
                             allow_target_mismatch=cfg.allow_target_mismatch, lookup_first=cfg.lookup_first,
                             lookup_num_tokens=cfg.lookup_num_tokens, corpus=corpus,
                             corpus_ngram_min=cfg.corpus_ngram_min, tree_width=cfg.tree_width,
-                            schedule=cfg.schedule, cast_in_place=loaded_here)
+                            schedule=cfg.schedule, exact=cfg.exact, cast_in_place=loaded_here)
     try:
         server = OpenAICompatServer(decoder.target_model, tokenizer, host=cfg.host, port=cfg.port,
                                     model_name=cfg.model_name or cfg.target, decoder=decoder,

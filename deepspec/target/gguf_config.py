@@ -352,11 +352,11 @@ def _transformers_rope(config: Any) -> dict[str | None, tuple[np.ndarray, float]
     """RoPE as the family's transformers rotary embedding computes it from ``config``, by layer type."""
     import importlib
 
-    from deepspec.models.config import family_rules
-
-    rules = family_rules(config.model_type)
-    module = importlib.import_module(rules.module)
-    rotary = getattr(module, rules.prefix + "RotaryEmbedding")(config)
+    # the config class's own modeling module (configuration_x -> modeling_x) and class prefix (Gemma3TextConfig ->
+    # Gemma3): the rotary embedding the converted model itself runs
+    module = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+    prefix = type(config).__name__.removesuffix("Config").removesuffix("Text")
+    rotary = getattr(module, prefix + "RotaryEmbedding")(config)
     if config.model_type == "gemma3_text":
         return {t: (getattr(rotary, f"{t}_inv_freq").double().numpy(), float(getattr(rotary, f"{t}_attention_scaling")))
                 for t in sorted(set(config.layer_types))}

@@ -62,6 +62,8 @@ def signature(proposer) -> tuple:
     ({"device": "gpu"}, "DecodeSettings.device: expected auto, cpu, cuda or cuda:N"),
     ({"few_row_linear": "on", "compile": True}, "DecodeSettings.few_row_linear: on cannot be combined"),
     ({"schedule": "fast"}, "DecodeSettings.schedule: expected one of auto, fixed, got 'fast'"),
+    ({"exact": True, "compile": True}, "DecodeSettings.exact: exact rows need the eager target path"),
+    ({"exact": "yes"}, "DecodeSettings.exact: expected true or false"),
 ])
 def test_a_bad_setting_names_its_field(kwargs, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
@@ -202,7 +204,7 @@ def test_a_server_measures_its_step_costs_once_and_shares_one_scheduler_across_r
     for prompt in ([5, 6, 7, 8], [9, 10, 11]):
         decoder.generate(prompt, max_new_tokens=6, sampling=SamplingParams())
     assert decoder.scheduler is scheduler and scheduler.num_observed > 0  # the requests' steps taught the one
-    fixed = EngineDecoder(target, tok, draft=folders["dspark"], dtype="float32", schedule="fixed")
-    assert fixed.scheduler is None
+    fixed = EngineDecoder(target, tok, draft=folders["dspark"], dtype="float32", schedule="fixed", exact=True)
+    assert fixed.scheduler is None and fixed._engine([1]).exact  # --exact reaches the server's engines
     with pytest.raises(ValueError, match=r"serve\.schedule: expected one of auto, fixed"):
         EngineDecoder(target, tok, draft=folders["dspark"], schedule="always")
