@@ -1,4 +1,4 @@
-"""The supervised tokens are exactly the tokens the target generated (issue 10, part 3).
+"""The supervised tokens are exactly the tokens the target generated.
 
 Prepared rows keep each regenerated turn's ``generated_ids``; the cache / online rule
 (:func:`deepspec.data.chat.render_training_samples`) supervises exactly those ids after exactly the
