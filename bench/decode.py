@@ -48,10 +48,10 @@ Writes ``decode_bench.json`` and ``decode_bench.png`` under ``--output-dir`` (at
 KV cache and ``torch.compile``d one-token and verify steps, CUDA graphs on CUDA; the first generation
 of each cache length compiles, untimed) and adds ``target-only-eager``, the eager engine's baseline,
 so both engines' baselines stand beside ``generate()``; speedups stay relative to the (compiled)
-target-only row. Two more goals are printed then (issue 13's, for a GPU): compiled target-only >= 3x
+target-only row. Two more goals are printed then (for a GPU): compiled target-only >= 3x
 ``generate()``, and a speculative step <= 1.3x a target-only step.
 
-``--qwen3-4b`` (issue 13's GPU goals; standalone, nothing downloaded): instead of ``--target``, a
+``--qwen3-4b`` (the GPU goals; standalone, nothing downloaded): instead of ``--target``, a
 Qwen3-4B-shaped target with random weights (bench/train.py's shape: 36 layers, hidden 2560, vocab
 151,936) and the real Qwen3 tokenizer from the repo's test fixtures, with an untrained DSpark draft of
 the qwen3-4b recipe's shape (5 layers, block 7, Markov rank 256): random weights give tau ~1, but every
@@ -239,7 +239,7 @@ def print_setting(name: str, r: dict[str, Any]) -> None:
 
 
 def goals(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The issue's two goals, measured: greedy speedup >= 2, baseline >= 95 % of generate() (each setting).
+    """The two goals, measured: greedy speedup >= 2, baseline >= 95 % of generate() (each setting).
 
     Judged on the pooled figure (the table's) and on the median over (prompt, repeat) pairs; a goal
     is met when both are (the median guards against a load spike on a shared machine flattering one

@@ -78,7 +78,7 @@ class TrainBatch:
     target_last_hidden_BSH: torch.Tensor  # float32 on the device; the storage dtype on the host
     sample_indices: list[int]
     # the target logits' logsumexp (float32, NaN where no loss reads) and argmax (int64, -1 there) at each
-    # position, from a format-3 cache (deepspec.target.capture.target_logit_stats); None: compute them
+    # position, from the target cache (deepspec.target.capture.target_logit_stats); None: compute them
     target_logsumexp_BS: torch.Tensor | None = None
     target_argmax_BS: torch.Tensor | None = None
     # fp8 storage on the host only: float32 [B, S, n] per-token, per-layer scales of target_hidden_BSF

@@ -1,4 +1,4 @@
-"""``deepspec serve --draft``: speculative decoding behind the OpenAI-compatible server (issue 14, part 5).
+"""``deepspec serve --draft``: speculative decoding behind the OpenAI-compatible server.
 
 A tiny random Llama target (byte-level ChatML tokenizer, ``<repo_name>`` as the draft's mask token)
 is served by :class:`OpenAICompatServer` in a thread on a free port, decoding through

@@ -1,4 +1,4 @@
-"""A draft is evaluated only against the target it was made for (issue 10, part 4).
+"""A draft is evaluated only against the target it was made for.
 
 Target A (4 layers), B (A's shape, other weights: a fine-tuned target) and C (6 layers). Every saved
 draft (DSpark, DFlash, Eagle3, and the original-layout export) records A's fingerprint and shape;

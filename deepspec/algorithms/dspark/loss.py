@@ -24,7 +24,7 @@ slots from ``target_last_hidden`` gathered at the slot positions (never ``[B, S,
 draft logits (``forward_train(..., defer_logits=True)``, the trainer's ``chunked_head_loss``) the draft
 logits too exist one chunk at a time, recomputed in backward: for a Qwen3-4B-shaped draft (W 151,936)
 with 512 anchors x 7 slots the ``[A, K, W]`` logits alone are 2.2 GB in float32. With a reduced
-vocabulary and a format-3 cache's per-position logsumexp and argmax, only the W target logits of the
+vocabulary and the target cache's per-position logsumexp and argmax, only the W target logits of the
 draft tokens are computed (:func:`deepspec.target.capture.target_draft_logits`): the same values.
 
 Dtypes and what backward recomputes. The target side (lm_head matmul of the slots' target hidden
@@ -241,7 +241,7 @@ def dspark_loss(
         d2t_W: int64 ``[W]`` draft -> target ids of a reduced draft vocabulary (None: W = V, identity).
         weight_sum: global normaliser (sum of :func:`supervision_weights` over the global batch).
         target_logsumexp_BS, target_argmax_BS: the target logits' full-vocabulary logsumexp and argmax
-            per position (a format-3 cache, :func:`deepspec.target.capture.target_logit_stats`). With a
+            per position (the target cache's, :func:`deepspec.target.capture.target_logit_stats`). With a
             reduced vocabulary they replace the ``[N, V]`` target logits by ``[N, W]`` ones
             (``p_t[d2t[d]] = exp(logit[d2t[d]] - logsumexp)``; the same values up to rounding); ignored
             when W = V, where the full softmax is needed anyway.

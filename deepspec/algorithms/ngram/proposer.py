@@ -240,7 +240,7 @@ class LookupFirstProposer:
         tree: propose the match *and* the draft's proposal (a chain or a draft tree), merged into one
             draft tree the target verifies in one forward, instead of choosing: the step accepts
             whichever path the target's tokens walk (greedy: the one it agrees with longest), so a
-            match no longer takes a step from a draft that would have done better.
+            match never takes a step from a draft that would have done better.
             ``steps_from_lookup`` then counts the steps with a match among their branches. The draft's
             proposal goes in first, with the distributions it was drawn from, and the match (chosen
             nodes) after it, merging where it repeats the draft's tokens: at T > 0 the target tests
