@@ -100,12 +100,14 @@ class StepCostCurve:
         return StepCostCurve(tuple(int(x) for x in d["tokens"]), tuple(float(x) for x in d["seconds"]))
 
 
-def measure_step_costs(forward_tokens: Callable[[int], None], max_tokens: int, *, repeats: int = 3,
+def measure_step_costs(forward_tokens: Callable[[int], None], max_tokens: int, *, repeats: int = 5,
                        clock: Callable[[], float] = time.perf_counter) -> StepCostCurve:
     """Time ``forward_tokens(n)`` (one target forward over ``n`` tokens, synchronised, its cache rolled back
     after) at the :data:`MEASURED_TOKENS` up to ``max_tokens`` and at ``max_tokens``: one warm-up pass,
-    then ``repeats`` interleaved rounds (so a load change hits every size alike), the median per size.
-    A larger size measured faster than a smaller one is raised to it (the cost never decreases with n).
+    then ``repeats`` interleaved rounds (so a load change hits every size alike), the fastest round per size
+    (other work on the machine only ever adds time), then the closest non-decreasing curve (pool adjacent
+    violators: a size measured faster than a smaller one is averaged with it, so one slow measurement does
+    not raise every larger size).
 
     Raises ValueError for ``max_tokens < 1`` or ``repeats < 1``.
     """
@@ -120,11 +122,18 @@ def measure_step_costs(forward_tokens: Callable[[int], None], max_tokens: int, *
             t0 = clock()
             forward_tokens(n)
             times[n].append(clock() - t0)
-    seconds, best = [], 0.0
-    for n in sizes:
-        best = max(best, statistics.median(times[n]), 1e-9)
-        seconds.append(best)
-    return StepCostCurve(tuple(sizes), tuple(seconds))
+    return StepCostCurve(tuple(sizes), tuple(_non_decreasing([max(min(times[n]), 1e-9) for n in sizes])))
+
+
+def _non_decreasing(values: Sequence[float]) -> list[float]:
+    """The least-squares non-decreasing fit of ``values`` (pool adjacent violators, equal weights)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return [m for m, c in blocks for _ in range(int(c))]
 
 
 def step_cost_cache_dir() -> Path:
