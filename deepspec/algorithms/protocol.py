@@ -509,7 +509,10 @@ class Proposer(Protocol):
 
     ``max_proposal_len`` is K, the most tokens one ``propose`` call returns (0 for the target-only
     baseline). An optional class attribute ``needs_features = False`` says the proposer reads only
-    the token ids (see the module docstring); absent, the engine captures target features for it.
+    the token ids (see the module docstring); absent, the engine captures target features for it. An
+    optional method ``propose_without_draft`` (``propose``'s signature) returns what the proposer offers
+    without running a draft model (a prompt-lookup match; empty otherwise): the engine calls it on the
+    steps its scheduler judges the draft not worth calling (:mod:`deepspec.decoding.schedule`).
     """
 
     max_proposal_len: int
