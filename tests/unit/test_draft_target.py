@@ -253,7 +253,8 @@ def test_eval_lookup_corpus_feeds_the_lookup_rows_and_the_ngram_corpus_baseline(
     bench = tmp_path / "gsm8k.jsonl"
     bench.write_text(json.dumps({"question": "What is 2 + 3?", "answer": "#### 5"}) + "\n")
     common = dict(draft=[str(folders["dspark"])], benchmarks=["gsm8k"], benchmark_files=[f"gsm8k={bench}"],
-                  num_prompts=1, max_new_tokens=24, compare_hf_generate=False, dtype="float32", num_draft_tokens=2)
+                  num_prompts=1, max_new_tokens=24, compare_hf_generate=False, dtype="float32", num_draft_tokens=2,
+                  schedule="fixed")  # every proposal verified whole: the rows' tau compares what they propose
     # the corpus: the target's own answer to the same prompt, as prepare would have written it
     first = run_eval_stage(EvalConfig(**common, baselines=["none"], output_dir=str(tmp_path / "e0")),
                            target_model=targets["A"], tokenizer=tok)
