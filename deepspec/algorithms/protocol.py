@@ -230,7 +230,10 @@ class Proposal:
             verify is greedy and only ``draft_ids_N`` is read (a one-hot is NOT required), so a
             greedy proposer may return ``None`` here.
         confidence_N: float32 ``[N]`` or ``None``: the proposer's own acceptance estimate per slot
-            (diagnostics only; a proposer that cuts its proposal on confidence does so itself).
+            (the scheduler's prior and the eval's calibration figures; a proposer that cuts its proposal on
+            confidence does so itself). A calibrated drafter gives its calibrated values here.
+        raw_confidence_N: float32 ``[N]`` or ``None``: the uncalibrated head's values when ``confidence_N``
+            was calibrated (:mod:`deepspec.models.calibration`); None when ``confidence_N`` is raw itself.
         max_proposal_len: the most tokens the proposer that made this proposal could have proposed
             (its K), or ``None``: the proposer's ``max_proposal_len``. Set by a proposer that routes
             between proposers of different K (:class:`~deepspec.algorithms.ngram.LookupFirstProposer`),
@@ -254,6 +257,7 @@ class Proposal:
     confidence_N: Tensor | None = None
     max_proposal_len: int | None = None
     parents_N: tuple[int, ...] | None = None
+    raw_confidence_N: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.draft_ids_N.dim() != 1:
@@ -277,7 +281,7 @@ class Proposal:
             if bad is not None:
                 raise ValueError(f"Proposal.parents_N[{bad}]: expected -1 (the anchor) or an earlier node "
                                  f"(0..{bad - 1}), received {self.parents_N[bad]}; list parents before children.")
-            if self.confidence_N is not None:
+            if self.confidence_N is not None or self.raw_confidence_N is not None:
                 raise ValueError("Proposal.parents_N: a draft tree carries no confidence_N (it is not cut by "
                                  "confidence); drop it, or propose a chain.")
 
@@ -331,6 +335,8 @@ class Proposal:
             self, draft_ids_N=self.draft_ids_N[rows],
             draft_probs_NV=None if self.draft_probs_NV is None else self.draft_probs_NV[rows.to(self.draft_probs_NV.device)],
             confidence_N=None if self.confidence_N is None else self.confidence_N[rows.to(self.confidence_N.device)],
+            raw_confidence_N=(None if self.raw_confidence_N is None
+                              else self.raw_confidence_N[rows.to(self.raw_confidence_N.device)]),
             parents_N=None if self.parents_N is None else tuple(-1 if parents[i] < 0 else new_index[parents[i]]
                                                                 for i in keep))
 

@@ -91,7 +91,9 @@ class StepRecord:
     seconds: ``time_s`` the whole step (propose + target forward + verify + update), ``propose_s``
     the ``proposer.propose`` call, ``verify_s`` the target forward over ``[anchor, d_1..d_N]``;
     overhead = ``time_s - propose_s - verify_s``. ``confidence``: the proposal's ``confidence_N``
-    for the N proposed tokens (after position truncation), or None when the proposer gives none.
+    for the N proposed tokens (after position truncation), or None when the proposer gives none;
+    ``raw_confidence``: its ``raw_confidence_N`` (the uncalibrated head's values) when the proposer
+    calibrated them, else None (``confidence`` is then raw).
     ``max_proposal_len``: the K of the proposer that made the proposal (``Proposal.max_proposal_len``,
     else the proposer's), or None when unknown (the metrics then use the row's largest K).
     ``num_draft_nodes``: for a draft tree, the nodes the target verified beside the anchor (``num_proposed``
@@ -108,6 +110,7 @@ class StepRecord:
     propose_s: float = 0.0
     verify_s: float = 0.0
     confidence: tuple[float, ...] | None = None
+    raw_confidence: tuple[float, ...] | None = None
     max_proposal_len: int | None = None
     num_draft_nodes: int | None = None
     drafted: bool = True
@@ -548,6 +551,7 @@ class SpeculativeEngine:
             result.output_ids.extend(res.committed)
             anchor, anchor_pos = res.committed[-1], anchor_pos + num_verified
             conf = None if proposal.confidence_N is None else tuple(proposal.confidence_N.tolist())
+            raw_conf = None if proposal.raw_confidence_N is None else tuple(proposal.raw_confidence_N.tolist())
             sync()
             t_end = time.perf_counter()
             if sched is not None:
@@ -564,6 +568,7 @@ class SpeculativeEngine:
                     propose_s=t_verify - t_step - schedule_s,
                     verify_s=t_verified - t_verify,
                     confidence=conf,
+                    raw_confidence=raw_conf,
                     max_proposal_len=(proposal.max_proposal_len if proposal.max_proposal_len is not None
                                       else proposer.max_proposal_len),
                     num_draft_nodes=None if parents is None else proposal.num_proposed,

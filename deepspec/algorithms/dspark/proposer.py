@@ -34,8 +34,12 @@ class DSparkProposer:
     vocabulary (zeros outside the draft vocabulary), so the verify step's ``p / q`` test and
     ``max(0, p - q)`` residual are exactly those of a full-vocabulary draft that puts no mass there.
 
-    The confidence head gives ``c_k = sigmoid(logit)`` per slot (returned as ``confidence_N``); with
-    ``confidence_threshold`` set, the proposal is cut before the first slot with ``c_k`` below it.
+    The confidence head gives ``c_k = sigmoid(logit)`` per slot. With a calibration (``calibrate`` and the
+    draft's ``confidence_calibration``, fitted on held-out steps in training and loaded with the draft:
+    :mod:`deepspec.models.calibration`) ``confidence_N`` holds the calibrated ``c'_k = map_k(c_k)`` and
+    ``raw_confidence_N`` the raw ``c_k``; without one ``confidence_N`` holds ``c_k``. With
+    ``confidence_threshold`` set, the proposal is cut before the first slot whose ``confidence_N`` value is
+    below it.
     ``max_positions`` (the target's ``max_position_embeddings``): draft tokens never land at a
     position ``>= max_positions``. ``num_draft_tokens``: K is at most this (vLLM's
     ``num_speculative_tokens``; the block is still predicted whole and its first slots kept); None: the
@@ -56,7 +60,7 @@ class DSparkProposer:
     """
 
     def __init__(self, model, *, confidence_threshold: float | None = None, max_positions: int | None = None,
-                 tree_width: int = 1, num_draft_tokens: int | None = None):
+                 tree_width: int = 1, num_draft_tokens: int | None = None, calibrate: bool = True):
         if not isinstance(model, DSparkDraftModel):
             raise ValueError(f"DSparkProposer.model: expected a DSparkDraftModel, received {type(model).__name__}.")
         if confidence_threshold is not None and model.confidence_head is None:
@@ -72,6 +76,8 @@ class DSparkProposer:
         if num_draft_tokens is not None:  # the whole block is still predicted; the first slots are kept
             cap_proposal_len(self, num_draft_tokens)
         self.confidence_threshold = confidence_threshold
+        cal = getattr(model, "confidence_calibration", None)
+        self.calibration = cal if calibrate and model.confidence_head is not None else None
         self.max_positions = int(max_positions if max_positions is not None
                                  else model.config.max_position_embeddings)
         self.cache = model.new_context_cache()
@@ -107,15 +113,20 @@ class DSparkProposer:
         prev = torch.tensor([int(anchor_token)], device=dev)
         if self.tree_width > 1:
             return self._propose_tree(hidden_KD, base_KV, prev, n_max, sampling, generator)
-        ids, probs_rows, conf = [], [], []
+        ids, probs_rows, conf, raw = [], [], [], []
         markov_state = None  # the Markov head's state along the block (rnn variant; None otherwise)
         for k in range(n_max):
             logits_W, conf_logit, markov_state = m.slot_step(hidden_KD[k], base_KV[k], prev, markov_state)
             if conf_logit is not None:
-                c = torch.sigmoid(conf_logit.float())
+                c = torch.sigmoid(conf_logit.float()).reshape(())
+                if self.calibration is not None:
+                    raw.append(c)
+                    c = torch.tensor(self.calibration.apply(float(c), k + 1), dtype=torch.float32, device=dev)
                 if self.confidence_threshold is not None and float(c) < self.confidence_threshold:
+                    if raw:
+                        raw.pop()
                     break
-                conf.append(c.reshape(()))
+                conf.append(c)
             draft_tok, q_W = draw_token(logits_W, sampling, generator)
             tok = m.target_ids(draft_tok)
             if q_W is not None:
@@ -128,6 +139,7 @@ class DSparkProposer:
             draft_ids_N=torch.cat(ids).long(),
             draft_probs_NV=torch.stack(probs_rows) if probs_rows else None,
             confidence_N=torch.stack(conf).float() if conf else None,
+            raw_confidence_N=torch.stack(raw).float() if raw else None,
         )
 
     def _propose_tree(self, hidden_KD: Tensor, base_KV: Tensor, anchor_1: Tensor, n_max: int,
