@@ -132,3 +132,37 @@ def test_eval_reports_raw_and_calibrated_figures():
     plain = [StepRecord(num_proposed=2, num_accepted=1, num_committed=2, time_s=0.01, confidence=(0.5, 0.2))]
     assert benchmark_metrics([GenerationResult(prompt_len=1, output_ids=[1], steps=plain, total_time_s=0.01)],
                              max_k=2)["calibration_raw"] is None
+
+
+def test_dspark_tree_scores_its_chain_and_the_eval_reads_the_chains_slots():
+    """A DSpark tree's confidences are its chain's (node 0 of each level; NaN elsewhere), equal to the chain
+    proposer's; a tree step's pairs stop at the first chain node the accepted path left."""
+    from deepspec.algorithms.dspark.proposer import DSparkProposer
+    from deepspec.decoding.engine import step_confidences
+    from deepspec.eval.metrics import calibration_pairs
+    from deepspec.target.decoding import SamplingParams
+    from tests.unit.test_dspark import batch, capture, make_draft
+
+    target, model = make_draft("llama")
+    model.eval()
+    ids, _ = batch(B=1, S=20)
+    feats, _ = capture(target, ids)
+    out = {}
+    for width in (1, 3):
+        p = DSparkProposer(model, max_positions=128, tree_width=width)
+        p.extend_context(feats[0, :12], ids[0, :12].tolist())
+        out[width] = p.propose(int(ids[0, 12]), 12, sampling=SamplingParams(), generator=None)
+    chain, tree = out[1], out[3]
+    path = tree.scored_path()
+    assert len(path) == tree.depth == 7 and tree.draft_ids_N[path].tolist() == chain.draft_ids_N.tolist()
+    assert torch.allclose(tree.confidence_N[path], chain.confidence_N, atol=1e-6)
+    assert torch.isnan(tree.confidence_N).sum() == tree.num_proposed - 7
+
+    # the accepted path follows the chain for j nodes, then a sibling of the chain's node j + 1
+    j, sibling = next((j, i) for j in range(6, -1, -1) for i, p in enumerate(tree.parents_N)
+                      if p == (path[j - 1] if j else -1) and i != path[j])
+    conf, raw, scored_accepted = step_confidences(tree, [*path[:j], sibling])
+    assert scored_accepted == j and raw is None and conf == pytest.approx(chain.confidence_N.tolist())
+    step = StepRecord(num_proposed=7, num_accepted=j + 1, num_committed=j + 2, time_s=0.0, confidence=conf,
+                      num_scored_accepted=scored_accepted, num_draft_nodes=tree.num_proposed)
+    assert [(k, y) for k, _, y in calibration_pairs([step])] == [(k, 1) for k in range(1, j + 1)] + [(j + 1, 0)]

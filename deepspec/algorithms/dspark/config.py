@@ -92,7 +92,7 @@ class DSparkOptions(DraftOptions):
     l1_weight: float | None = option(None, elsewhere=_LOSS, refused_elsewhere=True)
     confidence_weight: float | None = option(None, elsewhere=_LOSS, refused_elsewhere=True)
     loss_decay_gamma: float | None = option(None, elsewhere=_LOSS, refused_elsewhere=True)
-    # the confidence head's training label (docs/design/training.md, "Confidence label"): greedy (slot k's draft
+    # the confidence head's training label (docs/design/training.md, "DSpark / DFlash loss"): greedy (slot k's draft
     # argmax equals the target's, trained only where slots 1..k-1 matched: the T = 0 verify rule) | tv (1 - TV
     # distance, weighted by the chance that slots 1..k-1 were accepted: the T > 0 rule); none = greedy
     confidence_label: str | None = option(None, elsewhere=_LOSS, refused_elsewhere=True)

@@ -6,6 +6,8 @@ Legend: K block_size, W draft vocab (= V unless reduced), V target vocab, D draf
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -56,7 +58,9 @@ class DSparkProposer:
     (:func:`~deepspec.decoding.verify.verify_tree`) tests the sampled chain by rejection sampling first and
     the chosen siblings on the residual. ``W * K`` nodes, ``1 + W * (K - 1)`` slot steps (the block
     forward is shared). The target verifies them all in one forward
-    (:attr:`~deepspec.algorithms.protocol.Proposal.parents_N`).
+    (:attr:`~deepspec.algorithms.protocol.Proposal.parents_N`). The confidence head scores the chain's nodes
+    (its estimate is for the draft's first choice below an accepted parent): their ``confidence_N`` values,
+    calibrated as above, NaN at the other nodes (one extra serial slot step per depth).
     """
 
     def __init__(self, model, *, confidence_threshold: float | None = None, max_positions: int | None = None,
@@ -149,10 +153,27 @@ class DSparkProposer:
         node's token, its state gathered by parent)."""
         m, tree = self.model, DraftTree()
         level, state_X = TreeLevel.root(int(anchor_1), anchor_1.device), None
+        chain_prev, chain_state, chain_nodes, raw = anchor_1, None, [], []
         for k in range(n_max):
             logits_XW, state_X = m.slot_logits(hidden_KD[k], base_KV[k], level.token_ids_X, state_X)
+            if m.confidence_head is not None:  # the head scores the chain's slot (node 0 of each level)
+                _, conf_logit, chain_state = m.slot_step(hidden_KD[k], base_KV[k], chain_prev, chain_state)
+                raw.append(float(torch.sigmoid(conf_logit.float())))
             level = grow_draft_tree(tree, level, logits_XW, width=self.tree_width, sampling=sampling,
                                     generator=generator, draft=m)
+            chain_nodes.append(level.nodes[0])
+            chain_prev = level.token_ids_X[:1]
             if state_X is not None:
                 state_X = state_X[level.parent_X]
-        return tree.to_proposal(anchor_1.device)
+        proposal = tree.to_proposal(anchor_1.device)
+        if not raw:
+            return proposal
+        conf = self.calibration.apply_all(raw) if self.calibration is not None else raw
+        dev = anchor_1.device
+        conf_N = torch.full((len(tree),), float("nan"), device=dev)
+        conf_N[chain_nodes] = torch.tensor(conf, device=dev)
+        raw_N = None
+        if self.calibration is not None:
+            raw_N = torch.full((len(tree),), float("nan"), device=dev)
+            raw_N[chain_nodes] = torch.tensor(raw, device=dev)
+        return dataclasses.replace(proposal, confidence_N=conf_N, raw_confidence_N=raw_N)
