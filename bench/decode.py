@@ -48,10 +48,10 @@ Writes ``decode_bench.json`` and ``decode_bench.png`` under ``--output-dir`` (at
 KV cache and ``torch.compile``d one-token and verify steps, CUDA graphs on CUDA; the first generation
 of each cache length compiles, untimed) and adds ``target-only-eager``, the eager engine's baseline,
 so both engines' baselines stand beside ``generate()``; speedups stay relative to the (compiled)
-target-only row. Two more goals are printed then (issue 13's, for a GPU): compiled target-only >= 3x
+target-only row. Two more goals are printed then (for a GPU): compiled target-only >= 3x
 ``generate()``, and a speculative step <= 1.3x a target-only step.
 
-``--qwen3-4b`` (issue 13's GPU goals; standalone, nothing downloaded): instead of ``--target``, a
+``--qwen3-4b`` (the GPU goals; standalone, nothing downloaded): instead of ``--target``, a
 Qwen3-4B-shaped target with random weights (bench/train.py's shape: 36 layers, hidden 2560, vocab
 151,936) and the real Qwen3 tokenizer from the repo's test fixtures, with an untrained DSpark draft of
 the qwen3-4b recipe's shape (5 layers, block 7, Markov rank 256): random weights give tau ~1, but every
@@ -239,7 +239,7 @@ def print_setting(name: str, r: dict[str, Any]) -> None:
 
 
 def goals(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The issue's two goals, measured: greedy speedup >= 2, baseline >= 95 % of generate() (each setting).
+    """The two goals, measured: greedy speedup >= 2, baseline >= 95 % of generate() (each setting).
 
     Judged on the pooled figure (the table's) and on the median over (prompt, repeat) pairs; a goal
     is met when both are (the median guards against a load spike on a shared machine flattering one
@@ -479,6 +479,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compile", choices=("off", "on"), default="off",
                    help="on: every engine on the compiled target path (static KV cache + torch.compile; CUDA graphs on "
                         "CUDA), plus the eager engine's target-only row")
+    p.add_argument("--schedule", choices=("auto", "fixed"), default="auto",
+                   help="auto: a cost-aware scheduler verifies per step the part of each proposal worth its cost, or "
+                        "makes a plain target step (deepspec.decoding.schedule); fixed: every proposal verified whole "
+                        "(bench/schedule.py puts the two side by side)")
+    p.add_argument("--exact", action="store_true",
+                   help="verify forwards compute each row bit for bit as a one-token forward would "
+                        "(deepspec.target.exact_rows; bench/exact_verify.py measures its cost)")
     p.add_argument("--layers", type=int, default=0,
                    help="--qwen3-4b: decoder layers of the random target (0: Qwen3-4B's 36); fewer keep compiles short")
     p.add_argument("--synthetic-prompts", type=int, default=0,
@@ -536,7 +543,8 @@ def main(argv: list[str] | None = None) -> dict:
             "bench", num_draft_tokens=args.num_draft_tokens or None, confidence_threshold=args.confidence_threshold,
             ngram_max=args.ngram_max, ngram_min=args.ngram_min, ngram_num_tokens=args.lookup_num_tokens or None,
             corpus_ngram_min=args.corpus_ngram_min, baselines=[b for b in args.baselines.split(",") if b],
-            dtype=args.dtype, device=args.device, few_row_linear=args.few_row_linear, compile=args.compile == "on")
+            dtype=args.dtype, device=args.device, few_row_linear=args.few_row_linear, compile=args.compile == "on",
+            schedule=args.schedule, exact=args.exact)
         baselines = list(settings.baselines)
         tree_widths = [int(w) for w in args.tree_widths.split(",") if w.strip()] or [0]
         if any(w < 0 for w in tree_widths):
@@ -618,11 +626,12 @@ def main(argv: list[str] | None = None) -> dict:
 
         proposers = {name: compile_proposer(prop) for name, prop in proposers.items()}
         compiled = CompiledTarget.for_proposers(model, proposers.values())
-        engines = {name: SpeculativeEngine(model, layer_ids, prop, eos, compiled=compiled)
+        engines = {name: SpeculativeEngine(model, layer_ids, prop, eos, compiled=compiled, schedule=args.schedule)
                    for name, prop in proposers.items()}
         engines[EAGER] = SpeculativeEngine(model, layer_ids, NullProposer(), eos, few_row_linear=few_rows)
     else:
-        engines = {name: SpeculativeEngine(model, layer_ids, prop, eos, few_row_linear=few_rows)
+        engines = {name: SpeculativeEngine(model, layer_ids, prop, eos, few_row_linear=few_rows,
+                                           exact=args.exact, schedule=args.schedule)
                    for name, prop in proposers.items()}
 
     prompts = [render_prompt(tokenizer, pr.messages) for _, pr in bench_prompts]
@@ -650,7 +659,7 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict[str, Any] = {
         "target": args.target, "device": str(device), "threads": torch.get_num_threads(),
         "dtype": dtype_name(dtype), "dtype_requested": args.dtype, "few_row_linear": few_rows,
-        "compile": args.compile == "on",
+        "compile": args.compile == "on", "schedule": args.schedule, "exact": args.exact,
         "draft": str(folder) if folder is not None else "untrained", "algorithm": algorithm,
         "max_proposal_len": proposer.max_proposal_len, "baselines": baselines,
         "ngram": {"ngram_max": args.ngram_max, "ngram_min": args.ngram_min} if baselines else None,

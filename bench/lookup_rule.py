@@ -8,12 +8,11 @@ token, "a b a b", "0 0 0"). Each rule is the ``context_rule`` of one
 ``--ngram-max`` .. ``--ngram-min``, no corpus), decoded through the engine; the rules differ only in
 which earlier occurrence of the context's last n tokens they copy from and where the copy stops:
 
-- ``recent-cut``: the most recent occurrence, the copy cut at the context's end (the rule before
-  ``docs/results/lookup-rule_cpu_2026-12-05``);
+- ``recent-cut``: the most recent occurrence, the copy cut at the context's end;
 - ``leftmost-cut``: the earliest occurrence, cut at the end (what Hugging Face's and vLLM's proposers do);
 - ``leftmost-continued``: the earliest occurrence, the copy running on into its own output;
-- ``recent-continued``: the most recent occurrence, continued (the rule now:
-  :func:`~deepspec.algorithms.ngram.proposer.ngram_proposal`).
+- ``recent-continued``: the most recent occurrence, continued (the rule of
+  :func:`~deepspec.algorithms.ngram.proposer.ngram_proposal`; docs/results/lookup-rule_cpu_2026-12-05).
 
 Printed and recorded per benchmark and rule: tau (mean accepted + 1 per verify step, pooled over the
 benchmark's prompts), the mean number of tokens proposed per step, and whether every output equals the

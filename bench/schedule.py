@@ -32,15 +32,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deepspec.algorithms.protocol import NullProposer, set_draft_tree_width  # noqa: E402
+from deepspec.algorithms.protocol import NullProposer  # noqa: E402
 from deepspec.algorithms.registry import algorithm_for_model, load_draft  # noqa: E402
 from deepspec.checkpoints import draft_folder  # noqa: E402
 from deepspec.data.chat import render_prompt  # noqa: E402
 from deepspec.decoding.engine import SpeculativeEngine  # noqa: E402
+from deepspec.device import dtype_name, resolve_dtype  # noqa: E402
 from deepspec.eval.benchmarks import load_benchmark  # noqa: E402
 from deepspec.eval.metrics import schedule_stats, step_timing_stats  # noqa: E402
 from deepspec.eval.run import eos_token_ids_of  # noqa: E402
-from deepspec.target.load import EMBEDDED_DEFAULT, load_target  # noqa: E402
+from deepspec.target.load import EMBEDDED_DEFAULT, open_target  # noqa: E402
 from deepspec.utils import atomic_write_json, pyplot, save_png  # noqa: E402
 
 
@@ -84,18 +85,22 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--tree-width", type=int, default=3)
-    p.add_argument("--few-row-linear", choices=("on", "off"), default="on")
+    p.add_argument("--few-row-linear", choices=("on", "off"), default="on",
+                   help="the few-row linear path (float32 only; off in bfloat16)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | auto (deepspec.device.resolve_dtype)")
     p.add_argument("--output-dir", default="runs/schedule-bench")
     args = p.parse_args(argv)
 
-    model, tokenizer = load_target(args.target, dtype=torch.float32)
-    _, draft = load_draft(draft_folder(args.draft), target_model=model)
-    draft = draft.float().eval()
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    target = open_target(args.target, dtype=dtype, device="cpu")  # fingerprinted as loaded, then cast
+    model, tokenizer = target.model, target.tokenizer
+    _, draft = load_draft(draft_folder(args.draft), target_model=model, target_fingerprint=target.fingerprint)
+    draft = draft.to(dtype).eval()
     algorithm = algorithm_for_model(draft)
     eos = eos_token_ids_of(model, tokenizer)
     layers = list(draft.config.target_layer_ids)
     max_pos = int(model.config.max_position_embeddings)
-    few_row = args.few_row_linear == "on"
+    few_row = args.few_row_linear == "on" and dtype == torch.float32
 
     def engines() -> dict[str, SpeculativeEngine]:
         made = {"target-only": SpeculativeEngine(model, layers, NullProposer(), eos, few_row_linear=few_row)}
@@ -103,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
         for w in widths:
             label = "chain" if w == 1 else f"tree{w}"
             for schedule in ("fixed", "auto"):
-                proposer = set_draft_tree_width(algorithm.proposer(draft, max_positions=max_pos), w)
+                proposer = algorithm.proposer(draft, max_positions=max_pos, tree_width=w)
                 made[f"{label}-{schedule}"] = SpeculativeEngine(model, layers, proposer, eos, few_row_linear=few_row,
                                                                 schedule=schedule)
         return made
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
                 **schedule_stats(steps),
             }
         results[set_name] = rows
-        print(f"\n{set_name} ({len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy, float32)")
+        print(f"\n{set_name} ({len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy, {dtype_name(dtype)})")
         print(f"{'method':14} {'speedup':>8} {'median':>7} {'tau':>5} {'nodes':>6} {'plain':>6} {'propose':>8} "
               f"{'verify':>7} {'overhead':>8} {'sched':>6} identical")
         for name, r in rows.items():
@@ -144,7 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{r['identical']:.2f}")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    record = {"args": vars(args), "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
+    record = {"args": vars(args), "dtype": dtype_name(dtype), "threads": torch.get_num_threads(),
+              "date": time.strftime("%Y-%m-%d"),
               "results": results}
     atomic_write_json(out / "schedule_bench.json", record)
     plot(results, out / "schedule_bench.png")

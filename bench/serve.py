@@ -51,8 +51,8 @@ def _summary(rows: list[dict]) -> dict:
            "tok_per_s": tokens / seconds if seconds else None}
     if rows and "acceptance" in rows[0]:
         steps = sum(r["acceptance"]["num_verify_steps"] for r in rows)
-        accepted = sum(r["acceptance"]["num_accepted_tokens"] for r in rows)
-        out["tau"] = (accepted + steps) / steps if steps else None
+        committed = sum(r["acceptance"]["num_committed_tokens"] for r in rows)
+        out["tau"] = committed / steps if steps else None
     return out
 
 

@@ -10,7 +10,7 @@ default target's shapes with random target features (speed does not depend on th
    (``--chunked-head-loss on``: draft logits per chunk of slots, recomputed in backward), and the Eagle3
    step once more with its TTT forward over every row instead of the sampled chains' rows only; with
    ``--draft-vocab-size``, the DSpark and Eagle3 steps once more without the cache's target-logit
-   statistics (a format-2 cache or online mode: the target side computes V logits per supervised slot
+   statistics (as online mode: the target side computes V logits per supervised slot
    instead of W); tokens/s counts the batch's real (unpadded) tokens. Eagle3 unrolls ``ttt_steps``
    forwards per step, DSpark/DFlash run one block-parallel forward over ``num_anchors`` blocks, so the
    figures price a step, not quality. Beside each step: the bytes of the tensors autograd holds for its
@@ -63,7 +63,7 @@ from deepspec.utils import pyplot, save_png  # noqa: E402
 def _batch(target, n: int, batch_size: int, seq_len: int, generator) -> TrainBatch:
     """A right-padded CPU batch (the trainer samples anchors on the CPU, then moves the micro-batch):
     lengths from seq_len down to seq_len/2, the first quarter of each sample unsupervised, with the
-    target-logit statistics a format-3 cache stores (of the random final hidden states,
+    target-logit statistics the target cache stores (of the random final hidden states,
     :func:`deepspec.target.capture.target_logit_stats`)."""
     vocab, hidden = target.config.vocab_size, target.config.hidden_size
     lengths = torch.linspace(seq_len, seq_len // 2, batch_size).long().tolist()  # batch 1: the whole seq_len

@@ -62,13 +62,13 @@ class DemoConfig:
     prepare_max_prompt_tokens: int = 256  # conversations whose first prompt is longer are skipped
     max_seq_len: int = 384  # cache: samples cut to this many tokens
     num_draft_layers: int = 1  # decoder layers of the draft
-    # draft tokens per block (K). 3, not the original's 7 (2026-11-30, runs/demo's cache, 400 steps): held-out tau
-    # 1.17 either way (the demo's draft is almost never accepted past slot 3), in half the training time, and the
+    # draft tokens per block (K). 3, not the original's 7: the same held-out tau either way on the demo's cache
+    # (the demo's draft is almost never accepted past slot 3), in half the training time, and the
     # eval proposes 3 tokens per step anyway (num_draft_tokens). `make recipe`, whose in-domain drafts are accepted
     # past slot 3, trains 7 at 32 anchors (the same step cost; docs/results/block7-cpu-2026-12-04)
     block_size: int = 3
     # 600 steps of 2 samples x 64 anchors (docs/results/logit-stats-cpu-2026-12-01): 3x the blocks of 800 steps x
-    # 16 anchors, for held-out gsm8k tau about +0.1, since a format-3 cache's target-logit statistics halved the
+    # 16 anchors, for a higher held-out gsm8k tau, since the cache's target-logit statistics halve the
     # cost of a block
     train_steps: int = 600  # training steps (optimizer steps)
     batch_size: int = 2  # samples per training step
@@ -90,8 +90,8 @@ class DemoConfig:
     eval_num_prompts_per_benchmark: list[str] = field(default_factory=list)
     eval_max_new_tokens: int = 48  # per prompt
     temperature: float = 0.0  # eval decoding; 0 = greedy
-    # tokens each draft proposes per step in the eval (vLLM's num_speculative_tokens). On this CPU a float32 verify
-    # over 4 tokens costs 1.0-1.2 one-token steps with the few-row linear path, over 8 tokens 1.5-1.9x
+    # tokens each draft proposes per step in the eval (vLLM's num_speculative_tokens). On a CPU a float32 verify
+    # over 4 tokens costs about one one-token step with the few-row linear path, over 8 tokens clearly more
     # (bench/verify_cost.py, docs/results/verify-cost-cpu-2026-11-30), and the demo's draft is rarely accepted past
     # slot 3, so 3 drafts per step win more time than 7; none = the draft's own K
     num_draft_tokens: int | None = 3
@@ -123,10 +123,16 @@ class DemoConfig:
     lookup_corpus: bool = True
     corpus_ngram_min: int = DEFAULT_CORPUS_NGRAM_MIN  # the shortest context suffix looked up in the corpus
     # steps verify a draft tree (eval.tree_width): 0 = off; 1 = the "+lookup" rows verify the match beside the
-    # draft's chain; W >= 2 = the drafts also propose W nodes per slot. 3: the recipe's DSpark draft of blocks of 3
-    # with lookup went from gsm8k tau 2.48 to 3.14 (docs/results/draft-trees-cpu-2026-12-03); `make recipe`, over
+    # draft's chain; W >= 2 = the drafts also propose W nodes per slot. 3: trees raise the gsm8k tau of the recipe's
+    # DSpark draft of blocks of 3 with lookup (docs/results/draft-trees-cpu-2026-12-03); `make recipe`, over
     # blocks of 7, uses 4 (docs/results/block7-cpu-2026-12-04)
     tree_width: int = 3
+    # auto: per step a cost-aware scheduler verifies the part of each proposal worth its cost on this machine, or
+    # makes a plain target step (deepspec.decoding.schedule; lossless); fixed: every proposal is verified whole
+    schedule: str = "auto"
+    # verify forwards compute each row bit for bit as a one-token forward would (deepspec.target.exact_rows): the
+    # greedy outputs of every row equal target-only's in bfloat16 too, at a cost per verify step
+    exact: bool = False
 
     def __post_init__(self) -> None:
         self.dtype = check_dtype_name(self.dtype, "demo.dtype")
@@ -211,6 +217,8 @@ class DemoConfig:
                 self.lookup_first is not None or "ngram+corpus" in self.baselines) else [],
             corpus_ngram_min=self.corpus_ngram_min,
             tree_width=self.tree_width,
+            schedule=self.schedule,
+            exact=self.exact,
         )
 
     def train_config(self, algorithm: str, cache_dir: Path) -> TrainConfig:

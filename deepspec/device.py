@@ -93,9 +93,9 @@ def device_model_name(device: torch.device) -> str:
 
 BF16_EMULATED_WARNING = (
     "bfloat16 on a CPU with no native bf16 dot products (no avx512_bf16 / amx_bf16 flag): torch converts "
-    "through float32, so batched products get slower, not faster. Measured on a 2-core AMD EPYC (Zen 3, AVX2) "
-    "with the embedded SmolLM2-135M, 2026-11-30: a verify forward over 8 tokens cost 3.6x a one-token step "
-    "in bfloat16 against 1.7x in float32, and the prefill was 5x slower (docs/results/decode-cpu-2026-11-30.md). "
+    "through float32, so batched products get slower, not faster: a verify forward over 8 tokens costs about "
+    "twice as many one-token steps in bfloat16 as in float32, and the prefill is several times slower "
+    "(docs/results/decode-cpu-2026-11-30.md). "
     "--dtype auto picks float32 here.")
 
 

@@ -10,12 +10,14 @@ refused, naming the formats that do.
 
 This module keeps the rules every format follows: weight names without a ``model.`` prefix; the target's
 embedding is never shipped (every engine shares the target's); ``lm_head`` and ``d2t`` (int64 offsets,
-``target id = i + d2t[i]``) are shipped only for a reduced draft vocabulary; every expected tensor is checked by
-name and shape before anything is written, because these loaders do not report a missing weight (it would be
-served as uninitialised memory); a draft for a target with scaled embeddings (Gemma) is refused, since no
-engine's draft layers compute it; the folder is written under a temporary name and renamed when complete, and
-``config.json`` records the draft's DeepSpec config and target fingerprint under ``deepspec``. A format that
-names its target (``speculators``) gets it from ``--verifier``, resolved here.
+``target id = i + d2t[i]``) are shipped only for a reduced draft vocabulary (N < V,
+:func:`~deepspec.models.vocab.is_reduced_vocab`; a draft vocabulary of all V tokens exports as the full one);
+every expected tensor is checked by name and shape before anything is written, because these loaders do not
+report a missing weight (it would be served as uninitialised memory); a draft for a target with scaled
+embeddings (Gemma) is refused, since no engine's draft layers compute it; the folder is written under a
+temporary name and renamed when complete, and ``config.json`` records the draft's DeepSpec config and target
+fingerprint under ``deepspec``. A format that names its target (``speculators``) gets it from ``--verifier``,
+resolved here.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from deepspec.algorithms.registry import export_formats, get_algorithm, load_dra
 from deepspec.checkpoints import draft_folder
 from deepspec.models.config import family_rules
 from deepspec.models.engine_layout import ExportError, ExportFormat, flat_config
-from deepspec.models.vocab import d2t_to_offsets
+from deepspec.models.vocab import d2t_to_offsets, is_reduced_vocab
 from deepspec.utils import atomic_path
 
 WEIGHTS_NAME = "model.safetensors"
@@ -127,11 +129,27 @@ def _layout(fmt: str, algorithm: str | None) -> ExportFormat:
 
 
 def _id_map_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """``lm_head`` and ``d2t`` of a reduced draft vocabulary (``draft_vocab_size`` != ``vocab_size``)."""
+    """``lm_head`` and ``d2t`` of a reduced draft vocabulary (:func:`~deepspec.models.vocab.is_reduced_vocab` of
+    the exported ``vocab_size`` and ``draft_vocab_size``: the rule :func:`build_export` ships them by)."""
     flat = flat_config(config)
-    V = flat.get("vocab_size")
-    Vd = flat.get("draft_vocab_size", V)
-    return {} if Vd == V else {"lm_head.weight": (Vd, flat["hidden_size"]), "d2t": (Vd,)}
+    V, N = flat.get("vocab_size"), flat.get("draft_vocab_size")
+    return {"lm_head.weight": (N, flat["hidden_size"]), "d2t": (N,)} if is_reduced_vocab(V, N) else {}
+
+
+def _full_size_draft_vocab(model: Any, fmt: str) -> None:
+    """A draft vocabulary of all V target tokens exports as the full vocabulary (no ``lm_head``, no ``d2t``):
+    its frozen ``lm_head`` is the target's rows ``d2t``, which is the target's own ``lm_head`` when ``d2t`` is the
+    identity, as :func:`~deepspec.models.vocab.select_draft_vocab` chooses it (sorted ids).
+
+    Raises:
+        ExportError: ``d2t`` is another permutation of the target ids (the draft's outputs are in another order
+            than the engine's, which would read them as the target's).
+    """
+    d2t = model.d2t.detach().cpu()
+    if not torch.equal(d2t, torch.arange(d2t.shape[0], dtype=d2t.dtype)):
+        raise ExportError(f"{fmt}: the draft vocabulary (d2t) holds all {d2t.shape[0]} target ids but not in target "
+                          "id order; the engines load a draft vocabulary as large as the target's as the full "
+                          "vocabulary, in target order. Train with a smaller --draft-vocab-size, or without one")
 
 
 def expected_tensors(fmt: str, config: dict[str, Any], *, algorithm: str | None = None) -> dict[str, tuple[int, ...]]:
@@ -180,9 +198,12 @@ def build_export(draft_path: str | Path, fmt: str, *, dtype: torch.dtype = torch
     config, weights, hint = layout.write(
         model, algorithm=algorithm,
         verifier=(lambda: _verifier(verifier or "default", c)) if layout.names_verifier else None)
-    if c.draft_vocab_size is not None:  # the id maps of a reduced vocabulary
-        weights["lm_head.weight"] = model.state_dict()["lm_head.weight"]
-        weights["d2t"] = d2t_to_offsets(model.d2t)
+    if c.draft_vocab_size is not None:
+        if is_reduced_vocab(c.vocab_size, c.draft_vocab_size):  # the id maps of a reduced vocabulary
+            weights["lm_head.weight"] = model.state_dict()["lm_head.weight"]
+            weights["d2t"] = d2t_to_offsets(model.d2t)
+        else:  # all V target ids: the full vocabulary
+            _full_size_draft_vocab(model, fmt)
     weights = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu() for k, v in weights.items()}
     check_export(fmt, config, weights, algorithm=algorithm)
     config["deepspec"] = _deepspec_record(algorithm, c, folder)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from deepspec.data.cache.format import FORMAT_VERSION, check_storage_dtype
+from deepspec.data.cache.format import check_storage_dtype
 from deepspec.data.cache.verify import verify_target_cache
 from deepspec.data.cache.writer import write_target_cache
 from deepspec.data.estimate import run_estimate
@@ -167,10 +167,6 @@ def run_cache_stage(cfg: CacheConfig, *, target_model=None, tokenizer=None):
                 f"`deepspec cache --output-dir {cfg.output_dir} --verify` to check every shard's checksum"
             )
             print(f"cache: {cfg.output_dir}: {details}")
-            if summary.format != FORMAT_VERSION:
-                print(f"cache: {cfg.output_dir} is format {summary.format!r}, without the target-logit statistics "
-                      f"of {FORMAT_VERSION!r}: training on it computes the full-vocabulary target logits (slower "
-                      "with a reduced draft vocabulary); build the cache into a new folder for the faster format")
         else:
             print(f"cache: wrote {cfg.output_dir}: {details}")
     if summary.num_samples == 0:

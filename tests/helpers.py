@@ -71,16 +71,23 @@ GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>
 
 
 def write_tiny_gguf(path, *, seed: int = 0, chat_template: str | None = None, architecture: str = "llama",
-                    tensors: bool = True, skip: tuple[str, ...] = ()):
+                    tensors: bool = True, skip: tuple[str, ...] = (), layers: int | None = None, head_dim: int = 8,
+                    keys: dict | None = None, extra_tensors: dict | None = None, std: float | None = None):
     """A tiny random target as a GGUF file (float32 tensors, width 32), and ``chat_template`` when given.
 
-    ``architecture="llama"`` (2 layers): a byte-level tokenizer of 259 tokens (``<|endoftext|>``,
-    ``<|im_start|>`` bos, ``<|im_end|>`` eos/pad, the 256 byte symbols). ``"gemma3"`` (3 layers, sliding
-    window 4, llama.cpp's Gemma 3 tensor names with its (1 + w) norms stored as 1 + w): a SentencePiece
-    tokenizer with :data:`GEMMA_SPECIALS` (pad 0, eos 1, bos 2), the 256 byte-fallback tokens and
-    lower-case pieces, as Gemma GGUF files carry, and no chat template unless given. Any other
-    ``architecture`` / ``tensors=False`` write a header-only file declaring it; ``skip`` leaves the
-    named GGUF tensors out. Returns ``path``."""
+    ``architecture="llama"`` (2 layers) and ``"qwen3"`` (2 layers, with llama.cpp's per-head q/k norms): a
+    byte-level tokenizer of 259 tokens (``<|endoftext|>``, ``<|im_start|>`` bos, ``<|im_end|>`` eos/pad, the
+    256 byte symbols). ``"gemma3"`` (3 layers, sliding window 4, llama.cpp's Gemma 3 tensor names with its
+    (1 + w) norms stored as 1 + w): a SentencePiece tokenizer with :data:`GEMMA_SPECIALS` (pad 0, eos 1, bos 2),
+    the 256 byte-fallback tokens and lower-case pieces, as Gemma GGUF files carry, and no chat template unless
+    given. Any other ``architecture`` / ``tensors=False`` write a header-only file declaring it; ``skip`` leaves
+    the named GGUF tensors out.
+
+    ``layers`` overrides the depth, ``head_dim`` the width of a head (4 query and 2 key/value heads; written
+    as ``attention.key_length`` when it is not 32 / 4); ``keys`` sets (or, with None, leaves out) header keys
+    of the architecture's namespace, by the part after ``<arch>.`` (str, float32, uint32 or bool by the
+    value's type); ``extra_tensors`` adds float32 tensors by GGUF name; ``std`` is the weights' standard deviation
+    (default 0.05, Gemma 0.3; norms 0.05 around their 1 or 0). Returns ``path``."""
     import gguf
     import numpy as np
     from tokenizers import pre_tokenizers
@@ -96,23 +103,31 @@ def write_tiny_gguf(path, *, seed: int = 0, chat_template: str | None = None, ar
     else:
         tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + sorted(pre_tokenizers.ByteLevel.alphabet())
         types, scores, L = [3, 3, 3] + [1] * 256, [0.0] * len(tokens), 2
-    V, H, I, NH, NKV, D = len(tokens), 32, 64, 4, 2, 8
+    L = layers or L
+    V, H, I, NH, NKV, D = len(tokens), 32, 64, 4, 2, head_dim
     w = gguf.GGUFWriter(str(path), architecture)
-    w.add_block_count(L)
-    w.add_context_length(128)
-    w.add_embedding_length(H)
-    w.add_feed_forward_length(I)
-    w.add_head_count(NH)
-    w.add_head_count_kv(NKV)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(V)
-    w.add_tokenizer_model("llama" if gemma else "gpt2")
+    header = {"block_count": L, "context_length": 128, "embedding_length": H, "feed_forward_length": I,
+              "attention.head_count": NH, "attention.head_count_kv": NKV, "rope.freq_base": 10000.0,
+              "attention.layer_norm_rms_epsilon": 1e-5, "vocab_size": V}
+    if gemma or D != H // NH:
+        header.update({"attention.key_length": D, "attention.value_length": D})
     if gemma:
-        w.add_key_length(D)
-        w.add_value_length(D)
-        w.add_sliding_window(4)
-    else:
+        header["attention.sliding_window"] = 4
+    header.update(keys or {})
+    for suffix, value in header.items():
+        key = f"{architecture}.{suffix}"
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, int(value))
+    w.add_tokenizer_model("llama" if gemma else "gpt2")
+    if not gemma:
         w.add_tokenizer_pre("default")
         w.add_token_merges([])
     w.add_token_list(tokens)
@@ -133,7 +148,8 @@ def write_tiny_gguf(path, *, seed: int = 0, chat_template: str | None = None, ar
         rng = np.random.default_rng(seed)
 
         def add(name, *shape, norm=False):
-            values = (rng.standard_normal(shape) * (0.05 if norm or not gemma else 0.3)).astype(np.float32)
+            scale = 0.05 if norm else std if std is not None else 0.3 if gemma else 0.05
+            values = (rng.standard_normal(shape) * scale).astype(np.float32)
             if norm and gemma:
                 values += 1.0  # llama.cpp stores Gemma's (1 + w) norm weights as 1 + w
             if name not in skip:
@@ -150,6 +166,7 @@ def write_tiny_gguf(path, *, seed: int = 0, chat_template: str | None = None, ar
             if gemma:
                 for name in ("post_attention_norm", "post_ffw_norm"):
                     add(p + name + ".weight", H, norm=True)
+            if gemma or architecture == "qwen3":
                 add(p + "attn_q_norm.weight", D, norm=True)
                 add(p + "attn_k_norm.weight", D, norm=True)
             add(p + "attn_q.weight", NH * D, H)
@@ -159,6 +176,8 @@ def write_tiny_gguf(path, *, seed: int = 0, chat_template: str | None = None, ar
             add(p + "ffn_gate.weight", I, H)
             add(p + "ffn_up.weight", I, H)
             add(p + "ffn_down.weight", H, I)
+        for name, values in (extra_tensors or {}).items():
+            w.add_tensor(name, np.asarray(values, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -224,3 +243,33 @@ class CountingBackend:
     def __call__(self, gm, example_inputs):
         self.num_graphs += 1
         return gm.forward
+
+
+_FLEX_CPU_PROBE: list[str | None] = []
+
+
+def require_flex_attention_on_cpu() -> None:
+    """Skip the calling test when this torch build cannot run eager flex_attention forward on the CPU.
+
+    The capability is probed once, on a plain causal mask built here, never on the code under test: a
+    failure of the project's own flex code (its block masks, its calls) fails the test, not skips it.
+    """
+    import warnings
+
+    import pytest
+    import torch
+
+    if not _FLEX_CPU_PROBE:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                mask = create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 8, 8, device="cpu")
+                x = torch.randn(1, 1, 8, 8)
+                flex_attention(x, x, x, block_mask=mask)
+            _FLEX_CPU_PROBE.append(None)
+        except (ImportError, RuntimeError, NotImplementedError) as e:  # pragma: no cover - depends on torch build
+            _FLEX_CPU_PROBE.append(f"{type(e).__name__}: {e}")
+    if _FLEX_CPU_PROBE[0] is not None:  # pragma: no cover - depends on torch build
+        pytest.skip(f"flex_attention forward unavailable on CPU in this torch build: {_FLEX_CPU_PROBE[0]}")

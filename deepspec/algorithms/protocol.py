@@ -79,7 +79,7 @@ class TrainBatch:
     target_last_hidden_BSH: torch.Tensor  # float32 on the device; the storage dtype on the host
     sample_indices: list[int]
     # the target logits' logsumexp (float32, NaN where no loss reads) and argmax (int64, -1 there) at each
-    # position, from a format-3 cache (deepspec.target.capture.target_logit_stats); None: compute them
+    # position, from the target cache (deepspec.target.capture.target_logit_stats); None: compute them
     target_logsumexp_BS: torch.Tensor | None = None
     target_argmax_BS: torch.Tensor | None = None
     # fp8 storage on the host only: float32 [B, S, n] per-token, per-layer scales of target_hidden_BSF
@@ -253,6 +253,9 @@ class Proposal:
             match) a point mass on its token; ``None`` means every node was chosen. A sampled node must
             come before any sibling whose choice depended on it (SpecInfer's multi-step speculative
             sampling tests a node's children in order; :func:`~deepspec.decoding.verify.verify_tree`).
+        sources_N: where each node came from, one of :data:`SOURCES` per node (``"lookup"``: a prompt-lookup
+            match, ``"corpus"``: a corpus continuation), or ``None``: every node is a draft model's
+            (``"draft"``). The scheduler keeps acceptance estimates per source.
     """
 
     draft_ids_N: Tensor
@@ -261,6 +264,7 @@ class Proposal:
     max_proposal_len: int | None = None
     parents_N: tuple[int, ...] | None = None
     raw_confidence_N: Tensor | None = None
+    sources_N: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.draft_ids_N.dim() != 1:
@@ -291,6 +295,10 @@ class Proposal:
                                      f"received shape {tuple(value.shape)}.")
             if self.confidence_N is not None:
                 self.scored_path()  # raises unless the scored nodes form one path from the anchor
+        if self.sources_N is not None and (len(self.sources_N) != self.num_proposed
+                                           or any(x not in SOURCES for x in self.sources_N)):
+            raise ValueError(f"Proposal.sources_N: expected one of {', '.join(SOURCES)} per draft token "
+                             f"({self.num_proposed}), received {self.sources_N!r}.")
 
     def scored_path(self) -> list[int]:
         """A tree's scored nodes (``confidence_N`` not NaN) in depth order: a path from the anchor (depth 1,
@@ -361,12 +369,27 @@ class Proposal:
             raw_confidence_N=(None if self.raw_confidence_N is None
                               else self.raw_confidence_N[rows.to(self.raw_confidence_N.device)]),
             parents_N=None if self.parents_N is None else tuple(-1 if parents[i] < 0 else new_index[parents[i]]
-                                                                for i in keep))
+                                                                for i in keep),
+            sources_N=None if self.sources_N is None else tuple(self.sources_N[i] for i in keep))
+
+    def source(self, i: int) -> str:
+        """Where node ``i`` came from (:attr:`sources_N`; ``"draft"`` when not recorded)."""
+        return DRAFT_SOURCE if self.sources_N is None else self.sources_N[i]
+
+    def with_source(self, source: str) -> "Proposal":
+        """This proposal with every node marked as coming from ``source`` (one of :data:`SOURCES`)."""
+        if source not in SOURCES:
+            raise ValueError(f"Proposal.with_source: expected one of {', '.join(SOURCES)}, got {source!r}")
+        return dataclasses.replace(self, sources_N=None if source == DRAFT_SOURCE else (source,) * self.num_proposed)
 
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> "Proposal":
         """A proposal of zero tokens (the engine then does a plain target-only step)."""
         return Proposal(draft_ids_N=torch.zeros(0, dtype=torch.long, device=device))
+
+
+DRAFT_SOURCE = "draft"
+SOURCES = (DRAFT_SOURCE, "lookup", "corpus")  # where a proposal's nodes come from (Proposal.sources_N)
 
 
 class DraftTree:
@@ -387,13 +410,15 @@ class DraftTree:
         self.parents: list[int] = []
         self._children: dict[tuple[int, int], int] = {}
         self._probs: dict[int, Tensor] = {}  # node -> the q it was sampled from
+        self.sources: list[str] = []  # node -> where it came from (the first proposal that added it)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, parent: int, token: int, q_V: Tensor | None = None) -> int:
+    def add(self, parent: int, token: int, q_V: Tensor | None = None, source: str = DRAFT_SOURCE) -> int:
         """The node index of ``token`` as a child of node ``parent`` (-1: the anchor); ``q_V`` fp32 ``[V]``:
-        the distribution over target ids a new node was sampled from (None: chosen).
+        the distribution over target ids a new node was sampled from (None: chosen); ``source``: where a new
+        node came from (:attr:`Proposal.sources_N`).
 
         Raises ValueError when a sampled node (``q_V`` given) repeats a node already in the tree."""
         key = (int(parent), int(token))
@@ -406,6 +431,7 @@ class DraftTree:
             node = self._children[key] = len(self.tokens)
             self.tokens.append(key[1])
             self.parents.append(key[0])
+            self.sources.append(source)
             if q_V is not None:
                 self._probs[node] = q_V
         return node
@@ -426,7 +452,7 @@ class DraftTree:
         nodes: list[int] = []
         for i, (p, t) in enumerate(zip(parents, proposal.draft_ids_N.tolist())):
             q_V = None if probs is None or bool(probs[i, t] == 1) else probs[i]
-            nodes.append(self.add(-1 if p < 0 else nodes[p], t, q_V))
+            nodes.append(self.add(-1 if p < 0 else nodes[p], t, q_V, proposal.source(i)))
 
     def to_proposal(self, device: torch.device | str = "cpu", **kwargs: Any) -> Proposal:
         """The tree as a :class:`Proposal` (``kwargs``: its other fields, e.g. ``max_proposal_len``): with
@@ -439,7 +465,9 @@ class DraftTree:
             probs[torch.arange(len(self.tokens)), ids.to(first.device)] = 1.0
             for node, q_V in self._probs.items():
                 probs[node] = q_V
-        return Proposal(draft_ids_N=ids, parents_N=tuple(self.parents), draft_probs_NV=probs, **kwargs)
+        sources = None if all(x == DRAFT_SOURCE for x in self.sources) else tuple(self.sources)
+        return Proposal(draft_ids_N=ids, parents_N=tuple(self.parents), draft_probs_NV=probs, sources_N=sources,
+                        **kwargs)
 
 
 @dataclass
@@ -510,7 +538,10 @@ class Proposer(Protocol):
 
     ``max_proposal_len`` is K, the most tokens one ``propose`` call returns (0 for the target-only
     baseline). An optional class attribute ``needs_features = False`` says the proposer reads only
-    the token ids (see the module docstring); absent, the engine captures target features for it.
+    the token ids (see the module docstring); absent, the engine captures target features for it. An
+    optional method ``propose_without_draft`` (``propose``'s signature) returns what the proposer offers
+    without running a draft model (a prompt-lookup match; empty otherwise): the engine calls it on the
+    steps its scheduler judges the draft not worth calling (:mod:`deepspec.decoding.schedule`).
     """
 
     max_proposal_len: int

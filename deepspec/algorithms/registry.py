@@ -81,13 +81,12 @@ def export_formats() -> dict[str, dict[str, ExportFormat]]:
 
 
 def algorithm_of_draft(path: str | Path) -> str:
-    """The algorithm that saved the draft folder ``path`` (its ``config.json``: ``deepspec_algorithm``,
-    else DSpark/DFlash by whether the heads are present).
+    """The algorithm that saved the draft folder ``path`` (its ``config.json``'s ``deepspec_algorithm``).
 
     Raises:
         FileNotFoundError: no ``config.json`` in ``path``.
-        ValueError: a ``config.json`` that no DeepSpec draft wrote (e.g. a target model folder), or an
-            algorithm that is not registered.
+        ValueError: a ``config.json`` that no DeepSpec draft wrote (e.g. a target model folder), a draft
+            config without ``deepspec_algorithm``, or an algorithm that is not registered.
     """
     config_path = Path(path) / CONFIG_NAME
     if not config_path.is_file():
@@ -99,13 +98,15 @@ def algorithm_of_draft(path: str | Path) -> str:
     if not isinstance(cfg, dict) or not ("deepspec_algorithm" in cfg or "draft_config" in cfg):
         raise ValueError(f"{path}: {CONFIG_NAME} is not a DeepSpec draft's (no 'deepspec_algorithm'); pass a "
                          f"checkpoint folder written by `deepspec train` (checkpoint-N/ or its draft/)")
-    if "deepspec_algorithm" in cfg:
-        name = str(cfg["deepspec_algorithm"])
-        if name not in ALGORITHMS:
-            raise ValueError(f"{path}: saved by algorithm {name!r}, which is not registered ({sorted(ALGORITHMS)})")
-        return name
-    draft = cfg["draft_config"]  # drafts saved before ``deepspec_algorithm`` existed
-    return "dspark" if draft.get("use_markov_head", True) or draft.get("use_confidence_head", True) else "dflash"
+    if "deepspec_algorithm" not in cfg:
+        raise ValueError(f"{config_path}: no 'deepspec_algorithm' field (the algorithm that saved the draft); add "
+                         "\"deepspec_algorithm\": \"dspark\" to it (\"dflash\" when its draft_config has "
+                         "use_markov_head and use_confidence_head false) or re-save the draft with this DeepSpec "
+                         "(`deepspec train`)")
+    name = str(cfg["deepspec_algorithm"])
+    if name not in ALGORITHMS:
+        raise ValueError(f"{path}: saved by algorithm {name!r}, which is not registered ({sorted(ALGORITHMS)})")
+    return name
 
 
 def load_draft(path: str | Path, *, target_model: nn.Module | None = None, target_fingerprint: str | None = None,

@@ -142,9 +142,8 @@ def generate_batch(model: Any, prompts: list[list[int]], *, pad_id: int, eos_ids
 
 
 # Batched generation multiplies every weight matrix by one row per request at each decoding step. On
-# the 2-core AMD EPYC (Zen 3, AVX2, float32) of 2026-12-01, 32 gsm8k train prompts x 128 greedy tokens of
-# the embedded target took 0.83x the time with the few-row path (deepspec.target.few_row_linear) over at
-# most 32 rows as with ``F.linear`` (median of 3 interleaved rounds, identical ids; `python
+# a CPU without native bf16 (AVX2, float32), batches of up to 32 rows generate faster with the few-row
+# path (deepspec.target.few_row_linear) than with ``F.linear``, with identical ids (`python
 # bench/prepare.py --rounds 3`, docs/results/prepare-cpu-2026-12-01/); at 64 rows the two kernels cost
 # the same per product, so larger batches keep ``F.linear``.
 BATCH_FEW_ROW_MAX_ROWS = 32

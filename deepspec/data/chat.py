@@ -71,6 +71,7 @@ difference is counted (``counts``), never silently repaired.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -563,7 +564,6 @@ def render_record(tokenizer: Any, *, chat_template_kwargs: Mapping[str, Any] | N
     the tokens, e.g. a default system prompt, the date, the tokenizer) and ``render_date`` (only when
     the template reads ``strftime_now``).
     """
-    import datetime
     import hashlib
     import json
 
@@ -585,7 +585,7 @@ def render_record(tokenizer: Any, *, chat_template_kwargs: Mapping[str, Any] | N
         "probe_sha256": probe_sha,
     }
     if "strftime_now" in variables:
-        record["render_date"] = datetime.date.today().isoformat()
+        record["render_date"] = datetime.datetime.now().date().isoformat()  # the clock strftime_now reads
     return record
 
 

@@ -44,7 +44,8 @@ side files under their final names:
   and without generated ids included), ``decoding`` (every decoding setting, the stop token ids,
   and the target's own generation-config settings that were ignored:
   :func:`deepspec.target.decoding.decoding_record`) and ``render`` (what the chat template read:
-  :func:`deepspec.data.chat.render_record`, compared when the cache is built).
+  :func:`deepspec.data.chat.render_record`, compared when the cache is built); after a resume,
+  ``resumed_render`` (the render the journal's rows were made with, equal to ``render``).
 
 Resume (``<output>.partial.jsonl``, the journal): its first line records the settings that shape
 the answers and their hash; every finished conversation (kept or failed) is appended as one line,
@@ -54,8 +55,12 @@ next run with the same settings re-reads the source, takes finished rows from th
 their id and a hash of their source messages), regenerates only the missing ones, then writes the
 outputs atomically in input order and deletes the journal. No row is duplicated or skipped; with
 greedy decoding the outputs are byte-identical to an uninterrupted run. A run with other settings
-is refused (the message lists the differences). Settings that do not change answers (batch size,
-servers, concurrency, retries, held-out fraction) may change between runs.
+is refused (the message lists the differences). The settings include the render record (everything
+the chat template reads at render time: its hash, kwargs, stop ids, the probe's ids, and the date
+when it reads ``strftime_now``): a run resumed with another template, or on another day with a
+template that reads the date, is refused, since its rows would pair answers with prompts the target
+never saw. Settings that do not change answers (batch size, servers, concurrency, retries, held-out
+fraction) may change between runs.
 
 Choices (documented for users):
 - ``max_turns`` caps the assistant turns regenerated per conversation (the rest of the
@@ -116,7 +121,13 @@ from deepspec.data.backends import (
     TurnRequest,
     TurnResult,
 )
-from deepspec.data.chat import generation_eos_of, render_prompt, render_record, stop_token_ids
+from deepspec.data.chat import (
+    generation_eos_of,
+    render_prompt,
+    render_record,
+    render_record_differences,
+    stop_token_ids,
+)
 from deepspec.data.conversations import SkipRow
 from deepspec.data.sources import ID_FIELDS, assign_split, open_source, row_key, source_row_messages
 from deepspec.device import check_device_name, check_dtype_name, dtype_name, resolve_device, resolve_dtype
@@ -423,9 +434,11 @@ def _request_seed(seed: int, source_index: int, turn: int) -> int:
 
 
 def _journal_settings(cfg: PrepareConfig, model_name: str, stop_ids: list[int],
-                      model_dtype: str | None = None) -> dict[str, Any]:
+                      model_dtype: str | None = None, render: dict[str, Any] | None = None) -> dict[str, Any]:
     """The settings that shape which rows are read and what the answers are (resume must match them);
-    ``model_dtype``: the local target's resolved dtype (answers differ between float32 and bfloat16)."""
+    ``model_dtype``: the local target's resolved dtype (answers differ between float32 and bfloat16);
+    ``render``: the render record (:func:`deepspec.data.chat.render_record`: everything the chat template
+    reads at render time, the date included when it reads ``strftime_now``), as the prompts are rendered."""
     keys = ("input", "hf_split", "num_conversations", "max_new_tokens", "max_prompt_tokens", "max_turns",
             "temperature", "top_k", "top_p", "seed", "enable_thinking", "target", "backend")
     settings = {k: getattr(cfg, k) for k in keys}
@@ -433,7 +446,25 @@ def _journal_settings(cfg: PrepareConfig, model_name: str, stop_ids: list[int],
     settings["stop_token_ids"] = list(stop_ids)
     if model_dtype is not None:
         settings["model_dtype"] = model_dtype
+    if render is not None:
+        settings["render"] = dict(render)
     return settings
+
+
+def _render_changes(old: Any, new: dict[str, Any]) -> list[str]:
+    """Why the render recorded in a journal header differs from this run's, as readable lines (empty:
+    same). Unlike :func:`deepspec.data.chat.render_record_differences`, another ``render_date`` is a
+    difference: a template that reads today's date may print it only in rows the probe does not cover."""
+    if not isinstance(old, dict):
+        return ["the journal records no render (written by an older deepspec), so its rows cannot be checked"]
+    lines = render_record_differences(old, new)
+    if old.get("render_date") != new.get("render_date") and not any("strftime_now" in line for line in lines):
+        lines.append(f"the chat template reads strftime_now (today's date): the journal's rows were rendered on "
+                     f"{old.get('render_date', '?')}, this run renders on {new.get('render_date', '?')}")
+    if not lines and old != new:
+        lines = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+                 if old.get(k) != new.get(k)]
+    return lines
 
 
 def _settings_hash(settings: dict[str, Any]) -> str:
@@ -489,17 +520,27 @@ class _Journal:
         header, self.entries = read_journal(path)
         wanted = _settings_hash(settings)
         if header is None:
-            atomic_write_text(path, json.dumps({"format": JOURNAL_FORMAT, "settings_hash": wanted,
-                                                "settings": settings}, sort_keys=True) + "\n")
+            header = {"format": JOURNAL_FORMAT, "settings_hash": wanted, "settings": settings}
+            atomic_write_text(path, json.dumps(header, sort_keys=True) + "\n")
             self.entries = []
         elif header.get("settings_hash") != wanted:
             old = header.get("settings", {})
             diff = {k: (old.get(k), settings.get(k)) for k in sorted(set(old) | set(settings))
-                    if old.get(k) != settings.get(k)}
-            raise ValueError(
-                f"{path} holds an interrupted prepare run with other settings "
-                f"({', '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in diff.items()) or 'unknown difference'}). "
-                f"Rerun with the same settings to resume, or delete {path} to start over.")
+                    if old.get(k) != settings.get(k) and k != "render"}
+            listed = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items()]
+            render_lines = _render_changes(old.get("render"), settings["render"]) if "render" in settings else []
+            if render_lines:
+                listed.append("the chat template renders differently (" + "; ".join(render_lines) + ")")
+            fix = f"Rerun with the same settings to resume, or delete {path} to start over."
+            if render_lines:
+                fix = (f"The journal's answers were generated for prompts rendered as it records; resuming would "
+                       f"write rows of two renderings into one file, pairing answers with prompts the target never "
+                       f"saw. Resume with the target, --chat-template and --enable-thinking of the interrupted run "
+                       f"(a template that prints today's date resumes only on the day the run started: no setting "
+                       f"pins the date), or delete {path} to start over.")
+            raise ValueError(f"{path} holds an interrupted prepare run with other settings "
+                             f"({', '.join(listed) or 'unknown difference'}). {fix}")
+        self.header = header
         self._file = path.open("a", encoding="utf-8")
 
     def append(self, entry: dict[str, Any]) -> None:
@@ -602,7 +643,8 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
     skipped: list[dict[str, Any]] = []
     convs, read, lost_in_source = _select(cfg, tokenizer, skipped)
     model_name = backend.resolve_model() if isinstance(backend, OpenAIBackend) else cfg.target
-    journal = _Journal(journal_path_for(cfg.output), _journal_settings(cfg, model_name, stop_ids, target.model_dtype))
+    journal = _Journal(journal_path_for(cfg.output),
+                       _journal_settings(cfg, model_name, stop_ids, target.model_dtype, render=render))
     num_resumed = _restore(convs, journal.entries, journal.path)
     if num_resumed:
         log(f"prepare: resuming from {journal.path}: {num_resumed} of {len(convs)} conversations already finished")
@@ -631,7 +673,11 @@ def run_prepare(cfg: PrepareConfig, model: Any = None, tokenizer: Any = None, *,
                                                    lost_in_source=lost_in_source, num_resumed=num_resumed,
                                                    backend=backend, model_dtype=target.model_dtype,
                                                    model_device=target.model_device)
-    _write_outputs(cfg, summary, skipped, train_rows, heldout_rows, decoding=decoding, render=render)
+    # The render of the resumed rows, checked equal to this run's by _Journal: recorded so that the cache
+    # can tell a resumed file that was checked from one written before the check existed.
+    resumed_render = journal.header.get("settings", {}).get("render") if num_resumed else None
+    _write_outputs(cfg, summary, skipped, train_rows, heldout_rows, decoding=decoding, render=render,
+                   resumed_render=resumed_render)
     journal.path.unlink()  # every output is in place: the journal has served its purpose
     _log_summary(cfg, summary, skipped, counts, log)
     return summary
@@ -800,16 +846,18 @@ def _summarize(cfg: PrepareConfig, convs: list[_Conversation], skipped: list[dic
 
 def _write_outputs(cfg: PrepareConfig, summary: PrepareSummary, skipped: list[dict[str, Any]],
                    train_rows: list[dict[str, Any]], heldout_rows: list[dict[str, Any]], *,
-                   decoding: dict[str, Any], render: dict[str, Any]) -> None:
+                   decoding: dict[str, Any], render: dict[str, Any],
+                   resumed_render: dict[str, Any] | None = None) -> None:
     """Write the summary, skipped, held-out and train files (module docstring), each atomically."""
 
     def rows_text(rows: list[dict[str, Any]]) -> str:
         return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
     cfg_dict = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
-    summary_text = json.dumps({"config": cfg_dict, "summary": asdict(summary), "decoding": decoding,
-                               "render": render, "tok_per_s": round(summary.tok_per_s, 1)},
-                              indent=2, ensure_ascii=False) + "\n"
+    record = {"config": cfg_dict, "summary": asdict(summary), "decoding": decoding, "render": render}
+    if resumed_render is not None:
+        record["resumed_render"] = resumed_render
+    summary_text = json.dumps({**record, "tok_per_s": round(summary.tok_per_s, 1)}, indent=2, ensure_ascii=False) + "\n"
     # Every output is written under a temporary name first, then renamed: the train file first, the
     # side files after it (ExitStack exits in reverse order). If any write or the train file's
     # rename fails, no side file appears under its final name and the journal is kept.

@@ -56,6 +56,11 @@ Scope and choices:
   (:mod:`deepspec.target.few_row_linear`: on CPUs where the row-major GEMM over 2-8 rows costs far more
   than a GEMV, it makes a verify forward cost about a one-token one). Give the target-only engine
   the same setting as the speculative one, so both decode with the same kernels.
+- ``exact`` (default False): every verify forward (2 or more tokens after the prefill) computes each
+  row bit for bit as a one-token forward would (:class:`deepspec.target.exact_rows.ExactRows`: attention
+  one query row at a time, linear layers in row-invariant chunks), so greedy speculative output is
+  token-identical to target-only output in bfloat16 too, near-ties included. One-token forwards and the
+  prefill are unchanged, so the target-only engine needs no setting. Not with ``compiled``.
 - Timing (``time.perf_counter``; on CUDA the device is synchronised at each boundary, where the
   next host read would wait anyway): a step's ``propose_s`` is the proposer's call, ``verify_s``
   the target forward over ``[anchor, d_1..d_N]`` (input tensors included), and the remainder of
@@ -79,6 +84,7 @@ from deepspec.decoding.verify import GREEDY, verify, verify_tree
 from deepspec.device import device_model_name
 from deepspec.target.capture import target_forward, target_logits
 from deepspec.target.decoding import SamplingParams
+from deepspec.target.exact_rows import PROBE_ROWS, ExactRows
 from deepspec.target.few_row_linear import few_row_linear
 
 
@@ -294,6 +300,8 @@ class SpeculativeEngine:
             are needed. Default :func:`deepspec.target.capture.target_forward` (the parameter exists for tests).
         few_row_linear: run :meth:`generate` with the few-row linear path (see the module docstring)
             for the target and the proposer's ``model`` (when it has one).
+        exact: compute every verify forward's rows as one-token forwards do (see the module docstring); the
+            per-layer row tests run here (about a second, once per process), when the proposer can propose.
         compiled: run the target's decode steps through this static-cache, compiled path
             (:mod:`deepspec.decoding.compiled`; built for ``target_model``, with a step length of at least
             ``proposer.max_proposal_len + 1``). Give the target-only engine the same one.
@@ -304,7 +312,8 @@ class SpeculativeEngine:
             so far; a :class:`StepScheduler` instance is used as given. Lossless either way.
 
     Raises ValueError for an empty ``eos_token_ids``, and for ``compiled`` together with
-    ``forward_fn`` or ``few_row_linear``, built for another model or too short for the proposer's K.
+    ``forward_fn``, ``few_row_linear`` or ``exact``, built for another model or too short for the proposer's K;
+    with ``exact``, for a target whose attention implementation is not registered with transformers.
     """
 
     def __init__(
@@ -316,6 +325,7 @@ class SpeculativeEngine:
         *,
         forward_fn: Callable[..., Any] | None = None,
         few_row_linear: bool = False,
+        exact: bool = False,
         compiled: CompiledTarget | None = None,
         schedule: str | StepScheduler = "fixed",
     ) -> None:
@@ -324,9 +334,9 @@ class SpeculativeEngine:
         if not eos_token_ids:
             raise ValueError("eos_token_ids: expected at least one token id, received none; pass tokenizer.eos_token_id.")
         if compiled is not None:
-            if forward_fn is not None or few_row_linear:
+            if forward_fn is not None or few_row_linear or exact:
                 raise ValueError("compiled: the compiled target path is its own forward with its own kernels; pass "
-                                 "it without forward_fn and with few_row_linear off.")
+                                 "it without forward_fn, with few_row_linear off and exact off.")
             if compiled.model is not target_model:
                 raise ValueError("compiled: a CompiledTarget built for another model than target_model.")
             if max(compiled.step_lengths) < int(proposer.max_proposal_len) + 1:
@@ -347,6 +357,10 @@ class SpeculativeEngine:
         self.uses_features = self.can_propose and bool(getattr(proposer, "needs_features", True))
         self._feature_layer_ids = self.target_layer_ids if self.uses_features else []
         self.few_row_linear = bool(few_row_linear)
+        self.exact = bool(exact)
+        # linear layers tested up to the verify of a whole chain (K + 1 rows): longer ones go in chunks
+        self._exact_rows = (ExactRows(target_model, max_rows=min(int(proposer.max_proposal_len) + 1, PROBE_ROWS))
+                            if self.exact and self.can_propose else None)
         # a proposer that never proposes needs no schedule; "auto" builds its scheduler at the first generation
         self._measure_schedule = self.can_propose and schedule == "auto"
         self.scheduler: StepScheduler | None = (schedule if isinstance(schedule, StepScheduler) and self.can_propose
@@ -363,6 +377,7 @@ class SpeculativeEngine:
                 "params": sum(p.numel() for p in m.parameters()), "device": self.device.type,
                 "device_name": device_model_name(self.device),
                 "dtype": str(param.dtype), "threads": torch.get_num_threads(), "few_row_linear": self.few_row_linear,
+                "exact": self.exact,
                 "compiled": self.compiled is not None, "features": bool(self._feature_layer_ids),
                 "max_tokens": max_tokens, "torch": torch.__version__}
 
@@ -384,16 +399,19 @@ class SpeculativeEngine:
 
         return measure_step_costs(forward_tokens, max_tokens)
 
-    def _ensure_scheduler(self) -> None:
-        """Build the ``"auto"`` scheduler once: the cost curve up to the longest verify this engine can feed
-        (a compiled target: its longest step; else 64 tokens, trees and lookup included), cached on disk."""
+    def ensure_scheduler(self) -> StepScheduler | None:
+        """Build the ``"auto"`` scheduler once (:meth:`generate` does it before its clock starts; a server
+        calls it at start-up): the cost curve up to the longest verify this engine can feed (a compiled
+        target: its longest step; else 64 tokens, trees and lookup included), cached on disk. Returns the
+        scheduler, None with ``schedule="fixed"`` or a proposer that never proposes."""
         if not self._measure_schedule or self.scheduler is not None:
-            return
+            return self.scheduler
         max_tokens = max(self.compiled.step_lengths) if self.compiled is not None else 64
         max_tokens = max(max_tokens, int(self.proposer.max_proposal_len) + 1)
         with torch.inference_mode():
             curve, _ = load_or_measure_step_costs(self._cost_key(max_tokens), lambda: self._measure_costs(max_tokens))
         self.scheduler = StepScheduler(curve)
+        return self.scheduler
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -402,7 +420,8 @@ class SpeculativeEngine:
     def _forward(self, ids: list[int], start_pos: int, cache: Any, *, compute_logits: bool,
                  parents: Sequence[int] | None = None, depths: Sequence[int] | None = None) -> Any:
         """The target over ``ids`` from ``start_pos``; with ``parents`` / ``depths`` (a draft tree after the
-        anchor) at positions ``start_pos + depth`` under :func:`target_tree_mask`."""
+        anchor) at positions ``start_pos + depth`` under :func:`target_tree_mask`. With ``exact``, a forward
+        over 2 or more tokens after the prefill runs under :class:`ExactRows`."""
         input_ids_BT = torch.tensor([ids], dtype=torch.long, device=self.device)
         kwargs: dict[str, Any] = {}
         if parents is None:
@@ -410,16 +429,19 @@ class SpeculativeEngine:
         else:
             position_ids_BT = torch.tensor([[start_pos, *(start_pos + d for d in depths)]], device=self.device)
             kwargs["attention_mask_BT"] = target_tree_mask(self.target_model.config, parents, start_pos, self.device)
-        return self.forward_fn(
-            self.target_model,
-            input_ids_BT,
-            self._feature_layer_ids,
-            position_ids_BT=position_ids_BT,
-            past_key_values=cache,
-            use_cache=True,
-            compute_logits=compute_logits,
-            **kwargs,
-        )
+        rows = (self._exact_rows(len(ids)) if self._exact_rows is not None and start_pos > 0 and len(ids) > 1
+                else contextlib.nullcontext())
+        with rows:
+            return self.forward_fn(
+                self.target_model,
+                input_ids_BT,
+                self._feature_layer_ids,
+                position_ids_BT=position_ids_BT,
+                past_key_values=cache,
+                use_cache=True,
+                compute_logits=compute_logits,
+                **kwargs,
+            )
 
     def generate(
         self,
@@ -498,8 +520,8 @@ class SpeculativeEngine:
             self.compiled.prepare(self._feature_layer_ids, num_positions,
                                   self.compiled.lengths_up_to(proposer.max_proposal_len + 1))
         proposer.prepare(num_positions)  # a proposer with static buffers (compiled drafts) allocates them
-        self._ensure_scheduler()
-        sched = self.scheduler
+        sched = self.ensure_scheduler()
+        without_draft = getattr(proposer, "propose_without_draft", None) if sched is not None else None
         if sched is not None:
             sched.reset()
         sync()
@@ -537,8 +559,12 @@ class SpeculativeEngine:
             # < max_position_embeddings; the scheduler then keeps what is worth verifying.
             drafted = sched is None or sched.plan(proposer.max_proposal_len)
             t_planned = time.perf_counter()
-            proposal = (proposer.propose(anchor, anchor_pos, sampling=sampling, generator=generator) if drafted
-                        else Proposal.empty(self.device))
+            if drafted:
+                proposal = proposer.propose(anchor, anchor_pos, sampling=sampling, generator=generator)
+            elif without_draft is not None:  # what costs no draft call (a prompt-lookup match) is still offered
+                proposal = without_draft(anchor, anchor_pos, sampling=sampling, generator=generator)
+            else:
+                proposal = Proposal.empty(self.device)
             proposal = proposal.truncated(self.max_positions - 1 - anchor_pos)
             t_proposed = time.perf_counter()
             num_drafted = proposal.num_proposed

@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deepspec.algorithms.protocol import Proposal
+from deepspec.algorithms.protocol import DRAFT_SOURCE, Proposal
 from deepspec.utils import atomic_write_json
 
 # Token counts a cost curve is measured at (the engine measures those up to its longest verify).
@@ -100,12 +100,14 @@ class StepCostCurve:
         return StepCostCurve(tuple(int(x) for x in d["tokens"]), tuple(float(x) for x in d["seconds"]))
 
 
-def measure_step_costs(forward_tokens: Callable[[int], None], max_tokens: int, *, repeats: int = 3,
+def measure_step_costs(forward_tokens: Callable[[int], None], max_tokens: int, *, repeats: int = 5,
                        clock: Callable[[], float] = time.perf_counter) -> StepCostCurve:
     """Time ``forward_tokens(n)`` (one target forward over ``n`` tokens, synchronised, its cache rolled back
     after) at the :data:`MEASURED_TOKENS` up to ``max_tokens`` and at ``max_tokens``: one warm-up pass,
-    then ``repeats`` interleaved rounds (so a load change hits every size alike), the median per size.
-    A larger size measured faster than a smaller one is raised to it (the cost never decreases with n).
+    then ``repeats`` interleaved rounds (so a load change hits every size alike), the fastest round per size
+    (other work on the machine only ever adds time), then the closest non-decreasing curve (pool adjacent
+    violators: a size measured faster than a smaller one is averaged with it, so one slow measurement does
+    not raise every larger size).
 
     Raises ValueError for ``max_tokens < 1`` or ``repeats < 1``.
     """
@@ -120,11 +122,18 @@ def measure_step_costs(forward_tokens: Callable[[int], None], max_tokens: int, *
             t0 = clock()
             forward_tokens(n)
             times[n].append(clock() - t0)
-    seconds, best = [], 0.0
-    for n in sizes:
-        best = max(best, statistics.median(times[n]), 1e-9)
-        seconds.append(best)
-    return StepCostCurve(tuple(sizes), tuple(seconds))
+    return StepCostCurve(tuple(sizes), tuple(_non_decreasing([max(min(times[n]), 1e-9) for n in sizes])))
+
+
+def _non_decreasing(values: Sequence[float]) -> list[float]:
+    """The least-squares non-decreasing fit of ``values`` (pool adjacent violators, equal weights)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return [m for m, c in blocks for _ in range(int(c))]
 
 
 def step_cost_cache_dir() -> Path:
@@ -165,9 +174,11 @@ def _score_bin(score: float | None, bins: int) -> int:
 class AcceptanceEstimator:
     """Running estimates of ``P(node accepted | its parent accepted)``.
 
-    Cells are keyed by the node's depth (1 for the anchor's children; capped at ``max_depth``), its
-    rank among its siblings (0: the draft's first choice, a chain's node; capped at ``max_rank``) and,
-    when the proposer scores its nodes (DSpark's confidence head), the score's bin of width ``1 / bins``.
+    Cells are keyed by the node's source (:attr:`~deepspec.algorithms.protocol.Proposal.sources_N`: a draft
+    model, a prompt-lookup match, a corpus continuation: their acceptance differs by far), its depth (1 for
+    the anchor's children; capped at ``max_depth``), its rank among its siblings (0: the draft's first
+    choice, a chain's node; capped at ``max_rank``) and, when the proposer scores its nodes (DSpark's
+    confidence head), the score's bin of width ``1 / bins``.
     Each cell holds decayed counts (``decay`` per update of that cell: recent steps of the request
     weigh more); its estimate is ``(accepted + strength * prior) / (seen + strength)`` with ``prior``
     the node's own score when it has one, else the depth's running mean for rank 0, or
@@ -181,33 +192,33 @@ class AcceptanceEstimator:
     decay: float = 0.99
     first_prior: float = 0.5
     other_prior: float = 0.1
-    cells: dict[tuple[int, int, int], list[float]] = field(default_factory=dict)
+    cells: dict[tuple[str, int, int, int], list[float]] = field(default_factory=dict)
 
-    def _key(self, depth: int, rank: int, score: float | None) -> tuple[int, int, int]:
-        return (min(depth, self.max_depth), min(rank, self.max_rank), _score_bin(score, self.bins))
+    def _key(self, depth: int, rank: int, score: float | None, source: str) -> tuple[str, int, int, int]:
+        return (source, min(depth, self.max_depth), min(rank, self.max_rank), _score_bin(score, self.bins))
 
-    def _depth_prior(self, depth: int) -> float:
-        cell = self.cells.get((min(depth, self.max_depth), 0, -1))
+    def _depth_prior(self, depth: int, source: str) -> float:
+        cell = self.cells.get(self._key(depth, 0, None, source))
         prior = self.first_prior * 0.9 ** (depth - 1)
         return prior if cell is None else (cell[0] + self.strength * prior) / (cell[1] + self.strength)
 
-    def estimate(self, depth: int, rank: int = 0, score: float | None = None) -> float:
-        """The acceptance probability of one node, in (0, 1)."""
+    def estimate(self, depth: int, rank: int = 0, score: float | None = None, source: str = DRAFT_SOURCE) -> float:
+        """The acceptance probability of one node from ``source``, in (0, 1)."""
         if score is not None:
             prior = min(max(float(score), 0.0), 1.0)
         else:
-            prior = self._depth_prior(depth) if rank == 0 else self.other_prior
-        cell = self.cells.get(self._key(depth, rank, score))
+            prior = self._depth_prior(depth, source) if rank == 0 else self.other_prior
+        cell = self.cells.get(self._key(depth, rank, score, source))
         if cell is None:
             return prior
         return (cell[0] + self.strength * prior) / (cell[1] + self.strength)
 
-    def observe(self, depth: int, rank: int, score: float | None, accepted: bool) -> None:
-        """Count one verified node whose parent was accepted (and, for a scored node, its depth's
-        unscored cell too, the running mean that plans steps before a proposal exists)."""
-        keys = {self._key(depth, rank, score)}
+    def observe(self, depth: int, rank: int, score: float | None, accepted: bool, source: str = DRAFT_SOURCE) -> None:
+        """Count one verified node from ``source`` whose parent was accepted (and, for a scored node, its
+        depth's unscored cell too, the running mean that plans steps before a proposal exists)."""
+        keys = {self._key(depth, rank, score, source)}
         if rank == 0:
-            keys.add(self._key(depth, 0, None))
+            keys.add(self._key(depth, 0, None, source))
         for key in keys:
             cell = self.cells.setdefault(key, [0.0, 0.0])
             cell[0] = cell[0] * self.decay + float(accepted)
@@ -304,10 +315,11 @@ class StepScheduler:
         lam = self.lam()
         if proposal.parents_N is None:
             conf = None if proposal.confidence_N is None else proposal.confidence_N.tolist()
-            means = [self.estimator.estimate(d) for d in range(1, n + 1)]
+            source = proposal.source(0)  # a chain comes from one source
+            means = [self.estimator.estimate(d, source=source) for d in range(1, n + 1)]
             path, keep = 1.0, 0
             for k in range(1, n + 1):
-                a_k = self.estimator.estimate(k, 0, None if conf is None else conf[k - 1])
+                a_k = self.estimator.estimate(k, 0, None if conf is None else conf[k - 1], source)
                 ahead = itertools.accumulate([a_k, *means[k:]], operator.mul, initial=path)
                 _, gain = self._best_prefix(list(ahead)[1:], lam, base_tokens=k)
                 if gain <= 0:
@@ -321,7 +333,7 @@ class StepScheduler:
         depths = proposal.depths_N
         path_N: list[float] = []
         for i, p in enumerate(proposal.parents_N):
-            a = self.estimator.estimate(depths[i], ranks[i])
+            a = self.estimator.estimate(depths[i], *_rank_and_source(proposal, i, ranks))
             path_N.append(a * (1.0 if p < 0 else path_N[p]))
         order = sorted(range(n), key=lambda i: (-path_N[i], i))  # a parent never scores below its child
         best_m, _ = self._best_prefix([path_N[i] for i in order], lam)
@@ -343,7 +355,7 @@ class StepScheduler:
 
         if verify_s > 0:
             self.scale = running(self.scale, verify_s / self.curve.seconds_for(n + 1))
-        if propose_s is not None:
+        if propose_s is not None and proposal.sources_N is None:  # a draft model's call (plan weighs it)
             self.propose_s = propose_s if self.propose_s == 0.0 else running(self.propose_s, propose_s)
         self.overhead_s = self.rate_decay * self.overhead_s + (1 - self.rate_decay) * max(overhead_s, 0.0)
         self.rate = running(self.rate, num_committed / max(step_s, 1e-9))
@@ -353,13 +365,21 @@ class StepScheduler:
         if proposal.parents_N is None:
             conf = None if proposal.confidence_N is None else proposal.confidence_N.tolist()
             for k in range(1, min(num_accepted + 1, n) + 1):
-                est.observe(k, 0, None if conf is None else conf[k - 1], k <= num_accepted)
+                est.observe(k, 0, None if conf is None else conf[k - 1], k <= num_accepted, proposal.source(0))
             return
         on_path = set(path or ())
         ranks, depths = _sibling_ranks(proposal.parents_N), proposal.depths_N
         for i, p in enumerate(proposal.parents_N):
             if p < 0 or p in on_path:
-                est.observe(depths[i], ranks[i], None, i in on_path)
+                rank, _, source = _rank_and_source(proposal, i, ranks)
+                est.observe(depths[i], rank, None, i in on_path, source)
+
+
+def _rank_and_source(proposal: Proposal, i: int, ranks: Sequence[int]) -> tuple[int, None, str]:
+    """Node ``i``'s estimator key besides its depth: its sibling rank (a draft's node) or 0 (a lookup's or
+    corpus's node, one chain whatever sits beside it), no score (trees carry none), its source."""
+    source = proposal.source(i)
+    return (ranks[i] if source == DRAFT_SOURCE else 0), None, source
 
 
 def size_histogram(sizes: Sequence[int]) -> dict[str, int]:

@@ -3,8 +3,8 @@
 :class:`DecodeSettings` holds what those four share and what does not depend on sampling (a request's
 temperature, top-k and top-p are :class:`~deepspec.target.decoding.SamplingParams`): how many tokens a
 draft proposes, its draft tree, prompt lookup in front of it, the training-free baselines, dtype, device,
-the linear path and the compiled target. :func:`build_proposers` builds every proposer of a run from it,
-each with its final K and tree width: nothing is set on a proposer after it is built.
+the linear path, the compiled target and the step schedule. :func:`build_proposers` builds every proposer
+of a run from it, each with its final K and tree width: nothing is set on a proposer after it is built.
 
 The ``--tree-width W`` flag (eval, serve, the demo) meant two things in one integer; here they are two
 fields (docs/design/decoding.md, "Draft trees"): ``lookup_beside_draft`` (W >= 1: a draft with prompt
@@ -28,6 +28,7 @@ from deepspec.algorithms.registry import algorithm_for_model, check_baselines
 from deepspec.device import check_device_name, check_dtype_name
 from deepspec.target.few_row_linear import check_few_row_mode
 
+SCHEDULES = ("auto", "fixed")  # deepspec.decoding.engine.SpeculativeEngine's schedule argument
 _WHERE = "DecodeSettings"  # how a field is named in an error; from_flags names the stage's flag instead
 # fields a stage sets through a flag of another name (the one --tree-width flag sets both)
 _FLAG_OF = {"draft_tree_width": "tree_width", "lookup_beside_draft": "tree_width"}
@@ -64,7 +65,12 @@ class DecodeSettings:
     device: str = "auto"  # auto | cpu | cuda | cuda:N (deepspec.device.resolve_device)
     few_row_linear: str = "auto"  # auto | on | off (deepspec.target.few_row_linear)
     compile: bool = False  # the target's decode steps on the compiled path (deepspec.decoding.compiled)
-    # (the scheduler of the next issue adds `schedule: str = "fixed"` here)
+    # verify forwards compute each row as a one-token forward would, bit for bit (deepspec.target.exact_rows):
+    # greedy output equal to target-only's in bfloat16 too, at a measured cost per verify
+    exact: bool = False
+    # auto: a cost-aware scheduler chooses per step how much of each proposal to verify, or a plain target step
+    # (deepspec.decoding.schedule; lossless); fixed: every proposal is verified whole
+    schedule: str = "auto"
 
     def __post_init__(self) -> None:
         normalised = {
@@ -75,8 +81,14 @@ class DecodeSettings:
         }
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"{_WHERE}.compile: expected true or false, got {self.compile!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"{_WHERE}.schedule: expected one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        for name in ("compile", "exact"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{_WHERE}.{name}: expected true or false, got {getattr(self, name)!r}")
+        if self.exact and self.compile:
+            raise ValueError(f"{_WHERE}.exact: exact rows need the eager target path (the compiled one picks its own "
+                             "kernels); drop --exact or --compile.")
         if self.compile and self.few_row_linear == "on":
             raise ValueError(f"{_WHERE}.few_row_linear: on cannot be combined with {_WHERE}.compile (the compiled "
                              "path picks its own kernels); pass --few-row-linear auto or off with --compile.")

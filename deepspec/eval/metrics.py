@@ -11,7 +11,9 @@ Counting conventions:
   recorded, i.e. before the final step's tokens beyond ``max_new_tokens`` are dropped: they measure
   the drafter, not the length cap. Throughput figures use the output tokens actually returned.
 - An accepted EOS counts as an accepted draft; its step commits no extra token
-  (``num_committed == num_accepted``), and the drafts after it are never verified.
+  (``num_committed == num_accepted``), and the drafts after it are never verified. tau and its histogram
+  count the tokens a step committed (``num_committed``: accepted + 1, or accepted when the step ended at an
+  accepted EOS, which no bonus token follows), as the original DeepSpec's acceptance length does.
 
 Confidence calibration (DSpark's confidence head, docs/design/draft-models.md, "Markov and confidence
 heads": slot k's probability of being
@@ -45,8 +47,10 @@ METRIC_DEFINITIONS: dict[str, str] = {
     "num_output_tokens": "output tokens returned, summed over prompts (after the max_new_tokens cut)",
     "total_time_s": "wall time of generate() summed over prompts (prefill included)",
     "num_steps": "number of verify steps (target forwards after the prefill), pooled over prompts",
-    "tau": "acceptance length: mean over verify steps of (accepted drafts + 1); max = K + 1; 1 for target-only",
-    "tau_histogram": "counts of verify steps by acceptance length (accepted drafts + 1) = 1, 2, .., K + 1 "
+    "tau": "acceptance length: mean over verify steps of the tokens the step committed (accepted drafts + 1, or "
+    "the accepted drafts alone when the step ended at an accepted EOS: no bonus token follows it); max = K + 1; "
+    "1 for target-only",
+    "tau_histogram": "counts of verify steps by acceptance length (tokens committed) = 1, 2, .., K + 1 "
     "(list index i holds length i + 1), pooled over prompts",
     "accept_rate_conditional@k": "P(draft k accepted | drafts 1..k-1 accepted and draft k proposed) "
     "= #steps(accepted >= k) / #steps(accepted >= k-1 and proposed >= k)",
@@ -134,8 +138,15 @@ def _mean(xs: Sequence[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def acceptance_length(step: StepRecord) -> int:
+    """The acceptance length of one verify step: the tokens it committed, ``num_committed`` (accepted + 1, or
+    accepted when it ended at an accepted EOS: no bonus token follows an EOS), before the ``max_new_tokens``
+    cut. The figure tau averages, as the original DeepSpec counts it."""
+    return step.num_committed
+
+
 def tau_histogram(steps: Sequence[StepRecord], max_k: int | None = None) -> list[int]:
-    """Counts of acceptance length (accepted + 1) = 1..K+1; index i holds length i + 1.
+    """Counts of acceptance length (:func:`acceptance_length`, 1..K+1); index i holds length i + 1.
 
     ``max_k`` = K fixes the length K + 1 (default: most drafts proposed). Raises ValueError when a
     step accepted more than ``max_k`` drafts (its length would not fit the histogram).
@@ -148,7 +159,7 @@ def tau_histogram(steps: Sequence[StepRecord], max_k: int | None = None) -> list
                 f"max_k: a step accepted {s.num_accepted} drafts but max_k is {k_max}; pass the proposer's "
                 "max_proposal_len (or None to use the most drafts proposed)."
             )
-        counts[s.num_accepted] += 1
+        counts[acceptance_length(s) - 1] += 1
     return counts
 
 
@@ -184,7 +195,7 @@ def acceptance_stats(steps: Sequence[StepRecord], max_k: int | None = None) -> A
     committed = sum(s.num_committed for s in steps)
     return AcceptanceStats(
         num_steps=n,
-        tau=(sum(s.num_accepted + 1 for s in steps) / n) if n else 0.0,
+        tau=(sum(acceptance_length(s) for s in steps) / n) if n else 0.0,
         verify_rate=(committed / fed) if fed else 0.0,
         tau_histogram=tau_histogram(steps, k_max),
         num_accepted_at_k=accepted_at,

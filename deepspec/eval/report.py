@@ -9,8 +9,9 @@ Input is the dict built by :func:`deepspec.eval.run.run_eval`::
 where each method's dict is :func:`deepspec.eval.metrics.benchmark_metrics` (``hf-generate`` keeps
 only its wall-clock keys). Files written by :func:`write_report`: ``eval_results.json``,
 ``eval_report.md``, ``acceptance.png`` (prefix-survival rate per draft position),
-``tau_histogram.png`` (acceptance-length distribution) and, when any method carries confidences,
-``reliability.png`` (confidence-head reliability diagram).
+``tau_histogram.png`` (acceptance-length distribution), when any method carries confidences
+``reliability.png`` (confidence-head reliability diagram) and, when the steps were scheduled
+(``--schedule auto``), ``step_costs.png`` (the measured step cost curve).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ FILE_NAMES: dict[str, str] = {
     "png": "acceptance.png",
     "tau_histogram": "tau_histogram.png",
     "reliability": "reliability.png",
+    "step_costs": "step_costs.png",
 }
 
 
@@ -185,6 +187,44 @@ def _timing_table(results: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def has_schedule(results: Mapping[str, Any]) -> bool:
+    """Whether any method's steps were chosen by the cost-aware scheduler (``--schedule auto``)."""
+    return results.get("config", {}).get("step_cost_curve") is not None
+
+
+def _mean_size(histogram: Mapping[str, int]) -> float | None:
+    n = sum(histogram.values())
+    return sum(int(k) * v for k, v in histogram.items()) / n if n else None
+
+
+def _schedule_table(results: Mapping[str, Any]) -> list[str]:
+    curve = results["config"]["step_cost_curve"]
+    one = curve["seconds"][0]
+    lines = [
+        "## Scheduling",
+        "",
+        ("`--schedule auto` (deepspec.decoding.schedule): each step verifies the part of the proposal whose expected "
+         "tokens are worth its cost on this machine, or is a plain target step. Step cost curve measured for this "
+         "target (tokens fed: ms, and in one-token steps): "
+         + ", ".join(f"{n}: {1000 * t:.1f} ({t / one:.2f})" for n, t in zip(curve["tokens"], curve["seconds"]))
+         + "."),
+        "",
+        "| benchmark | method | steps | plain steps | not drafted | mean verified | verified sizes (size: steps) | "
+        "schedule ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for bench, method, m in _methods(results):
+        sizes = m.get("proposal_sizes")
+        if not _is_proposer(method, m) or not sizes:
+            continue
+        lines.append(
+            f"| {bench} | {method} | {m.get('num_steps')} | {_fmt(m.get('frac_plain_steps'))} | "
+            f"{_fmt(m.get('frac_steps_not_drafted'))} | {_fmt(_mean_size(sizes))} | "
+            f"{' '.join(f'{k}: {v}' for k, v in sizes.items())} | {_fmt(m.get('schedule_ms_per_step'), 3)} |"
+        )
+    return lines
+
+
 def _calibration_table(results: Mapping[str, Any]) -> list[str]:
     lines = [
         "## Confidence-head calibration",
@@ -243,6 +283,7 @@ def _setup_lines(cfg: Mapping[str, Any]) -> list[str]:
         lines += ["", "Tokens proposed per step (K): " + ", ".join(
             f"{m} {p.get('max_proposal_len')}" + _tree_note(p) for m, p in proposers.items())
             + ("; few-row linear path on (deepspec.target.few_row_linear)" if cfg.get("few_row_linear") else "")
+            + ("; exact verify rows on (deepspec.target.exact_rows)" if cfg.get("exact") else "")
             + ("; the target decodes on the compiled path, static KV cache + torch.compile (deepspec.decoding.compiled)"
                if cfg.get("compile") else "") + "."]
     corpus = cfg.get("lookup_corpus")
@@ -311,6 +352,8 @@ def markdown_report(results: dict[str, Any], figures: Mapping[str, str] | None =
              "faster than our target-only loop)."),
         ]
     lines += ["", *_tau_histogram_table(results), "", *_timing_table(results)]
+    if has_schedule(results):
+        lines += ["", *_schedule_table(results)]
     if has_divergences(results):
         lines += ["", *_divergence_table(results)]
     if has_calibration(results):
@@ -464,15 +507,36 @@ def plot_reliability(results: dict[str, Any], path: str | os.PathLike[str]) -> N
     _save(fig, path)
 
 
+def plot_step_costs(results: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """The scheduler's measured step cost curve: a verify forward's time over the tokens it feeds, in
+    one-token steps (``results["config"]["step_cost_curve"]``, from :func:`run_eval`)."""
+    plt = pyplot()
+    curve = results["config"]["step_cost_curve"]
+    one = curve["seconds"][0]
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    ax.plot(curve["tokens"], [t / one for t in curve["seconds"]], marker="o")
+    ax.plot(curve["tokens"], curve["tokens"], ls=":", color="gray", label="n one-token steps")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("tokens fed to one target forward (anchor + drafts)")
+    ax.set_ylabel("time / one-token forward")
+    ax.set_title(f"step cost curve ({1000 * one:.1f} ms per one-token forward)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    _save(fig, path)
+
+
 def write_report(results: dict[str, Any], out_dir: str | os.PathLike[str]) -> dict[str, Path]:
     """Write the report files (:data:`FILE_NAMES`) into ``out_dir`` (created if missing); return their
-    paths by key: ``json``, ``markdown``, ``png`` (acceptance), ``tau_histogram`` always, and
-    ``reliability`` only when some method carries confidences (a stale ``reliability.png`` from an
-    earlier run in the same folder is removed otherwise, so the folder never shows a plot that does not
-    belong to its report)."""
+    paths by key: ``json``, ``markdown``, ``png`` (acceptance), ``tau_histogram`` always,
+    ``reliability`` only when some method carries confidences and ``step_costs`` only when the steps were
+    scheduled (a stale plot from an earlier run in the same folder is removed otherwise, so the folder never
+    shows a plot that does not belong to its report)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    keys = ["json", "markdown", "png", "tau_histogram"] + (["reliability"] if has_calibration(results) else [])
+    keys = ["json", "markdown", "png", "tau_histogram"] + (["reliability"] if has_calibration(results) else []) + (
+        ["step_costs"] if has_schedule(results) else [])
     paths = {k: out / FILE_NAMES[k] for k in keys}
     figures = {"acceptance per position": FILE_NAMES["png"], "acceptance length histogram": FILE_NAMES["tau_histogram"]}
     if "reliability" in paths:
@@ -480,9 +544,12 @@ def write_report(results: dict[str, Any], out_dir: str | os.PathLike[str]) -> di
     atomic_write_json(paths["json"], results)
     plot_acceptance(results, paths["png"])
     plot_tau_histogram(results, paths["tau_histogram"])
-    if "reliability" in paths:
-        plot_reliability(results, paths["reliability"])
-    else:
-        (out / FILE_NAMES["reliability"]).unlink(missing_ok=True)
+    if "step_costs" in paths:
+        figures["step cost curve"] = FILE_NAMES["step_costs"]
+    for key, plot in (("reliability", plot_reliability), ("step_costs", plot_step_costs)):
+        if key in paths:
+            plot(results, paths[key])
+        else:  # a stale plot of an earlier run in the same folder does not belong to this report
+            (out / FILE_NAMES[key]).unlink(missing_ok=True)
     atomic_write_text(paths["markdown"], markdown_report(results, figures))
     return paths

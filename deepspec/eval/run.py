@@ -40,7 +40,9 @@ from deepspec.device import dtype_name, is_out_of_memory, out_of_memory_error
 from deepspec.eval.benchmarks import BenchmarkPrompt
 from deepspec.eval.metrics import METRIC_DEFINITIONS, benchmark_metrics
 from deepspec.eval.report import BASELINE, HF_GENERATE, environment_info, write_report
+from deepspec.target.capture import target_forward
 from deepspec.target.decoding import SamplingParams, decoding_record, pinned_generate
+from deepspec.target.exact_rows import PROBE_ROWS, ExactRows, exact_target_forward
 from deepspec.target.few_row_linear import few_row_linear as few_row_linear_context
 from deepspec.target.few_row_linear import few_row_linear_applies
 
@@ -139,7 +141,8 @@ def _proposer_info(proposer: Proposer) -> dict[str, Any]:
 
 def argmax_flip_figures(target_model: Any, prompts: Sequence[Sequence[int]], baseline: Sequence[GenerationResult],
                         runs: Mapping[str, Sequence[GenerationResult]], results: Mapping[str, dict[str, Any]],
-                        *, chunk_len: int, turn_of: Sequence[tuple[str, int]]) -> None:
+                        *, chunk_len: int, turn_of: Sequence[tuple[str, int]],
+                        forward_fn: Callable[..., Any] = target_forward) -> None:
     """Greedy only: measure argmax flips on the target-only outputs and explain each divergent output.
 
     ``prompts[i]`` and ``baseline[i]`` are the prompt ids and target-only result of pooled generation
@@ -149,11 +152,12 @@ def argmax_flip_figures(target_model: Any, prompts: Sequence[Sequence[int]], bas
     ``flip_chunk_len``; each proposer's gets ``divergences`` (one
     :func:`~deepspec.decoding.flips.divergence_record` per output that differs from target-only, with
     its prompt ``id`` and ``turn``) and ``num_divergent_at_flip_or_runner_up``. See
-    :mod:`deepspec.decoding.flips`.
+    :mod:`deepspec.decoding.flips`. ``forward_fn``: the target forward of the re-run (the engines' own:
+    with exact rows, :func:`deepspec.target.exact_rows.exact_target_forward`).
     """
     chunks, flips = [], []
     for ids, base in zip(prompts, baseline):
-        chunk = chunked_argmax(target_model, ids, base.output_ids, chunk_len=chunk_len)
+        chunk = chunked_argmax(target_model, ids, base.output_ids, chunk_len=chunk_len, forward_fn=forward_fn)
         chunks.append(chunk)
         flips.append(argmax_flip_positions(chunk.argmax, base.output_ids))
     num_positions = sum(max(len(b.output_ids) - 1, 0) for b in baseline)
@@ -275,6 +279,8 @@ def run_eval(
     max_k = {n: e.proposer.max_proposal_len for n, e in run.engines.items()}
     flip_chunk_len = (max(max_k.values()) or DEFAULT_NUM_TOKENS) + 1  # a verify forward: anchor + K drafts
     measure_flips = measure_argmax_flips and sampling.greedy
+    flip_forward = (exact_target_forward(ExactRows(target_model, max_rows=min(flip_chunk_len, PROBE_ROWS)))
+                    if settings.exact and measure_flips else target_forward)
     rendered = render_benchmark_prompts(tokenizer, benchmarks, chat_template_kwargs=chat_template_kwargs)
     first = next((ids for ids in rendered.values() if ids), [None])[0]
     if warmup and first is not None:  # one short untimed generation per engine
@@ -294,7 +300,7 @@ def run_eval(
             with few_row_linear_context(target_model) if run.few_row_linear else contextlib.nullcontext():
                 argmax_flip_figures(target_model, prompts_of[BASELINE], runs[BASELINE],
                                     {n: runs[n] for n in run.proposers}, figures[bench], chunk_len=flip_chunk_len,
-                                    turn_of=turn_of)
+                                    turn_of=turn_of, forward_fn=flip_forward)
         samples[bench] = _sample_records(run, runs, prompts_of, turn_of)
         (bar.write if log is print and progress else log)(_summary_line(run, bench, figures[bench], measure_flips))
     bar.close()
@@ -342,7 +348,8 @@ def _new_run(target_model: Any, tokenizer: Any, target_layer_ids: Sequence[int],
     if settings.compile:
         proposers = {n: compile_proposer(p) for n, p in proposers.items()}
         compiled = CompiledTarget.for_proposers(target_model, proposers.values())
-    engines = {n: SpeculativeEngine(target_model, target_layer_ids, p, eos, few_row_linear=few_rows, compiled=compiled)
+    engines = {n: SpeculativeEngine(target_model, target_layer_ids, p, eos, few_row_linear=few_rows, compiled=compiled,
+                                    exact=settings.exact, schedule=settings.schedule)
                for n, p in {BASELINE: NullProposer(), **proposers}.items()}
     return _Run(target_model=target_model, tokenizer=tokenizer, proposers=proposers, engines=engines, eos=eos, pad=pad,
                 few_row_linear=few_rows, **shared)
@@ -490,6 +497,10 @@ def _run_config(run: _Run, settings: DecodeSettings, *, target_layer_ids: Sequen
         "dtype": dtype_name(next(run.target_model.parameters()).dtype),
         "few_row_linear": run.few_row_linear,
         "compile": settings.compile,
+        "exact": settings.exact,
+        "schedule": settings.schedule,
+        # the step cost curve the scheduler measured for this target (every engine reads the same cached one)
+        "step_cost_curve": next((e.scheduler.curve.to_dict() for e in run.engines.values() if e.scheduler), None),
         "flip_chunk_len": flip_chunk_len,
         "num_prompts": dict(num_prompts),
         "compare_hf_generate": run.compare_hf_generate,

@@ -101,6 +101,13 @@ class EvalConfig:
     # forwards, CUDA graphs on CUDA (deepspec.decoding.compiled; every method and the baseline; compiles untimed, about
     # a minute per graph on a 2-core CPU); the few-row linear path is then off
     compile: bool = False
+    # auto: per step a cost-aware scheduler verifies the part of each proposal worth its cost on this machine, or
+    # makes a plain target step (deepspec.decoding.schedule; lossless); fixed: every proposal is verified whole
+    schedule: str = "auto"
+    # verify forwards compute each row bit for bit as a one-token forward would (deepspec.target.exact_rows):
+    # greedy outputs equal target-only's in bfloat16 too, near-ties included; costs 1.2-2.3x a bf16 verify
+    # (docs/results/exact-verify_cpu_2026-12-05)
+    exact: bool = False
 
     def __post_init__(self) -> None:
 
@@ -144,7 +151,8 @@ class EvalConfig:
             lookup_num_tokens=self.lookup_num_tokens, ngram_max=self.ngram_max, ngram_min=self.ngram_min,
             ngram_num_tokens=self.ngram_num_tokens, corpus_ngram_min=self.corpus_ngram_min,
             baselines=self.baselines, dtype=self.dtype, device=self.device,
-            few_row_linear=self.few_row_linear, compile=self.compile)
+            few_row_linear=self.few_row_linear, compile=self.compile, schedule=self.schedule,
+            exact=self.exact)
 
     def sampling_params(self):
         """The decoding settings as a :class:`deepspec.target.decoding.SamplingParams` (validated there)."""

@@ -15,6 +15,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from deepspec.models.vocab import is_reduced_vocab
+
 # the speculators layout: the decoder keys go under this key (vllm-project/speculators)
 SPECULATORS_LAYER_KEY = "transformer_layer_config"
 
@@ -78,8 +80,10 @@ def decoder_keys(c: Any, *, model_type: str, num_layers: int) -> dict[str, Any]:
 
 
 def vocab_keys(c: Any) -> dict[str, Any]:
-    """``{"draft_vocab_size": N}`` for a draft with a reduced vocabulary, else nothing."""
-    return {} if c.draft_vocab_size is None else {"draft_vocab_size": c.draft_vocab_size}
+    """``{"draft_vocab_size": N}`` for a draft with a reduced vocabulary (N < V,
+    :func:`~deepspec.models.vocab.is_reduced_vocab`), else nothing: a draft vocabulary of all V tokens is written
+    as the full one (SGLang shares the target's ``lm_head`` exactly when the key is absent)."""
+    return {"draft_vocab_size": c.draft_vocab_size} if is_reduced_vocab(c.vocab_size, c.draft_vocab_size) else {}
 
 
 def flat_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,21 @@ import torch
 from torch import Tensor
 
 
+def is_reduced_vocab(vocab_size: int, draft_vocab_size: int | None) -> bool:
+    """Whether a draft vocabulary of ``draft_vocab_size`` tokens (None: the full one) over a target vocabulary
+    of ``vocab_size`` is *reduced*: set and smaller than the target's (N < V).
+
+    The one rule for everything that writes or reads a draft's id maps outside DeepSpec (``deepspec export``:
+    whether ``draft_vocab_size``, ``lm_head`` and ``d2t`` are shipped, and what the export check expects). It is
+    vLLM's (``llama_eagle3.py``, ``qwen3_dflash.py``: a ``d2t`` only when ``draft_vocab_size != vocab_size``;
+    ``qwen3_dspark.py``: when ``draft_vocab_size < vocab_size``): a draft vocabulary of all V target tokens
+    (``train --draft-vocab-size V``, EAGLE-3's usual setting) maps every id and is the full vocabulary there.
+    Inside DeepSpec such a draft keeps its ``d2t`` buffer (a permutation of ``0..V-1``, the identity when
+    chosen by :func:`select_draft_vocab`).
+    """
+    return draft_vocab_size is not None and int(draft_vocab_size) < int(vocab_size)
+
+
 def count_supervised_tokens(samples: Iterable[dict[str, Any]], vocab_size: int) -> Tensor:
     """int64 ``[V]``: how often each target id occurs where ``loss_mask == 1``, over ``samples``
     (dicts with ``input_ids`` ``[T]`` and ``loss_mask`` ``[T]``, any integer dtypes: what

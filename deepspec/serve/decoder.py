@@ -10,12 +10,13 @@ requests give the target's own greedy answer (lossless, docs/design/decoding.md)
 distribution (rejection sampling), seeded by the request's ``seed``.
 
 Per-request acceptance (:class:`ServeResult`): verify steps, drafts proposed and accepted, and
-``tau`` = mean over verify steps of (accepted drafts + 1), the metric ``deepspec eval`` reports.
+``tau`` = mean over verify steps of the tokens each committed (accepted drafts + 1, or the accepted drafts
+alone at an accepted EOS, which no bonus token follows), the metric ``deepspec eval`` reports.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from deepspec.algorithms.registry import load_draft
 from deepspec.checkpoints import draft_folder
 from deepspec.data.chat import target_stop_token_ids
 from deepspec.decoding.engine import SpeculativeEngine
+from deepspec.decoding.schedule import StepScheduler
 from deepspec.decoding.settings import DecodeSettings, build_proposers
 from deepspec.device import cast_for_decoding, resolve_device, resolve_dtype
 from deepspec.target.decoding import SamplingParams
@@ -38,7 +40,8 @@ from deepspec.target.load import target_fingerprint
 
 # EngineDecoder's keyword flags at their defaults (what settings= stands in for)
 _FLAG_DEFAULTS = dict(num_draft_tokens=None, dtype="auto", device=None, few_row_linear="auto", lookup_first=None,
-                      lookup_num_tokens=None, corpus_ngram_min=DEFAULT_CORPUS_NGRAM_MIN, tree_width=0)
+                      lookup_num_tokens=None, corpus_ngram_min=DEFAULT_CORPUS_NGRAM_MIN, tree_width=0,
+                      schedule="auto", exact=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,19 +56,34 @@ class ServeResult:
     num_verify_steps: int
     num_draft_tokens: int  # drafts proposed, summed over the verify steps
     num_accepted_tokens: int  # drafts accepted, summed over the verify steps
+    num_committed_tokens: int  # tokens the verify steps committed (before the max_tokens cut), summed
     time_s: float
+
+    @classmethod
+    def from_generation(cls, out: Any) -> ServeResult:
+        """The result of one :meth:`SpeculativeEngine.generate <deepspec.decoding.engine.SpeculativeEngine.generate>`
+        (a ``GenerationResult``): its output, finish reason and the counts summed over its step records."""
+        steps = out.steps
+        return cls(output_ids=out.output_ids, finish_reason="stop" if out.stop_reason == "eos" else "length",
+                   num_verify_steps=len(steps),
+                   num_draft_tokens=sum(s.num_draft_nodes or s.num_proposed for s in steps),
+                   num_accepted_tokens=sum(s.num_accepted for s in steps),
+                   num_committed_tokens=sum(s.num_committed for s in steps), time_s=out.total_time_s)
 
     @property
     def tau(self) -> float | None:
-        """Acceptance length: mean over verify steps of (accepted drafts + 1); 1.0 for target-only."""
+        """Acceptance length: mean over verify steps of the tokens each committed (accepted drafts + 1, or the
+        accepted drafts at an accepted EOS: no bonus token follows it), as :mod:`deepspec.eval.metrics`; 1.0 for
+        target-only."""
         if not self.num_verify_steps:
             return None
-        return (self.num_accepted_tokens + self.num_verify_steps) / self.num_verify_steps
+        return self.num_committed_tokens / self.num_verify_steps
 
     def acceptance(self) -> dict[str, Any]:
         """The per-request acceptance figures a response reports."""
         return {"num_verify_steps": self.num_verify_steps, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens, "tau": self.tau,
+                "num_accepted_tokens": self.num_accepted_tokens, "num_committed_tokens": self.num_committed_tokens,
+                "tau": self.tau,
                 "tok_per_s": len(self.output_ids) / self.time_s if self.time_s > 0 else None}
 
 
@@ -86,6 +104,8 @@ class EngineDecoder:
         device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N`` (:func:`deepspec.device.resolve_device`) for both;
             None = where ``target_model`` already is.
         few_row_linear: ``auto`` | ``on`` | ``off`` (:mod:`deepspec.target.few_row_linear`).
+        exact: verify with exact rows (``SpeculativeEngine(exact=True)``, :mod:`deepspec.target.exact_rows`):
+            greedy output token-identical to target-only in bfloat16 too, at a cost per verify step.
         allow_target_mismatch: accept a draft whose recorded target fingerprint differs (same shape).
         lookup_first: prompt lookup in front of the draft (:class:`~deepspec.algorithms.ngram.proposer.
             LookupFirstProposer`): an n-gram match of at least this many tokens proposes, else the draft;
@@ -97,6 +117,8 @@ class EngineDecoder:
         tree_width: requests verify draft trees (:func:`~deepspec.algorithms.protocol.check_tree_setting`:
             0 chains; 1 the lookup's match beside the draft; W >= 2 also W draft nodes per slot;
             sampled requests walk the tree with the target's own draws).
+        schedule: ``auto`` (a cost-aware scheduler, :mod:`deepspec.decoding.schedule`, shared by every
+            request and measured here) | ``fixed`` (every proposal verified whole).
         cast_in_place: cast and move ``target_model`` itself instead of a copy (a target nobody else
             holds, such as the one ``deepspec serve`` loads: no second copy in host memory).
 
@@ -112,13 +134,13 @@ class EngineDecoder:
     def __init__(self, target_model: Any, tokenizer: Any, *, draft: str | Path | None = None,
                  settings: DecodeSettings | None = None,
                  num_draft_tokens: int | None = None, dtype: str = "auto", device: str | None = None,
-                 few_row_linear: str = "auto", allow_target_mismatch: bool = False,
+                 few_row_linear: str = "auto", exact: bool = False, allow_target_mismatch: bool = False,
                  lookup_first: int | None = None, lookup_num_tokens: int | None = None,
                  corpus: NGramCorpus | None = None, corpus_ngram_min: int = DEFAULT_CORPUS_NGRAM_MIN,
-                 tree_width: int = 0, cast_in_place: bool = False) -> None:
+                 tree_width: int = 0, schedule: str = "auto", cast_in_place: bool = False) -> None:
         flags = dict(num_draft_tokens=num_draft_tokens, dtype=dtype, device=device, few_row_linear=few_row_linear,
                      lookup_first=lookup_first, lookup_num_tokens=lookup_num_tokens,
-                     corpus_ngram_min=corpus_ngram_min, tree_width=tree_width)
+                     corpus_ngram_min=corpus_ngram_min, tree_width=tree_width, schedule=schedule, exact=exact)
         if settings is None:
             check_lookup_settings(lookup_first, lookup_num_tokens, has_draft=bool(draft), field="serve")
             check_tree_setting(tree_width, "serve.tree_width", has_draft=bool(draft))
@@ -163,6 +185,15 @@ class EngineDecoder:
             self.target_layer_ids = list(model.config.target_layer_ids)
         self.stop_token_ids = target_stop_token_ids(self.target_model, tokenizer)
         self.few_row_linear = few_row_linear_applies(settings.few_row_linear, self.target_model)
+        # one scheduler for every request (its acceptance counts and timings carry over; each request resets its
+        # plan), its step cost curve measured now rather than in the first request's time
+        self.scheduler: StepScheduler | None = None
+        self.scheduler = self._engine(self.stop_token_ids).ensure_scheduler()
+
+    def _engine(self, stop_token_ids: Collection[int]) -> SpeculativeEngine:
+        return SpeculativeEngine(self.target_model, self.target_layer_ids, self.proposer, stop_token_ids,
+                                 few_row_linear=self.few_row_linear, exact=self.settings.exact,
+                                 schedule=self.scheduler or self.settings.schedule)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -186,9 +217,7 @@ class EngineDecoder:
         """Decode one request (see the module docstring); ``on_tokens`` gets the committed tokens step by
         step (:meth:`SpeculativeEngine.generate`). Raises ValueError for what the engine refuses (an empty
         prompt, one that does not fit the target's positions, ``max_new_tokens < 1``)."""
-        engine = SpeculativeEngine(self.target_model, self.target_layer_ids, self.proposer,
-                                   self.stop_token_ids_for(extra_stop_token_ids),
-                                   few_row_linear=self.few_row_linear)
+        engine = self._engine(self.stop_token_ids_for(extra_stop_token_ids))
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=engine.device)
@@ -198,6 +227,4 @@ class EngineDecoder:
                 generator.manual_seed(int(seed))
         out = engine.generate(list(prompt_ids), max_new_tokens=max_new_tokens, sampling=sampling, generator=generator,
                               on_tokens=on_tokens)
-        return ServeResult(output_ids=out.output_ids, finish_reason="stop" if out.stop_reason == "eos" else "length",
-                           num_verify_steps=len(out.steps), num_draft_tokens=sum(s.num_draft_nodes or s.num_proposed for s in out.steps),
-                           num_accepted_tokens=sum(s.num_accepted for s in out.steps), time_s=out.total_time_s)
+        return ServeResult.from_generation(out)

@@ -33,8 +33,9 @@ application served by uvicorn. Endpoints:
   request's acceptance figures under ``deepspec``: ``draft``, ``num_speculative_tokens`` (the most
   tokens proposed per step), ``lookup_first`` and ``num_lookup_tokens`` (prompt lookup in front of the
   draft: the shortest match that proposes and the most tokens it proposes; None when off),
-  ``num_verify_steps``, ``num_draft_tokens`` (proposed), ``num_accepted_tokens``, ``tau`` (mean over
-  verify steps of accepted + 1) and ``tok_per_s`` (in the last chunk when streamed). Without one,
+  ``num_verify_steps``, ``num_draft_tokens`` (proposed), ``num_accepted_tokens``, ``num_committed_tokens``,
+  ``tau`` (mean over verify steps of the tokens committed: accepted + 1, or accepted at an accepted EOS) and
+  ``tok_per_s`` (in the last chunk when streamed). Without one,
   streaming is refused (400).
 
 Requests are checked on the event loop as they arrive, then decoded one at a time in arrival order
@@ -80,6 +81,7 @@ from deepspec.algorithms.protocol import check_tree_setting
 from deepspec.checkpoints import draft_folder
 from deepspec.data.backends import GenerationParams, LocalBackend
 from deepspec.data.chat import render_prompt
+from deepspec.decoding.settings import SCHEDULES
 from deepspec.device import check_device_name, check_dtype_name, resolve_device
 from deepspec.eval.run import answer_text
 from deepspec.serve.decoder import EngineDecoder
@@ -536,6 +538,12 @@ class ServeConfig:
     device: str = "auto"
     few_row_linear: str = "auto"  # verify forwards' few-row linear path (deepspec.target.few_row_linear): auto | on | off
     allow_target_mismatch: bool = False  # serve a draft whose recorded target fingerprint differs (same shape)
+    # auto: per step a cost-aware scheduler verifies the part of the draft's proposal worth its cost, or makes a
+    # plain target step (deepspec.decoding.schedule; lossless); fixed: every proposal is verified whole
+    schedule: str = "auto"
+    # verify forwards compute each row bit for bit as a one-token forward would (deepspec.target.exact_rows):
+    # greedy answers equal target-only's in bfloat16 too, at a cost per verify step
+    exact: bool = False
     # requests that may wait for the engine behind the one it decodes (served in arrival order); one more is
     # answered 503 with Retry-After
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
@@ -548,6 +556,8 @@ class ServeConfig:
         self.dtype = check_dtype_name(self.dtype, "serve.dtype")
         self.device = check_device_name(self.device, "serve.device")
         self.few_row_linear = check_few_row_mode(self.few_row_linear, "serve.few_row_linear")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"serve.schedule: expected one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
             raise ValueError(f"serve.num_draft_tokens: expected an integer >= 1 or none (the draft's K), "
                              f"got {self.num_draft_tokens}")
@@ -602,7 +612,7 @@ def run_serve_stage(cfg: ServeConfig, *, target_model: Any = None, tokenizer: An
                             allow_target_mismatch=cfg.allow_target_mismatch, lookup_first=cfg.lookup_first,
                             lookup_num_tokens=cfg.lookup_num_tokens, corpus=corpus,
                             corpus_ngram_min=cfg.corpus_ngram_min, tree_width=cfg.tree_width,
-                            cast_in_place=loaded_here)
+                            schedule=cfg.schedule, exact=cfg.exact, cast_in_place=loaded_here)
     try:
         server = OpenAICompatServer(decoder.target_model, tokenizer, host=cfg.host, port=cfg.port,
                                     model_name=cfg.model_name or cfg.target, decoder=decoder,

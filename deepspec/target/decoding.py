@@ -218,10 +218,9 @@ def _contiguous_output_layer_input(model: Any) -> Iterator[None]:
     Why: at the prefill ``generate()`` computes logits of the last prompt position only, as
     ``lm_head(hidden_BTH[:, -1:, :])``: a non-contiguous ``[B, 1, H]`` view. ``torch.matmul`` does not
     fold a non-contiguous 3-D input into one ``[B, H] @ [H, V]`` product; it takes ``bmm``, which
-    expands the ``[V, H]`` weight to ``[B, H, V]`` and copies it. On the 2-core Xeon of 2026-12-02
-    (torch 2.13, B 32, H 576, V 49,152) that one product took 5.7 s in bfloat16 against 10 ms on a
-    contiguous input (fp32: 210 ms against 29 ms); it was half of the time the local backend took to
-    generate 32 answers of 64 tokens (docs/results/prepare-bf16-cpu-2026-12-02/). One-token decoding
+    expands the ``[V, H]`` weight to ``[B, H, V]`` and copies it. On a CPU that product costs many times
+    the one over a contiguous input (hundreds of times in bfloat16), as much as the rest of a batched
+    generation (docs/results/prepare-bf16-cpu-2026-12-02/). One-token decoding
     steps already pass contiguous ``[B, 1, H]`` inputs, so only the prefill changes.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

@@ -3,11 +3,10 @@
 A decoding step multiplies every weight matrix of the target by 1 row (a target-only step) or by
 ``N + 1`` rows (a verify step over ``[anchor, d_1..d_N]``). Both are bound by reading the weights
 from memory, so the ``N + 1``-row product should cost about what the 1-row one does. With the MKL
-build of torch on x86 CPUs without native bf16 (measured on a 2-core AMD EPYC, AVX2, float32,
-2026-11-30), ``F.linear`` over 2-8 rows takes 1.4-2.2x its 1-row time (the row-major GEMM path), while
-the same product computed as ``(W @ x^T)^T`` takes 0.8-1.2x. On the embedded SmolLM2-135M target
-at 300 tokens of context, a whole forward over 1 / 2 / 4 / 8 new tokens cost 77 / 129 / 141 / 138 ms
-with ``F.linear`` and 77 / 81 / 86 / 121 ms with this path (``python bench/decode.py`` measures the
+build of torch on x86 CPUs without native bf16 (AVX2, float32), ``F.linear`` over 2-8 rows takes well
+over its 1-row time (the row-major GEMM path), while the same product computed as ``(W @ x^T)^T``
+takes about the 1-row time, and a whole forward of the target over up to 4 new tokens costs about a
+one-token forward (``python bench/decode.py`` measures the
 effect on a whole speculative step, side by side: ``--few-row-linear on,off``).
 
 :func:`few_row_linear` swaps the ``forward`` of every ``torch.nn.Linear`` inside the given modules

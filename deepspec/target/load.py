@@ -88,8 +88,7 @@ def ensure_embedded_target() -> Path:
     behind under the final name.
     """
     folder = embedded_target_dir()
-    if not _is_converted(folder):
-        _convert_gguf(embedded_gguf_path(), folder,
+    _ensure_converted(embedded_gguf_path(), folder,
                       {"package": f"{EMBEDDED_PACKAGE}=={EMBEDDED_PACKAGE_VERSION}", "gguf": EMBEDDED_GGUF_MEMBER})
     return folder
 
@@ -100,16 +99,10 @@ def gguf_header(path: Path) -> tuple[str, int]:
     Raises:
         ValueError: not a readable GGUF file, or no architecture field.
     """
-    from gguf import GGUFReader
+    from deepspec.target.gguf_config import read_gguf_header
 
-    try:
-        reader = GGUFReader(str(path))
-        field = reader.fields.get("general.architecture")
-    except Exception as exc:  # noqa: BLE001 - the reader raises ValueError/IndexError/struct.error on bad files
-        raise ValueError(f"target={str(path)!r}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
-    if field is None:
-        raise ValueError(f"target={str(path)!r}: the GGUF header has no general.architecture field")
-    return bytes(field.parts[field.data[0]]).decode("utf-8"), len(reader.tensors)
+    header = read_gguf_header(path)
+    return header.arch, len(header.tensors)
 
 
 def _sha256(path: Path) -> str:
@@ -133,9 +126,13 @@ def ensure_gguf_target(path: Path) -> Path:
 
     The weights are dequantised to float32 by transformers (``gguf_file=``), as for the embedded default.
 
+    The header is the model's config, in llama.cpp's key names: every key and tensor is applied or refused
+    (:mod:`deepspec.target.gguf_config`), and a folder converted before a key was applied is converted again.
+
     Raises:
         ValueError: not a GGUF file, an architecture transformers cannot read from GGUF (the message
-            names it and lists those it can), or a file without (all) the model's weights.
+            names it and lists those it can) or DeepSpec does not check, a header key or tensor DeepSpec cannot
+            apply (naming it and its value), or a file without (all) the model's weights.
     """
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
@@ -151,18 +148,118 @@ def ensure_gguf_target(path: Path) -> Path:
                          "header-only file); pass the model's weights")
     digest = _sha256(path)
     folder = deepspec_home() / "targets" / f"gguf-{digest[:16]}"  # by content: a renamed copy is the same target
-    if not _is_converted(folder):
-        _convert_gguf(path, folder, {"gguf": str(path), "sha256": digest, "architecture": arch})
+    _ensure_converted(path, folder, {"gguf": str(path), "sha256": digest, "architecture": arch})
     return folder
 
 
-def _convert_gguf(gguf: Path, folder: Path, source: dict[str, Any]) -> None:
-    """Dequantise ``gguf`` into a float32 safetensors folder at ``folder`` (atomically), recording ``source``."""
+# Bumped whenever what the GGUF header checks apply changes, so converted folders are checked again.
+_HEADER_CHECKS = 1
+_HEADER_STAMP = "DEEPSPEC_GGUF_CHECKED.json"
+
+
+def _ensure_converted(gguf: Path, folder: Path, source: dict[str, Any]) -> None:
+    """Convert ``gguf`` into ``folder`` unless it already holds the file's model.
+
+    A converted folder's config.json is checked against the header
+    (:func:`deepspec.target.gguf_config.check_gguf_config`) and converted again when it disagrees (converted
+    before DeepSpec applied a key); a passed check is stamped in the folder (:data:`_HEADER_STAMP`: the file's
+    size and mtime, the config's mtime, :data:`_HEADER_CHECKS`), so later processes skip it. A new conversion
+    builds and checks the header's config first (:func:`gguf_target_config`), so a file DeepSpec cannot convert
+    faithfully is refused before any weight is read.
+
+    Raises:
+        ValueError: what :func:`gguf_target_config` raises, or a missing weight (:func:`_convert_gguf`).
+    """
+    from transformers import AutoConfig
+
+    from deepspec.target.gguf_config import check_gguf_config
+
+    if _is_converted(folder):
+        if _read_stamp(folder) == _stamp(gguf, folder):
+            return
+        stat, saved = gguf.stat(), (folder / "config.json").stat()
+        problem = _converted_folder_problem(str(gguf), stat.st_size, stat.st_mtime_ns, str(folder),
+                                            saved.st_mtime_ns)
+        if problem is None:
+            _write_stamp(gguf, folder)
+            return
+        print(f"target: {folder} was converted without what the GGUF header says ({problem}); converting again",
+              flush=True)
+    _convert_gguf(gguf, folder, source)
+    check_gguf_config(_gguf_header_of(gguf), AutoConfig.from_pretrained(str(folder)), tensors=False)
+    _write_stamp(gguf, folder)
+
+
+def _stamp(gguf: Path, folder: Path) -> dict[str, Any]:
+    stat, saved = gguf.stat(), (folder / "config.json").stat()
+    return {"gguf": str(gguf), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "config_mtime_ns": saved.st_mtime_ns, "checks": _HEADER_CHECKS}
+
+
+def _read_stamp(folder: Path) -> Any:
+    try:
+        return json.loads((folder / _HEADER_STAMP).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _write_stamp(gguf: Path, folder: Path) -> None:
+    with atomic_path(folder / _HEADER_STAMP) as tmp:
+        tmp.write_text(json.dumps(_stamp(gguf, folder)) + "\n", encoding="utf-8")
+
+
+def _gguf_header_of(gguf: Path) -> Any:
+    from deepspec.target.gguf_config import read_gguf_header
+
+    return read_gguf_header(gguf)
+
+
+@functools.lru_cache(maxsize=16)
+def _converted_folder_problem(gguf: str, size: int, mtime_ns: int, folder: str, config_mtime_ns: int) -> str | None:
+    """Why the converted ``folder``'s config.json is not the model the GGUF header declares (None: it is), once per
+    process for the same file and folder. Raises ValueError for a header DeepSpec cannot convert at all (a
+    converted folder or not)."""
+    from transformers import AutoConfig
+
+    from deepspec.target.gguf_config import check_gguf_config, gguf_config_fields
+
+    header = _gguf_header_of(Path(gguf))
+    gguf_config_fields(header)  # refuses what cannot be converted
+    try:
+        check_gguf_config(header, AutoConfig.from_pretrained(folder))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def gguf_target_config(gguf: Path, header: Any = None) -> Any:
+    """The transformers config of GGUF file ``gguf``: transformers' reading of its header with every
+    forward-changing key and tensor applied (:func:`deepspec.target.gguf_config.apply_gguf_header`), checked
+    against the header (:func:`deepspec.target.gguf_config.check_gguf_config`, its tensors included).
+
+    Raises:
+        ValueError: naming the GGUF key or tensor DeepSpec cannot apply, its value and what to do.
+    """
+    from transformers import AutoConfig
+
+    from deepspec.target.gguf_config import apply_gguf_header, check_gguf_config, read_gguf_header
+
+    header = header if header is not None else read_gguf_header(gguf)
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    apply_gguf_header(header, config)
+    check_gguf_config(header, config)
+    return config
+
+
+def _convert_gguf(gguf: Path, folder: Path, source: dict[str, Any], config: Any = None) -> None:
+    """Dequantise ``gguf`` into a float32 safetensors folder at ``folder`` (atomically), recording ``source``;
+    the model is built from ``config`` (:func:`gguf_target_config`, computed here when None)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    config = config if config is not None else gguf_target_config(gguf)
     print(f"target: converting {gguf} to a safetensors folder {folder} (once)", flush=True)
-    model, info = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
-                                                       output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, config=config,
+                                                       dtype=torch.float32, output_loading_info=True)
     missing = sorted(info.get("missing_keys") or [])
     if missing:  # transformers initialises them at random: a target must be the file's weights, all of them
         raise ValueError(f"target={str(gguf)!r}: the GGUF file lacks {len(missing)} of the model's weights "

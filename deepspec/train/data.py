@@ -121,7 +121,7 @@ def collate(samples: list[dict[str, torch.Tensor]], sample_indices: list[int], *
     and mask become int64; ``target_hidden`` / ``target_last_hidden`` / the scales keep the samples'
     dtypes (nothing is upcast here: :func:`batch_to_device` converts on the device), padded with
     zeros. Each sample's rows are copied unchanged, so a sample's tensors do not depend on its batch
-    position or on its neighbours' lengths. ``target_logsumexp`` / ``target_argmax`` (a format-3
+    position or on its neighbours' lengths. ``target_logsumexp`` / ``target_argmax`` (the target
     cache) become float32 (NaN padded) / int64 (-1 padded) ``[B, S]`` when every sample has them,
     else None. ``pin_memory=True`` (needs CUDA) allocates every tensor in page-locked memory, so the
     host-to-device copies can run asynchronously (``non_blocking=True``).
@@ -283,7 +283,7 @@ def open_training_data(cfg: TrainConfig, target_model, tokenizer) -> TargetCache
     :class:`OnlineTargetFeatures` over the prepared file that computes features with ``target_model``.
 
     Both return the same features for the same data and settings (bitwise, see
-    :mod:`deepspec.data.online`; a format-3 cache adds the target-logit statistics, which a loss uses
+    :mod:`deepspec.data.online`; the target cache adds the target-logit statistics, which a loss uses
     when present), so the training loop has no online branch.
 
     Raises:

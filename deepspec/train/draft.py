@@ -79,13 +79,16 @@ def check_resume_shape(checkpoint: Path, model: torch.nn.Module, cfg: TrainConfi
     what ``save_pretrained`` writes).
 
     Raises:
-        ValueError: listing every differing field as ``{field: (checkpoint, now)}``.
+        ValueError: listing every differing field as ``{field: (checkpoint, now)}``, or naming a missing
+            ``deepspec_algorithm``.
     """
     saved = _draft_settings(json.loads((checkpoint / "draft" / "config.json").read_text(encoding="utf-8")))
+    if "deepspec_algorithm" not in saved:
+        raise ValueError(f"train.resume: {checkpoint / 'draft' / 'config.json'} has no 'deepspec_algorithm' field; "
+                         f"add \"deepspec_algorithm\": \"{cfg.algorithm}\" to it if that is the algorithm the "
+                         "checkpoint was trained with, or start a new --output-dir")
     # JSON round trip: tuples become lists, as in the saved file
     now = {"deepspec_algorithm": cfg.algorithm, **json.loads(json.dumps(model.config.to_dict()))}
-    if "deepspec_algorithm" not in saved:  # written before the field existed: compare the config alone
-        now.pop("deepspec_algorithm")
     if "target_fingerprint" not in saved:  # saved before DeepSpec recorded it (the cache check covers the target)
         now.pop("target_fingerprint", None)
     missing = object()

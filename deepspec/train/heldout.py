@@ -9,7 +9,8 @@ the target's greedy continuation of the prompt and the target features of every 
 replayed step proposes from exactly the context the engine would hold (the features of positions
 ``< anchor``), accepts the longest prefix of drafts equal to the reference, commits accepted + 1
 tokens and appends the features of the verified positions, as the engine does; an accepted EOS
-ends the generation, and so does ``max_new_tokens``. The only difference from the engine is where
+ends the step (no bonus token: the step commits the accepted drafts alone, and tau counts those) and
+the generation, and so does ``max_new_tokens``. The only difference from the engine is where
 the features come from (one forward over the whole reference instead of the verify forwards), which
 is equal up to floating-point rounding (exact in the tests, in float32).
 
@@ -70,17 +71,21 @@ class HeldoutReference:
 
 @dataclass
 class ReplayResult:
-    """Greedy acceptance of one prompt: ``accepted`` drafts per verify step, output tokens produced, and per
-    step the engine's record (:class:`~deepspec.decoding.engine.StepRecord`, times 0): proposed, accepted,
-    committed and the proposal's raw confidences (the head's, before any calibration; None without a head)."""
+    """Greedy acceptance of one prompt: ``accepted`` drafts and ``committed`` tokens per verify step (accepted + 1,
+    or accepted at an accepted EOS: no bonus token follows it; the engine's ``num_committed`` before the
+    ``max_new_tokens`` cut), output tokens produced, and per step the engine's record
+    (:class:`~deepspec.decoding.engine.StepRecord`, times 0): proposed, accepted, committed and the proposal's raw
+    confidences (the head's, before any calibration; None without a head)."""
 
     accepted: list[int]
     num_output_tokens: int
+    committed: list[int] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
-        return 1.0 + sum(self.accepted) / len(self.accepted) if self.accepted else float("nan")
+        """Mean committed tokens per verify step (:mod:`deepspec.eval.metrics`' tau); NaN without a step."""
+        return sum(self.committed) / len(self.committed) if self.committed else float("nan")
 
 
 @torch.no_grad()
@@ -131,7 +136,7 @@ def replay_greedy(proposer: Proposer, ref: HeldoutReference, *, max_new_tokens: 
     feats_TF = ref.target_hidden_TF if device is None else ref.target_hidden_TF.to(device)
     proposer.reset()
     proposer.extend_context(feats_TF[:P], list(ref.prompt_ids))
-    anchor_pos, produced, accepted_steps, records = P, 1, [], []
+    anchor_pos, produced, accepted_steps, committed_steps, records = P, 1, [], [], []
     done = out[0] in eos
     while not done and produced < max_new_tokens:
         proposal = proposer.propose(full[anchor_pos], anchor_pos, sampling=GREEDY, generator=None)
@@ -151,6 +156,7 @@ def replay_greedy(proposer: Proposer, ref: HeldoutReference, *, max_new_tokens: 
         if not hit_eos and anchor_pos + num_verified >= len(full):
             raise AssertionError("replay_greedy: the reference ended before the step's bonus token")
         accepted_steps.append(accepted)
+        committed_steps.append(len(committed))
         conf = proposal.raw_confidence_N if proposal.raw_confidence_N is not None else proposal.confidence_N
         records.append(StepRecord(num_proposed=len(drafts), num_accepted=accepted, num_committed=len(committed),
                                   time_s=0.0, confidence=None if conf is None else tuple(conf.tolist())))
@@ -159,24 +165,25 @@ def replay_greedy(proposer: Proposer, ref: HeldoutReference, *, max_new_tokens: 
         anchor_pos += num_verified
         produced += len(committed)
         done = any(t in eos for t in committed)
-    return ReplayResult(accepted_steps, min(produced, max_new_tokens), records)
+    return ReplayResult(accepted_steps, min(produced, max_new_tokens), committed_steps, records)
 
 
 def heldout_tau(proposer: Proposer, refs: Sequence[HeldoutReference], *, max_new_tokens: int,
                 eos_token_ids: Collection[int], device: torch.device | str | None = None,
                 steps_out: list[StepRecord] | None = None) -> dict[str, float]:
-    """Greedy tau (mean accepted + 1 over verify steps, pooled) over all references and per benchmark:
+    """Greedy tau (mean committed tokens over verify steps, pooled: accepted + 1, or accepted at an accepted EOS,
+    as ``deepspec eval`` counts) over all references and per benchmark:
     ``{"heldout_tau": .., "heldout_tau_<benchmark>": ..}`` (NaN where no step was taken). ``steps_out``: a
     list the replayed steps' records are appended to (their raw confidences feed the calibration fit)."""
     per_bench: dict[str, list[int]] = {}
     for ref in refs:
         res = replay_greedy(proposer, ref, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, device=device)
-        per_bench.setdefault(ref.benchmark, []).extend(res.accepted)
+        per_bench.setdefault(ref.benchmark, []).extend(res.committed)
         if steps_out is not None:
             steps_out.extend(res.steps)
 
     def tau(steps: list[int]) -> float:
-        return 1.0 + sum(steps) / len(steps) if steps else float("nan")
+        return sum(steps) / len(steps) if steps else float("nan")
 
     result = {"heldout_tau": tau([a for steps in per_bench.values() for a in steps])}
     result.update({f"heldout_tau_{b}": tau(steps) for b, steps in per_bench.items()})

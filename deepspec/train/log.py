@@ -58,9 +58,9 @@ class StepMetrics:
                  torch.full((1,), float(num_tokens), dtype=torch.float64, device=self.device)]
         K = 0
         if self.acceptance is not None:
-            packed_3K = self.acceptance.pack().to(self.device, torch.float64)
-            K = packed_3K.shape[1]
-            parts.append(packed_3K.flatten())
+            packed_RK = self.acceptance.pack().to(self.device, torch.float64)
+            K = packed_RK.shape[1]
+            parts.append(packed_RK.flatten())
         summed = torch.cat(parts)
         if ctx.sharded:
             dist.all_reduce(summed)
@@ -70,8 +70,9 @@ class StepMetrics:
         out = dict(zip(keys, host[:len(keys)]))
         out["num_tokens"] = host[len(keys)]
         if K:
-            pooled = AcceptanceCounts.unpack(torch.tensor(host[len(keys) + 1:len(keys) + 1 + 3 * K],
-                                                          dtype=torch.float64).view(3, K))
+            R = AcceptanceCounts.NUM_ROWS
+            pooled = AcceptanceCounts.unpack(torch.tensor(host[len(keys) + 1:len(keys) + 1 + R * K],
+                                                          dtype=torch.float64).view(R, K))
             out["tau_estimate"], out["greedy_tau_estimate"] = pooled.tau(), pooled.greedy_tau()
             for k, (s, n) in enumerate(zip(pooled.greedy_survive_K.tolist(), pooled.count_K.tolist())):
                 out[f"accept_rate_prefix_{k + 1}"] = s / n if n > 0 else 0.0
@@ -180,7 +181,7 @@ def plot_log(rows: list[dict], path: Path) -> None:
     for i, (key, label) in enumerate((("greedy_tau_estimate", "greedy (T=0)"), ("tau_estimate", "T=1"))):
         series(ax_tau, key, colors[i], label)
     ax_tau.set_xlabel("step")
-    ax_tau.set_ylabel("tau estimate (accepted + 1, teacher-forced)")
+    ax_tau.set_ylabel("tau estimate (tokens committed, teacher-forced)")
     ax_tau.set_title("training-time tau estimates")
     ax_tau.legend(fontsize=8)
     if heldout:
@@ -192,7 +193,7 @@ def plot_log(rows: list[dict], path: Path) -> None:
                     label=key[len("heldout_tau_"):])
         minutes = heldout[-1].get("elapsed_s", 0.0) / 60
         ax.set_xlabel(f"step ({minutes:.1f} training minutes at step {steps[-1]})")
-        ax.set_ylabel("held-out greedy tau (accepted + 1 per step)")
+        ax.set_ylabel("held-out greedy tau (tokens committed per step)")
         ax.set_title("learning curve (held-out prompts)")
         ax.legend(fontsize=8)
     fig.tight_layout()

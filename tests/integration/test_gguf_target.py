@@ -1,4 +1,4 @@
-"""GGUF files as targets (issue 15, part 1) and ``--chat-template``, on a tiny random Llama GGUF written by
+"""GGUF files as targets and ``--chat-template``, on a tiny random Llama GGUF written by
 :func:`tests.helpers.write_tiny_gguf`.
 
 Checked (and for a tiny random Gemma 3 GGUF with no chat template, the whole pipeline with
@@ -136,7 +136,7 @@ def test_a_target_without_chat_template_is_refused_at_prepare_and_the_flag_fixes
 
 
 def test_a_gemma3_gguf_runs_prepare_cache_train_eval_with_identical_outputs(tmp_path, home, capsys):
-    """Issue 15's "done when": a Gemma 3 GGUF (no chat template, as Gemma's files) as ``--target`` through
+    """A Gemma 3 GGUF (no chat template, as Gemma's files) as ``--target`` runs
     prepare -> cache -> train -> eval on CPU with ``--chat-template gemma3``; the draft knows the target's
     embedding scale, and every speculative output equals the target's own."""
     gguf = write_tiny_gguf(tmp_path / "gemma.gguf", architecture="gemma3")

@@ -18,9 +18,12 @@ every committed token follow the target's distribution whatever the draft propos
   with prompt lookup's match beside them, keep the engine's output the target's (engine level);
 - the step scheduler (``deepspec.decoding.schedule``) choosing each step's length, for chains cut on
   per-slot scores, trees and lookup: the output is the target's; a cut that reads the drawn token fails;
+- reduced draft vocabularies (DSpark chains, Eagle3 chains and trees, ``d2t``): the tokens out of the
+  draft's reach still get their target probability;
 - power: a deliberately broken acceptance rule (always accept, or no residual) fails the same test,
   and so does an engine whose prefill drops the soft-capping, a tree verified with either broken
-  rule, or a tree walk that takes the argmax at T > 0.
+  rule, a tree walk that takes the argmax at T > 0, and an engine that verifies with the target's or
+  the draft's row of the next position (chains, trees, lookup, a reduced vocabulary).
 
 The p-values come from the chi-square distribution (cells with expected count < 5 pooled); a
 token with target probability 0 (filtered out) must never appear. Everything is seeded.
@@ -302,15 +305,27 @@ def untrained_dspark_proposer(model, seed: int = 3, tree_width: int = 1):
     return DSparkProposer(DSparkDraftModel.from_target(model, cfg).eval(), max_positions=32, tree_width=tree_width)
 
 
-def untrained_eagle3_proposer(model, seed: int = 3, tree_width: int = 1):
-    """An untrained Eagle3 drafter of ``model`` (target layer 0's features, 3 steps, full vocabulary)."""
+def untrained_eagle3_proposer(model, seed: int = 3, tree_width: int = 1, d2t: torch.Tensor | None = None):
+    """An untrained Eagle3 drafter of ``model`` (target layer 0's features, 3 steps); ``d2t``: its reduced
+    vocabulary (None: the full one)."""
     from deepspec.algorithms.eagle3.config import eagle3_config_from_target
     from deepspec.algorithms.eagle3.model import Eagle3DraftModel
     from deepspec.algorithms.eagle3.proposer import Eagle3Proposer
 
-    cfg = eagle3_config_from_target(model.config, target_layer_ids=[0], ttt_steps=3)
+    cfg = eagle3_config_from_target(model.config, target_layer_ids=[0], ttt_steps=3,
+                                    draft_vocab_size=None if d2t is None else int(d2t.numel()))
     torch.manual_seed(seed)
-    return Eagle3Proposer(Eagle3DraftModel.from_target(model, cfg).eval(), max_positions=32, tree_width=tree_width)
+    draft = Eagle3DraftModel.from_target(model, cfg, d2t=d2t).eval()
+    return Eagle3Proposer(draft, max_positions=32, tree_width=tree_width)
+
+
+def reduced_vocab_eagle3_proposer(model, seed: int = 3, tree_width: int = 1):
+    """An untrained Eagle3 drafter proposing from 6 of the 12 target tokens, its head scaled so that each
+    step's ``q`` is peaked and differs from the next step's (an untrained one is near uniform)."""
+    proposer = untrained_eagle3_proposer(model, seed, tree_width, d2t=torch.tensor([1, 2, 4, 6, 8, 9]))
+    with torch.no_grad():
+        proposer.model.lm_head.weight.mul_(10.0)
+    return proposer
 
 
 class BigramProposer:
@@ -451,6 +466,82 @@ def test_reduced_vocab_dspark_sampling_follows_target_distribution(target, param
     p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
     p_third = chi_square_pvalue(counts_V, third_V)
     assert p_joint > PASS_P and p_third > PASS_P, (p_joint, p_third)
+
+
+@pytest.mark.parametrize(("params", "tree_width"), [(PLAIN, 1), (FILTERED, 3)], ids=["plain-chain", "topk_topp-tree3"])
+def test_reduced_vocab_eagle3_sampling_follows_target_distribution(target, params, tree_width):
+    """Eagle3 at T > 0 with a reduced vocabulary (``d2t``: 6 of the 12 target tokens), chains and trees:
+    the tokens out of the draft's reach get their target probability from the residual."""
+    joint_VV, third_V = exact_target_distributions(target, params)
+    trials = 1200
+    proposer = reduced_vocab_eagle3_proposer(target, tree_width=tree_width)
+    counts_VV, counts_V, accepted = engine_samples(target, params, trials, seed=9, proposer=proposer)
+    assert 0.05 * trials < accepted < 2.9 * trials  # drafts are accepted and rejected
+    p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
+    p_third = chi_square_pvalue(counts_V, third_V)
+    assert p_joint > PASS_P and p_third > PASS_P, (p_joint, p_third)
+
+
+def _next_row(rows_XV: torch.Tensor) -> torch.Tensor:
+    """Row i replaced by row i + 1 (the last row kept): each position reads the next position's distribution."""
+    return torch.cat([rows_XV[1:], rows_XV[-1:]]) if rows_XV.shape[0] > 1 else rows_XV
+
+
+def shift_verify_rows(monkeypatch, which: str) -> None:
+    """Make the engine verify every step with ``which`` ("target" or "draft") distribution off by one
+    position (:func:`_next_row`), chains and trees alike; a draft without rows (chosen nodes) gets its
+    point masses shifted."""
+    import deepspec.decoding.engine as engine_mod
+
+    def shifted(ids_N, probs_NV, logits_N1V):
+        if which == "target":
+            return probs_NV, _next_row(logits_N1V)
+        if probs_NV is None:
+            probs_NV = torch.nn.functional.one_hot(ids_N, logits_N1V.shape[-1]).float()
+        return _next_row(probs_NV), logits_N1V
+
+    def chain(ids_N, probs_NV, logits_N1V, **kwargs):
+        return verify_mod.verify(ids_N, *shifted(ids_N, probs_NV, logits_N1V), **kwargs)
+
+    def tree(ids_N, parents_N, logits_N1V, *, draft_probs_NV=None, **kwargs):
+        probs_NV, logits_N1V = shifted(ids_N, draft_probs_NV, logits_N1V)
+        return verify_mod.verify_tree(ids_N, parents_N, logits_N1V, draft_probs_NV=probs_NV, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "verify", chain)
+    monkeypatch.setattr(engine_mod, "verify_tree", tree)
+
+
+def _shift_proposers(target):
+    """The proposals the shifted-row power test runs: chains, trees, lookup and a reduced vocabulary."""
+    from deepspec.algorithms.ngram.proposer import LookupFirstProposer
+
+    def spread_dspark_tree():  # an untrained DSpark's q is close to p: its bigram bias spread makes them differ
+        proposer = untrained_dspark_proposer(target, tree_width=3)
+        torch.manual_seed(11)
+        torch.nn.init.normal_(proposer.model.markov_head.markov_w2.weight, std=1.0)
+        return proposer
+
+    return {
+        "chain": lambda: BigramProposer(seed=5),
+        "tree": spread_dspark_tree,
+        "lookup": lambda: LookupFirstProposer(untrained_dspark_proposer(target), vocab_size=V, ngram_max=2,
+                                              ngram_min=1),
+        "reduced_vocab": lambda: reduced_vocab_eagle3_proposer(target),
+    }
+
+
+@pytest.mark.parametrize("which", ["target", "draft"])
+@pytest.mark.parametrize("kind", ["chain", "tree", "lookup", "reduced_vocab"])
+def test_a_row_shifted_by_one_position_is_rejected(target, monkeypatch, kind, which):
+    """Power: verifying with the target's or the draft's distribution of the next position (an off-by-one
+    between rows and draft tokens) fails the test, for chains, trees, lookup and a reduced vocabulary."""
+    proposer = _shift_proposers(target)[kind]()
+    shift_verify_rows(monkeypatch, which)
+    joint_VV, _ = exact_target_distributions(target, PLAIN)
+    trials = {"target": 1000, "draft": 600}[which]  # p < 1e-16 and < 1e-90 (seeded), the weakest of the four
+    counts_VV, _, _ = engine_samples(target, PLAIN, trials=trials, seed=0, max_new_tokens=2, proposer=proposer)
+    p_joint = chi_square_pvalue(counts_VV.flatten(), joint_VV.flatten())
+    assert p_joint < FAIL_P, p_joint
 
 
 @pytest.mark.parametrize("params", [PLAIN, FILTERED], ids=["plain", "topk_topp"])

@@ -1,10 +1,9 @@
 """The embedded SmolLM2: regenerate ShareGPT prompts, build the target cache, and check that every
-supervised span is exactly what the target generated (issue 10, part 3, on the real target).
+supervised span is exactly what the target generated.
 
-Before generated ids were kept, prepare stored ``decode(ids).strip()`` and the cache re-tokenised it:
-on these three prompts (64 new tokens) two of three supervised spans lost the trailing whitespace the
-target generated (on 16 prompts, 7 of 16 spans differed: 6 lost trailing whitespace, 2 had ``"\\n\\n"``
-(id 1116) re-split into ``198 198``).
+Supervising ``encode(decode(ids).strip())`` instead would change the tokens: on these three prompts
+(64 new tokens) at least one supervised span would lose the trailing whitespace the target generated
+(or have ``"\\n\\n"``, id 1116, re-split into ``198 198``), so the prompts exercise the rule.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ def test_sharegpt_answers_are_supervised_on_the_generated_ids(tmp_path):
     summary = run_prepare(cfg, model, tok, log=lambda _: None)
     assert summary.num_turns_with_ids == summary.num_regenerated_turns == 3
     rows = {r["id"]: r for r in map(json.loads, cfg.output.read_text().splitlines())}
-    lossy = 0  # rows the old rule (stripped text, re-tokenised) would have supervised on other tokens
+    lossy = 0  # rows the stripped, re-tokenised text would supervise on other tokens
     for row in rows.values():
         generated = row["generated_ids"][-1]
         assert row["messages"][-1]["content"] == tok.decode(generated if row["truncated"] else generated[:-1])
@@ -39,7 +38,7 @@ def test_sharegpt_answers_are_supervised_on_the_generated_ids(tmp_path):
         stripped[-1]["content"] = stripped[-1]["content"].strip()
         (old,) = render_training_samples(tok, stripped, cut_turns=row["truncated_turns"])
         lossy += [t for t, m in zip(old.input_ids, old.loss_mask) if m] != generated
-    assert lossy >= 1  # the scenario reproduces the loss the issue reported
+    assert lossy >= 1  # these prompts are ones where re-tokenising loses the generated tokens
 
     summary = write_target_cache(cfg.output, tmp_path / "cache", model, tok, target_layer_ids=[1, 8],
                                  max_seq_len=None, storage_dtype="float32", progress=False)

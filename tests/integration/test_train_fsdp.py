@@ -17,8 +17,8 @@ from deepspec.data.cache import write_target_cache_from_samples
 
 _CONNECTION_ERRORS = ("Address already in use", "EADDRINUSE", "Connection refused", "Connection reset",
                       "Connection closed by peer", "RendezvousConnectionError",
-                      # seen once in CI on a loaded 2-core machine: a rank aborted in torch's thread teardown
-                      # after its last step and checkpoint (2026-12-02); a rerun of the same run passed
+                      # on a loaded machine a rank can abort in torch's thread teardown after its last step
+                      # and checkpoint; a rerun of the same run passes
                       "terminate called without an active exception")
 from deepspec.target.load import load_target, target_fingerprint, tokenizer_fingerprint
 from deepspec.train.config import TrainConfig

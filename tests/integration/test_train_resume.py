@@ -252,7 +252,8 @@ def test_resume_at_max_steps_does_nothing(setup, six_steps, tmp_path, capsys):
 
 
 def test_resume_past_max_steps_is_refused(setup, six_steps, tmp_path):
-    """Formerly wrote checkpoint-000002 holding the step-6 weights and moved `latest` back to it."""
+    """Resuming with --max-steps below the checkpoint's step is an error; no checkpoint is written and
+    `latest` stays where it was."""
     model, tok, cache = setup
     out = _copy_run(six_steps, tmp_path / "run")
     with pytest.raises(ValueError, match=r"--max-steps 2 .* 6 \("):
@@ -269,7 +270,8 @@ def test_resume_past_max_steps_is_refused(setup, six_steps, tmp_path):
     ({"algorithm": "dflash"}, ["deepspec_algorithm: ('dspark', 'dflash')", "use_markov_head: (True, False)"]),
 ])
 def test_resume_with_another_model_shape_is_refused(setup, six_steps, tmp_path, change, fields):
-    """Formerly a raw RuntimeError (size mismatch / missing optimizer state) from the state-dict load."""
+    """Resuming into another draft shape is a ValueError listing the differing fields, before any state-dict
+    load."""
     model, tok, cache = setup
     middle = six_steps / "checkpoint-000003"
     with pytest.raises(ValueError, match="same settings or start a new --output-dir") as info:

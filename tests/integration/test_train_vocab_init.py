@@ -1,4 +1,4 @@
-"""The trainer's --draft-vocab-size and --init-from-target (issue 11) on a tiny random target."""
+"""The trainer's --draft-vocab-size and --init-from-target on a tiny random target."""
 
 import json
 

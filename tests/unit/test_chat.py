@@ -134,7 +134,7 @@ def test_cut_answer_keeps_content_but_not_its_end_of_turn(tiny_tok):
     assert tiny_tok.decode(ids[b1 - 1 : b1]) == "<|im_end|>"
 
 
-# --------------------------------------------------------------------------- issue 3: kwargs, rewriting
+# --------------------------------------------------------------------------- template kwargs, rewriting
 
 
 def test_chat_template_kwargs_reach_the_template(tiny_tok):

@@ -61,6 +61,9 @@ def signature(proposer) -> tuple:
     ({"dtype": "fp16"}, "DecodeSettings.dtype: expected one of auto, float32, bfloat16"),
     ({"device": "gpu"}, "DecodeSettings.device: expected auto, cpu, cuda or cuda:N"),
     ({"few_row_linear": "on", "compile": True}, "DecodeSettings.few_row_linear: on cannot be combined"),
+    ({"schedule": "fast"}, "DecodeSettings.schedule: expected one of auto, fixed, got 'fast'"),
+    ({"exact": True, "compile": True}, "DecodeSettings.exact: exact rows need the eager target path"),
+    ({"exact": "yes"}, "DecodeSettings.exact: expected true or false"),
 ])
 def test_a_bad_setting_names_its_field(kwargs, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
@@ -76,6 +79,8 @@ def test_a_stage_names_its_own_flags_and_the_settings_are_frozen_and_canonical()
         DecodeSettings.from_flags("bench", tree_width=1, compile=True)
     with pytest.raises(ValueError, match=r"demo\.tree_width: expected an integer >= 0"):
         DecodeSettings.from_flags("demo", tree_width=-1)
+    with pytest.raises(ValueError, match=r"eval\.schedule: expected one of auto, fixed"):
+        DecodeSettings.from_flags("eval", schedule="Auto")
     s = DecodeSettings(dtype="bf16", baselines=["ngram", "ngram"])
     assert (s.dtype, s.baselines) == ("bfloat16", ("ngram",))
     assert DecodeSettings(baselines=["none"]).baselines == ()
@@ -185,3 +190,21 @@ def test_open_target_fingerprints_before_the_cast_and_copies_a_callers_model(set
     with pytest.raises(ValueError, match="chat template"):
         open_target("tiny", model=target, tokenizer=tok_without)
     assert open_target("tiny", model=target, tokenizer=tok_without, require_template=False).tokenizer is tok_without
+
+
+def test_a_server_measures_its_step_costs_once_and_shares_one_scheduler_across_requests(setup):
+    from deepspec.decoding.schedule import StepScheduler
+    from deepspec.serve.decoder import EngineDecoder
+    from deepspec.target.decoding import SamplingParams
+
+    tok, target, folders = setup
+    decoder = EngineDecoder(target, tok, draft=folders["dspark"], dtype="float32")
+    scheduler = decoder.scheduler
+    assert isinstance(scheduler, StepScheduler)  # measured at start-up, before any request
+    for prompt in ([5, 6, 7, 8], [9, 10, 11]):
+        decoder.generate(prompt, max_new_tokens=6, sampling=SamplingParams())
+    assert decoder.scheduler is scheduler and scheduler.num_observed > 0  # the requests' steps taught the one
+    fixed = EngineDecoder(target, tok, draft=folders["dspark"], dtype="float32", schedule="fixed", exact=True)
+    assert fixed.scheduler is None and fixed._engine([1]).exact  # --exact reaches the server's engines
+    with pytest.raises(ValueError, match=r"serve\.schedule: expected one of auto, fixed"):
+        EngineDecoder(target, tok, draft=folders["dspark"], schedule="always")

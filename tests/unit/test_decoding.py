@@ -1,5 +1,5 @@
 """Pinned decoding: a target whose ``generation_config.json`` holds sampling defaults decodes the same
-everywhere DeepSpec decodes (issue 10, part 1).
+everywhere DeepSpec decodes.
 
 The tiny 3-layer random Llama target is saved with ``{"do_sample": true, "temperature": 0.6,
 "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.3}`` and loaded back with ``load_target``, as a

@@ -38,8 +38,37 @@ def test_auto_follows_the_cpu_flags(monkeypatch):
         assert resolve_dtype("bfloat16", "cpu") is torch.bfloat16  # an explicit choice is kept, with the cost
 
 
-def test_cpu_flags_are_a_subset_of_the_known_ones():
-    assert set(device_mod.cpu_bf16_flags()) <= set(device_mod.CPU_BF16_FLAGS)
+def test_cpu_flags_come_from_the_first_cpuinfo_flags_line_and_torchs_capability(monkeypatch):
+    """The native bf16 features are the known flag names found as whole words on /proc/cpuinfo's first
+    ``flags`` line or in torch's CPU capability; other flags are ignored, and without /proc/cpuinfo torch's
+    capability alone counts."""
+    class CpuInfo:
+        text: str | None = None
+
+        def __init__(self, path):
+            assert str(path) == "/proc/cpuinfo"
+
+        def read_text(self, **kwargs):
+            if CpuInfo.text is None:
+                raise OSError("no /proc/cpuinfo")
+            return CpuInfo.text
+
+    def flags(cpuinfo, capability):
+        CpuInfo.text = cpuinfo
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        device_mod.cpu_bf16_flags.cache_clear()
+        return device_mod.cpu_bf16_flags()
+
+    monkeypatch.setattr(device_mod, "Path", CpuInfo)
+    try:
+        first_line = "processor\t: 0\nflags\t\t: fpu avx2 amx_bf16 avx512f\nflags\t\t: avx512_bf16\n"
+        assert flags(first_line, "AVX2") == ("amx_bf16",)
+        assert flags("flags\t\t: avx2 avx512_bf16x avx512_fp16\n", "AVX512") == ()
+        assert flags("flags\t\t: avx2\n", "AVX512_BF16") == ("avx512_bf16",)
+        assert flags(None, "AMX_BF16") == ("amx_bf16",)
+        assert flags(None, "DEFAULT") == ()
+    finally:
+        device_mod.cpu_bf16_flags.cache_clear()  # the real machine's flags again for later tests
 
 
 def test_cast_for_decoding_copies_only_when_needed():

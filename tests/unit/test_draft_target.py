@@ -1,4 +1,4 @@
-"""A draft is evaluated only against the target it was made for (issue 10, part 4).
+"""A draft is evaluated only against the target it was made for.
 
 Target A (4 layers), B (A's shape, other weights: a fine-tuned target) and C (6 layers). Every saved
 draft (DSpark, DFlash, Eagle3, and the original-layout export) records A's fingerprint and shape;
@@ -212,6 +212,37 @@ def test_eval_lookup_first_adds_a_row_per_draft_with_its_lookup_share(setup, tmp
         EvalConfig(draft=["x"], output_dir="o", lookup_first=2, lookup_num_tokens=0)
     with pytest.raises(ValueError, match="eval.lookup_num_tokens: set without eval.lookup_first"):
         EvalConfig(draft=["x"], output_dir="o", lookup_num_tokens=7)
+
+
+def test_eval_with_a_confidence_threshold_cuts_dspark_proposals_mid_block(setup, tmp_path):
+    """``confidence_threshold`` in the eval stage: DSpark's proposals are cut before their first slot below it
+    (an untrained head's confidences straddle 0.5, so some steps keep part of the block; the fixed schedule
+    verifies each proposal whole, so the cut is the threshold's), no evaluated
+    confidence is below it, the output stays the target's greedy output, and the report records the
+    threshold for DSpark only: Eagle3 has no confidence head and proposes whole blocks."""
+    from deepspec.eval.stage import EvalConfig, run_eval_stage
+
+    tok, targets, folders = setup
+    bench = tmp_path / "gsm8k.jsonl"
+    bench.write_text(json.dumps({"question": "1 + 1 = 1 + 1 = 1 + 1 = ?", "answer": "#### 2"}) + "\n")
+    res = run_eval_stage(EvalConfig(draft=[str(folders["dspark"]), str(folders["eagle3"])], benchmarks=["gsm8k"],
+                                    benchmark_files=[f"gsm8k={bench}"], num_prompts=1, max_new_tokens=24,
+                                    compare_hf_generate=False, baselines=["none"], dtype="float32", schedule="fixed",
+                                    confidence_threshold=0.5, output_dir=str(tmp_path / "e")),
+                         target_model=targets["A"], tokenizer=tok)
+    proposers = res["config"]["proposers"]
+    dspark = next(n for n in proposers if n.startswith("dspark:"))
+    eagle3 = next(n for n in proposers if n.startswith("eagle3:"))
+    assert res["config"]["confidence_threshold"] == {dspark: 0.5}
+    fig = res["benchmarks"]["gsm8k"][dspark]
+    k = proposers[dspark]["max_proposal_len"]
+    sizes = {int(n) for n in fig["proposal_sizes"]}
+    assert any(0 < n < k for n in sizes), fig["proposal_sizes"]  # cut mid-block
+    pooled = fig["calibration"]["pooled"]
+    assert pooled["num_pairs"] > 0 and all(b["num_pairs"] == 0 for b in pooled["bins"] if b["hi"] <= 0.5)
+    assert fig["frac_identical_to_baseline"] == 1.0
+    whole = res["benchmarks"]["gsm8k"][eagle3]
+    assert whole["frac_steps_truncated"] == 0.0 and whole["frac_identical_to_baseline"] == 1.0
 
 
 def test_eval_lookup_corpus_feeds_the_lookup_rows_and_the_ngram_corpus_baseline(setup, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Reduced draft vocabulary (issue 11): selection, id maps, save/load, loss, proposer, lossless greedy.
+"""Reduced draft vocabulary: selection, id maps, save/load, loss, proposer, lossless greedy.
 
 Legend: B batch, S seq, A anchors, K block, V target vocab, W draft vocab, N valid slots. Tiny random
 targets only (the embedded target: tests/integration/test_lossless_real.py).

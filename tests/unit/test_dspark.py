@@ -16,6 +16,7 @@ from deepspec.algorithms.dspark.model import DSparkDraftModel, GatedMarkovHead, 
 from deepspec.algorithms.dspark.proposer import DSparkProposer
 from deepspec.decoding.verify import SamplingParams
 from deepspec.models.anchors import sample_anchors
+from tests.helpers import require_flex_attention_on_cpu
 
 V, MASK = 64, 5
 LAYER_IDS = [0, 1]
@@ -176,12 +177,10 @@ def _forward(draft, *args, use_flex):
 
     if not use_flex:
         return draft.forward_train(*args, use_flex=False)
+    require_flex_attention_on_cpu()
     with warnings.catch_warnings(), torch.no_grad():  # flex on CPU: forward only
         warnings.simplefilter("ignore")
-        try:
-            return draft.forward_train(*args, use_flex=True)
-        except (RuntimeError, NotImplementedError) as e:  # pragma: no cover - depends on torch build
-            pytest.skip(f"flex_attention forward unavailable on CPU: {e}")
+        return draft.forward_train(*args, use_flex=True)
 
 
 @pytest.mark.parametrize("use_flex", [False, True])
@@ -253,12 +252,10 @@ def test_flex_path_matches_dense_forward_on_cpu():
     ap = torch.tensor([[3, 5, 17], [2, 0, 0]])
     valid = torch.tensor([[True, True, True], [True, False, False]])
     dense = draft.forward_train(ids, feats, ap, valid, use_flex=False)
+    require_flex_attention_on_cpu()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        try:
-            flex = draft.forward_train(ids, feats, ap, valid, use_flex=True)
-        except (RuntimeError, NotImplementedError) as e:  # pragma: no cover - depends on torch build
-            pytest.skip(f"flex_attention forward unavailable on CPU: {e}")
+        flex = draft.forward_train(ids, feats, ap, valid, use_flex=True)
     torch.testing.assert_close(flex.logits_BAKV, dense.logits_BAKV, atol=1e-4, rtol=1e-4)
 
 
@@ -338,6 +335,35 @@ def test_proposer_greedy_matches_serial_markov_and_respects_limits(markov):
     assert cut.propose(int(ids[0, 12]), 12, sampling=SamplingParams(), generator=None).num_proposed == 0
     prop.reset()
     assert prop.cache.length == 0
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0)], ids=["greedy", "t1"])
+def test_confidence_cut_mid_block_keeps_the_slots_before_the_first_low_one(sampling):
+    """A threshold between the block's confidences cuts the proposal before the first slot below it, whichever
+    slot that is: the slots before it are the uncut proposal's (tokens, confidences and, at T > 0, draft rows,
+    drawn from the same generator). A threshold equal to every slot's confidence or 0 cuts nothing."""
+    target, draft = make_draft("llama")
+    ids, _ = batch(B=1, S=20)
+    feats, _ = capture(target, ids)
+
+    def propose(threshold):
+        prop = DSparkProposer(draft, max_positions=128, confidence_threshold=threshold)
+        prop.extend_context(feats[0, :12], ids[0, :12].tolist())
+        return prop.propose(int(ids[0, 12]), 12, sampling=sampling, generator=torch.Generator().manual_seed(0))
+
+    full = propose(None)
+    conf = full.confidence_N.tolist()
+    cuts = []
+    for j in range(1, len(conf)):
+        if min(conf[:j]) > conf[j]:  # a threshold in between cuts at slot j
+            cut = propose((min(conf[:j]) + conf[j]) / 2)
+            assert cut.draft_ids_N.tolist() == full.draft_ids_N[:j].tolist(), (j, conf)
+            assert torch.equal(cut.confidence_N, full.confidence_N[:j])
+            if not sampling.greedy:
+                assert torch.equal(cut.draft_probs_NV, full.draft_probs_NV[:j])
+            cuts.append(j)
+    assert cuts, conf  # the block's confidences do fall below an earlier slot's
+    assert propose(min(conf)).num_proposed == propose(0.0).num_proposed == len(conf)
 
 
 def test_proposer_sampling_probs_and_determinism():

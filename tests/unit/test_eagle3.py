@@ -1,4 +1,4 @@
-"""Eagle3 (issue 4): model shapes, TTT loss rules, train/inference consistency, save/load, the trainer,
+"""Eagle3: model shapes, TTT loss rules, train/inference consistency, save/load, the trainer,
 and lossless speculative decoding through the engine. Tiny random Llama targets only.
 
 Legend: B batch, S seq, K ttt steps, H hidden, F feature width, V vocab.

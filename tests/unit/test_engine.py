@@ -531,9 +531,16 @@ def test_run_eval_end_to_end_writes_report(target, tmp_path):
             assert written[name][i] == record
     assert any(r["output"] for r in written["random"])
     assert any("tiny" in line and "tau" in line for line in logs)
-    for name in ("eval_results.json", "eval_report.md", "acceptance.png"):
+    for name in ("eval_results.json", "eval_report.md", "acceptance.png", "step_costs.png"):
         assert (tmp_path / name).stat().st_size > 0
-    assert "| tiny | random |" in (tmp_path / "eval_report.md").read_text()
+    report = (tmp_path / "eval_report.md").read_text()
+    assert "| tiny | random |" in report
+    # the default schedule is the cost-aware one: the report shows its measured curve and what the steps verified
+    assert res["config"]["schedule"] == "auto"
+    curve = res["config"]["step_cost_curve"]
+    assert curve["tokens"][0] == 1 and len(curve["tokens"]) == len(curve["seconds"])
+    assert "## Scheduling" in report and "| tiny | random | " in report.split("## Scheduling")[1]
+    assert sum(figs["random"]["proposal_sizes"].values()) == figs["random"]["num_steps"]
 
 
 def test_run_eval_second_turn_builds_on_each_methods_own_answer(target):

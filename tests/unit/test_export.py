@@ -322,3 +322,63 @@ def test_speculators_refusals(tmp_path):
     dspark, _ = saved_draft(tmp_path, "dspark", "llama")  # the family's own layers: no vLLM DSpark loader
     with pytest.raises(ExportError, match="--draft-backbone qwen3"):
         build_export(dspark, "speculators", verifier="org/some-model")
+
+
+# ----------------------------------------------------------------------------------------------- full-size vocabulary
+def _draft_with_vocab(tmp_path, algorithm, family, d2t, *, sample_from_anchor=True):
+    """A draft saved with ``d2t`` as its draft vocabulary (None: the full vocabulary), the same weights either way."""
+    target = tiny_target(family)
+    n = None if d2t is None else int(d2t.shape[0])
+    torch.manual_seed(1)
+    if algorithm == "eagle3":
+        cfg = eagle3_config_from_target(target.config, target_layer_ids=LAYER_IDS, ttt_steps=3, draft_vocab_size=n)
+        draft = Eagle3DraftModel.from_target(target, cfg, d2t=d2t)
+    else:
+        knobs = {} if algorithm == "dspark" else dict(dflash_knobs(), sample_from_anchor=sample_from_anchor)
+        cfg = draft_config_from_target(target.config, num_draft_layers=2, target_layer_ids=LAYER_IDS,
+                                       mask_token_id=MASK, markov_rank=4, block_size=4, draft_vocab_size=n, **knobs)
+        draft = DSparkDraftModel.from_target(target, cfg, d2t=d2t)
+    folder = tmp_path / f"{algorithm}-{family}-{sample_from_anchor}-{'full' if d2t is None else n}"
+    draft.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("algorithm, family, sample_from_anchor, fmt", [
+    ("eagle3", "llama", True, "vllm-eagle3"), ("eagle3", "llama", True, "sglang-eagle3"),
+    ("eagle3", "llama", True, "speculators"), ("dspark", "qwen3", True, "vllm-dspark"),
+    ("dspark", "qwen3", True, "speculators"), ("dflash", "qwen3", True, "vllm-dspark"),
+    ("dflash", "qwen3", False, "vllm-dflash"),
+])
+def test_a_draft_vocabulary_as_large_as_the_targets_exports_as_the_full_one(tmp_path, algorithm, family,
+                                                                            sample_from_anchor, fmt):
+    """``train --draft-vocab-size V`` on a V-token target (EAGLE-3's usual setting): every format writes it as
+    the full vocabulary (no draft_vocab_size, lm_head or d2t, as vLLM's loaders want for N == V), and the
+    export's own check passes: the export is exactly the full-vocabulary draft's."""
+    from deepspec.algorithms.registry import get_algorithm
+
+    assert fmt in get_algorithm(algorithm).export_formats
+    verifier = str(_verifier_folder(tmp_path, family)) if fmt == "speculators" else None
+    full_v = _draft_with_vocab(tmp_path, algorithm, family, torch.arange(V), sample_from_anchor=sample_from_anchor)
+    full = _draft_with_vocab(tmp_path, algorithm, family, None, sample_from_anchor=sample_from_anchor)
+    config, weights, _ = build_export(full_v, fmt, dtype=torch.float32, verifier=verifier)
+    check_export(fmt, config, weights, algorithm=algorithm)
+    assert "draft_vocab_size" not in config and not {"lm_head.weight", "d2t"} & set(weights)
+    want_config, want_weights, _ = build_export(full, fmt, dtype=torch.float32, verifier=verifier)
+    assert {k: v for k, v in config.items() if k != "deepspec"} == {k: v for k, v in want_config.items()
+                                                                      if k != "deepspec"}
+    assert set(weights) == set(want_weights) and all(torch.equal(weights[k], want_weights[k]) for k in weights)
+    out = run_export(ExportConfig(draft=str(full_v), format=fmt, output_dir=str(tmp_path / f"out-{fmt}"),
+                                  verifier=verifier))
+    assert set(load_file(str(out / "model.safetensors"))) == set(weights)
+
+
+def test_a_full_size_draft_vocabulary_out_of_target_order_is_refused(tmp_path):
+    folder = _draft_with_vocab(tmp_path, "eagle3", "llama", torch.arange(V).flip(0))
+    with pytest.raises(ExportError, match=r"holds all 64 target ids but not in target id order"):
+        build_export(folder, "vllm-eagle3")
+
+
+def test_reduced_vocabulary_rule():
+    from deepspec.models.vocab import is_reduced_vocab
+
+    assert is_reduced_vocab(64, 12) and not is_reduced_vocab(64, 64) and not is_reduced_vocab(64, None)

@@ -117,7 +117,6 @@ def test_eval_and_demo_configs_check_the_new_settings():
     from deepspec.demo import DemoConfig
     from deepspec.eval.stage import EvalConfig
 
-    assert EvalConfig(draft=["x"], output_dir="o").few_row_linear == "auto"
     with pytest.raises(ValueError, match="eval.few_row_linear"):
         EvalConfig(draft=["x"], output_dir="o", few_row_linear="yes")
     with pytest.raises(ValueError, match="eval.num_draft_tokens"):

@@ -1,4 +1,4 @@
-"""The compiled flex_attention path (issue 13, item 3), forward on the CPU (flex has no CPU backward;
+"""The compiled flex_attention path, forward on the CPU (flex has no CPU backward;
 tests/gpu covers gradients on CUDA): one dynamic-shape graph serves every sequence length and anchor
 count, its output equals the dense SDPA mask's, and a fallback to the unfused kernel is an error."""
 

@@ -1,12 +1,12 @@
-"""The supervised tokens are exactly the tokens the target generated (issue 10, part 3).
+"""The supervised tokens are exactly the tokens the target generated.
 
 Prepared rows keep each regenerated turn's ``generated_ids``; the cache / online rule
 (:func:`deepspec.data.chat.render_training_samples`) supervises exactly those ids after exactly the
 prompt the target was given, never ``encode(decode(ids).strip())``. Cases on the real SmolLM2
 tokenizer: ``"\\n\\n"`` generated as one token (1116) before a word (its text re-tokenises as
-``198 198``), a scripted answer ``" Hi there\\n"`` (the old prepare stripped it), an answer cut
-inside a multi-byte character (its text holds U+FFFD), a whitespace-only answer (stripped to ``""``
-it made ``deepspec cache`` fail), and a two-turn conversation whose first answer does not survive
+``198 198``), a scripted answer ``" Hi there\\n"`` (stored unstripped), an answer cut
+inside a multi-byte character (its text holds U+FFFD), a whitespace-only answer (stripped it would be
+``""``), and a two-turn conversation whose first answer does not survive
 the text round trip. Then prepare -> cache end to end on a tiny target, and the render record check.
 """
 
@@ -148,8 +148,8 @@ class ScriptedAnswers(torch.nn.Module):
 
 def test_prepare_then_cache_supervise_the_generated_ids(tmp_path):
     """End to end on a tiny target: answers " Hi there\\n", whitespace only, and whitespace only cut by
-    max_new_tokens are stored unstripped with their ids, and the cache (which used to fail on the
-    whitespace-only row) supervises exactly those ids."""
+    max_new_tokens are stored unstripped with their ids, and the cache (whitespace-only row included)
+    supervises exactly those ids."""
     from deepspec.data.cache import TargetCache, write_target_cache
     from deepspec.data.prepare import PrepareConfig, run_prepare
 

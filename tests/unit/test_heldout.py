@@ -75,6 +75,7 @@ def test_replay_equals_engine(kind):
         assert got.output_ids == base.output_ids == ref.output_ids[:len(got.output_ids)]
         replay = replay_greedy(proposer, ref, max_new_tokens=max_new, eos_token_ids=[EOS])
         assert replay.accepted == [s.num_accepted for s in got.steps]
+        assert replay.committed == [s.num_committed for s in got.steps]
         # the step records the calibration fit reads are the engine's (DSpark: with the head's confidences)
         assert [(s.num_proposed, s.num_accepted, s.num_committed) for s in replay.steps] == [
             (s.num_proposed, s.num_accepted, s.num_committed) for s in got.steps]
@@ -96,12 +97,27 @@ def test_heldout_tau_pools_steps_per_benchmark():
                          eos_token_ids=[EOS])
     steps = replay_greedy(PlannedProposer(refs[0].prompt_ids + refs[0].output_ids), refs[0], max_new_tokens=12,
                           eos_token_ids=[EOS]).accepted
-    assert result["heldout_tau"] == pytest.approx(1 + sum(steps) / len(steps))
+    assert result["heldout_tau"] == pytest.approx(1 + sum(steps) / len(steps))  # no step ends at an EOS here
     assert result["heldout_tau_bench-a"] == result["heldout_tau"]
     # a reference cut (no EOS) before max_new_tokens + K tokens cannot check the last proposals
     short = HeldoutReference("bench-a", "cut", [0, 5, 6], [7, 8, 9], torch.zeros(6, refs[0].target_hidden_TF.shape[1]))
     with pytest.raises(ValueError, match="needs 104"):
         replay_greedy(PlannedProposer([0, 5, 6, 7, 8, 9]), short, max_new_tokens=100, eos_token_ids=[EOS])
+
+
+def test_a_step_that_ends_at_an_accepted_eos_counts_what_it_committed():
+    """The draft proposes the reference's last 5 tokens, the fifth an EOS: the step commits 5 tokens (no bonus
+    token after the EOS), and held-out tau is 5.0 as eval's, not accepted + 1 = 6.0."""
+    class Oracle(PlannedProposer):
+        def propose(self, anchor_token, anchor_pos, *, sampling, generator):
+            return Proposal(draft_ids_N=torch.tensor(self.full[anchor_pos + 1: anchor_pos + 1 + self.max_proposal_len]))
+
+    prompt, out = [0, 5, 6], [7, 8, 9, 10, 11, EOS]  # 7 from the prefill, then one step: 8 9 10 11 EOS
+    ref = HeldoutReference("bench-a", "eos", prompt, out, torch.zeros(len(prompt) + len(out), 4))
+    replay = replay_greedy(Oracle(prompt + out, k=7), ref, max_new_tokens=20, eos_token_ids=[EOS])
+    assert (replay.accepted, replay.committed, replay.num_output_tokens) == ([5], [5], 6)
+    assert replay.tau == 5.0
+    assert heldout_tau(Oracle(prompt + out, k=7), [ref], max_new_tokens=20, eos_token_ids=[EOS])["heldout_tau"] == 5.0
 
 
 def test_the_curve_reference_target_runs_in_the_caches_capture_dtype():

@@ -1,9 +1,9 @@
-"""The cache's target-logit statistics (format 3) and the losses' W-logit path they enable.
+"""The cache's target-logit statistics and the losses' W-logit path they enable.
 
 A reduced-vocabulary draft's losses (DSpark/DFlash, Eagle3) read the target's probabilities of the
 W draft tokens; with the cache's per-position logsumexp and argmax they compute W target logits
 instead of V. These tests check that the statistics are what they claim, that both paths give the
-same losses, diagnostics and gradients, and that a format-2 cache (without them) still trains.
+same losses, diagnostics and gradients, and that a cache of format 2 (without them) is refused.
 
 Shape legend: B batch, S sequence length, T tokens of a sample, V target vocabulary, W draft vocabulary.
 """
@@ -21,7 +21,7 @@ from deepspec.algorithms.dspark.config import dflash_knobs, draft_config_from_ta
 from deepspec.algorithms.dspark.model import DSparkDraftModel
 from deepspec.algorithms.registry import get_algorithm
 from deepspec.data.cache import TargetCache, verify_target_cache, write_target_cache_from_samples
-from deepspec.data.cache.format import FORMAT_WITHOUT_LOGIT_STATS, LOGIT_STAT_FIELDS, MANIFEST_NAME, sha256_file
+from deepspec.data.cache.format import LOGIT_STAT_FIELDS, MANIFEST_NAME, sha256_file
 from deepspec.target.capture import target_draft_probs, target_logit_stats, target_logits
 from deepspec.train.data import collate
 from tests.unit.test_dspark import MASK, V, tiny_target
@@ -104,7 +104,7 @@ def _drafts(target):
 @pytest.mark.parametrize("name", ["dspark", "dflash", "eagle3"])
 def test_losses_with_and_without_the_stats_agree(target, cache_dir, name):
     """Same loss, diagnostics, acceptance counts and gradients whether the target side computes V
-    logits (format 2, online) or W logits and the cached statistics (format 3)."""
+    logits (online) or W logits and the cached statistics."""
     cache = TargetCache(cache_dir)
     draft = _drafts(target)[name]
     algo = get_algorithm(name)
@@ -139,55 +139,48 @@ def test_losses_with_and_without_the_stats_agree(target, cache_dir, name):
             algo.loss(draft, prepared, weight_sum=algo.weight(draft, prepared), autocast=nullctx)
 
 
+FORMAT_2 = "deepspec-target-cache/2"
+
+
 def _format_2_copy(cache_dir, old):
-    """``cache_dir`` as format 2 wrote it: no statistics in the shards, the format-2 run key."""
+    """``cache_dir`` in format 2: no statistics in the shards, the format-2 run key."""
     from deepspec.data.cache.writer import _run_key
 
     old.mkdir()
     manifest = json.loads((cache_dir / MANIFEST_NAME).read_text())
-    manifest["settings"]["format"] = FORMAT_WITHOUT_LOGIT_STATS
+    manifest["settings"]["format"] = FORMAT_2
     manifest["run_key"] = _run_key(manifest["settings"])
     for entry in manifest["shards"]:
         with safe_open(str(cache_dir / entry["file"]), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys() if k not in LOGIT_STAT_FIELDS}
             meta = f.metadata()
-        meta = {"deepspec": json.dumps({**json.loads(meta["deepspec"]), "format": FORMAT_WITHOUT_LOGIT_STATS,
+        meta = {"deepspec": json.dumps({**json.loads(meta["deepspec"]), "format": FORMAT_2,
                                         "run_key": manifest["run_key"]}, sort_keys=True)}
         save_file(tensors, str(old / entry["file"]), metadata=meta)
         entry["num_bytes"] = (old / entry["file"]).stat().st_size
         entry["sha256"] = sha256_file(old / entry["file"])
-    manifest["format"] = FORMAT_WITHOUT_LOGIT_STATS
+    manifest["format"] = FORMAT_2
     for key in LOGIT_STAT_FIELDS:
         manifest["dtypes"].pop(key)
     (old / MANIFEST_NAME).write_text(json.dumps(manifest))
     return old
 
 
-def test_a_format_2_cache_is_read_and_trains_without_the_stats(cache_dir, tmp_path):
-    """A cache written before the statistics existed: readable, verifiable, and its batches carry none."""
+def test_a_format_2_cache_is_refused_with_the_fix(target, cache_dir, tmp_path):
+    """A cache of format 2 (no target-logit statistics) is refused by the reader, ``--verify`` and a
+    `deepspec cache` rerun on its folder, each naming the manifest's "format" and ``deepspec cache``."""
     old = _format_2_copy(cache_dir, tmp_path / "old")
-    verify_target_cache(old, log=None)
-    cache = TargetCache(old)
-    assert "target_logsumexp" not in cache[0] and torch.equal(cache[0]["target_hidden"],
-                                                              TargetCache(cache_dir)[0]["target_hidden"])
-    assert collate([cache[0], cache[1]], [0, 1]).target_logsumexp_BS is None
-    with pytest.raises(ValueError, match="into a new --output-dir"):
-        cache.read(0, ("target_logsumexp",))
-
-
-def test_a_rerun_on_a_complete_format_2_cache_reuses_it(target, cache_dir, tmp_path):
-    """`deepspec cache` (and the demo's cache stage) rerun on a folder a format-2 DeepSpec completed with
-    the same settings: reused as it is, said so; other settings are still refused."""
-    old = _format_2_copy(cache_dir, tmp_path / "old")
+    for read in (TargetCache, lambda p: verify_target_cache(p, log=None)):
+        with pytest.raises(ValueError, match=r'"format": .deepspec-target-cache/2. \(format 2: shards without '
+                                             r"target_logsumexp / target_argmax\).*deepspec cache --input"):
+            read(old)
     before = {p.name: p.stat().st_mtime_ns for p in old.iterdir()}
     args = dict(target_layer_ids=LAYER_IDS, target_fingerprint="t", tokenizer_fingerprint="k", shard_size=4,
                 storage_dtype="bfloat16", progress=False)
-    summary = write_target_cache_from_samples(_samples(), old, target, **args)
-    assert summary.already_complete and summary.format == FORMAT_WITHOUT_LOGIT_STATS
-    assert summary.num_samples == len(TargetCache(cache_dir))
+    with pytest.raises(ValueError, match=r'"format": .deepspec-target-cache/2.*`deepspec cache` again into a new '
+                                         r"--output-dir"):
+        write_target_cache_from_samples(_samples(), old, target, **args)
     assert {p.name: p.stat().st_mtime_ns for p in old.iterdir()} == before  # nothing rewritten
-    with pytest.raises(ValueError, match="other settings"):
-        write_target_cache_from_samples(_samples(), old, target, **{**args, "shard_size": 3})
 
 
 def test_verify_checks_the_stats_cover_exactly_the_read_positions(cache_dir, tmp_path):

@@ -55,7 +55,7 @@ def oracle(out, ids, lm, ap, valid, tlh, head, cfg):
             if not valid[b, j]:
                 continue
             a = int(ap[b, j])
-            reach = 1.0  # the product of the earlier slots' labels
+            reach = 1.0  # the product of the earlier slots' labels; 0 after an EOS label (an accepted EOS ends the step)
             for k in range(K):
                 p = a + k + 1
                 if p >= S or not lm[b, p]:
@@ -74,7 +74,7 @@ def oracle(out, ids, lm, ap, valid, tlh, head, cfg):
                 tot["ce"] += w * float(ce)
                 tot["l1"] += w * float(l1)
                 tot["conf"] += w * reach * float(c)
-                reach *= label
+                reach *= label * (int(ids[b, p]) not in cfg.eos_token_ids)
                 ws += w
                 n += 1
     r = {k2: v / ws for k2, v in tot.items()}
@@ -109,6 +109,9 @@ def test_confidence_label_is_conditional_on_earlier_slots_accepted():
     assert torch.allclose(reach, torch.tensor([[[1.0, 0.8, 0.4, 0.36]]]))
     label, reach = confidence_targets(valid & torch.tensor([True, True, False, False]), match, prob, "greedy")
     assert reach.tolist() == [[[1.0, 1.0, 0.0, 0.0]]] and label[0, 0, 2:].tolist() == [0.0, 0.0]
+    eos = torch.tensor([[[False, True, False, False]]])  # slot 2's label is an EOS: the step would end there
+    match_all = torch.ones_like(match)
+    assert confidence_targets(valid, match_all, prob, "greedy", eos_BAK=eos)[1].tolist() == [[[1.0, 1.0, 0.0, 0.0]]]
     with pytest.raises(ValueError, match="greedy"):
         confidence_targets(valid, match, prob, "sampled")
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from deepspec.models.mask import dense_block_mask, flex_block_mask
+from tests.helpers import require_flex_attention_on_cpu
 
 
 def oracle(anchor_pos_BA, block_valid_BA, S, K):
@@ -61,19 +62,18 @@ def test_block_never_sees_other_blocks_or_its_anchor_position():
 
 def test_flex_forward_matches_dense_on_cpu():
     anchor_pos, valid, S, K = CASES[0]
-    try:
-        from torch.nn.attention.flex_attention import flex_attention
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            bm = flex_block_mask(anchor_pos, valid, S, K, device="cpu")
-            B, A = anchor_pos.shape
-            g = torch.Generator().manual_seed(0)
-            q = torch.randn(B, 4, A * K, 8, generator=g)
-            k = torch.randn(B, 2, S + A * K, 8, generator=g)
-            v = torch.randn(B, 2, S + A * K, 8, generator=g)
-            out_flex = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
-    except (RuntimeError, NotImplementedError) as e:  # pragma: no cover - depends on torch build
-        pytest.skip(f"flex_attention forward unavailable on CPU: {e}")
+    require_flex_attention_on_cpu()
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bm = flex_block_mask(anchor_pos, valid, S, K, device="cpu")
+        B, A = anchor_pos.shape
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(B, 4, A * K, 8, generator=g)
+        k = torch.randn(B, 2, S + A * K, 8, generator=g)
+        v = torch.randn(B, 2, S + A * K, 8, generator=g)
+        out_flex = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
     out_dense = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_block_mask(anchor_pos, valid, S, K),
                                                enable_gqa=True)
     torch.testing.assert_close(out_flex, out_dense, atol=1e-5, rtol=1e-5)
@@ -109,14 +109,13 @@ def test_flex_and_dense_attention_equal_loop_oracle(anchor_pos, valid, S, K):
     dense = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_block_mask(anchor_pos, valid, S, K),
                                            enable_gqa=True)
     torch.testing.assert_close(dense, exp, atol=1e-5, rtol=1e-5)
-    try:
-        from torch.nn.attention.flex_attention import flex_attention
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            bm = flex_block_mask(anchor_pos, valid, S, K, device="cpu")
-            flex = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
-    except (RuntimeError, NotImplementedError) as e:  # pragma: no cover - depends on torch build
-        pytest.skip(f"flex_attention forward unavailable on CPU: {e}")
+    require_flex_attention_on_cpu()
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bm = flex_block_mask(anchor_pos, valid, S, K, device="cpu")
+        flex = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
     torch.testing.assert_close(flex, exp, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(flex).all() and torch.isfinite(dense).all()
 

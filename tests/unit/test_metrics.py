@@ -71,13 +71,30 @@ def test_no_steps_no_nan():
 
 
 def test_eos_step_commits_accepted_only():
+    """A step that ends at an accepted EOS commits the accepted drafts and no bonus token: tau counts what was
+    committed (the original DeepSpec's 5.0 for 5 accepted drafts ending at an EOS, not 6.0)."""
     s = acceptance_stats([step(3, 2, committed=2)])
-    assert s.tau == 3.0 and s.verify_rate == pytest.approx(2 / 4)
+    assert s.tau == 2.0 and s.verify_rate == pytest.approx(2 / 4) and s.tau_histogram == [0, 1, 0, 0]
+    s = acceptance_stats([step(7, 5, committed=5)], max_k=7)
+    assert s.tau == 5.0 and s.tau_histogram == [0, 0, 0, 0, 1, 0, 0, 0]
+    s = acceptance_stats([step(7, 5, committed=5), step(7, 3)], max_k=7)
+    assert s.tau == pytest.approx((5 + 4) / 2) and sum((i + 1) * c for i, c in enumerate(s.tau_histogram)) == 9
 
 
 def _result(n_tokens, total, ttft, steps=(), ids=None):
     return GenerationResult(prompt_len=5, output_ids=ids if ids is not None else list(range(n_tokens)),
                             steps=list(steps), ttft_s=ttft, total_time_s=total, stop_reason="eos")
+
+
+def test_serve_tau_counts_committed_tokens():
+    """``deepspec serve``'s per-request tau counts what the steps committed, as eval does."""
+    from deepspec.serve.decoder import ServeResult
+
+    steps = [step(7, 3), step(7, 5, committed=5)]  # 4 tokens, then 5 accepted drafts ending at an EOS
+    res = ServeResult.from_generation(_result(10, 1.0, 0.1, steps))
+    assert (res.num_verify_steps, res.num_accepted_tokens, res.num_committed_tokens) == (2, 8, 9)
+    assert res.tau == pytest.approx(acceptance_stats(steps).tau) == pytest.approx(4.5)
+    assert res.acceptance()["tau"] == res.tau and res.finish_reason == "stop"
 
 
 def test_timing_and_speedup():

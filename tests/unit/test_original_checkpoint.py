@@ -274,9 +274,11 @@ BAD_LAYOUTS = {
     "unknown architecture": (_set(architectures=["Gemma4DSparkModel"]), "'architectures'.*Gemma4DSparkModel"),
     "model_type disagrees": (_set(model_type="llama"), "'model_type'"),
     "layer count mismatch": (_set(num_hidden_layers=3), r"num_hidden_layers=3.*layers \[0, 1\]"),
-    "confidence head without Markov features": (_set(confidence_head_with_markov=False),
-                                                "'confidence_head_with_markov'"),
+    "confidence head reading Markov features without a Markov head": (_set(markov_rank=0),
+                                                                      "'confidence_head_with_markov'"),
     "sliding window layers": (_set(layer_types=["sliding_attention"] * DRAFT_LAYERS), "'layer_types'"),
+    "a window without layer_types": (_set(layer_types=None, use_sliding_window=True, sliding_window=16),
+                                     "'use_sliding_window'.*sliding_window=16 without layer_types"),
     "pruned vocabulary": (_set(draft_vocab_size=50), "'draft_vocab_size'"),
     "post-norm target layer": (_set(target_layer_ids=[0, LAYERS - 1]), "target_layer_ids"),
     "wrong tensor shape": (_tensor("fc.weight", torch.zeros(H, 3 * H, dtype=torch.bfloat16)),
@@ -303,6 +305,59 @@ def test_a_draft_for_another_target_is_refused(target, tmp_path):
     load_draft(folder)  # fine on its own
     with pytest.raises(ValueError, match=r"'num_target_layers'.*the target's"):
         load_draft(folder, target_model=target)
+
+
+def _with(config, **changes):
+    config = copy.deepcopy(config)
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config
+
+
+@pytest.mark.parametrize("changes, key", [
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                          "original_max_position_embeddings": 128}}, "rope_parameters"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}, "rope_parameters"),
+    ({"rms_norm_eps": 1e-5}, "rms_norm_eps"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"intermediate_size": 2 * FFN}, "intermediate_size"),
+    ({"max_position_embeddings": 512}, "max_position_embeddings"),
+])
+def test_a_field_that_changes_the_forward_must_be_the_targets(target, changes, key):
+    """The original copies the target's config; a draft config.json whose RoPE (default theta 1e6 against a
+    yarn x4 target), norms, activation or shape differ from the target's is refused, naming the key."""
+    cfg = original_config(target, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    draft_config_from_original(cfg, target_config=_with(target.config, rope_parameters=cfg["rope_parameters"]))
+    other = _with(target.config, **{"rope_parameters": cfg["rope_parameters"], **changes})
+    with pytest.raises(ValueError, match=rf"key '{key}'.*the target's.*pass that target"):
+        draft_config_from_original(cfg, target_config=other)
+
+
+def test_a_confidence_head_without_markov_features_loads(target, tmp_path):
+    """``confidence_head_with_markov: false`` (the original supports it): the head is Linear(H, 1) over the
+    hidden state alone; DeepSpec's own layout, the original layout and vllm-dspark keep the field."""
+    from deepspec.export import build_export
+
+    tensors = original_tensors(target)
+    tensors["confidence_head.proj.weight"] = tensors["confidence_head.proj.weight"][:, :H].clone()
+    folder = write_original(tmp_path / "orig", original_config(target, confidence_head_with_markov=False), tensors)
+    _, draft = load_draft(folder, target_model=target)
+    assert draft.config.confidence_head_with_markov is False and draft.config.use_markov_head
+    hidden, prev = torch.randn(3, K, H), torch.randint(0, VOCAB, (3, K))
+    _, conf = draft.heads(hidden, prev)
+    want = hidden @ tensors["confidence_head.proj.weight"].float()[0] + tensors["confidence_head.proj.bias"].float()
+    torch.testing.assert_close(conf.squeeze(-1), want)
+    ours = tmp_path / "ours"
+    draft.save_pretrained(ours)
+    again = load_draft(ours)[1]
+    assert again.config.confidence_head_with_markov is False
+    torch.testing.assert_close(again.heads(hidden, prev)[1], conf)
+    save_original_dspark(draft, tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["confidence_head_with_markov"] is False
+    assert load_original_dspark(tmp_path / "back").config.confidence_head_with_markov is False
+    config, weights, _ = build_export(ours, "vllm-dspark")
+    assert config["enable_confidence_head"] and config["confidence_head_with_markov"] is False
+    assert weights["confidence_head.proj.weight"].shape == (1, H)
 
 
 def test_layout_detection(target, tmp_path):

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from deepspec.data.chat import render_prompt
+from deepspec.data.chat import render_prompt, render_record
 from deepspec.data.prepare import (
     PrepareConfig,
     heldout_path_for,
@@ -22,6 +22,7 @@ from deepspec.data.prepare import (
     run_prepare,
     skipped_path_for,
 )
+from deepspec.data.sources import assign_split
 from deepspec.stages import run_prepare_stage
 
 try:
@@ -158,6 +159,80 @@ def test_prepare_crash_leaves_no_output_and_resume_completes(tmp_path, tok):
     assert resumed == fresh_cfg.output.read_bytes()
 
 
+def _dated_tokenizer():
+    """The tiny ChatML tokenizer behind a system line that prints today's date (as Llama 3 templates do)."""
+    tok = tiny_chatml_tokenizer()
+    tok.chat_template = "{{ 'Today is ' + strftime_now('%d %b %Y') + '.\\n' }}" + tok.chat_template
+    return tok
+
+
+def _set_clock(monkeypatch, day: int) -> None:
+    """Make ``strftime_now`` in chat templates, and the render record, read March ``day``, 2026."""
+    import datetime
+    import types
+
+    from transformers.utils import chat_template_utils
+
+    from deepspec.data import chat
+
+    class Clock(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 3, day, 12, 0)
+
+    monkeypatch.setattr(chat_template_utils, "datetime", Clock)
+    monkeypatch.setattr(chat, "datetime", types.SimpleNamespace(datetime=Clock), raising=False)
+
+
+def test_resume_on_another_day_with_a_dated_template_is_refused(tmp_path, monkeypatch):
+    """A template that prints the date renders other prompts the next day: resuming the journal then
+    would pair its answers with prompts the target never saw, so it is refused (naming the date); on
+    the day it started the run resumes, and the summary records the resumed rows' render."""
+    tok = _dated_tokenizer()
+    _set_clock(monkeypatch, 1)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _run(tmp_path, tok, ScriptedTarget(tok, fail_on_call=2))
+    journal = journal_path_for(tmp_path / "out.jsonl")
+    _, entries = read_journal(journal)
+    assert entries  # the first batch finished on day 1
+    _set_clock(monkeypatch, 2)
+    with pytest.raises(ValueError, match=r"renders differently \(probe_sha256.*strftime_now.*2026-03-01.*"
+                                         r"2026-03-02.*delete .*partial.jsonl to start over"):
+        _run(tmp_path, tok, ScriptedTarget(tok))
+    assert journal.exists() and not (tmp_path / "out.jsonl").exists()  # nothing written, the journal kept
+    _set_clock(monkeypatch, 1)
+    cfg, summary = _run(tmp_path, tok, ScriptedTarget(tok))
+    assert summary.num_resumed == len(entries) and not journal.exists()
+    recorded = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
+    assert recorded["resumed_render"] == recorded["render"] and recorded["render"]["render_date"] == "2026-03-01"
+
+
+def test_cache_refuses_resumed_rows_rendered_differently(tmp_path, monkeypatch):
+    """The cache checks the summary's record of the resumed rows: a render that differs from the rest's
+    (another day) is refused, and so is a resumed file of a dated template without that record (as
+    prepare wrote before it checked the render on resume); the file as prepare wrote it is accepted."""
+    from deepspec.data.cache import check_prepared_render
+
+    tok = _dated_tokenizer()
+    _set_clock(monkeypatch, 1)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _run(tmp_path, tok, ScriptedTarget(tok, fail_on_call=2))
+    cfg, _ = _run(tmp_path, tok, ScriptedTarget(tok))
+    summary_path = tmp_path / "out.jsonl.summary.json"
+    good = json.loads(summary_path.read_text())
+    assert check_prepared_render(cfg.output, tok, [2])["checked_against"] == summary_path.name
+    _set_clock(monkeypatch, 2)
+    day_two = json.loads(json.dumps(good))
+    day_two["render"] = render_record(tok, chat_template_kwargs=None, stop_ids=[2])
+    summary_path.write_text(json.dumps(day_two))  # rows resumed on day 1, the rest rendered on day 2
+    with pytest.raises(ValueError, match=r"\d+ rows resumed .* rendered differently .*probe_sha256"):
+        check_prepared_render(cfg.output, tok, [2])
+    del day_two["resumed_render"]  # the same file without the record of the resumed rows' render
+    summary_path.write_text(json.dumps(day_two))
+    with pytest.raises(ValueError, match=r"did not record their render .*strftime_now"):
+        check_prepared_render(cfg.output, tok, [2])
+
+
 def test_prepare_config_validation(tmp_path):
     with pytest.raises(ValueError, match="batch_size"):
         PrepareConfig(input="sharegpt-demo", output=tmp_path / "o.jsonl", batch_size=0)
@@ -236,7 +311,9 @@ def test_prepare_heldout_split_and_chat_template_kwargs(tmp_path, tok):
     heldout = [json.loads(line) for line in heldout_path_for(cfg.output).read_text().splitlines()]
     assert (summary.num_train, summary.num_heldout) == (len(train), len(heldout))
     assert summary.kept == summary.num_train + summary.num_heldout == 4
-    assert {r["split"] for r in train} <= {"train"} and {r["split"] for r in heldout} <= {"heldout"}
+    for rows, split in ((train, "train"), (heldout, "heldout")):  # the split is the row key's (no ids: its index)
+        assert all(r["split"] == split == assign_split(str(r["source_index"]), heldout_fraction=0.5, seed=3)
+                   for r in rows)
     assert train and heldout  # seed 3 splits these 4 rows 2/2 (a pure function of the row key)
     assert sorted(r["source_index"] for r in train + heldout) == [0, 2, 4, 5]
     assert all(r["chat_template_kwargs"] == {"enable_thinking": False} for r in train + heldout)

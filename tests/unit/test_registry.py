@@ -1,10 +1,12 @@
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from deepspec.algorithms.registry import ALGORITHMS, algorithm_of_draft, get_algorithm
 from deepspec.checkpoints import draft_folder
 from deepspec.decoding.settings import unique_name as _unique_name
+from deepspec.train.draft import check_resume_shape
 
 
 def test_registry_lists_the_three_algorithms_and_refuses_unknown_names():
@@ -24,10 +26,20 @@ def test_algorithm_of_draft_refuses_folders_no_draft_wrote(tmp_path):
         algorithm_of_draft(tmp_path / "odd")
     with pytest.raises(FileNotFoundError):
         algorithm_of_draft(tmp_path / "missing")
-    (tmp_path / "old").mkdir()  # a draft saved before deepspec_algorithm existed
-    (tmp_path / "old" / "config.json").write_text(json.dumps(
+
+
+def test_a_draft_config_without_deepspec_algorithm_is_refused_with_the_fix(tmp_path):
+    """Loading and resuming name the missing field and say how to add it."""
+    draft = tmp_path / "checkpoint-000002" / "draft"
+    draft.mkdir(parents=True)
+    (draft / "config.json").write_text(json.dumps(
         {"draft_config": {"use_markov_head": False, "use_confidence_head": False}}))
-    assert algorithm_of_draft(tmp_path / "old") == "dflash"
+    with pytest.raises(ValueError, match=r"no 'deepspec_algorithm' field.*add \"deepspec_algorithm\": \"dspark\".*"
+                                         r"re-save the draft"):
+        algorithm_of_draft(draft)
+    with pytest.raises(ValueError, match=r"train.resume: .*config.json has no 'deepspec_algorithm' field; add "
+                                         r"\"deepspec_algorithm\": \"dflash\""):
+        check_resume_shape(draft.parent, None, SimpleNamespace(algorithm="dflash"))
 
 
 def test_draft_folder_follows_a_run_folders_latest_pointer(tmp_path):

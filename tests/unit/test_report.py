@@ -31,7 +31,10 @@ def result(steps, n_tokens, total):
                             total_time_s=total, stop_reason="eos")
 
 
-def results_dict(*, with_confidence: bool) -> dict:
+CURVE = {"tokens": [1, 2, 4, 8], "seconds": [0.010, 0.011, 0.013, 0.020]}
+
+
+def results_dict(*, with_confidence: bool, scheduled: bool = False) -> dict:
     conf = (lambda *c: c) if with_confidence else (lambda *c: None)
     base = [result([step(0, 0)] * 5, 6, 0.06)]
     dspark = [result([step(3, 1, conf(0.9, 0.6, 0.3)), step(3, 3, conf(0.8, 0.7, 0.5)), step(2, 0, conf(0.4, 0.2))],
@@ -47,7 +50,7 @@ def results_dict(*, with_confidence: bool) -> dict:
     }
     return {
         "config": {"max_new_tokens": 8, "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 0.9}, "seed": 0,
-                   "target": "tiny"},
+                   "target": "tiny", "step_cost_curve": CURVE if scheduled else None},
         "environment": {"torch": "x"},
         "definitions": METRIC_DEFINITIONS,
         "benchmarks": {"gsm8k": bench, "mt-bench": dict(bench)},
@@ -100,21 +103,32 @@ def _listing(path):
     return sorted(p.name for p in path.iterdir())
 
 
+def test_scheduling_table_and_cost_curve():
+    md = markdown_report(results_dict(with_confidence=False, scheduled=True))
+    section = md.split("## Scheduling")[1].split("##")[0]
+    assert "1: 10.0 (1.00), 2: 11.0 (1.10), 4: 13.0 (1.30), 8: 20.0 (2.00)" in section
+    # dspark verified 3, 3, 2 tokens; no plain step; the target-only row is not a proposer
+    assert "| gsm8k | dspark | 3 | 0.00 | 0.00 | 2.67 | 2: 1 3: 2 |" in section
+    assert "| gsm8k | target-only |" not in section
+    assert "## Scheduling" not in markdown_report(results_dict(with_confidence=False))
+
+
 def test_write_report_files(tmp_path):
-    res = results_dict(with_confidence=True)
+    res = results_dict(with_confidence=True, scheduled=True)
     paths = write_report(res, tmp_path / "out")
-    assert set(paths) == {"json", "markdown", "png", "tau_histogram", "reliability"}
+    assert set(paths) == {"json", "markdown", "png", "tau_histogram", "reliability", "step_costs"}
     assert _listing(tmp_path / "out") == sorted(FILE_NAMES.values())  # no temporary files left behind
-    for key in ("png", "tau_histogram", "reliability"):
+    for key in ("png", "tau_histogram", "reliability", "step_costs"):
         assert paths[key].read_bytes()[:8] == PNG_MAGIC
     loaded = json.loads(paths["json"].read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
     assert loaded["benchmarks"]["gsm8k"]["dspark"]["tau_histogram"] == [1, 1, 0, 1]
     md = paths["markdown"].read_text()
     assert "![confidence reliability](reliability.png)" in md and "(tau_histogram.png)" in md
 
-    # Same folder, no confidences now: no reliability plot, and the stale one is gone.
+    # Same folder, no confidences and no schedule now: no reliability or cost plot, and the stale ones are gone.
     paths = write_report(results_dict(with_confidence=False), tmp_path / "out")
     assert "reliability" not in paths and not (tmp_path / "out" / "reliability.png").exists()
+    assert "step_costs" not in paths and not (tmp_path / "out" / "step_costs.png").exists()
     assert "reliability.png" not in paths["markdown"].read_text()
     assert paths["tau_histogram"].read_bytes()[:8] == PNG_MAGIC
 

@@ -41,17 +41,16 @@ def test_cost_curve_interpolates_extrapolates_and_refuses_bad_points():
             StepCostCurve(tokens, seconds)
 
 
-def test_measure_step_costs_takes_medians_interleaved_and_never_decreases():
+def test_measure_step_costs_takes_the_fastest_round_interleaved_and_never_decreases():
     fed: list[int] = []
     now = [0.0]
-    cost = {1: 1.0, 2: 3.0, 3: 2.0, 4: 4.0}  # 3 tokens measured faster than 2: raised to 2's
-
+    cost = {1: 1.0, 2: 3.0, 3: 2.0, 4: 4.0}  # 3 tokens measured faster than 2: the two are pooled
     def forward(n):
         fed.append(n)
-        now[0] += cost[n]
+        now[0] += cost[n] + (50.0 if n == 1 and len(fed) == 5 else 0.0)  # one slow round of 1 token (a busy machine)
 
     curve = measure_step_costs(forward, 4, repeats=2, clock=lambda: now[0])
-    assert curve.tokens == (1, 2, 3, 4) and curve.seconds == (1.0, 3.0, 3.0, 4.0)
+    assert curve.tokens == (1, 2, 3, 4) and curve.seconds == (1.0, 2.5, 2.5, 4.0)
     assert fed == [1, 2, 3, 4] * 3  # one warm-up pass, then rounds over every size
     with pytest.raises(ValueError, match="max_tokens"):
         measure_step_costs(forward, 0)
@@ -85,6 +84,20 @@ def test_estimator_starts_at_the_score_and_learns_from_counts():
     assert est.estimate(1, 0, None) < 0.1  # the depth's running mean learned it too
     assert est.estimate(1, 0, 0.3) == pytest.approx(0.3)  # other bins keep their prior
     assert est.estimate(1, 1) == pytest.approx(est.other_prior)
+
+
+def test_estimates_are_kept_per_source():
+    est = AcceptanceEstimator()
+    for _ in range(30):
+        est.observe(1, 0, None, accepted=True, source="lookup")
+        est.observe(1, 0, None, accepted=False)  # the draft's
+    assert est.estimate(1, source="lookup") > 0.9 and est.estimate(1) < 0.1
+    assert est.estimate(1, source="corpus") == pytest.approx(est.first_prior)  # nothing seen from a corpus yet
+    # a tree's lookup node beside a draft node is estimated as the lookup's chain, not as a second-ranked sibling
+    tree = Proposal(draft_ids_N=torch.tensor([5, 6]), parents_N=(-1, -1), sources_N=("draft", "lookup"))
+    sched = StepScheduler(StepCostCurve((1, 2, 3), (0.01, 0.0105, 0.011)))  # each node costs 1/20 of a step
+    sched.estimator = est
+    assert sched.select(tree, greedy=True).draft_ids_N.tolist() == [6]
 
 
 def test_flat_costs_and_certain_drafts_verify_the_whole_proposal():
@@ -146,6 +159,22 @@ def test_engine_with_steep_costs_makes_only_plain_steps_and_stays_lossless(targe
     assert res.output_ids == reference
     assert all(s.num_proposed == 0 for s in res.steps)
     assert any(not s.drafted for s in res.steps)  # the proposer was not even called on most steps
+
+
+def test_a_lookup_match_is_verified_on_steps_the_draft_is_not_worth_calling(target):
+    from deepspec.algorithms.ngram.proposer import LookupFirstProposer
+    from tests.unit.test_engine import VOCAB
+
+    prompt = PROMPT * 3  # repeated text: prompt lookup matches from the first step
+    reference = hf_greedy(target, prompt, 20, 1)
+    sched = StepScheduler(FLAT, probe_every=1000)
+    sched.propose_s = 1.0  # a draft call that never pays
+    proposer = LookupFirstProposer(RandomProposer(32), vocab_size=VOCAB, ngram_min=1, max_positions=512)
+    res = _greedy_engine(target, proposer, sched).generate(prompt, max_new_tokens=20)
+    assert res.output_ids == reference
+    assert not any(s.drafted for s in res.steps)  # the draft model never ran
+    assert any(s.num_proposed > 0 for s in res.steps)  # the lookup's matches were verified all the same
+    assert proposer.steps_from_draft == 0 and proposer.steps_from_lookup > 0
 
 
 def test_engine_with_free_verifies_and_an_oracle_is_fixed_k(target):

@@ -1,4 +1,4 @@
-"""One stop-token rule for prepare, the cache's loss mask, evaluation and serve (issue 10, part 2).
+"""One stop-token rule for prepare, the cache's loss mask, evaluation and serve.
 
 The rule (:func:`deepspec.data.chat.stop_token_ids`) is derived from the target's generation config,
 the tokenizer's eos and the chat template's end-of-turn token, never from a list of token names:

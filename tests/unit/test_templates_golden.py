@@ -1,4 +1,4 @@
-"""Golden tests of chat rendering + loss masks with the real tokenizers (issue 3, item 2).
+"""Golden tests of chat rendering + loss masks with the real tokenizers.
 
 Templates: SmolLM2 (ChatML, the embedded default target's tokenizer), Qwen3 (real tokenizer shipped in
 ``tests/fixtures/qwen3_tokenizer``, thinking on and off, single and multi-turn), a Llama-3-STYLE

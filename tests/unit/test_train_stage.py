@@ -75,11 +75,11 @@ def test_train_without_target_uses_the_target_the_cache_records(tmp_path, monkey
     model_dir.mkdir()
     said = []
 
-    def resolve(target, recorded):
-        cfg = TrainConfig(cache_dir=str(tmp_path / "cache"), output_dir=str(tmp_path / "run"), target=target)
+    def resolve(target, recorded):  # target None: --target left out of the config
+        given = {} if target is None else {"target": target}
+        cfg = TrainConfig(cache_dir=str(tmp_path / "cache"), output_dir=str(tmp_path / "run"), **given)
         return train_data.resolve_train_target(cfg, SimpleNamespace(manifest={"target": recorded}), log=said.append)
 
-    assert TrainConfig(cache_dir="c", output_dir="o").target is None  # left out: the cache decides
     monkeypatch.chdir(tmp_path)  # `deepspec cache` records a folder as an absolute path, "default" as is
     assert recorded_target_name("model") == str(model_dir) and recorded_target_name("default") == "default"
     assert resolve(None, str(model_dir)) == str(model_dir)

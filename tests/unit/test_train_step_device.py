@@ -52,7 +52,7 @@ def _inputs(seed=4, num_anchors=5, **draft_kw):
 
 def test_the_target_side_is_computed_once_per_chunk_without_a_graph(monkeypatch):
     """Deferred (checkpointed) chunks: the target logits are computed once per chunk in the forward, under
-    no_grad, and never again in backward (the old rule recomputed them with each chunk's draft logits)."""
+    no_grad, and never again in backward (not with each chunk's recomputed draft logits)."""
     draft, (ids, lm, feats, last, ap, valid) = _inputs()
     calls = []
     real = capture_mod.target_draft_logits

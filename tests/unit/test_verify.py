@@ -1,6 +1,6 @@
 """Verify math on hand-made distributions (docs/design/decoding.md, "Sampling and verify"), against slow obvious rules.
 
-Covers issue 5 item 2: sampling filters (temperature, top-k, top-p); greedy acceptance; T > 0
+Covers sampling filters (temperature, top-k, top-p); greedy acceptance; T > 0
 acceptance ``min(1, p/q)`` with independent uniforms; the residual ``max(0, p - q)`` and its
 fallback; ``q(x) = 0`` without NaN; the all-accepted prefix; a batch mixing greedy and sampling
 rows; the EOS rule; proposers scoring their tokens with the exact distribution they sampled from;

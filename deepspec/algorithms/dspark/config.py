@@ -123,7 +123,7 @@ class DraftConfig(TargetShapeConfig):
     # Loss knobs (training only) and markov_head_type (drafts saved before it existed are "vanilla").
     OPTIONAL_ON_LOAD: ClassVar[tuple[str, ...]] = TargetShapeConfig.OPTIONAL_ON_LOAD + (
         "markov_head_type", "loss_decay_gamma", "ce_weight", "l1_weight", "confidence_weight", "sample_from_anchor",
-        "confidence_label")
+        "confidence_label", "confidence_head_with_markov")
 
     # --- draft knobs ---
     num_draft_layers: int
@@ -133,6 +133,10 @@ class DraftConfig(TargetShapeConfig):
     markov_head_type: str = "vanilla"  # one of MARKOV_HEAD_TYPES
     use_markov_head: bool = True
     use_confidence_head: bool = True
+    # the confidence head reads [hidden ; markov_w1[prev]] (True, the released DSpark drafts) or the hidden state
+    # alone (False); without a Markov head it reads the hidden state alone either way. The original's key of the
+    # same name (deepspec/modeling/dspark/qwen3/modeling.py)
+    confidence_head_with_markov: bool = True
     # True: slot k predicts x_{a+k+1} (K drafts per block); False: z-lab's DFlash layout, slot k predicts
     # x_{a+k} (K-1 drafts, the anchor slot reads out nothing): see the module docstring
     sample_from_anchor: bool = True
@@ -180,6 +184,9 @@ class DraftConfig(TargetShapeConfig):
                        "Use 'greedy' (T = 0 verify, the default) or 'tv' (T > 0; train --confidence-label).")
         if self.ce_weight + self.l1_weight + self.confidence_weight <= 0:
             raise _err("ce_weight", "a positive total loss weight", 0.0, "Set ce_weight=1.0 (DFlash).")
+        if not isinstance(self.confidence_head_with_markov, bool):
+            raise _err("confidence_head_with_markov", "true or false", self.confidence_head_with_markov,
+                       "Fix config.json.")
         if not isinstance(self.sample_from_anchor, bool):
             raise _err("sample_from_anchor", "true or false", self.sample_from_anchor, "Fix config.json.")
         if not self.sample_from_anchor and (self.use_markov_head or self.use_confidence_head):
@@ -202,8 +209,9 @@ class DraftConfig(TargetShapeConfig):
 
     @property
     def markov_dim(self) -> int:
-        """Width of W1[prev] fed to the confidence head (0 without a Markov head)."""
-        return self.markov_rank if self.use_markov_head else 0
+        """Width of W1[prev] fed to the confidence head: 0 without a Markov head or with
+        ``confidence_head_with_markov`` false (the head then reads the hidden state alone)."""
+        return self.markov_rank if self.use_markov_head and self.confidence_head_with_markov else 0
 
     @property
     def architecture(self) -> str:

@@ -31,7 +31,7 @@ slots from ``target_last_hidden`` gathered at the slot positions (never ``[B, S,
 draft logits (``forward_train(..., defer_logits=True)``, the trainer's ``chunked_head_loss``) the draft
 logits too exist one chunk at a time, recomputed in backward: for a Qwen3-4B-shaped draft (W 151,936)
 with 512 anchors x 7 slots the ``[A, K, W]`` logits alone are 2.2 GB in float32. With a reduced
-vocabulary and a format-3 cache's per-position logsumexp and argmax, only the W target logits of the
+vocabulary and the target cache's per-position logsumexp and argmax, only the W target logits of the
 draft tokens are computed (:func:`deepspec.target.capture.target_draft_logits`): the same values.
 
 Dtypes and what backward recomputes. The target side (lm_head matmul of the slots' target hidden
@@ -68,7 +68,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from deepspec.algorithms.dspark.config import DraftConfig
-from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance
+from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance, is_eos
 from deepspec.models.vocab import t2d_table
 from deepspec.target.capture import STATS_MISSING, target_draft_logits
 
@@ -86,7 +86,7 @@ def supervision_mask(loss_mask_BS: Tensor, anchor_pos_BA: Tensor, block_valid_BA
 
 
 def confidence_targets(valid_BAK: Tensor, match_BAK: Tensor, accept_prob_BAK: Tensor,
-                       rule: str) -> tuple[Tensor, Tensor]:
+                       rule: str, *, eos_BAK: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The confidence head's ``(label_BAK, reach_BAK)`` float32 ``[B, A, K]`` (module docstring).
 
     ``valid_BAK`` bool: supervised slots; ``match_BAK`` bool: the draft's argmax equals the target's
@@ -95,7 +95,8 @@ def confidence_targets(valid_BAK: Tensor, match_BAK: Tensor, accept_prob_BAK: Te
     ``1 - TV``, reach the product of the earlier slots' ``1 - TV``). Both are 0 at invalid slots. The rule
     follows the eval's calibration pairs (slot k's acceptance given slots 1..k-1 accepted, under the
     verify rule in use), not the original DSpark loss (which labels every valid slot ``1 - TV`` with
-    reach 1). Raises ValueError for another ``rule``.
+    reach 1). ``eos_BAK`` bool (optional): the slot's label is an EOS; an accepted EOS ends the step, so the
+    slots after it have reach 0 (the eval never pairs them). Raises ValueError for another ``rule``.
     """
     if rule == "greedy":
         label_BAK = (match_BAK & valid_BAK).float()
@@ -103,7 +104,8 @@ def confidence_targets(valid_BAK: Tensor, match_BAK: Tensor, accept_prob_BAK: Te
         label_BAK = accept_prob_BAK.float().clamp(0.0, 1.0) * valid_BAK
     else:
         raise ValueError(f"confidence_targets.rule: expected 'greedy' or 'tv', received {rule!r}.")
-    survive_BAK = torch.cumprod(label_BAK, dim=-1)  # prod_{j<=k} label_j
+    go_on_BAK = label_BAK if eos_BAK is None else label_BAK * (~eos_BAK.bool()).float()  # an EOS ends the step
+    survive_BAK = torch.cumprod(go_on_BAK, dim=-1)  # prod_{j<=k} label_j (and no EOS)
     reach_BAK = torch.cat([torch.ones_like(survive_BAK[..., :1]), survive_BAK[..., :-1]], dim=-1) * valid_BAK
     return label_BAK, reach_BAK
 
@@ -271,7 +273,7 @@ def dspark_loss(
         d2t_W: int64 ``[W]`` draft -> target ids of a reduced draft vocabulary (None: W = V, identity).
         weight_sum: global normaliser (sum of :func:`supervision_weights` over the global batch).
         target_logsumexp_BS, target_argmax_BS: the target logits' full-vocabulary logsumexp and argmax
-            per position (a format-3 cache, :func:`deepspec.target.capture.target_logit_stats`). With a
+            per position (the target cache's, :func:`deepspec.target.capture.target_logit_stats`). With a
             reduced vocabulary they replace the ``[N, V]`` target logits by ``[N, W]`` ones
             (``p_t[d2t[d]] = exp(logit[d2t[d]] - logsumexp)``; the same values up to rounding); ignored
             when W = V, where the full softmax is needed anyway.
@@ -404,8 +406,11 @@ def dspark_loss(
             match_BAK[b_N, a_N, k_N] = match_N.bool()
             prob_BAK = torch.zeros(valid_BAK.shape, device=dev)
             prob_BAK[b_N, a_N, k_N] = acc_N.float()
+            eos_BAK = torch.zeros_like(valid_BAK)  # the label is an EOS: an accepted one ends the step, no bonus
+            eos_BAK[b_N, a_N, k_N] = is_eos(labels_N, config.eos_token_ids)
         if out.confidence_logits_BAK is not None:
-            label_BAK, reach_BAK = confidence_targets(valid_BAK, match_BAK, prob_BAK, config.confidence_label)
+            label_BAK, reach_BAK = confidence_targets(valid_BAK, match_BAK, prob_BAK, config.confidence_label,
+                                                      eos_BAK=eos_BAK)
             c_N = out.confidence_logits_BAK[b_N, a_N, k_N].float()
             conf_N = F.binary_cross_entropy_with_logits(c_N, label_BAK[b_N, a_N, k_N], reduction="none")
             conf = (w_N * reach_BAK[b_N, a_N, k_N] * conf_N).sum() / norm
@@ -415,7 +420,8 @@ def dspark_loss(
             cnt = torch.bincount(k_N, minlength=K).clamp_min(1).float()
             accept_K = torch.zeros(K, device=dev).index_add_(0, k_N, acc_N) / cnt
             top1_K = torch.zeros(K, device=dev).index_add_(0, k_N, match_N) / cnt
-            acceptance = chain_acceptance(valid_BAK.flatten(0, 1), match_BAK.flatten(0, 1), prob_BAK.flatten(0, 1))
+            acceptance = chain_acceptance(valid_BAK.flatten(0, 1), match_BAK.flatten(0, 1), prob_BAK.flatten(0, 1),
+                                          eos_BAK.flatten(0, 1))
     return LossOutput(loss=loss, ce=ce.detach(), l1=l1.detach(), confidence=conf.detach(), weight_sum=norm.detach(),
                       local_weight_sum=local_ws, num_valid_slots=int(N), accept_rate_K=accept_K, top1_match_K=top1_K,
                       acceptance=acceptance, num_labels_outside_vocab=num_outside)

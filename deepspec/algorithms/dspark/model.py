@@ -11,7 +11,8 @@ Architecture (parameter names follow the original DeepSpec DSpark checkpoints):
   post_attention_layernorm, mlp.{gate,up,down}_proj}, norm, lm_head (frozen copy of the target's
   rows ``d2t``: ``[N, D]``), markov_head.{markov_w1 (Embedding V x r: indexed by the previous *target*
   id), markov_w2 (Linear r -> N, no bias)} (+ ``gate_proj`` for the ``gated`` variant, ``joint_proj``
-  for ``rnn``: see :class:`MarkovHead`), confidence_head.proj (Linear D + r -> 1, with bias), and with
+  for ``rnn``: see :class:`MarkovHead`), confidence_head.proj (Linear D + r -> 1, with bias; D -> 1 with
+  ``confidence_head_with_markov`` false), and with
   a reduced vocabulary the buffer ``d2t`` (int64 ``[N]``, absolute target ids: :mod:`deepspec.models.vocab`).
 
 Each draft layer attends from the block's hidden states (queries) to
@@ -426,9 +427,13 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
         return logits
 
     def _confidence(self, hidden: Tensor, feats: Tensor | None) -> Tensor | None:
+        """Confidence logits ``[...]`` of final hidden states ``[..., D]``: the head reads ``[hidden ; feats]``
+        (``feats = markov_w1[prev]`` ``[..., r]``), or ``hidden`` alone without a Markov head or with
+        ``config.confidence_head_with_markov`` false; None without a confidence head."""
         if self.confidence_head is None:
             return None
-        x = hidden if feats is None else torch.cat([hidden, feats.to(hidden.dtype)], dim=-1)
+        with_feats = feats is not None and self.config.confidence_head_with_markov
+        x = torch.cat([hidden, feats.to(hidden.dtype)], dim=-1) if with_feats else hidden
         return self.confidence_head(x)
 
     def slot_step(self, hidden_D: Tensor, base_logits_V: Tensor, prev_id: Tensor,

@@ -121,6 +121,76 @@ def _int(cfg: dict[str, Any], key: str, source: str, *, minimum: int = 0, fix: s
     return v
 
 
+# DraftConfig field -> the original config.json key it is read from: the fields that change the draft's forward
+# and are copies of the target's (the original deep-copies the target's config), compared with the target's
+_TARGET_COPIED_FIELDS = (
+    ("family", "model_type"), ("hidden_size", "hidden_size"), ("vocab_size", "vocab_size"),
+    ("target_num_hidden_layers", "num_target_layers"), ("num_attention_heads", "num_attention_heads"),
+    ("num_key_value_heads", "num_key_value_heads"), ("head_dim", "head_dim"),
+    ("intermediate_size", "intermediate_size"), ("hidden_act", "hidden_act"), ("rms_norm_eps", "rms_norm_eps"),
+    ("rope_parameters", "rope_parameters"), ("max_position_embeddings", "max_position_embeddings"),
+    ("qkv_bias", "attention_bias"), ("o_bias", "attention_bias"), ("mlp_bias", "mlp_bias"),
+    ("qk_norm", "model_type"), ("embed_scale", "model_type"), ("final_logit_softcapping", "final_logit_softcapping"),
+)
+
+
+def _rope_key(rope: dict[str, Any]) -> dict[str, Any]:
+    """RoPE parameters compared by value: None entries dropped, numbers as floats (1e6 == 1000000)."""
+    return {k: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+            for k, v in rope.items() if v is not None}
+
+
+def _check_against_target(shape: dict[str, Any], target_config: Any, source: str) -> None:
+    """Raise naming the first field of :data:`_TARGET_COPIED_FIELDS` where the draft's ``shape`` (the
+    :func:`target_shape_fields` of its config.json) differs from ``target_config``'s: each changes the draft's
+    forward (the RoPE it applies at target positions, its layers' shape, norms and activation), and the original
+    copies them all from the target it trains for, so a difference is another target or an edited file."""
+    tgt = target_shape_fields(target_config, target_layer_ids=shape["target_layer_ids"])
+    for key, cfg_key in _TARGET_COPIED_FIELDS:
+        have, want = shape[key], tgt[key]
+        if key == "rope_parameters":
+            have, want = _rope_key(have), _rope_key(want)
+        if have != want:
+            raise _cfg_error(source, cfg_key, f"{want!r} (the target's)", have,
+                             "The draft's forward depends on it and the original copies it from the target it was "
+                             "trained for: pass that target, or restore the target's value in config.json.")
+
+
+def _check_full_attention(cfg: dict[str, Any], family: str, num_draft_layers: int, source: str) -> None:
+    """Raise unless every draft layer attends to the whole context, as DeepSpec's DSpark layers do.
+
+    ``layer_types`` (the original writes it, all ``full_attention``) decides when present. Without it
+    transformers derives the layers' attention from the window keys the original copies
+    from the target: ``use_sliding_window`` with ``sliding_window`` (Qwen2 / Qwen3: layers from
+    ``max_window_layers`` on), ``sliding_window`` alone (Mistral: every layer; Gemma 3: its pattern), so a
+    window set there is refused rather than read as full attention.
+    """
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list):
+            raise _cfg_error(source, "layer_types", "a list with an entry per draft layer", layer_types,
+                             "The original writes ['full_attention'] * num_hidden_layers.")
+        if any(t != "full_attention" for t in layer_types):
+            raise _cfg_error(source, "layer_types", "only 'full_attention' (as the original writes)", layer_types,
+                             "Sliding-window draft layers are not supported; evaluate this draft with the "
+                             "original code.")
+        if family != "mistral":  # Mistral's layers read sliding_window whatever layer_types says
+            return
+    window = cfg.get("sliding_window")
+    if family in ("qwen2", "qwen3"):
+        key, windowed = "use_sliding_window", bool(cfg.get("use_sliding_window")) and window is not None
+    else:
+        key, windowed = "sliding_window", family in ("mistral", "gemma3_text") and window is not None
+    if windowed:
+        raise _cfg_error(source, key, "no sliding window (DeepSpec's draft layers attend to the whole context)",
+                         cfg.get(key), f"config.json sets sliding_window={window!r}"
+                         + ("" if family == "mistral" else " without layer_types")
+                         + ", so transformers would build windowed draft layers. If the draft was trained with "
+                         "full attention, set " + ("sliding_window to null" if family == "mistral" else
+                                                   f"layer_types to ['full_attention'] * {num_draft_layers}")
+                         + "; otherwise evaluate it with the original code.")
+
+
 def draft_config_from_original(cfg: dict[str, Any], *, target_config: Any = None,
                                source: str = CONFIG_NAME) -> DraftConfig:
     """Map an original-layout ``config.json`` (dict) to a :class:`DraftConfig`.
@@ -130,6 +200,7 @@ def draft_config_from_original(cfg: dict[str, Any], *, target_config: Any = None
     ``num_target_layers``; ``num_draft_layers`` <- ``num_hidden_layers``; ``block_size``,
     ``target_layer_ids``, ``mask_token_id`` as is; ``use_markov_head`` <- ``markov_rank > 0``;
     ``markov_rank``, ``markov_head_type``; ``use_confidence_head`` <- ``enable_confidence_head``;
+    ``confidence_head_with_markov`` as is (false: the head reads the hidden state alone);
     ``target_fingerprint`` <- DeepSpec's own key of that name when present (the original has none). Loss
     weights are not in the file (training config): DSpark defaults, ``confidence_weight = 0`` without a
     confidence head, :func:`~deepspec.algorithms.dspark.config.dflash_knobs` without both heads.
@@ -141,9 +212,11 @@ def draft_config_from_original(cfg: dict[str, Any], *, target_config: Any = None
 
     Raises:
         ValueError: a missing or invalid key, an unsupported variant (unknown ``markov_head_type``,
-            sliding-window layers, a confidence head without the Markov features while a Markov head
-            exists, a pruned draft vocabulary), or a mismatch with ``target_config``; the message names
-            the key and says how to fix it.
+            sliding-window layers, by ``layer_types`` or by a window without it: :func:`_check_full_attention`;
+            a confidence head reading Markov features without a Markov head, a pruned draft vocabulary), or
+            a field that changes the draft's forward and differs from ``target_config``'s (the shape, norms,
+            activation, biases and RoPE: :func:`_check_against_target`); the message names the key and says
+            how to fix it.
     """
     family = _family(cfg, source)
     for flag in _UNSUPPORTED_FLAGS:
@@ -175,10 +248,7 @@ def draft_config_from_original(cfg: dict[str, Any], *, target_config: Any = None
     if draft_vocab not in (None, cfg["vocab_size"]):
         raise _cfg_error(source, "draft_vocab_size", f"absent or == vocab_size ({cfg['vocab_size']})", draft_vocab,
                          "Pruned draft vocabularies are not supported; use a full-vocabulary draft.")
-    layer_types = cfg.get("layer_types") or ["full_attention"] * num_draft_layers
-    if any(t != "full_attention" for t in layer_types):
-        raise _cfg_error(source, "layer_types", "only 'full_attention' (as the original writes)", layer_types,
-                         "Sliding-window draft layers are not supported.")
+    _check_full_attention(cfg, family, num_draft_layers, source)
 
     markov_rank = _int(cfg, "markov_rank", source, minimum=0,
                        fix="Set markov_rank (0 = no Markov head, the original's DFlash; 256 = DSpark).")
@@ -201,24 +271,18 @@ def draft_config_from_original(cfg: dict[str, Any], *, target_config: Any = None
             raise _cfg_error(source, "confidence_head_with_markov", "true or false when enable_confidence_head",
                              None, "The original requires it; add it (true for the released DSpark drafts).")
         with_markov = bool(cfg["confidence_head_with_markov"])
-        if with_markov != use_markov:
-            raise _cfg_error(source, "confidence_head_with_markov", f"{use_markov} (DeepSpec's confidence head reads "
-                             "[hidden ; markov_w1[prev]] exactly when a Markov head exists)", with_markov,
-                             "This head variant is not supported." if use_markov
-                             else "The original requires a Markov head (markov_rank > 0) for it.")
+        if with_markov and not use_markov:
+            raise _cfg_error(source, "confidence_head_with_markov", "false when markov_rank is 0 (the head reads "
+                             "[hidden ; markov_w1[prev]], and there is no markov_w1)", with_markov,
+                             "The original requires a Markov head (markov_rank > 0) for it; set it false.")
+    else:
+        with_markov = True  # no confidence head: the field does not matter; DeepSpec's default
 
     ns = SimpleNamespace(**{k: v for k, v in cfg.items() if k not in ("num_hidden_layers", "model_type")},
                          num_hidden_layers=num_target_layers, model_type=family)
     shape = target_shape_fields(ns, target_layer_ids=[int(i) for i in cfg["target_layer_ids"]])
     if target_config is not None:
-        tgt = target_shape_fields(target_config, target_layer_ids=shape["target_layer_ids"])
-        for key, cfg_key in (("family", "model_type"), ("hidden_size", "hidden_size"),
-                             ("vocab_size", "vocab_size"), ("target_num_hidden_layers", "num_target_layers"),
-                             ("num_attention_heads", "num_attention_heads"),
-                             ("num_key_value_heads", "num_key_value_heads"), ("head_dim", "head_dim")):
-            if shape[key] != tgt[key]:
-                raise _cfg_error(source, cfg_key, f"{tgt[key]!r} (the target's)", shape[key],
-                                 "This draft was trained for another target; pass the target it was trained for.")
+        _check_against_target(shape, target_config, source)
     # loss weights (not in the file): DFlash's without heads, no confidence term without that head
     knobs = dflash_knobs() if not (use_markov or use_conf) else {} if use_conf else {"confidence_weight": 0.0}
     knobs.update(use_markov_head=use_markov, use_confidence_head=use_conf)
@@ -226,7 +290,7 @@ def draft_config_from_original(cfg: dict[str, Any], *, target_config: Any = None
         return DraftConfig(**shape, num_draft_layers=num_draft_layers, block_size=int(cfg["block_size"]),
                            mask_token_id=int(cfg["mask_token_id"]), markov_rank=markov_rank if use_markov else 256,
                            markov_head_type=markov_head_type, target_fingerprint=cfg.get("target_fingerprint"),
-                           **knobs)
+                           confidence_head_with_markov=with_markov, **knobs)
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from exc
 
@@ -278,7 +342,7 @@ def original_config_dict(config: DraftConfig, *, num_anchors: int = 512) -> dict
     if c.final_logit_softcapping is not None:  # a key of the target's config the original copies (Gemma 2)
         cfg["final_logit_softcapping"] = c.final_logit_softcapping
     if c.use_confidence_head:
-        cfg["confidence_head_with_markov"] = c.use_markov_head
+        cfg["confidence_head_with_markov"] = c.use_markov_head and c.confidence_head_with_markov
     if c.use_markov_head:
         cfg["markov_head_type"] = c.markov_head_type
     if c.target_fingerprint is not None:  # DeepSpec's own key (the original ignores it): the target it was made for
@@ -348,7 +412,7 @@ def _fill(model: DSparkDraftModel, state: dict[str, torch.Tensor], target_model:
                          + (" (taken from the target: the draft was trained for another target)"
                             if any(w.split(':')[0] in from_target for w in wrong) else "")
                          + ". Check hidden_size, head_dim, num_key_value_heads, intermediate_size, vocab_size, "
-                           "target_layer_ids, markov_rank.")
+                           "target_layer_ids, markov_rank, confidence_head_with_markov.")
     model.load_state_dict(state, strict=False)  # all non-derived keys verified above
 
 

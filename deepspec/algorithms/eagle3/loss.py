@@ -18,7 +18,7 @@ renormalised): the target mass outside the draft vocabulary contributes nothing 
 the row stays in the normaliser (as DSpark's CE with a label outside the vocabulary; EAGLE-3 instead
 renormalises ``p_t`` over the draft tokens and drops rows whose target argmax is outside them). The
 minimiser is the same, ``p_d`` proportional to ``p_t`` on the draft tokens. Accuracy compares
-``d2t[argmax p_d]`` with the target argmax over V. With a format-3 cache's per-position logsumexp and
+``d2t[argmax p_d]`` with the target argmax over V. With the target cache's per-position logsumexp and
 argmax the target side computes W logits instead of V
 (:func:`deepspec.target.capture.target_draft_probs`: the same values).
 """
@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from deepspec.algorithms.eagle3.model import Eagle3DraftModel
-from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance
+from deepspec.models.acceptance import AcceptanceCounts, chain_acceptance, is_eos
 from deepspec.target.capture import STATS_MISSING, target_draft_probs
 
 
@@ -96,7 +96,7 @@ def _soft_ce_chunk(hidden_NH: Tensor, target_hidden_NH: Tensor, w_N: Tensor, fin
     probabilities ``1 - TV`` (in target id space); recomputed in backward. ``lm_w`` ``[W, H]``: the
     draft's output rows; ``target_lm_w`` ``[V, H]``: the target's; ``softcap``: the target's final-logit
     soft-capping (:func:`deepspec.target.capture.soft_cap`); ``lse_N`` / ``target_argmax_N`` /
-    ``target_rows_WH``: a format-3 cache's statistics and the target's rows ``d2t_W``
+    ``target_rows_WH``: the target cache's statistics and the target's rows ``d2t_W``
     (:func:`deepspec.target.capture.target_draft_probs`)."""
     # the norm's output dtype depends on the family (Llama's promotes to its float32 weight, Gemma's keeps its
     # input's): the product runs in the output rows' dtype either way
@@ -126,7 +126,7 @@ def eagle3_loss(model: Eagle3DraftModel, input_ids_BS: Tensor, loss_mask_BS: Ten
     :func:`ttt_supervision` weight sum (None = this micro-batch's own). ``rows_BS``: supervise only
     the chains starting at these rows (None = every row). Only supervised rows are
     projected to the vocabulary, in checkpointed chunks of ``chunk_rows`` (memory ``chunk x V``).
-    ``target_logsumexp_BS`` / ``target_argmax_BS``: a format-3 cache's per-position statistics; with a
+    ``target_logsumexp_BS`` / ``target_argmax_BS``: the target cache's per-position statistics; with a
     reduced draft vocabulary the target side then computes W logits instead of V (same values).
     Raises ValueError when they are NaN / -1 at a supervised position."""
     c = model.config
@@ -182,6 +182,14 @@ def eagle3_loss(model: Eagle3DraftModel, input_ids_BS: Tensor, loss_mask_BS: Ten
         accept_KBS[k][b_N, t_N] = torch.cat(accepts)
         acc_K[k] = torch.cat(matches).mean()
     # one chain per start row (b, t): its step k is slot k
-    acceptance = chain_acceptance(valid_KBS.flatten(1).T, match_KBS.flatten(1).T, accept_KBS.flatten(1).T)
+    # step k of the chain at row t predicts x_{t+k+2} (ttt_supervision); an accepted EOS ends the step, no bonus
+    eos_BS = is_eos(input_ids_BS.to(dev), c.eos_token_ids)
+    eos_KBS = torch.zeros_like(valid_KBS)
+    S = eos_BS.shape[1]
+    for k in range(K):
+        if k + 2 < S:
+            eos_KBS[k][:, :S - k - 2] = eos_BS[:, k + 2:]
+    acceptance = chain_acceptance(valid_KBS.flatten(1).T, match_KBS.flatten(1).T, accept_KBS.flatten(1).T,
+                                  eos_KBS.flatten(1).T)
     return Eagle3LossOutput(loss=loss, weight_sum=norm.detach(), local_weight_sum=local_ws.detach(),
                             num_supervised_K=counts, acc_K=acc_K, acceptance=acceptance)

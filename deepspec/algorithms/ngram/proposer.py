@@ -153,15 +153,17 @@ class NGramProposer:
             return Proposal.empty(self.device)
         context = [*self.tokens, int(anchor_token)]
         ids = self.context_rule(context, ngram_max=self.ngram_max, ngram_min=self.ngram_min, num_tokens=n_max)
+        source = "lookup"
         if not ids and self.corpus is not None:
             ids = self.corpus.continuation(context, max_len=n_max, ngram_min=self.corpus_ngram_min)
             self.steps_from_corpus += bool(ids)
+            source = "corpus"
         draft_ids_N = torch.tensor(ids, dtype=torch.long, device=self.device)
         probs_NV = None
         if not sampling.greedy:  # a point mass on each proposed token
             probs_NV = torch.zeros(len(ids), self.vocab_size, dtype=torch.float32, device=self.device)
             probs_NV[torch.arange(len(ids), device=self.device), draft_ids_N] = 1.0
-        return Proposal(draft_ids_N=draft_ids_N, draft_probs_NV=probs_NV)
+        return Proposal(draft_ids_N=draft_ids_N, draft_probs_NV=probs_NV, sources_N=(source,) * len(ids))
 
 
 def corpus_lookup(proposer: Any) -> NGramProposer | None:
@@ -238,7 +240,7 @@ class LookupFirstProposer:
         tree: propose the match *and* the draft's proposal (a chain or a draft tree), merged into one
             draft tree the target verifies in one forward, instead of choosing: the step accepts
             whichever path the target's tokens walk (greedy: the one it agrees with longest), so a
-            match no longer takes a step from a draft that would have done better.
+            match never takes a step from a draft that would have done better.
             ``steps_from_lookup`` then counts the steps with a match among their branches. The draft's
             proposal goes in first, with the distributions it was drawn from, and the match (chosen
             nodes) after it, merging where it repeats the draft's tokens: at T > 0 the target tests
@@ -293,6 +295,15 @@ class LookupFirstProposer:
     def extend_context(self, target_hidden_TF: Tensor | None, token_ids_T: Sequence[int]) -> None:
         self.draft.extend_context(target_hidden_TF, token_ids_T)
         self.lookup.extend_context(None, token_ids_T)
+
+    def propose_without_draft(self, anchor_token: int, anchor_pos: int, *, sampling: SamplingParams,
+                              generator: torch.Generator | None) -> Proposal:
+        """The lookup's match alone, as a chain (empty without a match): what this proposer offers without
+        running the draft, for a step on which a scheduler judged the draft not worth its call
+        (:meth:`deepspec.decoding.schedule.StepScheduler.plan`)."""
+        proposal = self.lookup.propose(anchor_token, anchor_pos, sampling=sampling, generator=generator)
+        self.steps_from_lookup += bool(proposal.num_proposed)
+        return dataclasses.replace(proposal, max_proposal_len=self.lookup.max_proposal_len)
 
     def propose(self, anchor_token: int, anchor_pos: int, *, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:

@@ -23,8 +23,8 @@ Each shard is a standard safetensors file (inspect it with ``safetensors.safe_op
 
 The last two (:func:`deepspec.target.capture.target_logit_stats`, computed from the *stored*
 ``target_last_hidden``) let a draft with a reduced vocabulary of W tokens get the target's
-probabilities on its tokens from W logits instead of V (the losses' largest product). Format 2 lacks
-them and stays readable: its losses compute the full-vocabulary logits (same values).
+probabilities on its tokens from W logits instead of V (the losses' largest product). Online mode
+has none: its losses compute the full-vocabulary logits (same values).
 
 with ``dtype`` the storage dtype (float32 | bfloat16 | float16). Storage ``fp8`` stores
 ``target_hidden`` as float8_e4m3fn (safetensors ``F8_E4M3``) plus ``target_hidden_scale`` float32
@@ -56,8 +56,6 @@ import torch
 from deepspec.data.cache.fp8 import quantize_fp8
 
 FORMAT_VERSION = "deepspec-target-cache/3"
-FORMAT_WITHOUT_LOGIT_STATS = "deepspec-target-cache/2"  # read, never written
-READABLE_FORMATS = (FORMAT_VERSION, FORMAT_WITHOUT_LOGIT_STATS)
 LOGIT_STAT_FIELDS = ("target_logsumexp", "target_argmax")
 MANIFEST_NAME = "manifest.json"
 PROGRESS_GLOB = "progress-rank*.json"
@@ -119,15 +117,9 @@ def _check_storage_dtype(name: str) -> str:
     return name
 
 
-def has_logit_stats(manifest: dict[str, Any]) -> bool:
-    """Whether a cache of this manifest stores :data:`LOGIT_STAT_FIELDS` (format 3; format 2 does not)."""
-    return manifest.get("format") != FORMAT_WITHOUT_LOGIT_STATS
-
-
-def shard_tensor_dtypes(storage_dtype: str, *, logit_stats: bool = True) -> dict[str, torch.dtype]:
+def shard_tensor_dtypes(storage_dtype: str) -> dict[str, torch.dtype]:
     """The tensors of a shard and their dtypes for a storage mode (in on-disk order: item size
-    decreasing, so every tensor starts aligned to its item size). ``logit_stats=False``: a format-2
-    shard (no :data:`LOGIT_STAT_FIELDS`)."""
+    decreasing, so every tensor starts aligned to its item size)."""
     _check_storage_dtype(storage_dtype)
     if storage_dtype == "fp8":
         specs = {"offsets": torch.int64, "input_ids": torch.int32, "target_hidden_scale": torch.float32,
@@ -137,8 +129,7 @@ def shard_tensor_dtypes(storage_dtype: str, *, logit_stats: bool = True) -> dict
         dt = _FLOAT_DTYPES[storage_dtype]
         specs = {"offsets": torch.int64, "input_ids": torch.int32, "target_hidden": dt,
                  "target_last_hidden": dt, "loss_mask": torch.uint8}
-    if logit_stats:
-        specs.update({"target_logsumexp": torch.float32, "target_argmax": torch.int32})
+    specs.update({"target_logsumexp": torch.float32, "target_argmax": torch.int32})
     return dict(sorted(specs.items(), key=lambda kv: -kv[1].itemsize))  # stable: ties keep this order
 
 
@@ -203,7 +194,7 @@ class CacheSummary:
     # the manifest was present and every shard passed the reuse check (size + header), so this run
     # wrote nothing; the shards' checksums were not recomputed (that is `deepspec cache --verify`)
     already_complete: bool = False
-    format: str = FORMAT_VERSION  # a complete format-2 cache of the same settings is reused as it is
+    format: str = FORMAT_VERSION  # the manifest's "format"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -307,12 +298,14 @@ def _load_manifest(path: Path) -> dict[str, Any]:
         raise RuntimeError(f"{path}: no {MANIFEST_NAME}: {INCOMPLETE_HINT}")
     manifest: dict[str, Any] = json.loads(manifest_path.read_text(encoding="utf-8"))
     fmt = manifest.get("format")
-    if fmt not in READABLE_FORMATS:
+    if fmt != FORMAT_VERSION:
         old = ""
         if fmt == "deepspec-target-cache/1":
             old = " (format 1: padded-batch capture, no refusal of non-finite features)"
+        elif fmt == "deepspec-target-cache/2":
+            old = f" (format 2: shards without {' / '.join(LOGIT_STAT_FIELDS)})"
         raise ValueError(
-            f"{manifest_path}: format {fmt!r}{old} is not readable; this DeepSpec reads {' and '.join(map(repr, READABLE_FORMATS))}. "
+            f"{manifest_path}: \"format\": {fmt!r}{old} is not readable; this DeepSpec reads {FORMAT_VERSION!r}. "
             f"Rebuild the cache with this version: `deepspec cache --input <prepared.jsonl> --output-dir <new folder>`"
         )
     return manifest

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from deepspec.data.cache.format import LOGIT_STAT_FIELDS, _load_manifest, has_logit_stats
+from deepspec.data.cache.format import LOGIT_STAT_FIELDS, _load_manifest
 from deepspec.data.cache.fp8 import dequantize_fp8
 
 
@@ -31,15 +31,14 @@ class TargetCache:
     "target_last_hidden": [T, H], "target_logsumexp": float32 [T], "target_argmax": int32 [T]}`` in
     the stored dtypes, except storage ``fp8`` where ``target_hidden`` is dequantised to float32
     (``target_last_hidden`` stays bfloat16; ``read(i, dequantize=False)`` keeps the fp8 payload and
-    its scales). A format-2 cache has no ``target_logsumexp`` /
-    ``target_argmax`` (``fields`` lists what this cache holds). Shards are
+    its scales). ``fields`` lists what the cache holds. Shards are
     opened lazily with ``safe_open`` (memory mapped) and a sample is read with ``get_slice``: only
     its rows are copied. At most ``max_open_shards`` shards are open at once (least recently used
     closed). Safe to pickle into DataLoader workers (open handles are not pickled).
 
     Raises FileNotFoundError if the folder does not exist or holds no cache (no manifest, no shards),
     RuntimeError if the manifest is missing beside shards (an unfinished run), ValueError for another
-    format version (e.g. v1: rebuild).
+    format version (rebuild it with ``deepspec cache``).
     """
 
     FIELDS = ("input_ids", "loss_mask", "target_hidden", "target_last_hidden", *LOGIT_STAT_FIELDS)
@@ -47,7 +46,7 @@ class TargetCache:
     def __init__(self, path: str | os.PathLike[str], *, max_open_shards: int = 64):
         self.path = Path(path)
         self.manifest = _load_manifest(self.path)
-        self.fields = self.FIELDS if has_logit_stats(self.manifest) else self.FIELDS[:4]
+        self.fields = self.FIELDS
         self._shards = self.manifest["shards"]
         self._starts = [0]
         for s in self._shards:
@@ -138,10 +137,7 @@ class TargetCache:
         fields = self.fields if fields is None else fields
         unknown = [f for f in fields if f not in self.fields]
         if unknown:
-            old = [f for f in unknown if f in self.FIELDS]
-            hint = (f"; this cache is format {self.manifest.get('format')!r}, without {old}: build it again "
-                    f"with `deepspec cache` into a new --output-dir to store them" if old else "")
-            raise ValueError(f"fields: unknown {unknown}; expected a subset of {list(self.fields)}{hint}")
+            raise ValueError(f"fields: unknown {unknown}; expected a subset of {list(self.fields)}")
         k, j = self._locate(int(i))
         h = self._open(k)
         a, b = self._offsets[k][j], self._offsets[k][j + 1]

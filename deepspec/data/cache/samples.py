@@ -132,6 +132,32 @@ def chat_template_id(tokenizer: Any) -> str | None:
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def _check_resumed_render(prepared_jsonl: str | os.PathLike[str], summary_path: Path, recorded: dict[str, Any],
+                          resumed: Any, num_resumed: int) -> None:
+    """Refuse prepared data whose rows were rendered in two ways: a prepare resumed from a journal records
+    the render of the resumed rows (``resumed_render``), which must equal the rest's (the date included,
+    for a template that reads it); a resumed file without that record was written before prepare checked
+    the render on resume, which a template that reads today's date makes unsafe."""
+    if not num_resumed:
+        return
+    fix = (f"Prepare the data again in one run (delete {prepared_jsonl} and its side files), or on one day for "
+           f"a template that prints the date.")
+    if isinstance(resumed, dict):
+        lines = render_record_differences(resumed, recorded)
+        if resumed.get("render_date") != recorded.get("render_date"):
+            lines.append(f"render_date: resumed rows {resumed.get('render_date')!r}, the rest "
+                         f"{recorded.get('render_date')!r}")
+        if lines:
+            raise ValueError(f"{prepared_jsonl}: {num_resumed} rows resumed from an interrupted prepare were "
+                             f"rendered differently from the rest ({summary_path}: " + "; ".join(lines)
+                             + f"); their answers belong to prompts the target was not given. {fix}")
+    elif "strftime_now" in (recorded.get("template_variables") or []):
+        raise ValueError(
+            f"{prepared_jsonl}: {num_resumed} rows were resumed from an interrupted prepare that did not record "
+            f"their render ({summary_path} has no resumed_render), and the chat template reads strftime_now "
+            f"(today's date): rows of the interrupted run may pair answers with prompts of another day. {fix}")
+
+
 def check_prepared_render(prepared_jsonl: str | os.PathLike[str], tokenizer: Any,
                           stop_ids: Sequence[int]) -> dict[str, Any]:
     """The render record of prepared data as this tokenizer renders it now; refuse a difference
@@ -141,19 +167,25 @@ def check_prepared_render(prepared_jsonl: str | os.PathLike[str], tokenizer: Any
     ``chat_template_kwargs``, the stop token ids and the ids of a probe conversation: if any differs,
     the prompts rendered now are not the ones the target answered (another tokenizer or template,
     other kwargs, a template that reads today's date, another stop rule), so the supervised
-    sequences would not be what the target saw. Prepared data without a summary (imported data) is
-    not checked: the returned record then says ``"checked_against": null``.
+    sequences would not be what the target saw. Rows resumed from an interrupted prepare must have been
+    rendered as the rest (:func:`_check_resumed_render`). Prepared data without a summary (imported
+    data) is not checked: the returned record then says ``"checked_against": null``.
 
     Raises:
         ValueError: naming every field that differs, both values, and the fix.
     """
     summary_path = summary_path_for(Path(prepared_jsonl))
-    recorded = None
+    recorded = resumed = None
+    num_resumed = 0
     if summary_path.is_file():
-        recorded = json.loads(summary_path.read_text(encoding="utf-8")).get("render")
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+        recorded, resumed = summary.get("render"), summary.get("resumed_render")
+        counts = summary.get("summary")
+        num_resumed = counts.get("num_resumed", 0) if isinstance(counts, dict) else 0
     kwargs = recorded.get("chat_template_kwargs") if isinstance(recorded, dict) else None
     now = render_record(tokenizer, chat_template_kwargs=kwargs, stop_ids=stop_ids)
     if isinstance(recorded, dict):
+        _check_resumed_render(prepared_jsonl, summary_path, recorded, resumed, num_resumed)
         differences = render_record_differences(recorded, now)
         if differences:
             raise ValueError(

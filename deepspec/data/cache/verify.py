@@ -27,7 +27,6 @@ from deepspec.data.cache.format import (
     _ST_CODE,
     MANIFEST_NAME,
     _load_manifest,
-    has_logit_stats,
     sha256_file,
     shard_name,
     shard_tensor_dtypes,
@@ -82,7 +81,7 @@ def _verify_shard(path: Path, entry: dict[str, Any], m: dict[str, Any], *, check
     want_shape = {"offsets": [N + 1], "input_ids": [M], "loss_mask": [M], "target_hidden": [M, n * H],
                   "target_last_hidden": [M, H], "target_hidden_scale": [M, n], "target_logsumexp": [M],
                   "target_argmax": [M]}
-    want = shard_tensor_dtypes(m["storage_dtype"], logit_stats=has_logit_stats(m))
+    want = shard_tensor_dtypes(m["storage_dtype"])
     names = [k for k in header if k != "__metadata__"]
     if sorted(names) != sorted(want):
         problems.append(f"tensors {sorted(names)}, expected {sorted(want)}")
@@ -203,9 +202,6 @@ def verify_target_cache(
             f"the manifest (their progress-rank*.json entries are ignored once the file is gone)."
             if bad else
             f"Fix: delete {root / MANIFEST_NAME} and rerun `deepspec cache` with the same settings to rewrite it."
-        ) if has_logit_stats(m) else (
-            f"Fix: this is a {m['format']!r} cache, which this DeepSpec reads but no longer writes: build the cache "
-            "again with `deepspec cache` into a new --output-dir."
         )
         raise ValueError(f"target cache {root}: verify failed ({len(bad)} of {len(results)} shards):\n"
                          + "\n".join(lines) + "\n" + fix)

@@ -39,7 +39,6 @@ from deepspec.data.cache.format import (
     _SHARD_RE,
     _TMP_SHARD_RE,
     FORMAT_VERSION,
-    FORMAT_WITHOUT_LOGIT_STATS,
     INCOMPLETE_HINT,
     MANIFEST_NAME,
     PROGRESS_GLOB,
@@ -271,22 +270,6 @@ def _run_key(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _complete_format_2(out: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
-    """The manifest of a complete format-2 cache in ``out`` built with ``settings`` otherwise, or None.
-
-    Such a cache stays usable (losses compute the V-way target logits, :mod:`.format`), so a rerun of
-    the same stage reuses it instead of refusing the folder; a new folder gives the faster format."""
-    path = out / MANIFEST_NAME
-    if not path.exists():
-        return None
-    m = json.loads(path.read_text(encoding="utf-8"))
-    key = _run_key({**settings, "format": FORMAT_WITHOUT_LOGIT_STATS})
-    if m.get("format") != FORMAT_WITHOUT_LOGIT_STATS or m.get("run_key") != key:
-        return None
-    done = _collect_done(out, key)
-    return m if all(s["index"] in done for s in m["shards"]) else None
-
-
 def _check_settings(out: Path, run_key: str, settings: dict[str, Any]) -> None:
     for path in [out / MANIFEST_NAME, *sorted(out.glob(PROGRESS_GLOB))]:
         if not path.exists():
@@ -294,12 +277,11 @@ def _check_settings(out: Path, run_key: str, settings: dict[str, Any]) -> None:
         old = json.loads(path.read_text(encoding="utf-8"))
         if old.get("run_key") != run_key:
             old_settings = old.get("settings", {})
-            if old_settings.get("format") == FORMAT_WITHOUT_LOGIT_STATS:
+            if old.get("format") != FORMAT_VERSION:
                 raise ValueError(
-                    f"{path}: this folder holds a {FORMAT_WITHOUT_LOGIT_STATS!r} target cache (an earlier DeepSpec; "
-                    f"without the target-logit statistics of {FORMAT_VERSION!r}) that is incomplete or was built "
-                    "with other settings, and this DeepSpec writes only the new format: build the cache into a new "
-                    "--output-dir (a complete one with the same settings is reused as it is)")
+                    f"{path}: this folder holds a target cache of \"format\": {old.get('format')!r}, and this "
+                    f"DeepSpec reads and writes {FORMAT_VERSION!r}: run `deepspec cache` again into a new "
+                    "--output-dir (or delete this folder)")
             diff = {k: (old_settings.get(k), v) for k, v in settings.items() if old_settings.get(k) != v}
             raise ValueError(
                 f"{path}: this folder holds a target cache built with other settings "
@@ -463,10 +445,6 @@ def _write_cache_in(
     out, world_size = b.out, b.world_size
     out.mkdir(parents=True, exist_ok=True)
     _clean_stale_temp_files(out, rank=b.rank, world_size=world_size)
-    legacy = _complete_format_2(out, b.settings)
-    if legacy is not None:
-        _barrier(world_size)
-        return _summary_from_manifest(out, legacy, num_shards_reused=len(legacy["shards"]), already_complete=True)
     _check_settings(out, b.run_key, b.settings)
     manifest_path = out / MANIFEST_NAME
     done = _collect_done(out, b.run_key)
