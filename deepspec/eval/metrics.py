@@ -22,9 +22,10 @@ confidence are its slots k = 1..min(num_accepted + 1, num_proposed): the accepte
 and the first rejected one (label 0). Slots after the first rejection were never reached, so the
 conditional event the head predicts is undefined there and they are excluded; so is slot
 num_accepted + 1 of a step that ended at an accepted EOS (it was not verified either). A draft tree's
-step (DSpark with ``--tree-width`` > 1) carries the confidences of its chain, the draft's first choices, the
-nodes the head scores: its pairs are the chain's slots up to the first chain node not accepted, labelled
-by whether the accepted path went through it (a sibling accepted instead is the chain node's rejection). A drafter with a
+step (DSpark with ``--tree-width`` > 1) carries the confidences of its chain, the draft's first choices,
+the nodes the head scores: its pairs are the chain's slots up to the first chain node not accepted,
+labelled by whether the accepted path went through it (a sibling accepted instead is the chain node's
+rejection). A drafter with a
 calibrated head (:mod:`deepspec.models.calibration`) reports calibrated confidences, which ``calibration``
 measures (what the scheduler consumed); ``calibration_raw`` measures the same pairs with the head's raw
 values (the steps' ``raw_confidence``), so the report shows both.

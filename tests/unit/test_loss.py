@@ -55,7 +55,7 @@ def oracle(out, ids, lm, ap, valid, tlh, head, cfg):
             if not valid[b, j]:
                 continue
             a = int(ap[b, j])
-            reach = 1.0  # the product of the earlier slots' labels; 0 after an EOS label (an accepted EOS ends the step)
+            reach = 1.0  # the product of the earlier slots' labels; 0 after an EOS label (it ends the step)
             for k in range(K):
                 p = a + k + 1
                 if p >= S or not lm[b, p]:
