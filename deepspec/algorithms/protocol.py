@@ -47,6 +47,7 @@ Legend: B batch, S padded sequence length, A anchors per sequence, H target hidd
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,7 +231,10 @@ class Proposal:
             verify is greedy and only ``draft_ids_N`` is read (a one-hot is NOT required), so a
             greedy proposer may return ``None`` here.
         confidence_N: float32 ``[N]`` or ``None``: the proposer's own acceptance estimate per slot
-            (diagnostics only; a proposer that cuts its proposal on confidence does so itself).
+            (the scheduler's prior and the eval's calibration figures; a proposer that cuts its proposal on
+            confidence does so itself). A calibrated drafter gives its calibrated values here.
+        raw_confidence_N: float32 ``[N]`` or ``None``: the uncalibrated head's values when ``confidence_N``
+            was calibrated (:mod:`deepspec.models.calibration`); None when ``confidence_N`` is raw itself.
         max_proposal_len: the most tokens the proposer that made this proposal could have proposed
             (its K), or ``None``: the proposer's ``max_proposal_len``. Set by a proposer that routes
             between proposers of different K (:class:`~deepspec.algorithms.ngram.LookupFirstProposer`),
@@ -241,7 +245,9 @@ class Proposal:
             ``anchor_pos + depth_i``; the target verifies every node in one forward with a tree
             attention mask and walks the tree with its own tokens (greedy: the longest path it agrees
             with; T > 0: its draws; :func:`~deepspec.decoding.verify.verify_tree`; SpecInfer, Miao et al.
-            2024, s.4; EAGLE-2, Li et al. 2024, s.4). A tree carries no ``confidence_N``. At T > 0 its
+            2024, s.4; EAGLE-2, Li et al. 2024, s.4). A tree's ``confidence_N`` (optional, one value per
+            node) is NaN at the nodes the proposer does not score; the scored nodes form one path from the
+            anchor (DSpark scores its chain, the draft's first choices: :meth:`scored_path`). At T > 0 its
             ``draft_probs_NV`` (optional) gives the distribution each node was drawn from: a node
             *sampled* from the draft's ``q`` has ``q`` as its row, a *chosen* node (top-k, a lookup's
             match) a point mass on its token; ``None`` means every node was chosen. A sampled node must
@@ -257,6 +263,7 @@ class Proposal:
     confidence_N: Tensor | None = None
     max_proposal_len: int | None = None
     parents_N: tuple[int, ...] | None = None
+    raw_confidence_N: Tensor | None = None
     sources_N: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -281,13 +288,33 @@ class Proposal:
             if bad is not None:
                 raise ValueError(f"Proposal.parents_N[{bad}]: expected -1 (the anchor) or an earlier node "
                                  f"(0..{bad - 1}), received {self.parents_N[bad]}; list parents before children.")
+            for name in ("confidence_N", "raw_confidence_N"):
+                value = getattr(self, name)
+                if value is not None and tuple(value.shape) != (n,):
+                    raise ValueError(f"Proposal.{name}: a draft tree's confidences are one per node ([{n}]), "
+                                     f"received shape {tuple(value.shape)}.")
             if self.confidence_N is not None:
-                raise ValueError("Proposal.parents_N: a draft tree carries no confidence_N (it is not cut by "
-                                 "confidence); drop it, or propose a chain.")
+                self.scored_path()  # raises unless the scored nodes form one path from the anchor
         if self.sources_N is not None and (len(self.sources_N) != self.num_proposed
                                            or any(x not in SOURCES for x in self.sources_N)):
             raise ValueError(f"Proposal.sources_N: expected one of {', '.join(SOURCES)} per draft token "
                              f"({self.num_proposed}), received {self.sources_N!r}.")
+
+    def scored_path(self) -> list[int]:
+        """A tree's scored nodes (``confidence_N`` not NaN) in depth order: a path from the anchor (depth 1,
+        2, ..); a chain's nodes ``0..N-1``; ``[]`` without ``confidence_N``. Raises ValueError when a tree's
+        scored nodes do not form such a path (two at one depth, or one whose parent is not scored)."""
+        if self.confidence_N is None:
+            return []
+        if self.parents_N is None:
+            return list(range(self.num_proposed))
+        scored = [i for i, c in enumerate(self.confidence_N.tolist()) if not math.isnan(c)]
+        for j, i in enumerate(scored):
+            if self.parents_N[i] != (scored[j - 1] if j else -1):
+                raise ValueError(f"Proposal.confidence_N: a draft tree's scored nodes must form one path from the "
+                                 f"anchor; node {i} (parent {self.parents_N[i]}) does not continue {scored[:j]}. "
+                                 "Give NaN to the nodes off the path.")
+        return scored
 
     @property
     def num_proposed(self) -> int:
@@ -339,6 +366,8 @@ class Proposal:
             self, draft_ids_N=self.draft_ids_N[rows],
             draft_probs_NV=None if self.draft_probs_NV is None else self.draft_probs_NV[rows.to(self.draft_probs_NV.device)],
             confidence_N=None if self.confidence_N is None else self.confidence_N[rows.to(self.confidence_N.device)],
+            raw_confidence_N=(None if self.raw_confidence_N is None
+                              else self.raw_confidence_N[rows.to(self.raw_confidence_N.device)]),
             parents_N=None if self.parents_N is None else tuple(-1 if parents[i] < 0 else new_index[parents[i]]
                                                                 for i in keep),
             sources_N=None if self.sources_N is None else tuple(self.sources_N[i] for i in keep))

@@ -97,7 +97,11 @@ class StepRecord:
     seconds: ``time_s`` the whole step (propose + target forward + verify + update), ``propose_s``
     the ``proposer.propose`` call, ``verify_s`` the target forward over ``[anchor, d_1..d_N]``;
     overhead = ``time_s - propose_s - verify_s``. ``confidence``: the proposal's ``confidence_N``
-    for the N proposed tokens (after position truncation), or None when the proposer gives none.
+    for the N proposed tokens (after position truncation), or None when the proposer gives none;
+    ``raw_confidence``: its ``raw_confidence_N`` (the uncalibrated head's values) when the proposer
+    calibrated them, else None (``confidence`` is then raw). For a draft tree both hold the values of its
+    scored path (``Proposal.scored_path``: DSpark's chain), depth 1 first, and ``num_scored_accepted`` counts
+    the accepted path's leading nodes that are on it (the scored path's accepted slots); None for a chain.
     ``max_proposal_len``: the K of the proposer that made the proposal (``Proposal.max_proposal_len``,
     else the proposer's), or None when unknown (the metrics then use the row's largest K).
     ``num_draft_nodes``: for a draft tree, the nodes the target verified beside the anchor (``num_proposed``
@@ -114,6 +118,8 @@ class StepRecord:
     propose_s: float = 0.0
     verify_s: float = 0.0
     confidence: tuple[float, ...] | None = None
+    raw_confidence: tuple[float, ...] | None = None
+    num_scored_accepted: int | None = None
     max_proposal_len: int | None = None
     num_draft_nodes: int | None = None
     drafted: bool = True
@@ -124,6 +130,32 @@ class StepRecord:
     def num_nodes_verified(self) -> int:
         """The draft tokens the target verified beside the anchor: a tree's nodes, a chain's N (0: a plain step)."""
         return self.num_proposed if self.num_draft_nodes is None else self.num_draft_nodes
+
+
+def step_confidences(proposal: Proposal, path: Sequence[int] | None
+                     ) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None, int | None]:
+    """A verified proposal's ``(confidence, raw_confidence, num_scored_accepted)`` for its :class:`StepRecord`.
+
+    A chain: its ``confidence_N`` / ``raw_confidence_N`` as tuples (None where absent) and None. A tree
+    (``path``: its accepted nodes, depth order): the values along :meth:`Proposal.scored_path` and how many of
+    the path's leading nodes are scored ones (the scored slots accepted given the earlier ones were); all
+    None when the tree has no confidences.
+    """
+    conf, raw = proposal.confidence_N, proposal.raw_confidence_N
+    if proposal.parents_N is None:
+        return (None if conf is None else tuple(conf.tolist()), None if raw is None else tuple(raw.tolist()), None)
+    scored = proposal.scored_path()
+    if not scored:
+        return None, None, None
+    accepted = 0
+    for node, on_path in zip(path or (), scored):
+        if node != on_path:
+            break
+        accepted += 1
+    values = conf.tolist()
+    raw_values = None if raw is None else raw.tolist()
+    return (tuple(values[i] for i in scored), None if raw_values is None else tuple(raw_values[i] for i in scored),
+            accepted)
 
 
 @dataclass(kw_only=True)
@@ -573,7 +605,7 @@ class SpeculativeEngine:
                                         [anchor, *res.committed[: res.num_accepted]])
             result.output_ids.extend(res.committed)
             anchor, anchor_pos = res.committed[-1], anchor_pos + num_verified
-            conf = None if proposal.confidence_N is None else tuple(proposal.confidence_N.tolist())
+            conf, raw_conf, scored_accepted = step_confidences(proposal, path_nodes)
             sync()
             t_end = time.perf_counter()
             if sched is not None:
@@ -590,6 +622,8 @@ class SpeculativeEngine:
                     propose_s=t_verify - t_step - schedule_s,
                     verify_s=t_verified - t_verify,
                     confidence=conf,
+                    raw_confidence=raw_conf,
+                    num_scored_accepted=scored_accepted,
                     max_proposal_len=(proposal.max_proposal_len if proposal.max_proposal_len is not None
                                       else proposer.max_proposal_len),
                     num_draft_nodes=None if parents is None else proposal.num_proposed,

@@ -21,7 +21,14 @@ accepted given that slots 1..k-1 were). The evaluated (confidence, label) pairs 
 confidence are its slots k = 1..min(num_accepted + 1, num_proposed): the accepted slots (label 1)
 and the first rejected one (label 0). Slots after the first rejection were never reached, so the
 conditional event the head predicts is undefined there and they are excluded; so is slot
-num_accepted + 1 of a step that ended at an accepted EOS (it was not verified either).
+num_accepted + 1 of a step that ended at an accepted EOS (it was not verified either). A draft tree's
+step (DSpark with ``--tree-width`` > 1) carries the confidences of its chain, the draft's first choices,
+the nodes the head scores: its pairs are the chain's slots up to the first chain node not accepted,
+labelled by whether the accepted path went through it (a sibling accepted instead is the chain node's
+rejection). A drafter with a
+calibrated head (:mod:`deepspec.models.calibration`) reports calibrated confidences, which ``calibration``
+measures (what the scheduler consumed); ``calibration_raw`` measures the same pairs with the head's raw
+values (the steps' ``raw_confidence``), so the report shows both.
 """
 
 from __future__ import annotations
@@ -102,8 +109,12 @@ METRIC_DEFINITIONS: dict[str, str] = {
     "(the context had no match)",
     "calibration": "confidence-head calibration (None when no step carries confidences). Pairs: per step "
     "with confidence, slots k = 1..min(accepted + 1, proposed), label 1 if k <= accepted else 0 (slots after "
-    "the first rejection, and the slot after an accepted EOS, are not reached and excluded); figures "
+    "the first rejection, and the slot after an accepted EOS, are not reached and excluded; a draft tree: its "
+    "chain's slots, accepted = the accepted path's leading chain nodes); figures "
     "`pooled` over all pairs and `per_position` (k = 1..K)",
+    "calibration_raw": "the same figures as `calibration` on the confidence head's raw (uncalibrated) values, for a "
+    "draft whose confidences were calibrated (its `confidence_calibration.json`, fitted on held-out steps in "
+    "training); None otherwise (then `calibration` is the raw head's)",
     "calibration.num_steps": "verify steps that carried confidences",
     "calibration.num_bins": "number of equal-width confidence bins on [0, 1] used by ECE and the reliability bins",
     "calibration.k": "draft position (1-based) of a per_position entry",
@@ -244,29 +255,34 @@ def schedule_stats(steps: Sequence[StepRecord]) -> dict[str, Any]:
 # --- confidence calibration -------------------------------------------------------------------
 
 
-def calibration_pairs(steps: Sequence[StepRecord]) -> list[tuple[int, float, int]]:
-    """The evaluated ``(k, confidence, label)`` triples of ``steps`` (see the module docstring).
+def calibration_pairs(steps: Sequence[StepRecord], *, raw: bool = False) -> list[tuple[int, float, int]]:
+    """The evaluated ``(k, confidence, label)`` triples of ``steps`` (see the module docstring); with
+    ``raw``, the confidence is the step's ``raw_confidence`` where it has one (a calibrated drafter's head
+    values), else its ``confidence``.
 
     Steps whose ``confidence`` is None are skipped. Raises ValueError when a step's confidence tuple
     does not have one value per proposed draft, or a value lies outside [0, 1] (NaN included).
     """
     pairs: list[tuple[int, float, int]] = []
     for i, s in enumerate(steps):
-        conf = s.confidence
+        conf = s.raw_confidence if raw and s.raw_confidence is not None else s.confidence
         if conf is None:
             continue
-        if len(conf) != s.num_proposed:
+        tree = s.num_scored_accepted is not None  # a draft tree's scored path (DSpark's chain), depth 1 first
+        if (len(conf) > s.num_proposed) if tree else (len(conf) != s.num_proposed):
             raise ValueError(
-                f"steps[{i}].confidence: expected one value per proposed draft ({s.num_proposed}), "
-                f"received {len(conf)}."
+                f"steps[{i}].confidence: expected one value per proposed draft ({s.num_proposed}"
+                f"{', at most, along a tree' if tree else ''}), received {len(conf)}."
             )
-        ended_at_eos = s.num_committed == s.num_accepted  # an accepted EOS: nothing after it was verified
-        last = min(s.num_accepted + (0 if ended_at_eos else 1), s.num_proposed)
+        accepted = s.num_scored_accepted if tree else s.num_accepted
+        # an accepted EOS (on the scored path): nothing after it was verified
+        ended_at_eos = s.num_committed == s.num_accepted and accepted == s.num_accepted
+        last = min(accepted + (0 if ended_at_eos else 1), len(conf))
         for k in range(1, last + 1):
             c = float(conf[k - 1])
             if not 0.0 <= c <= 1.0:
                 raise ValueError(f"steps[{i}].confidence[{k - 1}]: expected a probability in [0, 1], received {c}.")
-            pairs.append((k, c, int(k <= s.num_accepted)))
+            pairs.append((k, c, int(k <= accepted)))
     return pairs
 
 
@@ -345,8 +361,9 @@ def _calibration_summary(confidence: Sequence[float], labels: Sequence[int], num
 
 
 def calibration_stats(steps: Sequence[StepRecord], max_k: int | None = None,
-                      num_bins: int = DEFAULT_NUM_BINS) -> dict[str, Any] | None:
-    """Confidence-head calibration over ``steps``; None when no step carries confidences.
+                      num_bins: int = DEFAULT_NUM_BINS, *, raw: bool = False) -> dict[str, Any] | None:
+    """Confidence-head calibration over ``steps``; None when no step carries confidences. ``raw``: of the
+    head's raw values (:func:`calibration_pairs`).
 
     Returns ``{"num_steps", "num_bins", "pooled": {num_pairs, mean_confidence, accept_rate, brier, ece,
     auroc, bins}, "per_position": [{k, num_pairs, ...} for k = 1..K]}`` where K = ``max_k`` (default:
@@ -355,7 +372,7 @@ def calibration_stats(steps: Sequence[StepRecord], max_k: int | None = None,
     with_conf = [s for s in steps if s.confidence is not None]
     if not with_conf:
         return None
-    pairs = calibration_pairs(with_conf)
+    pairs = calibration_pairs(with_conf, raw=raw)
     k_max = max_k if max_k is not None else max((k for k, _, _ in pairs), default=0)
     conf = [c for _, c, _ in pairs]
     labels = [y for _, _, y in pairs]
@@ -433,6 +450,8 @@ def benchmark_metrics(
     tim = timing_stats(results)
     out: dict[str, Any] = {**asdict(tim), **asdict(acc), **asdict(step_timing_stats(steps)), **schedule_stats(steps)}
     out["calibration"] = calibration_stats(steps, max_k, num_bins)
+    out["calibration_raw"] = (calibration_stats(steps, max_k, num_bins, raw=True)
+                              if any(s.raw_confidence is not None for s in steps) else None)
     if baseline is not None:
         if len(baseline) != len(results):
             raise ValueError(

@@ -230,22 +230,26 @@ def _calibration_table(results: Mapping[str, Any]) -> list[str]:
         "## Confidence-head calibration",
         "",
         ("Pairs: per step, slots k = 1..min(accepted + 1, proposed); label 1 if accepted. "
-         "Position `all` pools every position; a position with no pairs has no row."),
+         "Position `all` pools every position; a position with no pairs has no row. Confidence `raw`: the "
+         "head's own values; `calibrated`: after the draft's held-out calibration (what the scheduler read)."),
         "",
-        "| method | benchmark | k | n | mean conf | accept rate | ECE | AUROC | Brier |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| method | benchmark | confidence | k | n | mean conf | accept rate | ECE | AUROC | Brier |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    by_method: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    by_method: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
     for bench, method, m in _methods(results):
         if m.get("calibration"):
-            by_method.setdefault(method, []).append((bench, m["calibration"]))
+            if m.get("calibration_raw"):
+                by_method.setdefault(method, []).append((bench, "raw", m["calibration_raw"]))
+            by_method.setdefault(method, []).append(
+                (bench, "calibrated" if m.get("calibration_raw") else "raw", m["calibration"]))
     for method, entries in by_method.items():
-        for bench, cal in entries:
+        for bench, kind, cal in entries:
             for k, row in [("all", cal["pooled"])] + [(r["k"], r) for r in cal["per_position"]]:
                 if not row["num_pairs"]:
                     continue  # nothing measured there (e.g. a slot past every proposal)
                 lines.append(
-                    f"| {method} | {bench} | {k} | {row['num_pairs']} | {_fmt(row['mean_confidence'], 3)} | "
+                    f"| {method} | {bench} | {kind} | {k} | {row['num_pairs']} | {_fmt(row['mean_confidence'], 3)} | "
                     f"{_fmt(row['accept_rate'], 3)} | {_fmt(row['ece'], 3)} | {_fmt(row['auroc'], 3)} | "
                     f"{_fmt(row['brier'], 3)} |"
                 )
@@ -459,7 +463,8 @@ def plot_tau_histogram(results: dict[str, Any], path: str | os.PathLike[str]) ->
 def plot_reliability(results: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """PNG reliability diagram of the confidence head, pooled over draft positions: one column per
     benchmark with calibration data; top, accept rate vs mean confidence per bin (one line per method,
-    the diagonal is perfect calibration); bottom, pairs per bin. Raises ValueError without data."""
+    the diagonal is perfect calibration; a calibrated draft's raw head values as a dashed line of the same
+    color: before and after its calibration); bottom, pairs per bin. Raises ValueError without data."""
     benches = [b for b, methods in results.get("benchmarks", {}).items()
                if any(m.get("calibration") for m in methods.values())]
     if not benches:
@@ -475,8 +480,15 @@ def plot_reliability(results: dict[str, Any], path: str | os.PathLike[str]) -> N
         for i, (method, cal) in enumerate(shown):
             bins = [b for b in cal["pooled"]["bins"] if b["num_pairs"]]
             ece = cal["pooled"]["ece"]
+            raw = results["benchmarks"][bench][method].get("calibration_raw")
+            if raw:
+                raw_bins = [b for b in raw["pooled"]["bins"] if b["num_pairs"]]
+                top.plot([b["mean_confidence"] for b in raw_bins], [b["accept_rate"] for b in raw_bins], marker="x",
+                         linestyle="--", color=colors[method],
+                         label=f"{method} raw (ECE {_fmt(raw['pooled']['ece'], 3)})")
             top.plot([b["mean_confidence"] for b in bins], [b["accept_rate"] for b in bins], marker="o",
-                     color=colors[method], label=f"{method} (ECE {_fmt(ece, 3)}, n {cal['pooled']['num_pairs']})")
+                     color=colors[method], label=f"{method}{' calibrated' if raw else ''} (ECE {_fmt(ece, 3)}, "
+                     f"n {cal['pooled']['num_pairs']})")
             all_bins = cal["pooled"]["bins"]
             bin_w = all_bins[0]["hi"] - all_bins[0]["lo"]
             xs = [(b["lo"] + b["hi"]) / 2 + (i - (len(shown) - 1) / 2) * width * bin_w for b in all_bins]

@@ -27,10 +27,11 @@ WEIGHTS_NAME = "model.safetensors"  # a draft folder's weights (every algorithm,
 CONFIG_NAME = "config.json"  # a draft folder's config
 
 
-def save_draft_folder(out_dir: Any, state: dict[str, Any], config: dict[str, Any]) -> Any:
-    """Write a draft folder, ``WEIGHTS_NAME`` (safetensors; each tensor made contiguous on the CPU) and
-    ``CONFIG_NAME`` (``config`` as JSON), atomically: the folder appears only when complete.
-    Returns ``out_dir`` as a ``Path``."""
+def save_draft_folder(out_dir: Any, state: dict[str, Any], config: dict[str, Any],
+                      extra_json: dict[str, Any] | None = None) -> Any:
+    """Write a draft folder, ``WEIGHTS_NAME`` (safetensors; each tensor made contiguous on the CPU),
+    ``CONFIG_NAME`` (``config`` as JSON) and each ``extra_json`` entry (file name -> JSON-able object, e.g. a
+    confidence calibration), atomically: the folder appears only when complete. Returns ``out_dir`` as a ``Path``."""
     import json
     from pathlib import Path
 
@@ -42,6 +43,8 @@ def save_draft_folder(out_dir: Any, state: dict[str, Any], config: dict[str, Any
         tmp.mkdir(parents=True)
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        for name, obj in (extra_json or {}).items():
+            (tmp / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
     return out_dir
 
 # the draft's decoder-layer attention: the target family's own, or Qwen3-style (q/k norm, no bias) for any family

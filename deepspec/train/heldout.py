@@ -19,6 +19,12 @@ the draft's own forwards alone (a few seconds on a CPU), and the reference (the 
 outputs and features) is made once per run and kept in the run folder. :class:`HeldoutCurve` is the
 trainer's side: the reference of a run (made with :func:`capture_target`, on the prompts of
 :func:`heldout_prompt_ids`) and its evaluation of the current weights.
+
+A drafter with a confidence head (DSpark) reports a confidence per proposed slot; the replayed steps keep
+them, so each evaluation also yields the eval's calibration pairs (:func:`deepspec.eval.metrics.calibration_pairs`:
+slot k's raw confidence against whether it was accepted, slots up to the first rejection), their AUROC
+and ECE, and a confidence calibration fitted on them (:func:`deepspec.models.calibration.fit_calibration`);
+the trainer saves the last one with the draft (docs/design/decoding.md, "Confidence calibration").
 """
 
 from __future__ import annotations
@@ -35,9 +41,11 @@ from torch import Tensor
 
 from deepspec.algorithms.protocol import NullProposer, Proposer
 from deepspec.data.chat import render_prompt, target_stop_token_ids
-from deepspec.decoding.engine import GREEDY, SpeculativeEngine
+from deepspec.decoding.engine import GREEDY, SpeculativeEngine, StepRecord
 from deepspec.device import cast_for_decoding
 from deepspec.eval.benchmarks import load_benchmark
+from deepspec.eval.metrics import DEFAULT_NUM_BINS, auroc, calibration_pairs, expected_calibration_error
+from deepspec.models.calibration import ConfidenceCalibration, fit_calibration
 from deepspec.target.capture import target_forward
 from deepspec.target.load import target_fingerprint
 from deepspec.train.config import TrainConfig
@@ -65,11 +73,14 @@ class HeldoutReference:
 class ReplayResult:
     """Greedy acceptance of one prompt: ``accepted`` drafts and ``committed`` tokens per verify step (accepted + 1,
     or accepted at an accepted EOS: no bonus token follows it; the engine's ``num_committed`` before the
-    ``max_new_tokens`` cut), output tokens produced."""
+    ``max_new_tokens`` cut), output tokens produced, and per step the engine's record
+    (:class:`~deepspec.decoding.engine.StepRecord`, times 0): proposed, accepted, committed and the proposal's raw
+    confidences (the head's, before any calibration; None without a head)."""
 
     accepted: list[int]
     num_output_tokens: int
     committed: list[int] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -125,7 +136,7 @@ def replay_greedy(proposer: Proposer, ref: HeldoutReference, *, max_new_tokens: 
     feats_TF = ref.target_hidden_TF if device is None else ref.target_hidden_TF.to(device)
     proposer.reset()
     proposer.extend_context(feats_TF[:P], list(ref.prompt_ids))
-    anchor_pos, produced, accepted_steps, committed_steps = P, 1, [], []
+    anchor_pos, produced, accepted_steps, committed_steps, records = P, 1, [], [], []
     done = out[0] in eos
     while not done and produced < max_new_tokens:
         proposal = proposer.propose(full[anchor_pos], anchor_pos, sampling=GREEDY, generator=None)
@@ -146,23 +157,30 @@ def replay_greedy(proposer: Proposer, ref: HeldoutReference, *, max_new_tokens: 
             raise AssertionError("replay_greedy: the reference ended before the step's bonus token")
         accepted_steps.append(accepted)
         committed_steps.append(len(committed))
+        conf = proposal.raw_confidence_N if proposal.raw_confidence_N is not None else proposal.confidence_N
+        records.append(StepRecord(num_proposed=len(drafts), num_accepted=accepted, num_committed=len(committed),
+                                  time_s=0.0, confidence=None if conf is None else tuple(conf.tolist())))
         proposer.extend_context(feats_TF[anchor_pos: anchor_pos + num_verified],
                                 full[anchor_pos: anchor_pos + num_verified])
         anchor_pos += num_verified
         produced += len(committed)
         done = any(t in eos for t in committed)
-    return ReplayResult(accepted_steps, min(produced, max_new_tokens), committed_steps)
+    return ReplayResult(accepted_steps, min(produced, max_new_tokens), committed_steps, records)
 
 
 def heldout_tau(proposer: Proposer, refs: Sequence[HeldoutReference], *, max_new_tokens: int,
-                eos_token_ids: Collection[int], device: torch.device | str | None = None) -> dict[str, float]:
+                eos_token_ids: Collection[int], device: torch.device | str | None = None,
+                steps_out: list[StepRecord] | None = None) -> dict[str, float]:
     """Greedy tau (mean committed tokens over verify steps, pooled: accepted + 1, or accepted at an accepted EOS,
     as ``deepspec eval`` counts) over all references and per benchmark:
-    ``{"heldout_tau": .., "heldout_tau_<benchmark>": ..}`` (NaN where no step was taken)."""
+    ``{"heldout_tau": .., "heldout_tau_<benchmark>": ..}`` (NaN where no step was taken). ``steps_out``: a
+    list the replayed steps' records are appended to (their raw confidences feed the calibration fit)."""
     per_bench: dict[str, list[int]] = {}
     for ref in refs:
         res = replay_greedy(proposer, ref, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, device=device)
         per_bench.setdefault(ref.benchmark, []).extend(res.committed)
+        if steps_out is not None:
+            steps_out.extend(res.steps)
 
     def tau(steps: list[int]) -> float:
         return sum(steps) / len(steps) if steps else float("nan")
@@ -170,6 +188,40 @@ def heldout_tau(proposer: Proposer, refs: Sequence[HeldoutReference], *, max_new
     result = {"heldout_tau": tau([a for steps in per_bench.values() for a in steps])}
     result.update({f"heldout_tau_{b}": tau(steps) for b, steps in per_bench.items()})
     return result
+
+
+def heldout_calibration(steps: Sequence[StepRecord], *, source: str = "heldout replay",
+                        num_bins: int = DEFAULT_NUM_BINS) -> tuple[dict[str, float], ConfidenceCalibration | None]:
+    """Fit the confidence calibration on replayed ``steps`` (their raw confidences) and measure it on them.
+
+    Returns ``(figures, calibration)``: figures ``heldout_conf_pairs``, ``heldout_conf_auroc``,
+    ``heldout_conf_ece`` (raw), ``heldout_conf_ece_calibrated``, ``heldout_conf_auroc_calibrated`` (the
+    per-depth maps keep each depth's ranking, not the pooled one) and the mean confidence and accept rate
+    (NaN where undefined); calibration None and figures ``{}`` when no step carries confidences. The fitted
+    calibration's ``info`` records them. These are in-sample figures (fitted and measured on the same
+    steps); the eval re-checks the saved calibration on its own prompts.
+    """
+    pairs = calibration_pairs([s for s in steps if s.confidence is not None])
+    if not pairs:
+        return {}, None
+    cal = fit_calibration(pairs)
+    conf, labels = [c for _, c, _ in pairs], [y for _, _, y in pairs]
+    calibrated = [cal.apply(c, k) for k, c, _ in pairs]
+
+    def num(x: float | None) -> float:
+        return float("nan") if x is None else float(x)
+
+    figures = {"heldout_conf_pairs": float(len(pairs)),
+               "heldout_conf_accept_rate": sum(labels) / len(labels),
+               "heldout_conf_mean": sum(conf) / len(conf),
+               "heldout_conf_mean_calibrated": sum(calibrated) / len(calibrated),
+               "heldout_conf_auroc": num(auroc(conf, labels)),
+               "heldout_conf_auroc_calibrated": num(auroc(calibrated, labels)),
+               "heldout_conf_ece": num(expected_calibration_error(conf, labels, num_bins)),
+               "heldout_conf_ece_calibrated": num(expected_calibration_error(calibrated, labels, num_bins))}
+    info = {"source": source, "num_pairs": len(pairs), "num_steps": sum(1 for s in steps if s.confidence is not None),
+            **{k[len("heldout_conf_"):]: v for k, v in figures.items() if k != "heldout_conf_pairs"}}
+    return figures, ConfidenceCalibration(cal.per_depth, cal.pooled, info)
 
 
 def reference_key(prompts: Sequence[tuple[str, str, list[int]]], *, target_fingerprint: str,
@@ -232,9 +284,12 @@ class HeldoutCurve:
                                   block_size=algorithm.training_shape(cfg.options).proposal_len)
 
         self.refs = load_or_make_reference(Path(cfg.output_dir) / REFERENCE_NAME, key, make)
+        self.calibration: ConfidenceCalibration | None = None  # the last evaluation's fit (rank 0)
 
     def evaluate(self, model: torch.nn.Module, template: torch.nn.Module | None) -> dict[str, float]:
-        """Greedy held-out tau of the current weights (rank 0; other ranks only help gather: ``{}``)."""
+        """Greedy held-out tau of the current weights (rank 0; other ranks only help gather: ``{}``); for a
+        drafter with confidences also the calibration figures of :func:`heldout_calibration`, whose fit is
+        kept in :attr:`calibration` (the trainer saves the last one with the draft)."""
         draft = model
         if self.ctx.sharded:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -246,8 +301,15 @@ class HeldoutCurve:
             draft = template
         proposer = self.algorithm.proposer(draft, max_positions=self.max_positions)
         device = next(draft.parameters()).device
-        return heldout_tau(proposer, self.refs, max_new_tokens=self.cfg.heldout_max_new_tokens,
-                           eos_token_ids=self.eos, device=device)
+        steps: list[StepRecord] = []
+        result = heldout_tau(proposer, self.refs, max_new_tokens=self.cfg.heldout_max_new_tokens,
+                             eos_token_ids=self.eos, device=device, steps_out=steps)
+        figures, cal = heldout_calibration(
+            steps, source=f"heldout replay: {len(self.refs)} prompts of {', '.join(self.cfg.heldout_benchmarks)}, "
+                          f"up to {self.cfg.heldout_max_new_tokens} tokens each")
+        if cal is not None:
+            self.calibration = cal
+        return {**result, **figures}
 
 
 def heldout_prompt_ids(benchmarks: list[str], num_prompts: int, tokenizer) -> list[tuple[str, str, list[int]]]:

@@ -329,8 +329,19 @@ def _log_heldout(run: _Run, step_done: int, row: dict | None) -> None:
     else:
         row.update(result)
     print(f"train: step {step_done}: held-out greedy tau {result['heldout_tau']:.2f} ("
-          + ", ".join(f"{k[len('heldout_tau_'):]} {v:.2f}" for k, v in result.items() if k != "heldout_tau")
+          + ", ".join(f"{k[len('heldout_tau_'):]} {v:.2f}" for k, v in result.items() if k.startswith("heldout_tau_"))
           + ")", flush=True)
+    if "heldout_conf_pairs" in result:
+        print(f"train: step {step_done}: confidence head on {int(result['heldout_conf_pairs'])} held-out slots: "
+              f"accept rate {result['heldout_conf_accept_rate']:.3f}, mean confidence raw "
+              f"{result['heldout_conf_mean']:.3f} / calibrated {result['heldout_conf_mean_calibrated']:.3f}, "
+              f"AUROC {result['heldout_conf_auroc']:.3f} / {result['heldout_conf_auroc_calibrated']:.3f}, "
+              f"ECE {result['heldout_conf_ece']:.3f} / {result['heldout_conf_ece_calibrated']:.3f} "
+              "(in-sample; saved with the draft)", flush=True)
+    if run.heldout.calibration is not None:  # the last fit goes into every later checkpoint's draft folder
+        for module in (run.model, run.template):
+            if module is not None and hasattr(module, "confidence_calibration"):
+                module.confidence_calibration = run.heldout.calibration
 
 
 def _train_out_of_memory(exc: BaseException, cfg: TrainConfig, ctx: Dist, step: int,

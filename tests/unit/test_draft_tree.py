@@ -39,8 +39,25 @@ def test_proposal_tree_validation_names_the_field():
         Proposal(draft_ids_N=torch.tensor([1, 2]), parents_N=(-1,))
     with pytest.raises(ValueError, match=r"parents_N\[1\]: expected -1 \(the anchor\) or an earlier node"):
         Proposal(draft_ids_N=torch.tensor([1, 2]), parents_N=(-1, 1))
-    with pytest.raises(ValueError, match="carries no confidence_N"):
-        Proposal(draft_ids_N=torch.tensor([1]), parents_N=(-1,), confidence_N=torch.ones(1))
+    with pytest.raises(ValueError, match=r"one per node \(\[2\]\)"):
+        Proposal(draft_ids_N=torch.tensor([1, 2]), parents_N=(-1, 0), confidence_N=torch.ones(1))
+    nan = float("nan")
+    with pytest.raises(ValueError, match="one path from the anchor"):  # two scored nodes at depth 1
+        Proposal(draft_ids_N=torch.tensor([1, 2]), parents_N=(-1, -1), confidence_N=torch.tensor([0.5, 0.4]))
+    with pytest.raises(ValueError, match="one path from the anchor"):  # node 2 hangs from an unscored node
+        Proposal(draft_ids_N=torch.tensor([1, 2, 3]), parents_N=(-1, -1, 1),
+                 confidence_N=torch.tensor([0.5, nan, 0.4]))
+
+
+def test_a_trees_scored_path_survives_a_subset():
+    nan = float("nan")
+    p = Proposal(draft_ids_N=torch.tensor([1, 2, 3, 4]), parents_N=(-1, -1, 0, 2),
+                 confidence_N=torch.tensor([0.9, nan, 0.6, 0.3]))
+    assert p.scored_path() == [0, 2, 3]
+    cut = p.subset([0, 1, 2])
+    assert cut.scored_path() == [0, 2] and cut.confidence_N[[0, 2]].tolist() == pytest.approx([0.9, 0.6])
+    assert Proposal(draft_ids_N=torch.tensor([1, 2]), confidence_N=torch.ones(2)).scored_path() == [0, 1]
+    assert Proposal(draft_ids_N=torch.tensor([1]), parents_N=(-1,)).scored_path() == []
 
 
 def test_draft_tree_keeps_what_each_node_was_drawn_from():

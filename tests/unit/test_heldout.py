@@ -9,7 +9,11 @@ from deepspec.algorithms.dspark.proposer import DSparkProposer
 from deepspec.algorithms.eagle3.proposer import Eagle3Proposer
 from deepspec.algorithms.protocol import NullProposer, Proposal
 from deepspec.decoding.engine import SpeculativeEngine
-from deepspec.train.heldout import HeldoutReference, heldout_tau, make_reference, replay_greedy
+from deepspec.decoding.engine import StepRecord
+from deepspec.eval.metrics import calibration_pairs
+from deepspec.models.calibration import fit_calibration
+from deepspec.train.heldout import (HeldoutReference, heldout_calibration, heldout_tau, make_reference,
+                                    replay_greedy)
 from tests.unit.test_dspark import LAYER_IDS, make_draft
 from tests.unit.test_eagle3 import make_draft as make_eagle3
 
@@ -72,6 +76,15 @@ def test_replay_equals_engine(kind):
         replay = replay_greedy(proposer, ref, max_new_tokens=max_new, eos_token_ids=[EOS])
         assert replay.accepted == [s.num_accepted for s in got.steps]
         assert replay.committed == [s.num_committed for s in got.steps]
+        # the step records the calibration fit reads are the engine's (DSpark: with the head's confidences)
+        assert [(s.num_proposed, s.num_accepted, s.num_committed) for s in replay.steps] == [
+            (s.num_proposed, s.num_accepted, s.num_committed) for s in got.steps]
+        if kind == "dspark":
+            assert [len(s.confidence) for s in replay.steps] == [len(s.confidence) for s in got.steps]
+            assert [c for s in replay.steps for c in s.confidence] == pytest.approx(
+                [c for s in got.steps for c in s.confidence], abs=1e-5)
+        else:
+            assert all(s.confidence is None for s in replay.steps)
         assert replay.num_output_tokens == len(got.output_ids)
         if kind == "planned":
             assert sum(replay.accepted) > 0  # the comparison covers accepted drafts, not only rejections
@@ -135,3 +148,27 @@ def test_the_curve_reference_target_goes_to_the_training_device(monkeypatch):
     heldout.capture_target(target, SimpleNamespace(manifest={"capture": {"dtype": "bfloat16"}}), torch.device("cuda", 0))
     heldout.capture_target(target, SimpleNamespace(manifest={}), torch.device("cuda", 0))
     assert seen == [(torch.bfloat16, torch.device("cuda", 0)), (torch.float32, torch.device("cuda", 0))]
+
+
+def test_heldout_calibration_fits_the_eval_pairs_of_the_replayed_steps():
+    """The fit reads the eval's calibration pairs (slots up to the first rejection), raw confidences."""
+    import random
+
+    rng = random.Random(0)
+    steps = []
+    for _ in range(300):
+        conf = tuple(rng.uniform(0.3, 0.95) for _ in range(3))
+        accepted = 0
+        while accepted < 3 and rng.random() < conf[accepted] ** 3:  # overconfident
+            accepted += 1
+        steps.append(StepRecord(num_proposed=3, num_accepted=accepted, num_committed=accepted + 1, time_s=0.0,
+                                confidence=conf))
+    figures, cal = heldout_calibration(steps + [StepRecord(num_proposed=0, num_accepted=0, num_committed=1,
+                                                           time_s=0.0)])
+    pairs = calibration_pairs(steps)
+    assert figures["heldout_conf_pairs"] == len(pairs)
+    assert (cal.per_depth, cal.pooled) == (fit_calibration(pairs).per_depth, fit_calibration(pairs).pooled)
+    assert cal.info["num_pairs"] == len(pairs) and cal.info["num_steps"] == 300
+    assert figures["heldout_conf_ece_calibrated"] < figures["heldout_conf_ece"] / 2
+    assert figures["heldout_conf_mean"] > figures["heldout_conf_accept_rate"]
+    assert heldout_calibration([StepRecord(num_proposed=2, num_accepted=1, num_committed=2, time_s=0.0)]) == ({}, None)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepspec.algorithms.dspark.config import DraftConfig, dflash_knobs
-from deepspec.algorithms.dspark.loss import dspark_loss, supervision_mask, supervision_weights
+from deepspec.algorithms.dspark.loss import confidence_targets, dspark_loss, supervision_mask, supervision_weights
 from deepspec.algorithms.dspark.model import DraftTrainOutput
 
 V, H, K = 11, 6, 4
@@ -45,6 +45,7 @@ def lm_head_fixture():
 
 @torch.no_grad()
 def oracle(out, ids, lm, ap, valid, tlh, head, cfg):
+    """Slow per-slot loss; the confidence label and reach follow ``cfg.confidence_label``."""
     B, S = ids.shape
     A = ap.shape[1]
     tot = {"ce": 0.0, "l1": 0.0, "conf": 0.0}
@@ -54,6 +55,7 @@ def oracle(out, ids, lm, ap, valid, tlh, head, cfg):
             if not valid[b, j]:
                 continue
             a = int(ap[b, j])
+            reach = 1.0  # the product of the earlier slots' labels; 0 after an EOS label (it ends the step)
             for k in range(K):
                 p = a + k + 1
                 if p >= S or not lm[b, p]:
@@ -63,11 +65,16 @@ def oracle(out, ids, lm, ap, valid, tlh, head, cfg):
                 ce = -F.log_softmax(lg, -1)[ids[b, p]]
                 tp = F.softmax(head(tlh[b, a + k]).double(), -1)
                 l1 = (F.softmax(lg, -1) - tp).abs().sum()
+                if cfg.confidence_label == "greedy":
+                    label = float(int(lg.argmax()) == int(tp.argmax()))
+                else:
+                    label = float(1 - l1 / 2)
                 c = F.binary_cross_entropy_with_logits(out.confidence_logits_BAK[b, j, k].detach().double(),
-                                                       (1 - l1 / 2).detach())
+                                                       torch.tensor(label, dtype=torch.float64))
                 tot["ce"] += w * float(ce)
                 tot["l1"] += w * float(l1)
-                tot["conf"] += w * float(c)
+                tot["conf"] += w * reach * float(c)
+                reach *= label * (int(ids[b, p]) not in cfg.eos_token_ids)
                 ws += w
                 n += 1
     r = {k2: v / ws for k2, v in tot.items()}
@@ -75,8 +82,9 @@ def oracle(out, ids, lm, ap, valid, tlh, head, cfg):
     return r, ws, n
 
 
-def test_matches_oracle():
-    cfg, head = make_config(), lm_head_fixture()
+@pytest.mark.parametrize("rule", ["greedy", "tv"])
+def test_matches_oracle(rule):
+    cfg, head = make_config(confidence_label=rule), lm_head_fixture()
     ids, lm, ap, valid, out, tlh = make_batch()
     got = dspark_loss(out, ids, lm, ap, valid, tlh, head, cfg, chunk_slots=5)
     exp, ws, n = oracle(out, ids, lm, ap, valid, tlh, head, cfg)
@@ -85,6 +93,50 @@ def test_matches_oracle():
     for key, val in (("ce", got.ce), ("l1", got.l1), ("conf", got.confidence), ("loss", got.loss)):
         assert math.isclose(float(val.detach()), exp[key], rel_tol=1e-5), key
     assert 1.0 <= got.tau_estimate <= K + 1 and got.accept_rate_K.shape == (K,)
+
+
+def test_confidence_label_is_conditional_on_earlier_slots_accepted():
+    """Slot k's label is its acceptance given slots 1..k-1 accepted: a slot that matches the target after
+    an earlier mismatch is not supervised (reach 0), as the eval's calibration pairs exclude it."""
+    valid = torch.tensor([[[True, True, True, True]]])
+    match = torch.tensor([[[True, False, True, True]]])
+    prob = torch.tensor([[[0.8, 0.5, 0.9, 1.0]]])
+    label, reach = confidence_targets(valid, match, prob, "greedy")
+    assert label.tolist() == [[[1.0, 0.0, 1.0, 1.0]]]
+    assert reach.tolist() == [[[1.0, 1.0, 0.0, 0.0]]]  # slots 3 and 4 come after the rejected slot 2
+    label, reach = confidence_targets(valid, match, prob, "tv")
+    assert torch.allclose(label, prob)
+    assert torch.allclose(reach, torch.tensor([[[1.0, 0.8, 0.4, 0.36]]]))
+    label, reach = confidence_targets(valid & torch.tensor([True, True, False, False]), match, prob, "greedy")
+    assert reach.tolist() == [[[1.0, 1.0, 0.0, 0.0]]] and label[0, 0, 2:].tolist() == [0.0, 0.0]
+    eos = torch.tensor([[[False, True, False, False]]])  # slot 2's label is an EOS: the step would end there
+    match_all = torch.ones_like(match)
+    assert confidence_targets(valid, match_all, prob, "greedy", eos_BAK=eos)[1].tolist() == [[[1.0, 1.0, 0.0, 0.0]]]
+    with pytest.raises(ValueError, match="greedy"):
+        confidence_targets(valid, match, prob, "sampled")
+
+
+def test_greedy_confidence_loss_skips_slots_after_a_mismatch():
+    """Through dspark_loss: slot 1 mismatches the target's argmax, slot 2 matches it; slot 2's confidence
+    logit gets no gradient (greedy label), while the old unconditional label trained it."""
+    torch.manual_seed(0)
+    cfg, head = make_config(ce_weight=0.0, l1_weight=0.0, confidence_weight=1.0), lm_head_fixture()
+    S = 10
+    ids = torch.randint(0, V, (1, S))
+    lm = torch.ones(1, S, dtype=torch.uint8)
+    tlh = torch.randn(1, S, H)
+    ap, valid = torch.tensor([[2]]), torch.tensor([[True]])
+    tgt_arg = head(tlh[0, 2:2 + K]).argmax(-1)  # the target's argmax at slots 0..K-1
+    logits = torch.zeros(1, 1, K, V)
+    for k in range(K):
+        tok = int(tgt_arg[k]) if k != 0 else (int(tgt_arg[0]) + 1) % V  # slot 0 wrong, the rest right
+        logits[0, 0, k, tok] = 5.0
+    conf = torch.zeros(1, 1, K, requires_grad=True)
+    out = DraftTrainOutput(logits, conf, torch.zeros(1, 1, K, H))
+    dspark_loss(out, ids, lm, ap, valid, tlh, head, cfg).loss.backward()
+    g = conf.grad[0, 0]
+    assert g[0] > 0  # label 0 at slot 0: pushed down
+    assert torch.all(g[1:] == 0)  # slots after the first mismatch: not supervised
 
 
 def test_supervision_mask_cumprod():

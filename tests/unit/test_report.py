@@ -68,8 +68,8 @@ def test_markdown_tables_and_definitions():
     assert "| gsm8k | dspark | 3 | 10.00 | 3.00 | 6.00 | 1.00 | 2.67 | 0.33 |" in md
     assert "## Confidence-head calibration" in md
     # pooled pairs: (.9,1) (.6,0) (.8,1) (.7,1) (.5,1) (.4,0): AUROC 7/8, accept rate 4/6
-    assert "| dspark | gsm8k | all | 6 | 0.650 | 0.667 |" in md and "| 0.875 |" in md
-    assert "| dspark | mt-bench | 3 | 1 | 0.500 | 1.000 | 0.500 | - | 0.250 |" in md
+    assert "| dspark | gsm8k | raw | all | 6 | 0.650 | 0.667 |" in md and "| 0.875 |" in md
+    assert "| dspark | mt-bench | raw | 3 | 1 | 0.500 | 1.000 | 0.500 | - | 0.250 |" in md
     assert "| dflash | gsm8k |" not in md  # no confidences, no calibration rows
     for key in METRIC_DEFINITIONS:
         assert f"- `{key}`: " in md
@@ -85,9 +85,9 @@ def test_calibration_table_skips_positions_without_pairs():
     gsm8k = res["benchmarks"]["gsm8k"]
     gsm8k["dspark"] = {**gsm8k["dspark"], "calibration": cal}  # mt-bench keeps the shared metrics
     md = markdown_report(res)
-    assert "| dspark | gsm8k | all | 3 |" in md and "| dspark | gsm8k | 2 | 1 |" in md
-    assert "| dspark | gsm8k | 3 |" not in md and "| dspark | gsm8k | 5 |" not in md
-    assert "| dspark | mt-bench | 3 | 1 |" in md  # positions with pairs keep their rows
+    assert "| dspark | gsm8k | raw | all | 3 |" in md and "| dspark | gsm8k | raw | 2 | 1 |" in md
+    assert "| dspark | gsm8k | raw | 3 |" not in md and "| dspark | gsm8k | raw | 5 |" not in md
+    assert "| dspark | mt-bench | raw | 3 | 1 |" in md  # positions with pairs keep their rows
 
 
 def test_markdown_without_calibration_or_definitions_key():

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from deepspec.algorithms.dspark.config import (DraftConfig, DSparkOptions, dflash_knobs, draft_config_from_target,
-                                               loss_knobs)
+from deepspec.algorithms.dspark.config import (CONFIDENCE_LABELS, DraftConfig, DSparkOptions, dflash_knobs,
+                                               draft_config_from_target, loss_knobs)
 from deepspec.algorithms.dspark.export import FORMATS
 from deepspec.algorithms.dspark.loss import compute_dtype, dspark_loss, supervision_weights
 from deepspec.algorithms.dspark.model import DSparkDraftModel
@@ -82,13 +82,17 @@ class DSparkAlgorithm:
             if value < 0 or (name == "loss_decay_gamma" and value == 0):
                 raise ValueError(f"train.{name}: expected a value {'> 0' if name == 'loss_decay_gamma' else '>= 0'}, "
                                  f"got {value}")
+        if options.confidence_label is not None and options.confidence_label not in CONFIDENCE_LABELS:
+            raise ValueError(f"train.confidence_label: expected one of {CONFIDENCE_LABELS}, got "
+                             f"{options.confidence_label!r}")
         if options.init_from_target_layers is not None and not options.init_from_target:
             raise ValueError(f"train.init_from_target_layers: names the target layers to copy with "
                              f"--init-from-target, got {options.init_from_target_layers} without it; add "
                              "--init-from-target or drop the list")
 
     def ignored_options(self, options: DSparkOptions) -> tuple[str, ...]:
-        return () if self.heads else ("markov_head", "markov_rank")  # DFlash has no Markov head
+        # DFlash has no Markov or confidence head
+        return () if self.heads else ("markov_head", "markov_rank", "confidence_label")
 
     def training_shape(self, options: DSparkOptions) -> TrainingShape:
         return TrainingShape(
@@ -116,6 +120,7 @@ class DSparkAlgorithm:
             # a copy of the target's layers needs the family's own layer; else the one vLLM's loader builds
             backbone=draft_backbone(options.draft_backbone, "target" if options.init_from_target else "qwen3"),
             sample_from_anchor=options.sample_from_anchor,
+            **({} if options.confidence_label is None else {"confidence_label": options.confidence_label}),
             # the algorithm's own knobs, then the loss settings given to train over them
             **{**({} if self.heads else dflash_knobs()), **loss_knobs(options)},
         )

@@ -236,19 +236,25 @@ class CompiledDSparkProposer(DSparkProposer):
             return super().propose(anchor_token, anchor_pos, sampling=sampling, generator=generator)
         ids_J, conf_J = self._run_propose(anchor_token, anchor_pos)
         ids_J, conf_J = ids_J[:n_max], None if conf_J is None else conf_J[:n_max]  # a capped K
+        raw_J = None
+        if conf_J is not None and self.calibration is not None:  # the eager proposer's map, on the host
+            raw_J = conf_J.float()
+            conf_J = torch.tensor(self.calibration.apply_all(raw_J.tolist()), dtype=torch.float32,
+                                  device=raw_J.device)
         if conf_J is not None and self.confidence_threshold is not None:
             below = (conf_J < self.confidence_threshold).nonzero()
             if below.numel():
                 n = int(below[0, 0])
                 ids_J, conf_J = ids_J[:n], conf_J[:n]
+                raw_J = None if raw_J is None else raw_J[:n]
             if ids_J.numel() == 0:
                 return Proposal.empty(self.device)
-        return Proposal(draft_ids_N=ids_J, draft_probs_NV=None, confidence_N=conf_J)
+        return Proposal(draft_ids_N=ids_J, draft_probs_NV=None, confidence_N=conf_J, raw_confidence_N=raw_J)
 
 
 def compile_proposer(proposer: Any, *, backend: str | Callable[..., Any] = "inductor") -> Any:
     """``proposer`` with its DSpark / DFlash chain draft on compiled graphs: a :class:`DSparkProposer`
-    becomes a :class:`CompiledDSparkProposer` (same model, threshold, positions and K); a proposer that
+    becomes a :class:`CompiledDSparkProposer` (same model, threshold, positions, K and calibration); a proposer that
     routes to a ``draft`` (prompt lookup in front) gets its draft replaced so; any other proposer (trees,
     Eagle3, n-gram, target-only) is returned as it is."""
     draft = getattr(proposer, "draft", None)
@@ -260,4 +266,5 @@ def compile_proposer(proposer: Any, *, backend: str | Callable[..., Any] = "indu
     compiled = CompiledDSparkProposer(proposer.model, confidence_threshold=proposer.confidence_threshold,
                                       max_positions=proposer.max_positions, backend=backend)
     compiled.max_proposal_len = proposer.max_proposal_len
+    compiled.calibration = proposer.calibration  # the eager proposer's choice (calibrate or not)
     return compiled

@@ -35,6 +35,12 @@ from deepspec.models.config import TargetShapeConfig, config_error, config_from_
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
 
+# The confidence head's training labels (DraftConfig.confidence_label; deepspec.algorithms.dspark.loss):
+#   greedy: 1[draft argmax == target argmax] at slot k, supervised only where slots 1..k-1 matched (T = 0 verify)
+#   tv:     1 - TV(draft, target) at slot k, weighted by prod_{j<k} (1 - TV_j) (T > 0 rejection sampling)
+CONFIDENCE_LABELS = ("greedy", "tv")
+
+
 # Architectures written into the draft checkpoint's config.json (original naming).
 ARCHITECTURES = {
     "llama": "LlamaDSparkModel",
@@ -86,6 +92,10 @@ class DSparkOptions(DraftOptions):
     l1_weight: float | None = option(None, elsewhere=_LOSS, refused_elsewhere=True)
     confidence_weight: float | None = option(None, elsewhere=_LOSS, refused_elsewhere=True)
     loss_decay_gamma: float | None = option(None, elsewhere=_LOSS, refused_elsewhere=True)
+    # the confidence head's training label (docs/design/training.md, "DSpark / DFlash loss"): greedy (slot k's draft
+    # argmax equals the target's, trained only where slots 1..k-1 matched: the T = 0 verify rule) | tv (1 - TV
+    # distance, weighted by the chance that slots 1..k-1 were accepted: the T > 0 rule); none = greedy
+    confidence_label: str | None = option(None, elsewhere=_LOSS, refused_elsewhere=True)
     # compute the draft logits of the supervised slots one chunk at a time in the loss, recomputed in backward
     # (memory chunk x vocab instead of batch x anchors x block x vocab; each chunk's output layers run once more):
     # auto (on when those logits would exceed 256 MiB in fp32) | on | off
@@ -113,7 +123,7 @@ class DraftConfig(TargetShapeConfig):
     # Loss knobs (training only) and markov_head_type (drafts saved before it existed are "vanilla").
     OPTIONAL_ON_LOAD: ClassVar[tuple[str, ...]] = TargetShapeConfig.OPTIONAL_ON_LOAD + (
         "markov_head_type", "loss_decay_gamma", "ce_weight", "l1_weight", "confidence_weight", "sample_from_anchor",
-        "confidence_head_with_markov")
+        "confidence_label", "confidence_head_with_markov")
 
     # --- draft knobs ---
     num_draft_layers: int
@@ -135,6 +145,8 @@ class DraftConfig(TargetShapeConfig):
     ce_weight: float = 0.1
     l1_weight: float = 0.9
     confidence_weight: float = 1.0
+    # what the confidence head is trained towards: one of CONFIDENCE_LABELS (the verify rule it predicts)
+    confidence_label: str = "greedy"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -167,6 +179,9 @@ class DraftConfig(TargetShapeConfig):
         if self.confidence_weight > 0 and not self.use_confidence_head:
             raise _err("confidence_weight", "0 when use_confidence_head=False", self.confidence_weight,
                        "Set confidence_weight=0.0 or enable the confidence head.")
+        if self.confidence_label not in CONFIDENCE_LABELS:
+            raise _err("confidence_label", f"one of {CONFIDENCE_LABELS}", self.confidence_label,
+                       "Use 'greedy' (T = 0 verify, the default) or 'tv' (T > 0; train --confidence-label).")
         if self.ce_weight + self.l1_weight + self.confidence_weight <= 0:
             raise _err("ce_weight", "a positive total loss weight", 0.0, "Set ce_weight=1.0 (DFlash).")
         if not isinstance(self.confidence_head_with_markov, bool):

@@ -14,7 +14,14 @@ Per valid slot:
   CE   = -log softmax(draft)[x_{a+k+1}]
   L1   = || softmax(draft) - softmax(target logits) ||_1   (= 2 * total variation; target logits =
          lm_head(target_last_hidden[a+k]), soft-capped when the target is: config.final_logit_softcapping)
-  conf = BCE-with-logits(confidence_logit, 1 - L1/2 (detached))
+  conf = r_k * BCE-with-logits(confidence_logit, y_k), label y_k and reach weight r_k by
+         ``config.confidence_label`` (:func:`confidence_targets`), both detached:
+         greedy (T = 0 verify): y_k = 1[draft argmax == target argmax at k], r_k = prod_{j<k} y_j (0/1:
+                 slots after the block's first teacher-forced mismatch are not supervised);
+         tv (T > 0 verify):     y_k = 1 - L1_k/2 (the T = 1 acceptance probability), r_k = prod_{j<k} y_j.
+         The head predicts slot k's acceptance *given slots 1..k-1 were accepted* (the event the eval's
+         calibration pairs measure, :mod:`deepspec.eval.metrics`), so a slot counts as much as its
+         earlier slots are accepted. The original (DSpark paper) trains every valid slot towards 1 - L1/2.
 Each term = sum(w * term) / weight_sum, ``weight_sum`` being the sum of ``w`` over the valid slots of
 the whole *global* batch (the trainer computes it with :func:`supervision_weights` before the
 backward passes; ``None`` = this batch's own sum). Total = ce_w*CE + l1_w*L1 + conf_w*conf.
@@ -76,6 +83,31 @@ def supervision_mask(loss_mask_BS: Tensor, anchor_pos_BA: Tensor, block_valid_BA
     lm_BAK = torch.gather(loss_mask_BS.bool(), 1, label_pos_BAK.clamp(max=S - 1).view(B, -1)).view(B, A, block_size)
     ok_BAK = in_range_BAK & lm_BAK & block_valid_BA.to(dev).bool().unsqueeze(-1)
     return torch.cumprod(ok_BAK.to(torch.int32), dim=-1).bool()
+
+
+def confidence_targets(valid_BAK: Tensor, match_BAK: Tensor, accept_prob_BAK: Tensor,
+                       rule: str, *, eos_BAK: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The confidence head's ``(label_BAK, reach_BAK)`` float32 ``[B, A, K]`` (module docstring).
+
+    ``valid_BAK`` bool: supervised slots; ``match_BAK`` bool: the draft's argmax equals the target's
+    (teacher-forced); ``accept_prob_BAK`` float: ``1 - TV`` per slot. ``rule``: ``"greedy"`` (label the
+    match, reach the product of the earlier slots' matches: 0 after the first mismatch) or ``"tv"`` (label
+    ``1 - TV``, reach the product of the earlier slots' ``1 - TV``). Both are 0 at invalid slots. The rule
+    follows the eval's calibration pairs (slot k's acceptance given slots 1..k-1 accepted, under the
+    verify rule in use), not the original DSpark loss (which labels every valid slot ``1 - TV`` with
+    reach 1). ``eos_BAK`` bool (optional): the slot's label is an EOS; an accepted EOS ends the step, so the
+    slots after it have reach 0 (the eval never pairs them). Raises ValueError for another ``rule``.
+    """
+    if rule == "greedy":
+        label_BAK = (match_BAK & valid_BAK).float()
+    elif rule == "tv":
+        label_BAK = accept_prob_BAK.float().clamp(0.0, 1.0) * valid_BAK
+    else:
+        raise ValueError(f"confidence_targets.rule: expected 'greedy' or 'tv', received {rule!r}.")
+    go_on_BAK = label_BAK if eos_BAK is None else label_BAK * (~eos_BAK.bool()).float()  # an EOS ends the step
+    survive_BAK = torch.cumprod(go_on_BAK, dim=-1)  # prod_{j<=k} label_j (and no EOS)
+    reach_BAK = torch.cat([torch.ones_like(survive_BAK[..., :1]), survive_BAK[..., :-1]], dim=-1) * valid_BAK
+    return label_BAK, reach_BAK
 
 
 def slot_decay_weights(block_size: int, gamma: float, device=None) -> Tensor:
@@ -368,23 +400,26 @@ def dspark_loss(
         acc_N = (1.0 - 0.5 * l1_N.detach()).clamp(0.0, 1.0)
         if config.l1_weight > 0:
             loss = loss + config.l1_weight * l1
-        if out.confidence_logits_BAK is not None:
-            c_N = out.confidence_logits_BAK[b_N, a_N, k_N].float()
-            conf_N = F.binary_cross_entropy_with_logits(c_N, acc_N, reduction="none")
-            conf = (w_N * conf_N).sum() / norm
-            if config.confidence_weight > 0:
-                loss = loss + config.confidence_weight * conf
         with torch.no_grad():
             match_N = (torch.cat(drf_arg_parts) == torch.cat(tgt_arg_parts)).float()
-            cnt = torch.bincount(k_N, minlength=K).clamp_min(1).float()
-            accept_K = torch.zeros(K, device=dev).index_add_(0, k_N, acc_N) / cnt
-            top1_K = torch.zeros(K, device=dev).index_add_(0, k_N, match_N) / cnt
             match_BAK = torch.zeros_like(valid_BAK)
             match_BAK[b_N, a_N, k_N] = match_N.bool()
             prob_BAK = torch.zeros(valid_BAK.shape, device=dev)
             prob_BAK[b_N, a_N, k_N] = acc_N.float()
             eos_BAK = torch.zeros_like(valid_BAK)  # the label is an EOS: an accepted one ends the step, no bonus
             eos_BAK[b_N, a_N, k_N] = is_eos(labels_N, config.eos_token_ids)
+        if out.confidence_logits_BAK is not None:
+            label_BAK, reach_BAK = confidence_targets(valid_BAK, match_BAK, prob_BAK, config.confidence_label,
+                                                      eos_BAK=eos_BAK)
+            c_N = out.confidence_logits_BAK[b_N, a_N, k_N].float()
+            conf_N = F.binary_cross_entropy_with_logits(c_N, label_BAK[b_N, a_N, k_N], reduction="none")
+            conf = (w_N * reach_BAK[b_N, a_N, k_N] * conf_N).sum() / norm
+            if config.confidence_weight > 0:
+                loss = loss + config.confidence_weight * conf
+        with torch.no_grad():
+            cnt = torch.bincount(k_N, minlength=K).clamp_min(1).float()
+            accept_K = torch.zeros(K, device=dev).index_add_(0, k_N, acc_N) / cnt
+            top1_K = torch.zeros(K, device=dev).index_add_(0, k_N, match_N) / cnt
             acceptance = chain_acceptance(valid_BAK.flatten(0, 1), match_BAK.flatten(0, 1), prob_BAK.flatten(0, 1),
                                           eos_BAK.flatten(0, 1))
     return LossOutput(loss=loss, ce=ce.detach(), l1=l1.detach(), confidence=conf.detach(), weight_sum=norm.detach(),

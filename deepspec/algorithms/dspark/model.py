@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from deepspec.algorithms.dspark.config import DraftConfig
+from deepspec.models.calibration import CALIBRATION_NAME, ConfidenceCalibration, load_calibration
 from deepspec.models.config import CONFIG_NAME, WEIGHTS_NAME, save_draft_folder
 from deepspec.models.draft_common import DraftVocabMixin, check_saved_d2t, draft_from_target, qk_norms, split_heads
 from deepspec.models.mask import dense_block_mask, flex_block_mask
@@ -350,6 +351,8 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
                             if c.use_markov_head else None)
         self._init_draft_vocab(c)
         self.confidence_head = ConfidenceHead(c.hidden_size + c.markov_dim) if c.use_confidence_head else None
+        # the head's held-out calibration (deepspec.models.calibration), saved beside config.json; None: raw
+        self.confidence_calibration: ConfidenceCalibration | None = None
         self._init_weights()
         self.freeze_embeddings()
 
@@ -579,7 +582,8 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
         """Write ``model.safetensors`` (all weights incl. frozen embed/lm_head: self-contained, as the
         original) and ``config.json`` (DraftConfig + ``architectures`` + ``deepspec_algorithm``, and
         ``layer_types``: the draft layers' own attention, always ``full_attention``, whatever sliding
-        windows the target has), atomically as a folder."""
+        windows the target has), atomically as a folder; with a :attr:`confidence_calibration`, also its
+        ``confidence_calibration.json``."""
 
         # deepspec_algorithm: the registry's name (deepspec.algorithms.registry.algorithm_of_draft); DFlash is
         # this model with both heads off.
@@ -587,12 +591,15 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
         cfg = {"architectures": [self.config.architecture], "model_type": "dspark",
                "deepspec_algorithm": "dspark" if heads else "dflash",
                "layer_types": ["full_attention"] * self.config.num_draft_layers, "draft_config": self.config.to_dict()}
-        return save_draft_folder(out_dir, self.state_dict(), cfg)
+        cal = self.confidence_calibration
+        return save_draft_folder(out_dir, self.state_dict(), cfg,
+                                 None if cal is None else {CALIBRATION_NAME: cal.to_dict()})
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
                         dtype: torch.dtype | None = None) -> DSparkDraftModel:
-        """Load a folder written by :meth:`save_pretrained` (strict: every weight must match)."""
+        """Load a folder written by :meth:`save_pretrained` (strict: every weight must match), with its
+        confidence calibration when the folder has one (:func:`deepspec.models.calibration.load_calibration`)."""
         from safetensors.torch import load_file
 
         path = Path(path)
@@ -605,4 +612,6 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
         state = check_saved_d2t(load_file(str(path / WEIGHTS_NAME)), config, str(path / WEIGHTS_NAME))
         model.load_state_dict(state, strict=True)
         model.freeze_embeddings()
+        if config.use_confidence_head:
+            model.confidence_calibration = load_calibration(path)
         return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)

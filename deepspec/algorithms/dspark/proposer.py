@@ -6,6 +6,8 @@ Legend: K block_size, W draft vocab (= V unless reduced), V target vocab, D draf
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -34,8 +36,12 @@ class DSparkProposer:
     vocabulary (zeros outside the draft vocabulary), so the verify step's ``p / q`` test and
     ``max(0, p - q)`` residual are exactly those of a full-vocabulary draft that puts no mass there.
 
-    The confidence head gives ``c_k = sigmoid(logit)`` per slot (returned as ``confidence_N``); with
-    ``confidence_threshold`` set, the proposal is cut before the first slot with ``c_k`` below it.
+    The confidence head gives ``c_k = sigmoid(logit)`` per slot. With a calibration (``calibrate`` and the
+    draft's ``confidence_calibration``, fitted on held-out steps in training and loaded with the draft:
+    :mod:`deepspec.models.calibration`) ``confidence_N`` holds the calibrated ``c'_k = map_k(c_k)`` and
+    ``raw_confidence_N`` the raw ``c_k``; without one ``confidence_N`` holds ``c_k``. With
+    ``confidence_threshold`` set, the proposal is cut before the first slot whose ``confidence_N`` value is
+    below it.
     ``max_positions`` (the target's ``max_position_embeddings``): draft tokens never land at a
     position ``>= max_positions``. ``num_draft_tokens``: K is at most this (vLLM's
     ``num_speculative_tokens``; the block is still predicted whole and its first slots kept); None: the
@@ -52,11 +58,13 @@ class DSparkProposer:
     (:func:`~deepspec.decoding.verify.verify_tree`) tests the sampled chain by rejection sampling first and
     the chosen siblings on the residual. ``W * K`` nodes, ``1 + W * (K - 1)`` slot steps (the block
     forward is shared). The target verifies them all in one forward
-    (:attr:`~deepspec.algorithms.protocol.Proposal.parents_N`).
+    (:attr:`~deepspec.algorithms.protocol.Proposal.parents_N`). The confidence head scores the chain's nodes
+    (its estimate is for the draft's first choice below an accepted parent): their ``confidence_N`` values,
+    calibrated as above, NaN at the other nodes (one extra serial slot step per depth).
     """
 
     def __init__(self, model, *, confidence_threshold: float | None = None, max_positions: int | None = None,
-                 tree_width: int = 1, num_draft_tokens: int | None = None):
+                 tree_width: int = 1, num_draft_tokens: int | None = None, calibrate: bool = True):
         if not isinstance(model, DSparkDraftModel):
             raise ValueError(f"DSparkProposer.model: expected a DSparkDraftModel, received {type(model).__name__}.")
         if confidence_threshold is not None and model.confidence_head is None:
@@ -72,6 +80,8 @@ class DSparkProposer:
         if num_draft_tokens is not None:  # the whole block is still predicted; the first slots are kept
             cap_proposal_len(self, num_draft_tokens)
         self.confidence_threshold = confidence_threshold
+        cal = getattr(model, "confidence_calibration", None)
+        self.calibration = cal if calibrate and model.confidence_head is not None else None
         self.max_positions = int(max_positions if max_positions is not None
                                  else model.config.max_position_embeddings)
         self.cache = model.new_context_cache()
@@ -107,15 +117,20 @@ class DSparkProposer:
         prev = torch.tensor([int(anchor_token)], device=dev)
         if self.tree_width > 1:
             return self._propose_tree(hidden_KD, base_KV, prev, n_max, sampling, generator)
-        ids, probs_rows, conf = [], [], []
+        ids, probs_rows, conf, raw = [], [], [], []
         markov_state = None  # the Markov head's state along the block (rnn variant; None otherwise)
         for k in range(n_max):
             logits_W, conf_logit, markov_state = m.slot_step(hidden_KD[k], base_KV[k], prev, markov_state)
             if conf_logit is not None:
-                c = torch.sigmoid(conf_logit.float())
+                c = torch.sigmoid(conf_logit.float()).reshape(())
+                if self.calibration is not None:
+                    raw.append(c)
+                    c = torch.tensor(self.calibration.apply(float(c), k + 1), dtype=torch.float32, device=dev)
                 if self.confidence_threshold is not None and float(c) < self.confidence_threshold:
+                    if raw:
+                        raw.pop()
                     break
-                conf.append(c.reshape(()))
+                conf.append(c)
             draft_tok, q_W = draw_token(logits_W, sampling, generator)
             tok = m.target_ids(draft_tok)
             if q_W is not None:
@@ -128,6 +143,7 @@ class DSparkProposer:
             draft_ids_N=torch.cat(ids).long(),
             draft_probs_NV=torch.stack(probs_rows) if probs_rows else None,
             confidence_N=torch.stack(conf).float() if conf else None,
+            raw_confidence_N=torch.stack(raw).float() if raw else None,
         )
 
     def _propose_tree(self, hidden_KD: Tensor, base_KV: Tensor, anchor_1: Tensor, n_max: int,
@@ -137,10 +153,27 @@ class DSparkProposer:
         node's token, its state gathered by parent)."""
         m, tree = self.model, DraftTree()
         level, state_X = TreeLevel.root(int(anchor_1), anchor_1.device), None
+        chain_prev, chain_state, chain_nodes, raw = anchor_1, None, [], []
         for k in range(n_max):
             logits_XW, state_X = m.slot_logits(hidden_KD[k], base_KV[k], level.token_ids_X, state_X)
+            if m.confidence_head is not None:  # the head scores the chain's slot (node 0 of each level)
+                _, conf_logit, chain_state = m.slot_step(hidden_KD[k], base_KV[k], chain_prev, chain_state)
+                raw.append(float(torch.sigmoid(conf_logit.float())))
             level = grow_draft_tree(tree, level, logits_XW, width=self.tree_width, sampling=sampling,
                                     generator=generator, draft=m)
+            chain_nodes.append(level.nodes[0])
+            chain_prev = level.token_ids_X[:1]
             if state_X is not None:
                 state_X = state_X[level.parent_X]
-        return tree.to_proposal(anchor_1.device)
+        proposal = tree.to_proposal(anchor_1.device)
+        if not raw:
+            return proposal
+        conf = self.calibration.apply_all(raw) if self.calibration is not None else raw
+        dev = anchor_1.device
+        conf_N = torch.full((len(tree),), float("nan"), device=dev)
+        conf_N[chain_nodes] = torch.tensor(conf, device=dev)
+        raw_N = None
+        if self.calibration is not None:
+            raw_N = torch.full((len(tree),), float("nan"), device=dev)
+            raw_N[chain_nodes] = torch.tensor(raw, device=dev)
+        return dataclasses.replace(proposal, confidence_N=conf_N, raw_confidence_N=raw_N)
