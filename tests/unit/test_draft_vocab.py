@@ -169,10 +169,13 @@ def slow_reduced_loss(logits_BAKW, conf_BAK, ids, lm, ap, bv, th_BSH, target_lm_
     ws = float(w.sum())
     ce = l1 = conf = 0.0
     B, A, K, _ = logits_BAKW.shape
+    eos = set(cfg.eos_token_ids or ())
     for b in range(B):
         for a in range(A):
+            reach = 1.0  # the confidence label counts while every earlier slot was accepted (greedy, no EOS)
             for k in range(K):
                 if not valid[b, a, k]:
+                    reach = 0.0
                     continue
                 pos = int(ap[b, a]) + k
                 label = int(ids[b, pos + 1])
@@ -184,9 +187,10 @@ def slow_reduced_loss(logits_BAKW, conf_BAK, ids, lm, ap, bv, th_BSH, target_lm_
                     ce += wk * -float(torch.log(pd_V[label]))
                 l1_slot = float((pd_V - pt_V).abs().sum())
                 l1 += wk * l1_slot
-                acc = min(max(1 - l1_slot / 2, 0.0), 1.0)
+                y = float(int(pd_V.argmax()) == int(pt_V.argmax()))  # greedy acceptance of the slot
                 x = float(conf_BAK[b, a, k])
-                conf += wk * (max(x, 0) - x * acc + torch.log1p(torch.exp(torch.tensor(-abs(x)))).item())
+                conf += wk * reach * (max(x, 0) - x * y + torch.log1p(torch.exp(torch.tensor(-abs(x)))).item())
+                reach *= y * (label not in eos)
     return ce / ws, l1 / ws, conf / ws
 
 

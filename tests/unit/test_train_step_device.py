@@ -92,8 +92,16 @@ def test_chunked_loss_equals_a_direct_computation_of_every_term():
         ce = (w * -logp.gather(1, ids[b, pos + 1][:, None]).squeeze(1)).sum() / w.sum()
         l1_N = (logp.exp() - tp).abs().sum(-1)
         l1 = (w * l1_N).sum() / w.sum()
-        conf = (w * F.binary_cross_entropy_with_logits(out.confidence_logits_BAK[b, a, k].double(),
-                                                       (1 - l1_N / 2).clamp(0, 1), reduction="none")).sum() / w.sum()
+        # the confidence label: the slot's greedy acceptance, counted while every earlier slot was accepted
+        match_BAK = torch.zeros(valid_BAK.shape, dtype=torch.float64)
+        match_BAK[b, a, k] = (logp.argmax(-1) == tp.argmax(-1)).double()
+        eos = torch.zeros_like(match_BAK)
+        eos[b, a, k] = torch.tensor([float(int(t) in (cfg.eos_token_ids or ())) for t in ids[b, pos + 1]],
+                                    dtype=torch.float64)
+        survive = torch.cumprod(match_BAK * (1 - eos), -1)
+        reach = torch.cat([torch.ones_like(survive[..., :1]), survive[..., :-1]], -1)[b, a, k]
+        conf = (w * reach * F.binary_cross_entropy_with_logits(out.confidence_logits_BAK[b, a, k].double(),
+                                                               match_BAK[b, a, k], reduction="none")).sum() / w.sum()
     assert got.num_valid_slots == b.numel() > 15
     for name, want in (("ce", ce), ("l1", l1), ("confidence", conf)):
         assert float(getattr(got, name)) == pytest.approx(float(want), rel=1e-5), name
