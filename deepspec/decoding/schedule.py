@@ -16,7 +16,9 @@ Three parts:
 - :class:`AcceptanceEstimator`: the probability that a draft node is accepted given that its parent
   was, by depth, rank among its siblings and the proposer's own score (DSpark's confidence head),
   as running counts of what the target accepted in past steps (a Beta prior that starts at the
-  score, so a calibrated head is trusted at once and a miscalibrated one is corrected by the counts).
+  score, so a calibrated head is trusted at once and a miscalibrated one is corrected by the counts),
+  kept over all requests and, on top, for the request at hand (a draft that pays on one kind of prompt
+  may not on the next).
 - :class:`StepScheduler`: the decision. With ``lam`` the long-run rate (tokens per second) the
   decoding already achieves (at least target-only's), a step is worth its cost when
   ``E[committed] - lam * E[seconds]`` is largest (Dinkelbach's rule for maximising a ratio of
@@ -179,10 +181,12 @@ class AcceptanceEstimator:
     the anchor's children; capped at ``max_depth``), its rank among its siblings (0: the draft's first
     choice, a chain's node; capped at ``max_rank``) and, when the proposer scores its nodes (DSpark's
     confidence head), the score's bin of width ``1 / bins``.
-    Each cell holds decayed counts (``decay`` per update of that cell: recent steps of the request
-    weigh more); its estimate is ``(accepted + strength * prior) / (seen + strength)`` with ``prior``
-    the node's own score when it has one, else the depth's running mean for rank 0, or
-    ``other_prior`` for other ranks.
+    Each cell holds decayed counts (``decay`` per update of that cell: recent steps weigh more); its
+    long-run estimate is ``(accepted + strength * prior) / (seen + strength)`` with ``prior`` the node's
+    own score when it has one, else the depth's running mean for rank 0, or ``other_prior`` for other
+    ranks. The same cells are also counted for the current request alone (:meth:`start_request` empties
+    them), and the estimate is ``(accepted + request_strength * long_run) / (seen + request_strength)``
+    over those: the long-run figure is the prior a request's own counts soon outweigh.
     """
 
     bins: int = 10
@@ -192,7 +196,13 @@ class AcceptanceEstimator:
     decay: float = 0.99
     first_prior: float = 0.5
     other_prior: float = 0.1
+    request_strength: float = 4.0
     cells: dict[tuple[str, int, int, int], list[float]] = field(default_factory=dict)
+    request_cells: dict[tuple[str, int, int, int], list[float]] = field(default_factory=dict)
+
+    def start_request(self) -> None:
+        """Forget the current request's counts (the long-run counts stay)."""
+        self.request_cells.clear()
 
     def _key(self, depth: int, rank: int, score: float | None, source: str) -> tuple[str, int, int, int]:
         return (source, min(depth, self.max_depth), min(rank, self.max_rank), _score_bin(score, self.bins))
@@ -208,10 +218,13 @@ class AcceptanceEstimator:
             prior = min(max(float(score), 0.0), 1.0)
         else:
             prior = self._depth_prior(depth, source) if rank == 0 else self.other_prior
-        cell = self.cells.get(self._key(depth, rank, score, source))
+        key = self._key(depth, rank, score, source)
+        cell = self.cells.get(key)
+        long_run = prior if cell is None else (cell[0] + self.strength * prior) / (cell[1] + self.strength)
+        cell = self.request_cells.get(key)
         if cell is None:
-            return prior
-        return (cell[0] + self.strength * prior) / (cell[1] + self.strength)
+            return long_run
+        return (cell[0] + self.request_strength * long_run) / (cell[1] + self.request_strength)
 
     def observe(self, depth: int, rank: int, score: float | None, accepted: bool, source: str = DRAFT_SOURCE) -> None:
         """Count one verified node from ``source`` whose parent was accepted (and, for a scored node, its
@@ -219,10 +232,11 @@ class AcceptanceEstimator:
         keys = {self._key(depth, rank, score, source)}
         if rank == 0:
             keys.add(self._key(depth, 0, None, source))
-        for key in keys:
-            cell = self.cells.setdefault(key, [0.0, 0.0])
-            cell[0] = cell[0] * self.decay + float(accepted)
-            cell[1] = cell[1] * self.decay + 1.0
+        for cells in (self.cells, self.request_cells):
+            for key in keys:
+                cell = cells.setdefault(key, [0.0, 0.0])
+                cell[0] = cell[0] * self.decay + float(accepted)
+                cell[1] = cell[1] * self.decay + 1.0
 
 
 def _sibling_ranks(parents: Sequence[int]) -> list[int]:
@@ -240,14 +254,18 @@ class StepScheduler:
 
     ``curve``: the target's measured :class:`StepCostCurve`; its scale follows the measured verify
     times (``observe``). ``probe_every``: after this many plain steps in a row one step proposes
-    anyway, so the acceptance counts keep up with the text (a plain step teaches nothing).
-    ``rate_decay``: the weight of the past in the running rate, propose time and overhead.
-    Use one scheduler per engine; :meth:`reset` starts a request (the counts carry over).
+    anyway and verifies at least the proposal's first node, so the acceptance counts keep up with the
+    text (a plain step teaches nothing); a probe that accepts nothing doubles the interval (up to
+    ``max_probe_every``: a draft that is of no use on a request costs ever fewer calls), one that
+    accepts a token sets it back. ``rate_decay``: the weight of the past in the running rate, propose
+    time and overhead. Use one scheduler per engine; :meth:`reset` starts a request (the long-run
+    counts and timings carry over).
     """
 
     curve: StepCostCurve
     estimator: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
     probe_every: int = 8
+    max_probe_every: int = 64
     rate_decay: float = 0.9
     scale: float = 1.0  # measured verify seconds / the curve's
     propose_s: float = 0.0  # running seconds of a propose call
@@ -255,12 +273,18 @@ class StepScheduler:
     rate: float = 0.0  # running committed tokens per second
     num_observed: int = 0  # steps observed (the first one sets the running figures)
     plain_streak: int = 0
+    probe_interval: int = 0  # plain steps before the next probe (0: probe_every)
+    probing: bool = False  # the current step proposes only to learn (plan found no gain)
     depth_limit: int | None = None  # the depth planned before the current proposal (a tree's cut at T > 0)
 
     def reset(self) -> None:
-        """Start a request: the plain-step streak and plan are forgotten, the counts and timings kept."""
+        """Start a request: the plain-step streak, probe interval, plan and the request's own acceptance counts
+        are forgotten; the long-run counts and timings kept."""
         self.plain_streak = 0
+        self.probe_interval = self.probe_every
+        self.probing = False
         self.depth_limit = None
+        self.estimator.start_request()
 
     def seconds(self, n: int) -> float:
         """Expected seconds of a verify forward over ``n`` tokens now."""
@@ -288,15 +312,18 @@ class StepScheduler:
         """Before proposing: whether a proposal of up to ``max_depth`` chain tokens is expected to pay for
         its propose call and verify (from the running per-depth acceptance); a proposer whose call costs
         under 2 % of a token's time always proposes (the proposal itself tells more), and after
-        ``probe_every`` plain steps in a row one step proposes anyway. Sets :attr:`depth_limit` to the planned depth."""
+        :attr:`probe_interval` plain steps in a row one step probes (proposes anyway).
+        Sets :attr:`depth_limit` to the planned depth and :attr:`probing`."""
         accept = [self.estimator.estimate(d) for d in range(1, max_depth + 1)]
         lam = self.lam()
         m, gain = self._best_prefix(list(itertools.accumulate(accept, operator.mul)), lam)
         self.depth_limit = max(m, 1)
         cheap = lam * self.propose_s < 0.02  # a propose call under 2 % of a token: let select() decide
-        if gain - lam * self.propose_s > 0 or cheap or self.plain_streak >= self.probe_every:
+        self.probing = not (gain - lam * self.propose_s > 0 or cheap)
+        if not self.probing or self.plain_streak >= (self.probe_interval or self.probe_every):
             self.plain_streak = 0
             return True
+        self.probing = False
         self.plain_streak += 1
         return False
 
@@ -308,11 +335,13 @@ class StepScheduler:
         the proposer gives one) and the running means beyond it, and the chain stops at the first
         slot that is not. A tree keeps, at T = 0, the ``m`` nodes of highest estimated path
         probability (each node closed under its ancestors) for the best ``m``; at T > 0 its nodes up
-        to the depth :meth:`plan` chose before it was drawn."""
+        to the depth :meth:`plan` chose before it was drawn. A probe (:attr:`probing`) keeps at least
+        the first node."""
         n = proposal.num_proposed
         if n == 0:
             return proposal
         lam = self.lam()
+        min_keep = 1 if self.probing else 0
         if proposal.parents_N is None:
             conf = None if proposal.confidence_N is None else proposal.confidence_N.tolist()
             source = proposal.source(0)  # a chain comes from one source
@@ -322,7 +351,7 @@ class StepScheduler:
                 a_k = self.estimator.estimate(k, 0, None if conf is None else conf[k - 1], source)
                 ahead = itertools.accumulate([a_k, *means[k:]], operator.mul, initial=path)
                 _, gain = self._best_prefix(list(ahead)[1:], lam, base_tokens=k)
-                if gain <= 0:
+                if gain <= 0 and k > min_keep:
                     break
                 path *= a_k
                 keep = k
@@ -337,6 +366,7 @@ class StepScheduler:
             path_N.append(a * (1.0 if p < 0 else path_N[p]))
         order = sorted(range(n), key=lambda i: (-path_N[i], i))  # a parent never scores below its child
         best_m, _ = self._best_prefix([path_N[i] for i in order], lam)
+        best_m = max(best_m, min_keep)
         if best_m == n:
             return proposal
         return proposal.subset(sorted(order[:best_m]))
@@ -345,10 +375,15 @@ class StepScheduler:
                 propose_s: float | None, overhead_s: float, num_committed: int, step_s: float) -> None:
         """Learn from a verified step: the acceptance of every node whose parent was accepted
         (``path``: a tree's accepted nodes, None for a chain), the verify time against the curve's
-        (the scale), the propose time (None: no proposal was made), the overhead and the rate."""
+        (the scale), the propose time (None: no proposal was made), the overhead, the rate and, after a
+        probe, the next probe interval."""
         n = proposal.num_proposed
         first = self.num_observed == 0
         self.num_observed += 1
+        if self.probing and n:
+            interval = self.probe_interval or self.probe_every
+            self.probe_interval = self.probe_every if num_accepted else min(2 * interval, self.max_probe_every)
+        self.probing = False
 
         def running(old: float, new: float) -> float:
             return new if first else self.rate_decay * old + (1 - self.rate_decay) * new

@@ -337,6 +337,33 @@ def test_proposer_greedy_matches_serial_markov_and_respects_limits(markov):
     assert prop.cache.length == 0
 
 
+def test_context_is_appended_at_the_next_proposal_in_one_forward():
+    """extend_context only queues the features (a step without a proposal runs no draft forward); the next
+    propose appends every queued position in one call, and proposes what a proposer fed the same positions
+    at once proposes. A bad feature shape is refused when it is given, not at the proposal."""
+    target, draft = make_draft("llama")
+    ids, _ = batch(B=1, S=20)
+    feats, _ = capture(target, ids)
+    calls = []
+    append = draft.append_context
+    draft.append_context = lambda cache, f: (calls.append(f.shape[0]), append(cache, f))
+    stepwise, whole = DSparkProposer(draft), DSparkProposer(draft)
+    stepwise.extend_context(feats[0, :9], ids[0, :9].tolist())
+    for i in range(9, 12):  # three plain steps: one committed position each
+        stepwise.extend_context(feats[0, i:i + 1], ids[0, i:i + 1].tolist())
+    assert calls == [] and stepwise.cache.length == 0
+    p = stepwise.propose(int(ids[0, 12]), 12, sampling=SamplingParams(), generator=None)
+    assert calls == [12] and stepwise.cache.length == 12 and stepwise.pending == []
+    whole.extend_context(feats[0, :12], ids[0, :12].tolist())
+    q = whole.propose(int(ids[0, 12]), 12, sampling=SamplingParams(), generator=None)
+    assert torch.equal(p.draft_ids_N, q.draft_ids_N)
+    torch.testing.assert_close(p.confidence_N, q.confidence_N)
+    with pytest.raises(ValueError, match="extend_context.*shape"):
+        stepwise.extend_context(feats[0, :2, :-1], ids[0, :2].tolist())
+    stepwise.reset()
+    assert stepwise.pending == [] and stepwise.cache.length == 0
+
+
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0)], ids=["greedy", "t1"])
 def test_confidence_cut_mid_block_keeps_the_slots_before_the_first_low_one(sampling):
     """A threshold between the block's confidences cuts the proposal before the first slot below it, whichever

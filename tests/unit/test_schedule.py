@@ -151,14 +151,64 @@ def _greedy_engine(model, proposer, schedule):
     return SpeculativeEngine(model, LAYER_IDS, proposer, [1], schedule=schedule)
 
 
-def test_engine_with_steep_costs_makes_only_plain_steps_and_stays_lossless(target):
-    reference = hf_greedy(target, PROMPT, 20, 1)
-    sched = StepScheduler(STEEP, probe_every=4)
+def test_engine_with_steep_costs_makes_plain_steps_and_backed_off_probes_and_stays_lossless(target):
+    reference = hf_greedy(target, PROMPT, 30, 1)
+    sched = StepScheduler(STEEP, probe_every=2)
     sched.estimator = AcceptanceEstimator(first_prior=0.05)
-    res = _greedy_engine(target, RandomProposer(32), sched).generate(PROMPT, max_new_tokens=20)
+    res = _greedy_engine(target, RandomProposer(32), sched).generate(PROMPT, max_new_tokens=30)
     assert res.output_ids == reference
-    assert all(s.num_proposed == 0 for s in res.steps)
-    assert any(not s.drafted for s in res.steps)  # the proposer was not even called on most steps
+    # the first step calls the proposer (its call's cost is not known yet) and verifies none of it; then the
+    # proposer is called only to probe, after 2, 4, 8.. plain steps while its probes accept nothing, and a
+    # probe verifies exactly its first node
+    assert res.steps[0].drafted and res.steps[0].num_drafted > 0 and res.steps[0].num_proposed == 0
+    interval, streak = 2, 0
+    for s in res.steps[1:]:
+        if not s.drafted:
+            assert s.num_proposed == 0
+            streak += 1
+            continue
+        assert streak == interval and s.num_proposed == 1
+        interval, streak = (2 if s.num_accepted else 2 * interval), 0
+    assert sum(s.drafted for s in res.steps) <= 4
+
+
+def test_probe_interval_doubles_on_a_fruitless_probe_and_resets():
+    sched = StepScheduler(STEEP, probe_every=2, max_probe_every=8)
+    sched.propose_s = 0.005  # half a step: never worth a call
+    sched.estimator = AcceptanceEstimator(first_prior=0.01)
+    sched.reset()
+
+    def plain_steps_before_a_probe(accepted: int) -> int:
+        n = 0
+        while not sched.plan(K):
+            n += 1
+        assert sched.probing
+        probe = sched.select(_chain(K), greedy=True)
+        assert probe.num_proposed == 1  # a probe verifies its first node even where it does not pay
+        sched.observe(probe, accepted, None, verify_s=0.02, propose_s=0.005, overhead_s=0.0, num_committed=1 + accepted,
+                      step_s=0.025)
+        return n
+
+    assert [plain_steps_before_a_probe(0) for _ in range(4)] == [2, 4, 8, 8]  # capped at max_probe_every
+    assert plain_steps_before_a_probe(1) == 8 and plain_steps_before_a_probe(0) == 2  # an accepted token resets
+    plain_steps_before_a_probe(0)
+    sched.reset()  # a new request starts at probe_every
+    assert plain_steps_before_a_probe(0) == 2
+
+
+def test_a_request_s_own_counts_soon_outweigh_the_long_run():
+    est = AcceptanceEstimator()
+    for _ in range(100):
+        est.observe(1, 0, None, accepted=True)  # a request where the draft was always right
+    assert est.estimate(1) > 0.95
+    est.start_request()
+    for _ in range(8):
+        est.observe(1, 0, None, accepted=False)  # the next request: prompts the draft does not know
+    long_run = (est.cells[est._key(1, 0, None, "draft")][0] + est.strength * est._depth_prior(1, "draft")) / (
+        est.cells[est._key(1, 0, None, "draft")][1] + est.strength)
+    assert long_run > 0.8 and est.estimate(1) < 0.35
+    est.start_request()  # a third request starts from the long-run figure again
+    assert est.estimate(1) == pytest.approx(long_run)
 
 
 def test_a_lookup_match_is_verified_on_steps_the_draft_is_not_worth_calling(target):

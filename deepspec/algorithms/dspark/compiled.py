@@ -127,8 +127,8 @@ class CompiledDSparkProposer(DSparkProposer):
         return keys, values
 
     def reset(self) -> None:
+        super().reset()  # the eager fallback's view and queue (this proposer appends at once, into its buffers)
         self.length = 0
-        self.cache = DraftContextCache()
 
     def _context_view(self) -> DraftContextCache:
         """The committed context as the eager proposer's cache (views of the static buffers)."""

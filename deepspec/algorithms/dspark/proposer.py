@@ -84,16 +84,34 @@ class DSparkProposer:
         self.calibration = cal if calibrate and model.confidence_head is not None else None
         self.max_positions = int(max_positions if max_positions is not None
                                  else model.config.max_position_embeddings)
-        self.cache = model.new_context_cache()
+        self.reset()
 
     def prepare(self, num_positions: int) -> None:
         pass  # the eager context cache grows as it goes (the compiled proposer allocates here)
 
     def reset(self) -> None:
         self.cache = self.model.new_context_cache()
+        self.pending: list[Tensor] = []  # committed positions' features not yet in the cache, in order
 
     def extend_context(self, target_hidden_TF: Tensor, token_ids_T: list[int]) -> None:
-        self.model.append_context(self.cache, target_hidden_TF)  # DSpark's context is the features alone
+        """Queue the features ``[T, F]`` of the next committed positions (DSpark's context is the features
+        alone); they enter the context cache at the next :meth:`propose`, so a step a scheduler makes without
+        a proposal costs no draft forward, and the positions of several such steps enter in one.
+
+        Raises ValueError for a shape other than ``[T, feature_width]``."""
+        width = self.model.config.feature_width
+        if target_hidden_TF.dim() != 2 or target_hidden_TF.shape[-1] != width:
+            raise ValueError(f"DSparkProposer.extend_context: expected target_hidden_TF of shape [T, {width}], "
+                             f"received {tuple(target_hidden_TF.shape)}.")
+        if target_hidden_TF.shape[0]:
+            self.pending.append(target_hidden_TF)
+
+    def _flush_context(self) -> None:
+        """Append the queued features to the context cache (one draft forward over all of them)."""
+        if self.pending:
+            feats_TF = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending)
+            self.pending = []
+            self.model.append_context(self.cache, feats_TF)
 
     @torch.no_grad()
     def propose(
@@ -108,6 +126,7 @@ class DSparkProposer:
         n_max = min(self.max_proposal_len, self.max_positions - 1 - int(anchor_pos))
         if n_max <= 0:
             return Proposal.empty(m.fc.weight.device)
+        self._flush_context()
         if self.cache.length > anchor_pos:  # defensive: never attend to positions >= anchor
             self.cache.crop(anchor_pos)
         # base logits over draft ids, for the n_max slots used only
