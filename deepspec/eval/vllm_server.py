@@ -71,10 +71,15 @@ class VllmServer:
         self._log_file.flush()
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
-    def chat(self, messages: list[dict[str, str]], *, max_tokens: int) -> dict[str, Any]:
-        """One greedy chat completion (the parsed response)."""
-        body = json.dumps({"model": "target", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-                           "seed": 0}).encode()
+    def chat(self, messages: list[dict[str, str]], *, max_tokens: int, return_token_ids: bool = False
+             ) -> dict[str, Any]:
+        """One greedy chat completion (the parsed response). With ``return_token_ids`` vLLM adds the prompt's
+        ids (``prompt_token_ids``) and the generated ones (``choices[0].token_ids``)."""
+        request_body = {"model": "target", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+                        "seed": 0}
+        if return_token_ids:
+            request_body["return_token_ids"] = True
+        body = json.dumps(request_body).encode()
         request = urllib.request.Request(self.url + "/v1/chat/completions", data=body,
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=600) as response:
