@@ -273,9 +273,12 @@ class StepScheduler:
     rate: float = 0.0  # running committed tokens per second
     num_observed: int = 0  # steps observed (the first one sets the running figures)
     plain_streak: int = 0
-    probe_interval: int = 0  # plain steps before the next probe (0: probe_every)
+    probe_interval: int = 0  # plain steps before the next probe (set to probe_every at construction and reset)
     probing: bool = False  # the current step proposes only to learn (plan found no gain)
     depth_limit: int | None = None  # the depth planned before the current proposal (a tree's cut at T > 0)
+
+    def __post_init__(self) -> None:
+        self.probe_interval = self.probe_interval or self.probe_every
 
     def reset(self) -> None:
         """Start a request: the plain-step streak, probe interval, plan and the request's own acceptance counts
@@ -319,11 +322,11 @@ class StepScheduler:
         m, gain = self._best_prefix(list(itertools.accumulate(accept, operator.mul)), lam)
         self.depth_limit = max(m, 1)
         cheap = lam * self.propose_s < 0.02  # a propose call under 2 % of a token: let select() decide
-        self.probing = not (gain - lam * self.propose_s > 0 or cheap)
-        if not self.probing or self.plain_streak >= (self.probe_interval or self.probe_every):
+        pays = gain - lam * self.propose_s > 0 or cheap
+        self.probing = not pays and self.plain_streak >= self.probe_interval
+        if pays or self.probing:
             self.plain_streak = 0
             return True
-        self.probing = False
         self.plain_streak += 1
         return False
 
@@ -381,8 +384,8 @@ class StepScheduler:
         first = self.num_observed == 0
         self.num_observed += 1
         if self.probing and n:
-            interval = self.probe_interval or self.probe_every
-            self.probe_interval = self.probe_every if num_accepted else min(2 * interval, self.max_probe_every)
+            fruitless = min(2 * self.probe_interval, self.max_probe_every)
+            self.probe_interval = self.probe_every if num_accepted else fruitless
         self.probing = False
 
         def running(old: float, new: float) -> float:

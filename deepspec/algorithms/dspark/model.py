@@ -521,12 +521,16 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
     def new_context_cache(self) -> DraftContextCache:
         return DraftContextCache()
 
+    def check_context_features(self, target_hidden_TF: Tensor, where: str) -> None:
+        """Raise ValueError (naming ``where``) unless ``target_hidden_TF`` is ``[T, feature_width]``."""
+        if target_hidden_TF.dim() != 2 or target_hidden_TF.shape[-1] != self.config.feature_width:
+            raise ValueError(f"{where}: expected target_hidden_TF of shape [T, {self.config.feature_width}], "
+                             f"received {tuple(target_hidden_TF.shape)}.")
+
     @torch.no_grad()
     def append_context(self, cache: DraftContextCache, target_hidden_TF: Tensor) -> None:
         """Append features of the next committed positions (``cache.length ..``) to every layer's K/V."""
-        if target_hidden_TF.dim() != 2 or target_hidden_TF.shape[-1] != self.config.feature_width:
-            raise ValueError(f"append_context: expected target_hidden_TF of shape [T, {self.config.feature_width}], "
-                             f"received {tuple(target_hidden_TF.shape)}.")
+        self.check_context_features(target_hidden_TF, "append_context")
         T = target_hidden_TF.shape[0]
         if T == 0:
             return

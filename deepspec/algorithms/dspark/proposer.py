@@ -99,10 +99,7 @@ class DSparkProposer:
         a proposal costs no draft forward, and the positions of several such steps enter in one.
 
         Raises ValueError for a shape other than ``[T, feature_width]``."""
-        width = self.model.config.feature_width
-        if target_hidden_TF.dim() != 2 or target_hidden_TF.shape[-1] != width:
-            raise ValueError(f"DSparkProposer.extend_context: expected target_hidden_TF of shape [T, {width}], "
-                             f"received {tuple(target_hidden_TF.shape)}.")
+        self.model.check_context_features(target_hidden_TF, "DSparkProposer.extend_context")
         if target_hidden_TF.shape[0]:
             self.pending.append(target_hidden_TF)
 
