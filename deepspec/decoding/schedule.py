@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import operator
 import os
 import statistics
@@ -196,7 +197,7 @@ class AcceptanceEstimator:
     decay: float = 0.99
     first_prior: float = 0.5
     other_prior: float = 0.1
-    request_strength: float = 4.0
+    request_strength: float = 1.0
     cells: dict[tuple[str, int, int, int], list[float]] = field(default_factory=dict)
     request_cells: dict[tuple[str, int, int, int], list[float]] = field(default_factory=dict)
 
@@ -226,9 +227,11 @@ class AcceptanceEstimator:
             return long_run
         return (cell[0] + self.request_strength * long_run) / (cell[1] + self.request_strength)
 
-    def observe(self, depth: int, rank: int, score: float | None, accepted: bool, source: str = DRAFT_SOURCE) -> None:
+    def observe(self, depth: int, rank: int, score: float | None, accepted: bool | float,
+                source: str = DRAFT_SOURCE) -> None:
         """Count one verified node from ``source`` whose parent was accepted (and, for a scored node, its
-        depth's unscored cell too, the running mean that plans steps before a proposal exists)."""
+        depth's unscored cell too, the running mean that plans steps before a proposal exists). ``accepted``
+        may be a probability: an expected outcome counted as that fraction of an accepted node."""
         keys = {self._key(depth, rank, score, source)}
         if rank == 0:
             keys.add(self._key(depth, 0, None, source))
@@ -253,9 +256,10 @@ class StepScheduler:
     """Chooses, per step, whether to propose and which part of the proposal the target verifies.
 
     ``curve``: the target's measured :class:`StepCostCurve`; its scale follows the measured verify
-    times (``observe``). ``probe_every``: after this many plain steps in a row one step proposes
-    anyway and verifies at least the proposal's first node, so the acceptance counts keep up with the
-    text (a plain step teaches nothing); a probe that accepts nothing doubles the interval (up to
+    times (``observe``). ``probe_every``: after this many plain steps in a row (a step whose proposal
+    :meth:`select` cut whole counts as one) one step proposes anyway and verifies at least the
+    proposal's first node, so the acceptance counts keep up with the text (a plain step teaches
+    nothing); a probe that accepts nothing doubles the interval (up to
     ``max_probe_every``: a draft that is of no use on a request costs ever fewer calls), one that
     accepts a token sets it back. ``rate_decay``: the weight of the past in the running rate, propose
     time and overhead. Use one scheduler per engine; :meth:`reset` starts a request (the long-run
@@ -275,6 +279,7 @@ class StepScheduler:
     plain_streak: int = 0
     probe_interval: int = 0  # plain steps before the next probe (set to probe_every at construction and reset)
     probing: bool = False  # the current step proposes only to learn (plan found no gain)
+    proposing: bool = False  # plan() called the draft for the current step (select() then ends its plain streak or not)
     depth_limit: int | None = None  # the depth planned before the current proposal (a tree's cut at T > 0)
 
     def __post_init__(self) -> None:
@@ -285,7 +290,7 @@ class StepScheduler:
         are forgotten; the long-run counts and timings kept."""
         self.plain_streak = 0
         self.probe_interval = self.probe_every
-        self.probing = False
+        self.probing = self.proposing = False
         self.depth_limit = None
         self.estimator.start_request()
 
@@ -323,12 +328,11 @@ class StepScheduler:
         self.depth_limit = max(m, 1)
         cheap = lam * self.propose_s < 0.02  # a propose call under 2 % of a token: let select() decide
         pays = gain - lam * self.propose_s > 0 or cheap
-        self.probing = not pays and self.plain_streak >= self.probe_interval
-        if pays or self.probing:
-            self.plain_streak = 0
-            return True
-        self.plain_streak += 1
-        return False
+        self.probing = self.plain_streak >= self.probe_interval
+        self.proposing = pays or self.probing
+        if not self.proposing:
+            self.plain_streak += 1
+        return self.proposing
 
     def select(self, proposal: Proposal, *, greedy: bool) -> Proposal:
         """The part of ``proposal`` to verify (possibly none: :meth:`Proposal.empty`'s plain step).
@@ -340,6 +344,27 @@ class StepScheduler:
         probability (each node closed under its ancestors) for the best ``m``; at T > 0 its nodes up
         to the depth :meth:`plan` chose before it was drawn. A probe (:attr:`probing`) keeps at least
         the first node."""
+        kept = self._select(proposal, greedy=greedy)
+        if self.proposing:  # the draft was called: a step that verifies none of its nodes is a plain step for it
+            self.proposing = False
+            if _has_draft_node(kept):
+                self.plain_streak = 0
+            else:
+                self.plain_streak += 1
+                self._count_cut(proposal)
+        return kept
+
+    def _count_cut(self, proposal: Proposal) -> None:
+        """A proposal cut whole by its own scores still tells :meth:`plan` what proposing was worth: its first
+        node's estimated acceptance enters the depth's running mean as a fractional count (the expected
+        outcome, so :meth:`plan` stops proposing where the draft's scores keep cutting its proposals)."""
+        if not proposal.num_proposed or proposal.source(0) != DRAFT_SOURCE:
+            return
+        score = _node_scores(proposal)[0]
+        if score is not None:
+            self.estimator.observe(1, 0, None, self.estimator.estimate(1, 0, score), DRAFT_SOURCE)
+
+    def _select(self, proposal: Proposal, *, greedy: bool) -> Proposal:
         n = proposal.num_proposed
         if n == 0:
             return proposal
@@ -361,11 +386,11 @@ class StepScheduler:
             return proposal if keep == n else proposal.truncated(keep)
         if not greedy:
             return proposal.truncated(self.depth_limit or proposal.depth)
-        ranks = _sibling_ranks(proposal.parents_N)
+        ranks, scores = _sibling_ranks(proposal.parents_N), _node_scores(proposal)
         depths = proposal.depths_N
         path_N: list[float] = []
         for i, p in enumerate(proposal.parents_N):
-            a = self.estimator.estimate(depths[i], *_rank_and_source(proposal, i, ranks))
+            a = self.estimator.estimate(depths[i], *_node_key(proposal, i, ranks, scores))
             path_N.append(a * (1.0 if p < 0 else path_N[p]))
         order = sorted(range(n), key=lambda i: (-path_N[i], i))  # a parent never scores below its child
         best_m, _ = self._best_prefix([path_N[i] for i in order], lam)
@@ -406,18 +431,32 @@ class StepScheduler:
                 est.observe(k, 0, None if conf is None else conf[k - 1], k <= num_accepted, proposal.source(0))
             return
         on_path = set(path or ())
-        ranks, depths = _sibling_ranks(proposal.parents_N), proposal.depths_N
+        ranks, scores, depths = _sibling_ranks(proposal.parents_N), _node_scores(proposal), proposal.depths_N
         for i, p in enumerate(proposal.parents_N):
             if p < 0 or p in on_path:
-                rank, _, source = _rank_and_source(proposal, i, ranks)
-                est.observe(depths[i], rank, None, i in on_path, source)
+                rank, score, source = _node_key(proposal, i, ranks, scores)
+                est.observe(depths[i], rank, score, i in on_path, source)
 
 
-def _rank_and_source(proposal: Proposal, i: int, ranks: Sequence[int]) -> tuple[int, None, str]:
+def _has_draft_node(proposal: Proposal) -> bool:
+    return any(proposal.source(i) == DRAFT_SOURCE for i in range(proposal.num_proposed))
+
+
+def _node_scores(proposal: Proposal) -> list[float | None]:
+    """Each node's own score: a tree's ``confidence_N`` where it is not NaN (DSpark scores its chain, the
+    first choice at every depth), else None."""
+    if proposal.confidence_N is None:
+        return [None] * proposal.num_proposed
+    return [None if math.isnan(c) else c for c in proposal.confidence_N.tolist()]
+
+
+def _node_key(proposal: Proposal, i: int, ranks: Sequence[int], scores: Sequence[float | None]
+              ) -> tuple[int, float | None, str]:
     """Node ``i``'s estimator key besides its depth: its sibling rank (a draft's node) or 0 (a lookup's or
-    corpus's node, one chain whatever sits beside it), no score (trees carry none), its source."""
+    corpus's node, one chain whatever sits beside it), its score (None when the proposer gave none), its
+    source."""
     source = proposal.source(i)
-    return (ranks[i] if source == DRAFT_SOURCE else 0), None, source
+    return (ranks[i] if source == DRAFT_SOURCE else 0), scores[i], source
 
 
 def size_histogram(sizes: Sequence[int]) -> dict[str, int]:
