@@ -185,9 +185,13 @@ class AcceptanceEstimator:
     Each cell holds decayed counts (``decay`` per update of that cell: recent steps weigh more); its
     long-run estimate is ``(accepted + strength * prior) / (seen + strength)`` with ``prior`` the node's
     own score when it has one, else the depth's running mean for rank 0, or ``other_prior`` for other
-    ranks. The same cells are also counted for the current request alone (:meth:`start_request` empties
-    them), and the estimate is ``(accepted + request_strength * long_run) / (seen + request_strength)``
-    over those: the long-run figure is the prior a request's own counts soon outweigh.
+    ranks. On top, one factor per source for the request at hand (:meth:`start_request` resets it): the
+    request's accepted nodes against the long-run estimates' sum over the same nodes, ``r = (accepted +
+    request_strength) / (expected + request_strength)``, scales every estimate: ``p * r`` for a request
+    harder than the long run's mix (``r < 1``), ``1 - (1 - p) / r`` for an easier one (a draft that pays
+    on one kind of prompt may not on the next). One
+    factor learns from every node the request verifies, so it moves within a few steps without making
+    each cell's own estimate rest on a request's few counts (a random effect per request, shrunk towards 1).
     """
 
     bins: int = 10
@@ -199,11 +203,18 @@ class AcceptanceEstimator:
     other_prior: float = 0.1
     request_strength: float = 1.0
     cells: dict[tuple[str, int, int, int], list[float]] = field(default_factory=dict)
-    request_cells: dict[tuple[str, int, int, int], list[float]] = field(default_factory=dict)
+    request_counts: dict[str, list[float]] = field(default_factory=dict)  # source: [accepted, expected]
 
     def start_request(self) -> None:
         """Forget the current request's counts (the long-run counts stay)."""
-        self.request_cells.clear()
+        self.request_counts.clear()
+
+    def request_factor(self, source: str = DRAFT_SOURCE) -> float:
+        """The current request's odds factor for ``source`` (1.0 before it has verified a node)."""
+        counts = self.request_counts.get(source)
+        if counts is None:
+            return 1.0
+        return (counts[0] + self.request_strength) / (counts[1] + self.request_strength)
 
     def _key(self, depth: int, rank: int, score: float | None, source: str) -> tuple[str, int, int, int]:
         return (source, min(depth, self.max_depth), min(rank, self.max_rank), _score_bin(score, self.bins))
@@ -215,31 +226,34 @@ class AcceptanceEstimator:
 
     def estimate(self, depth: int, rank: int = 0, score: float | None = None, source: str = DRAFT_SOURCE) -> float:
         """The acceptance probability of one node from ``source``, in (0, 1)."""
+        p = min(max(self._long_run(depth, rank, score, source), 1e-6), 1 - 1e-6)
+        r = self.request_factor(source)
+        return p * r if r <= 1 else 1 - (1 - p) / r  # a harder request scales acceptance, an easier one rejection
+
+    def _long_run(self, depth: int, rank: int, score: float | None, source: str) -> float:
         if score is not None:
             prior = min(max(float(score), 0.0), 1.0)
         else:
             prior = self._depth_prior(depth, source) if rank == 0 else self.other_prior
         key = self._key(depth, rank, score, source)
         cell = self.cells.get(key)
-        long_run = prior if cell is None else (cell[0] + self.strength * prior) / (cell[1] + self.strength)
-        cell = self.request_cells.get(key)
-        if cell is None:
-            return long_run
-        return (cell[0] + self.request_strength * long_run) / (cell[1] + self.request_strength)
+        return prior if cell is None else (cell[0] + self.strength * prior) / (cell[1] + self.strength)
 
     def observe(self, depth: int, rank: int, score: float | None, accepted: bool | float,
                 source: str = DRAFT_SOURCE) -> None:
         """Count one verified node from ``source`` whose parent was accepted (and, for a scored node, its
         depth's unscored cell too, the running mean that plans steps before a proposal exists). ``accepted``
         may be a probability: an expected outcome counted as that fraction of an accepted node."""
+        counts = self.request_counts.setdefault(source, [0.0, 0.0])
+        counts[0] += float(accepted)
+        counts[1] += self._long_run(depth, rank, score, source)
         keys = {self._key(depth, rank, score, source)}
         if rank == 0:
             keys.add(self._key(depth, 0, None, source))
-        for cells in (self.cells, self.request_cells):
-            for key in keys:
-                cell = cells.setdefault(key, [0.0, 0.0])
-                cell[0] = cell[0] * self.decay + float(accepted)
-                cell[1] = cell[1] * self.decay + 1.0
+        for key in keys:
+            cell = self.cells.setdefault(key, [0.0, 0.0])
+            cell[0] = cell[0] * self.decay + float(accepted)
+            cell[1] = cell[1] * self.decay + 1.0
 
 
 def _sibling_ranks(parents: Sequence[int]) -> list[int]:

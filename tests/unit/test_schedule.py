@@ -82,6 +82,7 @@ def test_estimator_starts_at_the_score_and_learns_from_counts():
         est.observe(1, 0, 0.9, accepted=False)  # an overconfident head
     assert est.estimate(1, 0, 0.9) < 0.1
     assert est.estimate(1, 0, None) < 0.1  # the depth's running mean learned it too
+    est.start_request()  # (without this request's factor:)
     assert est.estimate(1, 0, 0.3) == pytest.approx(0.3)  # other bins keep their prior
     assert est.estimate(1, 1) == pytest.approx(est.other_prior)
 
@@ -205,8 +206,20 @@ def test_a_request_s_own_counts_soon_outweigh_the_long_run():
     for _ in range(3):
         est.observe(1, 0, None, accepted=False)  # the next request: prompts the draft does not know
     assert est.estimate(1) < 0.35
+    assert est.estimate(2, 1) < est.other_prior / 3  # one factor per request: every estimate follows
     est.start_request()  # a third request starts from the long-run figure again, which 3 rejections barely moved
-    assert est.estimate(1) > 0.8
+    assert est.estimate(1) > 0.8 and est.estimate(2, 1) == pytest.approx(est.other_prior)
+
+
+def test_a_request_easier_than_the_long_run_raises_its_estimates_below_one():
+    est = AcceptanceEstimator()
+    for _ in range(100):
+        est.observe(1, 0, None, accepted=False)  # a long run where the draft was seldom right
+    est.start_request()
+    low = est.estimate(1)
+    for _ in range(4):
+        est.observe(1, 0, None, accepted=True)
+    assert low < 0.05 and 0.5 < est.estimate(1) < 1.0
 
 
 def test_a_cheap_proposer_cut_whole_is_still_probed():
