@@ -570,7 +570,9 @@ class SpeculativeEngine:
             num_drafted = proposal.num_proposed
             if sched is not None:
                 proposal = sched.select(proposal, greedy=sampling.greedy)
-            parents = proposal.parents_N
+            # a tree cut to no node is a plain step: the one-token forward without a tree mask (with one, the
+            # attention takes another kernel path and its bits leave a target-only step's)
+            parents = proposal.parents_N if proposal.num_proposed else None
             if parents is not None and self.compiled is not None:
                 raise RuntimeError(f"{type(proposer).__name__} proposed a draft tree, which needs a dynamic KV cache "
                                    "(its accepted entries are moved); propose chains with a compiled target.")

@@ -300,6 +300,28 @@ def test_auto_schedule_is_lossless_greedy(target, tree_width, tmp_path, monkeypa
     assert again.output_ids == reference
 
 
+def test_a_tree_cut_whole_is_a_plain_one_token_forward(target):
+    """A draft tree the scheduler cuts to no node is verified as a target-only step is: one token, no tree mask
+    (a mask sends attention down another kernel path, whose bits differ in bfloat16)."""
+    from deepspec.algorithms.dspark.proposer import DSparkProposer
+    from deepspec.target.capture import target_forward
+
+    calls = []
+
+    def forward(model, input_ids_BT, layer_ids, **kwargs):
+        calls.append((input_ids_BT.shape[1], kwargs.get("attention_mask_BT")))
+        return target_forward(model, input_ids_BT, layer_ids, **kwargs)
+
+    sched = StepScheduler(STEEP, probe_every=1000)
+    sched.estimator = AcceptanceEstimator(first_prior=0.9)  # plan() proposes; the steep costs cut every tree whole
+    engine = SpeculativeEngine(target, LAYER_IDS, DSparkProposer(_dspark_draft(target), tree_width=2), [1],
+                               schedule=sched, forward_fn=forward)
+    res = engine.generate(PROMPT, max_new_tokens=8)
+    assert res.output_ids == hf_greedy(target, PROMPT, 8, 1)
+    assert all(s.num_proposed == 0 for s in res.steps) and any(s.num_drafted > 0 for s in res.steps)
+    assert [mask for n, mask in calls[1:]] == [None] * len(res.steps) and all(n == 1 for n, _ in calls[1:])
+
+
 def test_bad_schedule_is_refused(target):
     with pytest.raises(ValueError, match="schedule: expected 'auto'"):
         _greedy_engine(target, RandomProposer(32), "sometimes")
