@@ -287,7 +287,8 @@ class StepScheduler:
     rate_decay: float = 0.9
     scale: float = 1.0  # measured verify seconds / the curve's
     propose_s: float = 0.0  # running seconds of a propose call
-    overhead_s: float = 0.0  # running seconds of a step besides propose and verify
+    overhead_s: float = 0.0  # running seconds of a plain step besides its forward
+    verify_overhead_s: float = 0.0  # the same for a step that verified draft nodes (more features, a KV move)
     rate: float = 0.0  # running committed tokens per second
     num_observed: int = 0  # steps observed (the first one sets the running figures)
     plain_streak: int = 0
@@ -317,12 +318,18 @@ class StepScheduler:
         plain = 1.0 / (self.seconds(1) + self.overhead_s)
         return max(plain, self.rate)
 
+    def verify_extra_s(self) -> float:
+        """The running seconds a step that verifies draft nodes spends besides its forward beyond a plain
+        step's (the accepted nodes' features handed to the proposer, a tree's KV entries moved)."""
+        return max(self.verify_overhead_s - self.overhead_s, 0.0)
+
     def _best_prefix(self, path_probs: Sequence[float], lam: float, base_tokens: int = 1) -> tuple[int, float]:
-        """The count ``m`` (0..len) maximising ``sum_{j<=m} path_probs_j - lam * (seconds(base + m) - seconds(base))``:
-        the first ``m`` nodes' expected accepted tokens against their verify time on top of ``base_tokens``
-        tokens fed. Returns ``(m, that gain)`` (``(0, 0.0)`` when no prefix gains)."""
+        """The count ``m`` (0..len) maximising ``sum_{j<=m} path_probs_j - lam * (seconds(base + m) - seconds(base))``
+        (and, from one token fed, :meth:`verify_extra_s` for any ``m >= 1``): the first ``m`` nodes' expected
+        accepted tokens against their verify time on top of ``base_tokens`` tokens fed. Returns ``(m, that
+        gain)`` (``(0, 0.0)`` when no prefix gains)."""
         best_m, best, total = 0, 0.0, 0.0
-        base = self.seconds(base_tokens)
+        base = self.seconds(base_tokens) - (self.verify_extra_s() if base_tokens == 1 else 0.0)
         for j, p in enumerate(path_probs, 1):
             total += p
             gain = total - lam * (self.seconds(base_tokens + j) - base)
@@ -434,7 +441,12 @@ class StepScheduler:
             self.scale = running(self.scale, verify_s / self.curve.seconds_for(n + 1))
         if propose_s is not None and proposal.sources_N is None:  # a draft model's call (plan weighs it)
             self.propose_s = propose_s if self.propose_s == 0.0 else running(self.propose_s, propose_s)
-        self.overhead_s = self.rate_decay * self.overhead_s + (1 - self.rate_decay) * max(overhead_s, 0.0)
+        if first:
+            self.overhead_s = self.verify_overhead_s = max(overhead_s, 0.0)
+        elif n:
+            self.verify_overhead_s = running(self.verify_overhead_s, max(overhead_s, 0.0))
+        else:
+            self.overhead_s = running(self.overhead_s, max(overhead_s, 0.0))
         self.rate = running(self.rate, num_committed / max(step_s, 1e-9))
         if n == 0:
             return

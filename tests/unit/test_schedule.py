@@ -222,6 +222,23 @@ def test_a_request_easier_than_the_long_run_raises_its_estimates_below_one():
     assert low < 0.05 and 0.5 < est.estimate(1) < 1.0
 
 
+def test_the_bookkeeping_of_a_verifying_step_is_weighed():
+    """A step that verifies draft nodes spends more besides its forward than a plain step (features handed to
+    the proposer, KV entries moved); a node whose expected gain is below that is cut."""
+    sched = StepScheduler(FLAT)  # the forward itself costs the same over any number of tokens
+    sched.estimator = AcceptanceEstimator(first_prior=0.3)
+    assert sched.select(_chain(1), greedy=True).num_proposed == 1
+    plain, verified = Proposal.empty(), _chain(1)
+    sched.observe(plain, 0, None, verify_s=0.01, propose_s=None, overhead_s=0.001, num_committed=1, step_s=0.011)
+    for _ in range(30):  # each verifying step spends half a one-token step more
+        sched.observe(verified, 0, None, verify_s=0.01, propose_s=0.0, overhead_s=0.006, num_committed=1, step_s=0.016)
+    assert sched.verify_extra_s() == pytest.approx(0.005, rel=0.05)
+    sched.estimator = AcceptanceEstimator(first_prior=0.3)
+    assert sched.select(_chain(1), greedy=True).num_proposed == 0  # 0.3 tokens against half a step
+    sched.propose_s = 0.001
+    assert not sched.plan(1)  # nor does a proposal pay for its call
+
+
 def test_a_cheap_proposer_cut_whole_is_still_probed():
     """A proposer that costs nothing to call is always called, and the scheduler decides from its proposal;
     where every proposal is cut whole, the calls count as plain steps and a probe verifies one node."""
