@@ -189,9 +189,9 @@ class AcceptanceEstimator:
     request's accepted nodes against the long-run estimates' sum over the same nodes, ``r = (accepted +
     request_strength) / (expected + request_strength)``, scales every estimate: ``p * r`` for a request
     harder than the long run's mix (``r < 1``), ``1 - (1 - p) / r`` for an easier one (a draft that pays
-    on one kind of prompt may not on the next). One
-    factor learns from every node the request verifies, so it moves within a few steps without making
-    each cell's own estimate rest on a request's few counts (a random effect per request, shrunk towards 1).
+    on one kind of prompt may not on the next). One factor learns from every node the request verifies,
+    so it moves within a few steps without making each cell's own estimate rest on a request's few
+    counts (a random effect per request, shrunk towards 1).
     """
 
     bins: int = 10
@@ -210,7 +210,8 @@ class AcceptanceEstimator:
         self.request_counts.clear()
 
     def request_factor(self, source: str = DRAFT_SOURCE) -> float:
-        """The current request's odds factor for ``source`` (1.0 before it has verified a node)."""
+        """The current request's factor for ``source``: ``(accepted + request_strength) / (expected +
+        request_strength)`` over the nodes it verified (1.0 before it has verified one)."""
         counts = self.request_counts.get(source)
         if counts is None:
             return 1.0
