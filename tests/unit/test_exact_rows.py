@@ -92,7 +92,7 @@ def test_tree_rows_equal_one_token_forwards_along_their_paths(target):
         assert torch.equal(tree_BV[row], logits[0]), f"tree row {row}"
 
 
-class ScriptedProposer:
+class ScriptedProposer(NullProposer):  # its no-op prepare, reset and extend_context
     """Proposes the next K tokens of a fixed sequence (the target-only output): every draft is the target's own
     greedy choice, near-ties included, so a lossless verify accepts them all. Reads no features."""
 
@@ -101,15 +101,6 @@ class ScriptedProposer:
 
     def __init__(self, sequence: list[int]):
         self.sequence = sequence
-
-    def prepare(self, num_positions):
-        pass
-
-    def reset(self):
-        pass
-
-    def extend_context(self, target_hidden_TF, token_ids_T):
-        pass
 
     def propose(self, anchor_token, anchor_pos, *, sampling, generator):
         ids = self.sequence[anchor_pos + 1:anchor_pos + 1 + self.max_proposal_len]

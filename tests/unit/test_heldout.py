@@ -22,20 +22,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 EOS = 1
 
 
-class PlannedProposer:
+class PlannedProposer(NullProposer):  # its no-op prepare, reset and extend_context
     """Knows the target's greedy output; proposes ``anchor_pos % (K + 1)`` right tokens, then a wrong one."""
 
     def __init__(self, full: list[int], k: int = 4):
         self.full, self.max_proposal_len = full, k
-
-    def prepare(self, num_positions):
-        pass
-
-    def reset(self):
-        pass
-
-    def extend_context(self, target_hidden_TF, token_ids_T):
-        pass
 
     def propose(self, anchor_token, anchor_pos, *, sampling, generator):
         right = anchor_pos % (self.max_proposal_len + 1)
