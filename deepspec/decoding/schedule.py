@@ -393,12 +393,12 @@ class StepScheduler:
         lam = self.lam()
         min_keep = 1 if self.probing else 0
         if proposal.parents_N is None:
-            conf = None if proposal.confidence_N is None else proposal.confidence_N.tolist()
+            scores = _node_scores(proposal)
             source = proposal.source(0)  # a chain comes from one source
             means = [self.estimator.estimate(d, source=source) for d in range(1, n + 1)]
             path, keep = 1.0, 0
             for k in range(1, n + 1):
-                a_k = self.estimator.estimate(k, 0, None if conf is None else conf[k - 1], source)
+                a_k = self.estimator.estimate(k, 0, scores[k - 1], source)
                 ahead = itertools.accumulate([a_k, *means[k:]], operator.mul, initial=path)
                 _, gain = self._best_prefix(list(ahead)[1:], lam, base_tokens=k)
                 if gain <= 0 and k > min_keep:
@@ -453,9 +453,9 @@ class StepScheduler:
             return
         est = self.estimator
         if proposal.parents_N is None:
-            conf = None if proposal.confidence_N is None else proposal.confidence_N.tolist()
+            scores = _node_scores(proposal)
             for k in range(1, min(num_accepted + 1, n) + 1):
-                est.observe(k, 0, None if conf is None else conf[k - 1], k <= num_accepted, proposal.source(0))
+                est.observe(k, 0, scores[k - 1], k <= num_accepted, proposal.source(0))
             return
         on_path = set(path or ())
         ranks, scores, depths = _sibling_ranks(proposal.parents_N), _node_scores(proposal), proposal.depths_N
@@ -470,8 +470,8 @@ def _has_draft_node(proposal: Proposal) -> bool:
 
 
 def _node_scores(proposal: Proposal) -> list[float | None]:
-    """Each node's own score: a tree's ``confidence_N`` where it is not NaN (DSpark scores its chain, the
-    first choice at every depth), else None."""
+    """Each node's own score: ``confidence_N`` where it is not NaN (a chain's every slot; a DSpark tree's
+    chain, the first choice at every depth), else None."""
     if proposal.confidence_N is None:
         return [None] * proposal.num_proposed
     return [None if math.isnan(c) else c for c in proposal.confidence_N.tolist()]
