@@ -1,8 +1,9 @@
 """Evaluation driver: target-only baseline + every proposer on the same prompts, then the report.
 
 For each benchmark and each prompt (in order) the methods run back to back, interleaved per prompt
-(target-only first, then each proposer, then optionally Hugging Face ``generate()``), so slow
-drifts of the machine (thermal, other load) hit all methods alike. Each method gets a fresh
+(target-only first, then each proposer, on the next prompt the other way round: each method's time
+spans the rounds alike, so a slow drift of the machine within a round (thermal, other load) favours no
+method; then optionally Hugging Face ``generate()``). Each method gets a fresh
 ``torch.Generator`` on the target's device, seeded with ``seed + prompt_index`` (shared by that
 method's turns of the prompt), so sampling runs are reproducible and the methods see the same seed
 on the same prompt. Speedup is measured in this one process.
@@ -367,7 +368,8 @@ def _run_benchmark(
     turns_kw = dict(num_turns=run.num_turns, eos=run.eos, chat_template_kwargs=run.chat_template_kwargs)
     for i, (prompt, ids) in enumerate(zip(prompts, rendered)):
         turn_of.extend((prompt.id, t + 1) for t in range(min(run.num_turns, len(prompt.turns))))
-        for name, engine in run.engines.items():
+        engines = list(run.engines.items())
+        for name, engine in engines if i % 2 == 0 else engines[::-1]:  # ABBA order (the module docstring)
             bar.set_postfix_str(f"{bench} {name}")
             gen = run.new_generator(run.seed + i)
 

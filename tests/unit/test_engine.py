@@ -501,6 +501,35 @@ class _FakeChatTokenizer:
         return "".join(chr(ord("a") + i % 26) for i in ids if not (skip_special_tokens and i in (0, 1)))
 
 
+def test_run_eval_alternates_the_method_order_per_prompt(target, tmp_path, monkeypatch):
+    """Methods run target-only first on even prompts and last on odd ones (ABBA), so a drift of the machine
+    within a round weighs on every method alike; each method's results still come back in prompt order."""
+    from deepspec.eval import run as run_mod
+    from deepspec.eval.benchmarks import BenchmarkPrompt
+
+    width = target.config.hidden_size * len(LAYER_IDS)
+    calls = []
+    real = run_mod._generate_or_explain
+
+    def recording(run, engine, prompt_ids, generator, *, where):
+        calls.append(where)
+        return real(run, engine, prompt_ids, generator, where=where)
+
+    monkeypatch.setattr(run_mod, "_generate_or_explain", recording)
+    benches = {"tiny": [BenchmarkPrompt(id=f"p{i}", turns=(f"hello {i}",)) for i in range(3)]}
+    proposers = {"a": RandomProposer(width, seed=2), "b": RandomProposer(width, seed=3)}
+    res = run_mod.run_eval(target, _FakeChatTokenizer(), LAYER_IDS, proposers, benches, max_new_tokens=4,
+                           sampling=SamplingParams(), seed=0, out_dir=None, progress=False, warmup=False,
+                           compare_hf_generate=False, log=lambda _: None)
+    assert calls == [f"tiny prompt p{i}, {name}" for i, names in enumerate(
+        [("target-only", "a", "b"), ("b", "a", "target-only"), ("target-only", "a", "b")]) for name in names]
+    tok = _FakeChatTokenizer()
+    rendered = [tok.decode(tok.apply_chat_template([{"role": "user", "content": f"hello {i}"}], add_generation_prompt=True))
+                for i in range(3)]
+    for name in ("target-only", "a", "b"):
+        assert [r["prompt"] for r in res["samples"]["tiny"][name]] == rendered
+
+
 def test_run_eval_end_to_end_writes_report(target, tmp_path):
     from deepspec.eval.benchmarks import BenchmarkPrompt
     from deepspec.eval.run import run_eval
