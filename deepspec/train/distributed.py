@@ -90,22 +90,44 @@ def shard_model(model: torch.nn.Module, cfg: TrainConfig, ctx: Dist) -> torch.nn
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=frozen or None)
     for method in ("forward_train",):
         if callable(getattr(model, method, None)):
-            # wrapped inside FSDP's hooks: FSDP2 warns about every output that is a view (an in-place op
-            # on one would skip its pre-backward all-gather); forward_train returns small views (the
-            # drafts' hidden_BAKD, confidence_logits_BAK), cloned here so the warning does not fire
-            setattr(model, method, _without_view_outputs(getattr(model, method)))
+            setattr(model, method, _outputs_for_fsdp(getattr(model, method)))
             register_fsdp_forward_method(model, method)
+            setattr(model, method, _first(getattr(model, method)))
     return model
 
 
-def _without_view_outputs(method):
-    """``method`` returning its outputs with every tensor that is a view (``_base`` set) cloned (a copy of
-    that tensor only; gradients flow through the clone). Views in the drafts' outputs are small: hidden
-    states and confidence logits, not the vocabulary logits."""
+def _outputs_for_fsdp(method):
+    """``method`` for FSDP's hooks to wrap: it returns ``(output, tensors)``, ``output`` with every tensor
+    that is a view (``_base`` set) cloned, and ``tensors`` the flat tuple of ``output``'s tensors.
+
+    FSDP2 registers its pre-backward hook (the all-gather before, and the reduce-scatter queued after,
+    the backward) on the output's tensors that require grad. torch 2.11 finds them with
+    ``torch.utils._pytree.tree_flatten``, for which a dataclass such as the drafts' ``DraftTrainOutput`` is
+    one leaf: no hook, so no gradient ever reached the sharded parameters (``grad_norm`` 0.0, nothing
+    learnt); the flat tuple beside it is found by every version. Cloning the views (small: hidden
+    states, confidence logits, not the vocabulary logits; gradients flow through the clone) keeps newer
+    versions from warning that an in-place op on a view would skip the hook."""
 
     @functools.wraps(method)
     def wrapped(*args, **kwargs):
-        return map_tensors(lambda t: t.clone() if t._base is not None else t, method(*args, **kwargs))
+        tensors = []
+
+        def keep(t):
+            t = t.clone() if t._base is not None else t
+            tensors.append(t)
+            return t
+
+        return map_tensors(keep, method(*args, **kwargs)), tuple(tensors)
+
+    return wrapped
+
+
+def _first(method):
+    """``method`` (the FSDP-wrapped :func:`_outputs_for_fsdp`) returning its output alone."""
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        return method(*args, **kwargs)[0]
 
     return wrapped
 
