@@ -34,6 +34,7 @@ values (the steps' ``raw_confidence``), so the report shows both.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -81,6 +82,9 @@ METRIC_DEFINITIONS: dict[str, str] = {
     "time_per_output_token_ms": "sum(wall time of generate()) / sum(output tokens)",
     "speedup": "target-only time_per_output_token / this proposer's time_per_output_token "
     "(same engine, same prompts, same process, interleaved per prompt)",
+    "speedup_median": "median over prompts (and turns) of the per-prompt speedup: target-only's time per output "
+    "token on that prompt / this proposer's (robust to one prompt's load spike; pooled speedup weighs long "
+    "outputs more)",
     "break_even_tau": "the tau at which speculation pays: this method's mean verify-step time / the target-only "
     "mean step time (time_ms_per_step of both, same run). A step commits tau tokens on average and a target-only "
     "step one, so decoding is faster than target-only when tau > break_even_tau (speedup ~ tau / break_even_tau, "
@@ -424,6 +428,15 @@ def speedup(baseline: TimingStats, spec: TimingStats) -> float | None:
     return baseline.time_per_output_token_ms / spec.time_per_output_token_ms
 
 
+def median_speedup(baseline: Sequence[GenerationResult], results: Sequence[GenerationResult]) -> float | None:
+    """The median over paired results (same prompt and turn, in order) of target-only seconds per output token /
+    this proposer's; pairs where either made no token or took no time are left out (None when none is left)."""
+    ratios = [(b.total_time_s / b.num_new_tokens) / (r.total_time_s / r.num_new_tokens)
+              for b, r in zip(baseline, results)
+              if b.num_new_tokens and r.num_new_tokens and b.total_time_s > 0 and r.total_time_s > 0]
+    return statistics.median(ratios) if ratios else None
+
+
 def break_even_tau(steps: Sequence[StepRecord], baseline_steps: Sequence[StepRecord]) -> float | None:
     """Mean step time of ``steps`` / mean step time of the target-only ``baseline_steps``: the tau above
     which speculation beats target-only decoding (None when either has no steps or no time)."""
@@ -458,6 +471,7 @@ def benchmark_metrics(
                 f"baseline: expected {len(results)} target-only results (same prompts), received {len(baseline)}."
             )
         out["speedup"] = speedup(timing_stats(baseline), tim)
+        out["speedup_median"] = median_speedup(baseline, results)
         out["break_even_tau"] = break_even_tau(steps, [s for r in baseline for s in r.steps])
         same = sum(r.output_ids == b.output_ids for r, b in zip(results, baseline))
         out["frac_identical_to_baseline"] = same / len(results) if results else None

@@ -107,6 +107,10 @@ def test_timing_and_speedup():
     assert speedup(tb, ts) == pytest.approx(4.0 / 1.6)
     m = benchmark_metrics(spec, baseline=base, max_k=3)
     assert m["speedup"] == pytest.approx(2.5) and m["frac_identical_to_baseline"] == 0.5
+    # per prompt 2.0 / 1.0 = 2 and 2.0 / 0.6 = 3.33; with a third prompt the median is the middle one, not the mean
+    assert m["speedup_median"] == pytest.approx((2.0 + 2.0 / 0.6) / 2)
+    three = benchmark_metrics([*spec, _result(10, 4.0, 0.2)], baseline=[*base, _result(10, 2.0, 0.2)], max_k=3)
+    assert three["speedup_median"] == pytest.approx(2.0) and three["speedup"] == pytest.approx(6.0 / 5.6)
     assert m["tau"] == pytest.approx(2.5) and m["num_output_tokens"] == 20
     assert "speedup" not in benchmark_metrics(base)
     with pytest.raises(ValueError, match="baseline"):
