@@ -105,8 +105,8 @@ def _main_table(results: Mapping[str, Any]) -> list[str]:
         if method == HF_GENERATE:
             lines.append(
                 f"| {bench} | {method} | {m.get('num_prompts')} | - | - | - | - | {_fmt(m.get('tok_per_s'), 1)} | - | "
-                f"- | {_fmt(m.get('speedup'))} | {_fmt(m.get('speedup_median'))} | {_fmt(m.get('frac_identical_to_baseline'))} "
-                "| - |"
+                f"- | {_fmt(m.get('speedup'))} | {_fmt(m.get('speedup_median'))} | "
+                f"{_fmt(m.get('frac_identical_to_baseline'))} | - |"
             )
             continue
         rates = " ".join(_fmt(r) for r in m.get("accept_rate_prefix", [])) or "-"
