@@ -125,7 +125,7 @@ class DemoConfig:
     # steps verify a draft tree (eval.tree_width): 0 = off; 1 = the "+lookup" rows verify the match beside the
     # draft's chain; W >= 2 = the drafts also propose W nodes per slot. 3: trees raise the gsm8k tau of the recipe's
     # DSpark draft of blocks of 3 with lookup (docs/results/draft-trees-cpu-2026-12-03); `make recipe`, over
-    # blocks of 7, uses 4 (docs/results/block7-cpu-2026-12-04)
+    # blocks of 7, uses 1 (chains: trees of 4 win tau, not time, on a CPU: docs/results/schedule-bf16-cpu-2026-12-06)
     tree_width: int = 3
     # auto: per step a cost-aware scheduler verifies the part of each proposal worth its cost on this machine, or
     # makes a plain target step (deepspec.decoding.schedule; lossless); fixed: every proposal is verified whole

@@ -1,9 +1,9 @@
 """Evaluation driver: target-only baseline + every proposer on the same prompts, then the report.
 
 For each benchmark and each prompt (in order) the methods run back to back, interleaved per prompt
-(target-only first, then each proposer, on the next prompt the other way round: each method's time
-spans the rounds alike, so a slow drift of the machine within a round (thermal, other load) favours no
-method; then optionally Hugging Face ``generate()``). Each method gets a fresh
+(target-only first, then each proposer, on the next prompt the other way round: over an even number of
+prompts each method's time spans the rounds alike, so a slow drift of the machine within a round (thermal,
+other load) favours no method; then optionally Hugging Face ``generate()``). Each method gets a fresh
 ``torch.Generator`` on the target's device, seeded with ``seed + prompt_index`` (shared by that
 method's turns of the prompt), so sampling runs are reproducible and the methods see the same seed
 on the same prompt. Speedup is measured in this one process.
@@ -443,7 +443,7 @@ def _benchmark_figures(run: _Run, runs: Mapping[str, Sequence[GenerationResult]]
     if HF_GENERATE in figures:  # throughput and identity only: generate() records no steps
         figures[HF_GENERATE] = {k: figures[HF_GENERATE][k] for k in (
             "num_prompts", "num_output_tokens", "total_time_s", "tok_per_s", "time_per_output_token_ms",
-            "speedup", "frac_identical_to_baseline")}
+            "speedup", "speedup_median", "frac_identical_to_baseline")}
     return figures
 
 
