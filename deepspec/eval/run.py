@@ -366,9 +366,9 @@ def _run_benchmark(
     prompts_of: dict[str, list[list[int]]] = {m: [] for m in run.methods}
     turn_of: list[tuple[str, int]] = []
     turns_kw = dict(num_turns=run.num_turns, eos=run.eos, chat_template_kwargs=run.chat_template_kwargs)
+    engines = list(run.engines.items())
     for i, (prompt, ids) in enumerate(zip(prompts, rendered)):
         turn_of.extend((prompt.id, t + 1) for t in range(min(run.num_turns, len(prompt.turns))))
-        engines = list(run.engines.items())
         for name, engine in engines if i % 2 == 0 else engines[::-1]:  # ABBA order (the module docstring)
             bar.set_postfix_str(f"{bench} {name}")
             gen = run.new_generator(run.seed + i)
