@@ -541,7 +541,10 @@ class Proposer(Protocol):
     the token ids (see the module docstring); absent, the engine captures target features for it. An
     optional method ``propose_without_draft`` (``propose``'s signature) returns what the proposer offers
     without running a draft model (a prompt-lookup match; empty otherwise): the engine calls it on the
-    steps its scheduler judges the draft not worth calling (:mod:`deepspec.decoding.schedule`).
+    steps its scheduler judges the draft not worth calling (:mod:`deepspec.decoding.schedule`). An
+    optional class attribute ``drafts_serially = True`` says each proposed token costs one draft forward
+    (Eagle3): ``propose`` then also takes ``max_len`` (draft at most that many tokens; a tree at most that
+    deep), which the engine's scheduler sets to the depth worth drafting.
     """
 
     max_proposal_len: int

@@ -410,7 +410,7 @@ class SpeculativeEngine:
         max_tokens = max(max_tokens, int(self.proposer.max_proposal_len) + 1)
         with torch.inference_mode():
             curve, _ = load_or_measure_step_costs(self._cost_key(max_tokens), lambda: self._measure_costs(max_tokens))
-        self.scheduler = StepScheduler(curve)
+        self.scheduler = StepScheduler(curve, serial_draft=bool(getattr(self.proposer, "drafts_serially", False)))
         return self.scheduler
 
     def _sync(self) -> None:
@@ -559,7 +559,10 @@ class SpeculativeEngine:
             # < max_position_embeddings; the scheduler then keeps what is worth verifying.
             drafted = sched is None or sched.plan(proposer.max_proposal_len)
             t_planned = time.perf_counter()
-            if drafted:
+            if drafted and sched is not None and sched.serial_draft:  # a serial drafter drafts the planned depth
+                proposal = proposer.propose(anchor, anchor_pos, sampling=sampling, generator=generator,
+                                            max_len=sched.depth_limit)
+            elif drafted:
                 proposal = proposer.propose(anchor, anchor_pos, sampling=sampling, generator=generator)
             elif without_draft is not None:  # what costs no draft call (a prompt-lookup match) is still offered
                 proposal = without_draft(anchor, anchor_pos, sampling=sampling, generator=generator)
@@ -614,7 +617,7 @@ class SpeculativeEngine:
                 sched.observe(proposal, res.num_accepted, path_nodes, verify_s=t_verified - t_verify,
                               propose_s=(t_verify - t_step - schedule_s) if drafted else None,
                               overhead_s=(t_end - t_verified) + schedule_s, num_committed=len(res.committed),
-                              step_s=t_end - t_step)
+                              step_s=t_end - t_step, num_drafted=num_drafted)
             result.steps.append(
                 StepRecord(
                     num_proposed=proposal.depth,

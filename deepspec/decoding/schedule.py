@@ -277,7 +277,9 @@ class StepScheduler:
     nothing); a probe that accepts nothing doubles the interval (up to
     ``max_probe_every``: a draft that is of no use on a request costs ever fewer calls), one that
     accepts a token sets it back. ``rate_decay``: the weight of the past in the running rate, propose
-    time and overhead. Use one scheduler per engine; :meth:`reset` starts a request (the long-run
+    time and overhead. ``serial_draft``: the proposer drafts one token per draft forward (Eagle3's chain:
+    a call's cost grows with its depth) and drafts only the depth :meth:`plan` chose, so a proposal is
+    priced per drafted token. Use one scheduler per engine; :meth:`reset` starts a request (the long-run
     counts and timings carry over).
     """
 
@@ -286,8 +288,9 @@ class StepScheduler:
     probe_every: int = 8
     max_probe_every: int = 64
     rate_decay: float = 0.9
+    serial_draft: bool = False
     scale: float = 1.0  # measured verify seconds / the curve's
-    propose_s: float = 0.0  # running seconds of a propose call
+    propose_s: float = 0.0  # running seconds of a propose call (serial_draft: per drafted token)
     overhead_s: float = 0.0  # running seconds of a plain step besides its forward
     verify_overhead_s: float = 0.0  # the same for a step that verified draft nodes (more features, a KV move)
     rate: float = 0.0  # running committed tokens per second
@@ -324,16 +327,18 @@ class StepScheduler:
         step's (the accepted nodes' features handed to the proposer, a tree's KV entries moved)."""
         return max(self.verify_overhead_s - self.overhead_s, 0.0)
 
-    def _best_prefix(self, path_probs: Sequence[float], lam: float, base_tokens: int = 1) -> tuple[int, float]:
-        """The count ``m`` (0..len) maximising ``sum_{j<=m} path_probs_j - lam * (seconds(base + m) - seconds(base))``
-        (and, from one token fed, :meth:`verify_extra_s` for any ``m >= 1``): the first ``m`` nodes' expected
-        accepted tokens against their verify time on top of ``base_tokens`` tokens fed. Returns ``(m, that
-        gain)`` (``(0, 0.0)`` when no prefix gains)."""
+    def _best_prefix(self, path_probs: Sequence[float], lam: float, base_tokens: int = 1,
+                     per_node_s: float = 0.0) -> tuple[int, float]:
+        """The count ``m`` (0..len) maximising ``sum_{j<=m} path_probs_j - lam * (seconds(base + m) - seconds(base)
+        + m * per_node_s)`` (and, from one token fed, :meth:`verify_extra_s` for any ``m >= 1``): the first ``m``
+        nodes' expected accepted tokens against their verify time on top of ``base_tokens`` tokens fed (and
+        ``per_node_s``, the seconds of drafting each). Returns ``(m, that gain)`` (``(0, 0.0)`` when no prefix
+        gains)."""
         best_m, best, total = 0, 0.0, 0.0
         base = self.seconds(base_tokens) - (self.verify_extra_s() if base_tokens == 1 else 0.0)
         for j, p in enumerate(path_probs, 1):
             total += p
-            gain = total - lam * (self.seconds(base_tokens + j) - base)
+            gain = total - lam * (self.seconds(base_tokens + j) - base + j * per_node_s)
             if gain > best:
                 best_m, best = j, gain
         return best_m, best
@@ -343,14 +348,22 @@ class StepScheduler:
         its propose call and verify (from the running per-depth acceptance); a proposer whose call costs
         under 2 % of a token's time always proposes (the proposal itself tells more), and after
         :attr:`probe_interval` plain steps in a row one step probes (proposes anyway).
-        Sets :attr:`depth_limit` to the planned depth and :attr:`probing`."""
+        Sets :attr:`depth_limit` to the planned depth (with :attr:`serial_draft`, the depth worth its
+        drafting as well as its verify: the proposer drafts no deeper, a probe one token) and :attr:`probing`."""
         accept = [self.estimator.estimate(d) for d in range(1, max_depth + 1)]
         lam = self.lam()
-        m, gain = self._best_prefix(list(itertools.accumulate(accept, operator.mul)), lam)
-        self.depth_limit = max(m, 1)
-        cheap = lam * self.propose_s < 0.02  # a propose call under 2 % of a token: let select() decide
-        pays = gain - lam * self.propose_s > 0 or cheap
+        path = list(itertools.accumulate(accept, operator.mul))
         self.probing = self.plain_streak >= self.probe_interval
+        if self.serial_draft:  # each drafted node's seconds are priced inside the gain
+            m, gain = self._best_prefix(path, lam, per_node_s=self.propose_s)
+            call_s = self.propose_s * max(m, 1)
+        else:
+            m, gain = self._best_prefix(path, lam)
+            call_s = self.propose_s
+            gain -= lam * call_s
+        self.depth_limit = max(m, 1)
+        # a propose call under 2 % of a token always pays: let select() decide from the proposal itself
+        pays = gain > 0 or lam * call_s < 0.02
         self.proposing = pays or self.probing
         if not self.proposing:
             self.plain_streak += 1
@@ -422,10 +435,12 @@ class StepScheduler:
         return proposal.subset(sorted(order[:best_m]))
 
     def observe(self, proposal: Proposal, num_accepted: int, path: Sequence[int] | None, *, verify_s: float,
-                propose_s: float | None, overhead_s: float, num_committed: int, step_s: float) -> None:
+                propose_s: float | None, overhead_s: float, num_committed: int, step_s: float,
+                num_drafted: int | None = None) -> None:
         """Learn from a verified step: the acceptance of every node whose parent was accepted
         (``path``: a tree's accepted nodes, None for a chain), the verify time against the curve's
-        (the scale), the propose time (None: no proposal was made), the overhead, the rate and, after a
+        (the scale), the propose time (None: no proposal was made; with :attr:`serial_draft`, divided by
+        ``num_drafted``, the draft tokens the call returned), the overhead, the rate and, after a
         probe, the next probe interval."""
         n = proposal.num_proposed
         first = self.num_observed == 0
@@ -441,6 +456,8 @@ class StepScheduler:
         if verify_s > 0:
             self.scale = running(self.scale, verify_s / self.curve.seconds_for(n + 1))
         if propose_s is not None and proposal.sources_N is None:  # a draft model's call (plan weighs it)
+            if self.serial_draft:
+                propose_s /= max(num_drafted if num_drafted is not None else n, 1)
             self.propose_s = propose_s if self.propose_s == 0.0 else running(self.propose_s, propose_s)
         if first:
             self.overhead_s = self.verify_overhead_s = max(overhead_s, 0.0)

@@ -493,3 +493,49 @@ def test_reduced_vocab_engine_lossless_greedy_and_target_ids(target):
                                generator=torch.Generator().manual_seed(0))
     assert set(sampled.draft_ids_N.tolist()) <= set(d2t.tolist())
     assert sampled.draft_probs_NV.shape[1] == V and float(sampled.draft_probs_NV[:, 1::2].sum()) == 0.0
+
+
+def test_max_len_drafts_the_chain_s_prefix_and_a_shallower_tree(target, trained_draft):
+    """Eagle3 drafts one token per draft forward (``drafts_serially``): ``max_len`` stops the chain (a tree's
+    depth) there, and what it drafts is the whole proposal's prefix."""
+    prompt = PROMPTS[0]
+    feats, _ = features(target, torch.tensor([prompt]))
+    greedy = SamplingParams()
+
+    def propose(width, **kw):
+        p = Eagle3Proposer(trained_draft, tree_width=width)
+        p.extend_context(feats[0, :-1], prompt[:-1])
+        return p.propose(prompt[-1], len(prompt) - 1, sampling=greedy, generator=None, **kw)
+
+    assert Eagle3Proposer.drafts_serially
+    whole, two = propose(1), propose(1, max_len=2)
+    assert two.draft_ids_N.tolist() == whole.draft_ids_N.tolist()[:2]
+    assert max(propose(3, max_len=2).depths_N) == 2
+    with pytest.raises(ValueError, match="max_len"):
+        propose(1, max_len=0)
+
+
+def test_auto_schedule_drafts_the_planned_depth_and_stays_lossless(target, trained_draft, tmp_path, monkeypatch):
+    """With the scheduler on, the engine asks a serial drafter for the depth it planned (drafting deeper only
+    to cut it would be paid for nothing), and decoding stays the target's greedy decoding."""
+    from deepspec.decoding.schedule import AcceptanceEstimator, StepCostCurve, StepScheduler
+
+    class Recording(Eagle3Proposer):
+        def propose(self, *args, max_len=None, **kw):
+            self.asked.append(max_len)
+            return super().propose(*args, max_len=max_len, **kw)
+
+    proposer = Recording(trained_draft)
+    proposer.asked = []
+    sched = StepScheduler(StepCostCurve((1, 8), (0.01, 0.014)), serial_draft=True)
+    sched.estimator = AcceptanceEstimator(first_prior=0.6)
+    planned = []
+    plan = sched.plan
+    sched.plan = lambda k: planned.append(plan(k) and sched.depth_limit) or planned[-1]
+    for prompt in PROMPTS:
+        ref = _engine(target, NullProposer()).generate(prompt, max_new_tokens=30)
+        res = SpeculativeEngine(target, LAYER_IDS, proposer, [EOS], schedule=sched).generate(prompt, max_new_tokens=30)
+        assert res.output_ids == ref.output_ids, prompt
+        assert all(s.num_drafted <= max(proposer.asked) for s in res.steps)
+    assert proposer.asked == [d for d in planned if d]  # every call got the depth its plan chose
+    assert min(proposer.asked) < trained_draft.config.ttt_steps  # and a plan chose less than the whole chain

@@ -356,3 +356,21 @@ def test_schedule_stats_count_plain_and_undrafted_steps():
     assert got["proposal_sizes"] == {"0": 2, "5": 1}
     assert got["frac_plain_steps"] == pytest.approx(2 / 3) and got["frac_steps_not_drafted"] == pytest.approx(1 / 3)
     assert got["schedule_ms_per_step"] == pytest.approx(2.0)
+
+
+def test_a_serial_draft_is_priced_per_drafted_token():
+    """A serial drafter's call (one draft forward per token) is priced per token it drafts: the planned depth
+    is the one worth its drafting as well as its verify, and the price is learned per drafted token."""
+    accept = AcceptanceEstimator(first_prior=0.9)
+    whole, serial = StepScheduler(FLAT, estimator=accept), StepScheduler(FLAT, estimator=accept, serial_draft=True)
+    for sched in (whole, serial):
+        sched.propose_s = 0.004  # 0.4 one-token steps per call (serial: per drafted token)
+        assert sched.plan(K)
+    assert whole.depth_limit == K  # the call costs the same however deep: every slot whose verify pays
+    assert serial.depth_limit == 3  # path probabilities 0.9, 0.73, 0.53, 0.35: the 4th is not worth 0.4 tokens
+    serial.propose_s = 0.0
+    serial.observe(_chain(4), 4, None, verify_s=0.01, propose_s=0.008, overhead_s=0.0, num_committed=5, step_s=0.02,
+                   num_drafted=4)
+    assert serial.propose_s == pytest.approx(0.002)
+    serial.propose_s = 0.05  # five steps a token: nothing is worth drafting
+    assert not serial.plan(K)

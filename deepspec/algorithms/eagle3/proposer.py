@@ -28,7 +28,9 @@ class Eagle3Proposer:
     committed: after verify, the accepted positions come back with real target features through
     ``extend_context``, so a rejection needs no crop of the draft's cache.
 
-    ``k`` defaults to the draft's ``ttt_steps``; ``max_positions`` caps drafted positions as in
+    Each drafted token is one draft forward (``drafts_serially``): ``propose(..., max_len=m)`` drafts at most
+    ``m`` tokens (a tree at most ``m`` deep), the depth a scheduler judged worth drafting
+    (:meth:`~deepspec.decoding.schedule.StepScheduler.plan`). ``k`` defaults to the draft's ``ttt_steps``; ``max_positions`` caps drafted positions as in
     :class:`~deepspec.algorithms.dspark.proposer.DSparkProposer`. At T = 0 tokens are argmaxes and
     ``draft_probs_NV`` is None; at T > 0 ``sampling_probs(logits, sampling)`` (fp32) is sampled from
     and returned. A reduced draft vocabulary is handled as in DSpark's proposer (draft ids mapped to
@@ -41,6 +43,8 @@ class Eagle3Proposer:
     node attends to its own ancestors' steps only, so every path is the chain the draft would have drafted
     along it. ``W * k`` nodes for ``k - 1`` steps of W rows; the target verifies them in one forward.
     """
+
+    drafts_serially = True
 
     def __init__(self, model, *, k: int | None = None, max_positions: int | None = None, tree_width: int = 1):
         if not isinstance(model, Eagle3DraftModel):
@@ -85,13 +89,16 @@ class Eagle3Proposer:
         *,
         sampling: SamplingParams,
         generator: torch.Generator | None,
+        max_len: int | None = None,
     ) -> Proposal:
         m = self.model
         dev = m.fc.weight.device
         if anchor_pos < 1 or self.num_features != anchor_pos:
             raise ValueError(f"Eagle3Proposer.propose: expected features of exactly positions 0..{anchor_pos - 1}, "
                              f"received {self.num_features}.")
-        n_max = min(self.max_proposal_len, self.max_positions - 1 - int(anchor_pos))
+        if max_len is not None and max_len < 1:
+            raise ValueError(f"Eagle3Proposer.propose: expected max_len >= 1 or None, received {max_len}.")
+        n_max = min(self.max_proposal_len, self.max_positions - 1 - int(anchor_pos), max_len or self.max_proposal_len)
         if n_max <= 0:
             return Proposal.empty(dev)
         del self.tokens[anchor_pos:]

@@ -275,6 +275,11 @@ class LookupFirstProposer:
         self.steps_from_draft = 0
 
     @property
+    def drafts_serially(self) -> bool:
+        """The draft's ``drafts_serially``: ``propose``'s ``max_len`` then caps the draft's depth (not the match)."""
+        return bool(getattr(self.draft, "drafts_serially", False))
+
+    @property
     def max_proposal_len(self) -> int:
         return max(self.lookup.max_proposal_len, self.draft.max_proposal_len)
 
@@ -305,18 +310,26 @@ class LookupFirstProposer:
         self.steps_from_lookup += bool(proposal.num_proposed)
         return dataclasses.replace(proposal, max_proposal_len=self.lookup.max_proposal_len)
 
+    def _draft(self, anchor_token: int, anchor_pos: int, sampling: SamplingParams, generator: torch.Generator | None,
+               max_len: int | None) -> Proposal:
+        if max_len is None:
+            return self.draft.propose(anchor_token, anchor_pos, sampling=sampling, generator=generator)
+        return self.draft.propose(anchor_token, anchor_pos, sampling=sampling, generator=generator, max_len=max_len)
+
     def propose(self, anchor_token: int, anchor_pos: int, *, sampling: SamplingParams,
-                generator: torch.Generator | None) -> Proposal:
+                generator: torch.Generator | None, max_len: int | None = None) -> Proposal:
+        """The match (and, with ``tree``, the draft's proposal beside it), else the draft's proposal;
+        ``max_len``: the draft's most tokens this call (a serial draft's, see :attr:`drafts_serially`)."""
         proposal = self.lookup.propose(anchor_token, anchor_pos, sampling=sampling, generator=generator)
         if proposal.num_proposed and self.tree:
             self.steps_from_lookup += 1
             tree = DraftTree()  # the draft's (possibly sampled) nodes first, then the chosen match
-            tree.add_proposal(self.draft.propose(anchor_token, anchor_pos, sampling=sampling, generator=generator))
+            tree.add_proposal(self._draft(anchor_token, anchor_pos, sampling, generator, max_len))
             tree.add_proposal(proposal)
             return tree.to_proposal(proposal.draft_ids_N.device, max_proposal_len=self.max_proposal_len)
         if proposal.num_proposed:
             self.steps_from_lookup += 1
             return dataclasses.replace(proposal, max_proposal_len=self.lookup.max_proposal_len)
         self.steps_from_draft += 1
-        proposal = self.draft.propose(anchor_token, anchor_pos, sampling=sampling, generator=generator)
+        proposal = self._draft(anchor_token, anchor_pos, sampling, generator, max_len)
         return dataclasses.replace(proposal, max_proposal_len=self.draft.max_proposal_len)
