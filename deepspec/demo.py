@@ -89,6 +89,9 @@ class DemoConfig:
     # answers and prompts were 70 % of its eval time); none given = eval_num_prompts everywhere
     eval_num_prompts_per_benchmark: list[str] = field(default_factory=list)
     eval_max_new_tokens: int = 48  # per prompt
+    # runs of every (prompt, method) in the eval, the fastest kept (eval.timing_repeats): with 3 prompts of 48 tokens a
+    # chat row moved 3 % between runs of one draft on one host, since other work on the machine only adds time
+    eval_timing_repeats: int = 2
     temperature: float = 0.0  # eval decoding; 0 = greedy
     # tokens each draft proposes per step in the eval (vLLM's num_speculative_tokens). On a CPU a float32 verify
     # over 4 tokens costs about one one-token step with the few-row linear path, over 8 tokens clearly more
@@ -143,7 +146,7 @@ class DemoConfig:
         if unknown or not self.algorithms or len(set(self.algorithms)) != len(self.algorithms):
             raise ValueError(f"demo.algorithms: expected distinct names among {sorted(ALGORITHMS)}, "
                              f"got {self.algorithms}")
-        for name in ("train_steps", "eval_num_prompts", "eval_max_new_tokens"):
+        for name in ("train_steps", "eval_num_prompts", "eval_max_new_tokens", "eval_timing_repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"demo.{name}: expected an integer >= 1, got {getattr(self, name)}")
         counts = ("num_conversations", "num_gsm8k_conversations", "num_mbpp_conversations")
@@ -204,6 +207,7 @@ class DemoConfig:
             num_prompts=self.eval_num_prompts,
             num_prompts_per_benchmark=list(self.eval_num_prompts_per_benchmark),
             max_new_tokens=self.eval_max_new_tokens,
+            timing_repeats=self.eval_timing_repeats,
             temperature=self.temperature,
             compare_hf_generate=False,
             dtype=self.dtype,

@@ -287,6 +287,9 @@ def _setup_lines(cfg: Mapping[str, Any]) -> list[str]:
             + ("; exact verify rows on (deepspec.target.exact_rows)" if cfg.get("exact") else "")
             + ("; the target decodes on the compiled path, static KV cache + torch.compile (deepspec.decoding.compiled)"
                if cfg.get("compile") else "") + "."]
+    if (cfg.get("timing_repeats") or 1) > 1:
+        lines += ["", f"Timing: every method ran each prompt {cfg['timing_repeats']} times, each run from the same "
+                  "state, and the fastest run is reported (deepspec.eval.run)."]
     corpus = cfg.get("lookup_corpus")
     if isinstance(corpus, Mapping):
         lines += ["", f"Lookup corpus (deepspec.algorithms.ngram.corpus; searched where the context has no match, "

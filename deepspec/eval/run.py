@@ -8,6 +8,13 @@ other load) favours no method; then optionally Hugging Face ``generate()``). Eac
 method's turns of the prompt), so sampling runs are reproducible and the methods see the same seed
 on the same prompt. Speedup is measured in this one process.
 
+With ``timing_repeats`` R >= 2, every method runs each prompt R times (the repeats in the reverse order
+of the one before, so each method's runs sit alike in the round), each from the same state (the
+scheduler's acceptance counts and timings, the proposer's step counters), and the fastest run is
+kept, as if it were the only one (its outputs, steps and times; the state it left): other work on a
+shared machine only ever adds time, so the fastest of R runs is the least disturbed measure of each
+method, and no run learns from another's pass over the same prompt.
+
 Multi-turn (``num_turns >= 2``, e.g. MT-Bench): turn ``t`` of a prompt is rendered on that method's
 own conversation so far, ``[user_1, assistant_1, .., user_t]``, where ``assistant_j`` is the method's
 decoded answer to turn ``j`` (``skip_special_tokens``, EOS removed) -- the second turn is built on
@@ -20,6 +27,7 @@ record per (prompt, turn).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from dataclasses import dataclass
 import os
@@ -194,6 +202,7 @@ class _Run:
     chat_template_kwargs: Mapping[str, Any] | None
     compare_hf_generate: bool
     few_row_linear: bool
+    timing_repeats: int = 1
 
     @property
     def device(self) -> torch.device:
@@ -228,6 +237,7 @@ def run_eval(
     log: Callable[[str], None] = print,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     measure_argmax_flips: bool = True,
+    timing_repeats: int = 1,
 ) -> dict[str, Any]:
     """Run the target-only baseline and each proposer on every benchmark prompt; write the report.
 
@@ -263,20 +273,24 @@ def run_eval(
             that forward's argmax differs from the one-token decode, and where each divergent
             output first differs (:func:`argmax_flip_figures`). Untimed; about one verify forward per
             K + 1 output tokens.
+        timing_repeats: runs of every (prompt, method), each from the same state, the fastest kept (the
+            module docstring); 1 = one run each.
 
     Returns the results dict (``config``, ``environment``, ``definitions``, ``benchmarks``:
     bench -> method -> metrics, ``samples``: bench -> method -> one record per (prompt, turn), with
     ``prompt`` the turn's rendered prompt text (its ids decoded, template tokens kept) and ``output``
     the generated text (:func:`answer_text`)).
-    Raises ValueError for a reserved proposer name, ``max_new_tokens < 1``, ``num_turns < 1`` or a
-    ``sampling`` that is not a SamplingParams.
+    Raises ValueError for a reserved proposer name, ``max_new_tokens < 1``, ``num_turns < 1``,
+    ``timing_repeats < 1`` or a ``sampling`` that is not a SamplingParams.
     """
     from tqdm.auto import tqdm
 
-    _check_run_args(proposers, max_new_tokens=max_new_tokens, num_turns=num_turns, sampling=sampling)
+    _check_run_args(proposers, max_new_tokens=max_new_tokens, num_turns=num_turns, sampling=sampling,
+                    timing_repeats=timing_repeats)
     run = _new_run(target_model, tokenizer, target_layer_ids, proposers, settings, sampling=sampling,
                    max_new_tokens=max_new_tokens, seed=seed, num_turns=num_turns,
-                   chat_template_kwargs=chat_template_kwargs, compare_hf_generate=compare_hf_generate)
+                   chat_template_kwargs=chat_template_kwargs, compare_hf_generate=compare_hf_generate,
+                   timing_repeats=timing_repeats)
     max_k = {n: e.proposer.max_proposal_len for n, e in run.engines.items()}
     flip_chunk_len = (max(max_k.values()) or DEFAULT_NUM_TOKENS) + 1  # a verify forward: anchor + K drafts
     measure_flips = measure_argmax_flips and sampling.greedy
@@ -289,7 +303,7 @@ def run_eval(
             engine.generate(first, max_new_tokens=min(8, max_new_tokens), sampling=sampling,
                             generator=run.new_generator(seed))
 
-    total = sum(len(v) for v in rendered.values()) * len(run.methods)
+    total = sum(len(v) for v in rendered.values()) * len(run.methods) * timing_repeats
     bar = tqdm(total=total, desc="eval", disable=not progress, unit="prompt")
     figures: dict[str, dict[str, Any]] = {}
     samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
@@ -325,7 +339,7 @@ def run_eval(
 
 
 def _check_run_args(proposers: Mapping[str, Proposer], *, max_new_tokens: int, num_turns: int,
-                    sampling: SamplingParams) -> None:
+                    sampling: SamplingParams, timing_repeats: int) -> None:
     """:func:`run_eval`'s ValueErrors, before any work."""
     for name in proposers:
         if name in (BASELINE, HF_GENERATE):
@@ -334,6 +348,8 @@ def _check_run_args(proposers: Mapping[str, Proposer], *, max_new_tokens: int, n
         raise ValueError(f"max_new_tokens: expected >= 1, received {max_new_tokens}.")
     if isinstance(num_turns, bool) or not isinstance(num_turns, int) or num_turns < 1:
         raise ValueError(f"num_turns: expected an integer >= 1, received {num_turns!r}.")
+    if isinstance(timing_repeats, bool) or not isinstance(timing_repeats, int) or timing_repeats < 1:
+        raise ValueError(f"timing_repeats: expected an integer >= 1, received {timing_repeats!r}.")
     if not isinstance(sampling, SamplingParams):
         raise ValueError(f"sampling: expected a SamplingParams, received {type(sampling).__name__}.")
 
@@ -359,37 +375,78 @@ def _new_run(target_model: Any, tokenizer: Any, target_layer_ids: Sequence[int],
 def _run_benchmark(
     run: _Run, bench: str, prompts: Sequence[BenchmarkPrompt], rendered: Sequence[list[int]], bar: Any,
 ) -> tuple[dict[str, list[GenerationResult]], dict[str, list[list[int]]], list[tuple[str, int]]]:
-    """Every method on every prompt of ``bench``, interleaved per prompt (the module docstring). Returns
-    each method's results (one per (prompt, turn), pooled in order), the prompt ids of each, and the
-    (prompt id, turn 1..) of each pooled result."""
+    """Every method on every prompt of ``bench``, interleaved per prompt, the fastest of ``timing_repeats``
+    runs kept (the module docstring). Returns each method's results (one per (prompt, turn), pooled in
+    order), the prompt ids of each, and the (prompt id, turn 1..) of each pooled result."""
     runs: dict[str, list[GenerationResult]] = {m: [] for m in run.methods}
     prompts_of: dict[str, list[list[int]]] = {m: [] for m in run.methods}
     turn_of: list[tuple[str, int]] = []
     turns_kw = dict(num_turns=run.num_turns, eos=run.eos, chat_template_kwargs=run.chat_template_kwargs)
     engines = list(run.engines.items())
+    repeats = run.timing_repeats
     for i, (prompt, ids) in enumerate(zip(prompts, rendered)):
         turn_of.extend((prompt.id, t + 1) for t in range(min(run.num_turns, len(prompt.turns))))
-        for name, engine in engines if i % 2 == 0 else engines[::-1]:  # ABBA order (the module docstring)
-            bar.set_postfix_str(f"{bench} {name}")
-            gen = run.new_generator(run.seed + i)
+        order = engines if i % 2 == 0 else engines[::-1]  # ABBA order (the module docstring)
+        start = {name: _EngineState.of(engine) for name, engine in engines} if repeats > 1 else {}
+        best: dict[str, tuple[float, list[list[int]], list[GenerationResult], _EngineState | None]] = {}
+        for r in range(repeats):
+            for name, engine in order if r % 2 == 0 else order[::-1]:
+                if r:
+                    start[name].restore(engine)
+                bar.set_postfix_str(f"{bench} {name}")
+                gen = run.new_generator(run.seed + i)
 
-            def generate(x: list[int], engine=engine, gen=gen, name=name, pid=prompt.id) -> GenerationResult:
-                return _generate_or_explain(run, engine, x, gen, where=f"{bench} prompt {pid}, {name}")
+                def generate(x: list[int], engine=engine, gen=gen, name=name, pid=prompt.id) -> GenerationResult:
+                    return _generate_or_explain(run, engine, x, gen, where=f"{bench} prompt {pid}, {name}")
 
-            turn_ids, results = _run_turns(generate, run.tokenizer, prompt, first_ids=ids, **turns_kw)
+                turn_ids, results = _run_turns(generate, run.tokenizer, prompt, first_ids=ids, **turns_kw)
+                seconds = sum(res.total_time_s for res in results)
+                if name not in best or seconds < best[name][0]:
+                    best[name] = (seconds, turn_ids, results, _EngineState.of(engine) if repeats > 1 else None)
+                bar.update(1)
+        for name, engine in engines:
+            _, turn_ids, results, state = best[name]
+            if state is not None:
+                state.restore(engine)  # carry on from the kept run's state
             prompts_of[name].extend(turn_ids)
             runs[name].extend(results)
-            bar.update(1)
         if run.compare_hf_generate:
-            torch.manual_seed(run.seed + i)
-            turn_ids, results = _run_turns(
-                lambda x: hf_generate(run.target_model, x, max_new_tokens=run.max_new_tokens, sampling=run.sampling,
-                                       eos=run.eos, pad=run.pad),
-                run.tokenizer, prompt, first_ids=ids, **turns_kw)
-            prompts_of[HF_GENERATE].extend(turn_ids)
-            runs[HF_GENERATE].extend(results)
-            bar.update(1)
+            fastest: tuple[float, list[list[int]], list[GenerationResult]] | None = None
+            for _ in range(repeats):
+                torch.manual_seed(run.seed + i)
+                turn_ids, results = _run_turns(
+                    lambda x: hf_generate(run.target_model, x, max_new_tokens=run.max_new_tokens,
+                                           sampling=run.sampling, eos=run.eos, pad=run.pad),
+                    run.tokenizer, prompt, first_ids=ids, **turns_kw)
+                seconds = sum(res.total_time_s for res in results)
+                if fastest is None or seconds < fastest[0]:
+                    fastest = (seconds, turn_ids, results)
+                bar.update(1)
+            prompts_of[HF_GENERATE].extend(fastest[1])
+            runs[HF_GENERATE].extend(fastest[2])
     return runs, prompts_of, turn_of
+
+
+@dataclass
+class _EngineState:
+    """What a generation changes in an engine besides its outputs: its scheduler (acceptance counts,
+    timings) and its proposer's step counters (prompt lookup, corpus), as :meth:`of` copies them;
+    :meth:`restore` puts them back."""
+
+    scheduler: Any
+    counters: list[tuple[Any, str, int]]  # (object, attribute, value)
+
+    @classmethod
+    def of(cls, engine: SpeculativeEngine) -> "_EngineState":
+        p, corpus = engine.proposer, corpus_lookup(engine.proposer)
+        counted = [(p, a) for a in ("steps_from_lookup", "steps_from_draft") if hasattr(p, a)]
+        counted += [(corpus, "steps_from_corpus")] if corpus is not None else []
+        return cls(copy.deepcopy(engine.scheduler), [(o, a, getattr(o, a)) for o, a in counted])
+
+    def restore(self, engine: SpeculativeEngine) -> None:
+        engine.scheduler = copy.deepcopy(self.scheduler)
+        for obj, attr, value in self.counters:
+            setattr(obj, attr, value)
 
 
 def _generate_or_explain(run: _Run, engine: SpeculativeEngine, prompt_ids: list[int], generator: torch.Generator, *,
@@ -506,6 +563,7 @@ def _run_config(run: _Run, settings: DecodeSettings, *, target_layer_ids: Sequen
         "flip_chunk_len": flip_chunk_len,
         "num_prompts": dict(num_prompts),
         "compare_hf_generate": run.compare_hf_generate,
+        "timing_repeats": run.timing_repeats,
         "batch_size": 1,
         "target": str(getattr(run.target_model.config, "_name_or_path", "") or type(run.target_model).__name__),
     }

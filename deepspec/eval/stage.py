@@ -59,6 +59,9 @@ class EvalConfig:
     confidence_threshold: float = 0.0  # DSpark: cut a proposal before the first slot below it; 0 = off
     seed: int = 980406  # prompt selection and sampling
     compare_hf_generate: bool = True  # also time HF generate() on the same prompts (baseline sanity)
+    # runs of every (prompt, method), each from the same state, the fastest kept (deepspec.eval.run): other work on
+    # the machine only adds time, so 2 or more steady a shared or noisy host's speedups; 1 = one run each
+    timing_repeats: int = 1
     enable_thinking: bool | None = None  # chat template variable (Qwen3); use the value the data was prepared with
     # a draft trained against another target of the same shape (other fingerprint): evaluate it anyway, loudly
     # (recorded in the report); false: refuse it. Another target shape is always refused.
@@ -119,6 +122,8 @@ class EvalConfig:
                          baselines=self.baselines, field="eval")
         if self.max_new_tokens < 1:
             raise ValueError(f"eval.max_new_tokens: expected an integer >= 1, got {self.max_new_tokens}")
+        if self.timing_repeats < 1:
+            raise ValueError(f"eval.timing_repeats: expected an integer >= 1, got {self.timing_repeats}")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"eval.num_prompts: expected an integer >= 1 or none (all), got {self.num_prompts}")
         if self.num_turns not in (1, 2):
@@ -318,6 +323,7 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
         seed=cfg.seed,
         out_dir=out_dir,
         compare_hf_generate=cfg.compare_hf_generate,
+        timing_repeats=cfg.timing_repeats,
         chat_template_kwargs=None if cfg.enable_thinking is None else {"enable_thinking": cfg.enable_thinking},
         config_extra={
             "eval": asdict(cfg),

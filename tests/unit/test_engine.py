@@ -530,6 +530,55 @@ def test_run_eval_alternates_the_method_order_per_prompt(target, tmp_path, monke
         assert [r["prompt"] for r in res["samples"]["tiny"][name]] == rendered
 
 
+def test_run_eval_keeps_the_fastest_of_repeated_runs_each_from_the_same_state(target, tmp_path, monkeypatch):
+    """With timing_repeats 2 each method runs a prompt twice, the second time in the reverse order, both from the
+    scheduler state the prompt started with; the faster run is the one reported, and the next prompt starts from
+    the state that run left."""
+    import copy
+    import dataclasses
+
+    from deepspec.decoding.settings import DecodeSettings
+    from deepspec.eval import run as run_mod
+    from deepspec.eval.benchmarks import BenchmarkPrompt
+
+    monkeypatch.setenv("DEEPSPEC_CACHE_DIR", str(tmp_path))
+    width = target.config.hidden_size * len(LAYER_IDS)
+    calls, seen = [], []
+    real = run_mod._generate_or_explain
+    fake_seconds = iter(range(100, 0, -1))  # every run is faster than the one before...
+
+    def recording(run, engine, prompt_ids, generator, *, where):
+        calls.append(where)
+        before = copy.deepcopy(engine.scheduler)
+        res = real(run, engine, prompt_ids, generator, where=where)
+        seconds = float(next(fake_seconds)) if "p1" not in where else 1000.0 + len(calls)  # ...but on p1, slower
+        after = copy.deepcopy(engine.scheduler)
+        seen.append((where, before, after, seconds))
+        return dataclasses.replace(res, total_time_s=seconds)
+
+    monkeypatch.setattr(run_mod, "_generate_or_explain", recording)
+    benches = {"tiny": [BenchmarkPrompt(id=f"p{i}", turns=(f"hello {i}",)) for i in range(3)]}
+    res = run_mod.run_eval(target, _FakeChatTokenizer(), LAYER_IDS, {"a": RandomProposer(width, seed=2)}, benches,
+                           settings=DecodeSettings(schedule="auto"), max_new_tokens=6, sampling=SamplingParams(),
+                           seed=0, out_dir=None, progress=False, warmup=False, compare_hf_generate=False,
+                           log=lambda _: None, timing_repeats=2)
+    assert calls == [f"tiny prompt p{i}, {name}" for i, names in enumerate(
+        [("target-only", "a", "a", "target-only"), ("a", "target-only", "target-only", "a"),
+         ("target-only", "a", "a", "target-only")]) for name in names]
+    runs_a = [s for s in seen if s[0].endswith(", a")]
+    for first, second in zip(runs_a[::2], runs_a[1::2]):
+        assert first[1] == second[1]  # both repeats start from the same state
+    kept = [min(pair, key=lambda s: s[3]) for pair in zip(runs_a[::2], runs_a[1::2])]
+    assert [k is pair[1] for k, pair in zip(kept, zip(runs_a[::2], runs_a[1::2]))] == [True, False, True]
+    for k, nxt in zip(kept, runs_a[2::2]):
+        assert nxt[1] == k[2] and nxt[1] is not None  # the next prompt starts from the state the kept run left
+    assert res["benchmarks"]["tiny"]["a"]["total_time_s"] == pytest.approx(sum(k[3] for k in kept))
+    assert res["config"]["timing_repeats"] == 2
+    with pytest.raises(ValueError, match="timing_repeats"):
+        run_mod.run_eval(target, _FakeChatTokenizer(), LAYER_IDS, {}, benches, max_new_tokens=6,
+                         sampling=SamplingParams(), seed=0, out_dir=None, timing_repeats=0)
+
+
 def test_run_eval_end_to_end_writes_report(target, tmp_path):
     from deepspec.eval.benchmarks import BenchmarkPrompt
     from deepspec.eval.run import run_eval
