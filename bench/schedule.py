@@ -1,14 +1,17 @@
 """Step scheduler benchmark: ``schedule="auto"`` beside fixed chains and fixed trees, per prompt set.
 
 One process, one target, one draft; for every prompt set (``--prompts NAME=FILE`` JSONL with ``turns``, or a
-benchmark name loaded with ``deepspec.eval.benchmarks.load_benchmark``) the methods run interleaved per prompt
-after one untimed warm-up each, greedily, each with fresh engines per prompt set (so the scheduler's running
-acceptance starts from its prior on every set; its cost curve is measured once and cached on disk):
+benchmark name loaded with ``deepspec.eval.benchmarks.load_benchmark``) the methods run interleaved per prompt,
+in ABBA order (the order reversed on every other prompt), after one untimed warm-up each, greedily, each with
+fresh engines per prompt set (so the scheduler's running acceptance starts from its prior on every set; its cost
+curve is measured once and cached on disk):
 
 - ``target-only``: the engine with ``NullProposer`` (the speedup baseline);
 - ``chain-fixed`` / ``chain-auto``: the draft proposing chains of its K, verified whole / scheduled;
 - ``tree<W>-fixed`` / ``tree<W>-auto`` (``--tree-width W``, default 3; 0 drops them): draft trees of W nodes
-  per slot, verified whole / scheduled.
+  per slot, verified whole / scheduled;
+- ``chain-auto-whole``, for a draft that drafts serially (Eagle3): scheduled, but drafting its whole K on every
+  call instead of the depth the scheduler planned.
 
 Printed per set and method: speedup (target-only time per output token / the method's, pooled), the median
 of the per-prompt speedups, tau (committed tokens per verify step), the per-step breakdown (propose, verify,
@@ -77,6 +80,18 @@ def plot(results: dict[str, dict], path: Path) -> None:
     save_png(fig, path)
 
 
+class WholeChain:
+    """A serial drafter with its ``drafts_serially`` hidden: it drafts its whole K whenever it is called."""
+
+    drafts_serially = False
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--draft", required=True, help="a trained draft (deepspec train run folder or checkpoint)")
@@ -111,6 +126,10 @@ def main(argv: list[str] | None = None) -> dict:
                 proposer = algorithm.proposer(draft, max_positions=max_pos, tree_width=w)
                 made[f"{label}-{schedule}"] = SpeculativeEngine(model, layers, proposer, eos, few_row_linear=few_row,
                                                                 schedule=schedule)
+                if schedule == "auto" and getattr(proposer, "drafts_serially", False):
+                    whole = WholeChain(algorithm.proposer(draft, max_positions=max_pos, tree_width=w))
+                    made[f"{label}-auto-whole"] = SpeculativeEngine(model, layers, whole, eos, few_row_linear=few_row,
+                                                                    schedule="auto")
         return made
 
     results: dict[str, dict] = {}
@@ -119,8 +138,9 @@ def main(argv: list[str] | None = None) -> dict:
         for engine in made.values():  # warm-up (and the scheduler's cost curve), untimed
             engine.generate(prompts[0], max_new_tokens=8)
         runs: dict[str, list] = {name: [] for name in made}
-        for prompt in prompts:
-            for name, engine in made.items():
+        for i, prompt in enumerate(prompts):
+            order = list(made.items())
+            for name, engine in order if i % 2 == 0 else order[::-1]:  # ABBA: a drift weighs on every method alike
                 runs[name].append(engine.generate(prompt, max_new_tokens=args.max_new_tokens))
         base = runs["target-only"]
         per_token = {n: sum(r.total_time_s for r in rs) / sum(r.num_new_tokens for r in rs) for n, rs in runs.items()}
@@ -140,10 +160,10 @@ def main(argv: list[str] | None = None) -> dict:
             }
         results[set_name] = rows
         print(f"\n{set_name} ({len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy, {dtype_name(dtype)})")
-        print(f"{'method':14} {'speedup':>8} {'median':>7} {'tau':>5} {'nodes':>6} {'plain':>6} {'propose':>8} "
+        print(f"{'method':17} {'speedup':>8} {'median':>7} {'tau':>5} {'nodes':>6} {'plain':>6} {'propose':>8} "
               f"{'verify':>7} {'overhead':>8} {'sched':>6} identical")
         for name, r in rows.items():
-            print(f"{name:14} {r['speedup']:8.2f} {r['speedup_median']:7.2f} {r['tau']:5.2f} "
+            print(f"{name:17} {r['speedup']:8.2f} {r['speedup_median']:7.2f} {r['tau']:5.2f} "
                   f"{r['mean_nodes_verified']:6.2f} {r['frac_plain_steps']:6.2f} {r['propose_ms_per_step']:8.2f} "
                   f"{r['verify_ms_per_step']:7.2f} {r['overhead_ms_per_step']:8.2f} {r['schedule_ms_per_step']:6.3f} "
                   f"{r['identical']:.2f}")
