@@ -30,7 +30,9 @@ class Eagle3Proposer:
 
     Each drafted token is one draft forward (``drafts_serially``): ``propose(..., max_len=m)`` drafts at most
     ``m`` tokens (a tree at most ``m`` deep), the depth a scheduler judged worth drafting
-    (:meth:`~deepspec.decoding.schedule.StepScheduler.plan`). ``k`` defaults to the draft's ``ttt_steps``; ``max_positions`` caps drafted positions as in
+    (:meth:`~deepspec.decoding.schedule.StepScheduler.plan`).
+
+    ``k`` defaults to the draft's ``ttt_steps``; ``max_positions`` caps drafted positions as in
     :class:`~deepspec.algorithms.dspark.proposer.DSparkProposer`. At T = 0 tokens are argmaxes and
     ``draft_probs_NV`` is None; at T > 0 ``sampling_probs(logits, sampling)`` (fp32) is sampled from
     and returned. A reduced draft vocabulary is handled as in DSpark's proposer (draft ids mapped to
