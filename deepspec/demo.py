@@ -432,7 +432,8 @@ def run_demo(cfg: DemoConfig) -> dict:
 
 def summary_table(results: dict, methods: tuple[str, ...] | None = None) -> str:
     """Per benchmark: tau, break-even tau (step time / target-only step time: speculation pays when
-    tau exceeds it) and speedup (over target-only, same run) of each method, as aligned text.
+    tau exceeds it), speedup (over target-only, same run, pooled over the prompts) and the median of the
+    per-prompt speedups of each method, as aligned text.
     ``methods``: default every proposer of the results (drafts, then baselines), in report order."""
     if methods is None:
         first = next(iter(results["benchmarks"].values()), {})
@@ -442,13 +443,15 @@ def summary_table(results: dict, methods: tuple[str, ...] | None = None) -> str:
         return "-" if x is None else format(x, spec)
 
     width = {m: max(24, len(m) + 6) for m in methods}  # "<method> tau" and at least two spaces before it
-    header = f"{'benchmark':<15}" + "".join(f"{m + ' tau':>{width[m]}}{'break-even':>11}{'speedup':>9}" for m in methods)
+    header = f"{'benchmark':<15}" + "".join(f"{m + ' tau':>{width[m]}}{'break-even':>11}{'speedup':>9}{'median':>8}"
+                                            for m in methods)
     lines = [f"dtype {results['config'].get('dtype', '?')}; break-even = the tau at which speculation pays",
              header, "-" * len(header)]
     for bench, per_method in results["benchmarks"].items():
         cells = "".join(
             f"{per_method[m]['tau']:>{width[m]}.2f}{num(per_method[m].get('break_even_tau'), '.2f'):>11}"
-            f"{num(per_method[m]['speedup'], '.2f'):>8}x" for m in methods
+            f"{num(per_method[m]['speedup'], '.2f'):>8}x{num(per_method[m].get('speedup_median'), '.2f'):>7}x"
+            for m in methods
         )
         lines.append(f"{bench:<15}" + cells)
     return "\n".join(lines)

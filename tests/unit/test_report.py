@@ -162,6 +162,7 @@ def test_demo_summary_table_shows_every_proposer_with_break_even_tau():
 
     res = results_dict(with_confidence=False)
     res["config"]["dtype"] = "float32"
+    res["benchmarks"]["gsm8k"]["dspark"]["speedup_median"] = 1.5
     text = summary_table(res)
     header = text.splitlines()[1]
     assert "dspark tau" in header and "dflash tau" in header and "break-even" in header
@@ -169,9 +170,10 @@ def test_demo_summary_table_shows_every_proposer_with_break_even_tau():
     assert text.splitlines()[0].startswith("dtype float32")
     row = next(line for line in text.splitlines() if line.startswith("gsm8k"))
     assert "2.33" in row and "1.00" in row  # dspark tau, break-even tau (10 ms / 10 ms)
+    assert "2.00x   1.50x" in row  # the speedup pooled over the prompts, then their median
     # a long method name keeps its columns apart, and each row lines up with the header
     for per_method in res["benchmarks"].values():
         per_method["dspark-trained+lookup"] = per_method["dspark"]
     lines = summary_table(res).splitlines()
-    assert "speedup  dspark-trained+lookup tau break-even" in lines[1]
+    assert "speedup  median  dspark-trained+lookup tau break-even" in lines[1]
     assert all(len(line) == len(lines[1]) for line in lines[3:])
