@@ -276,7 +276,12 @@ class StepScheduler:
     proposal's first node, so the acceptance counts keep up with the text (a plain step teaches
     nothing); a probe that accepts nothing doubles the interval (up to
     ``max_probe_every``: a draft that is of no use on a request costs ever fewer calls), one that
-    accepts a token sets it back. ``rate_decay``: the weight of the past in the running rate, propose
+    accepts a token sets it back. ``probe_budget``: the share of a request's time that probes accepting
+    nothing may cost: after such a probe the interval is at least the plain steps whose time, at this
+    share, pays for the probe's measured extra seconds over a plain step (a running mean: a draft call,
+    its first one on a request flushing the prompt's features through the draft, and the verify of the
+    probed nodes), and a request starts at that interval too, so that an expensive draft on prompts it does
+    not know stays within the share (None: the doubling alone). ``rate_decay``: the weight of the past in the running rate, propose
     time and overhead. ``serial_draft``: the proposer drafts one token per draft forward (Eagle3's chain:
     a call's cost grows with its depth) and drafts only the depth :meth:`plan` chose, so a proposal is
     priced per drafted token. Use one scheduler per engine; :meth:`reset` starts a request (the long-run
@@ -287,12 +292,14 @@ class StepScheduler:
     estimator: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
     probe_every: int = 8
     max_probe_every: int = 64
+    probe_budget: float | None = 0.01
     rate_decay: float = 0.9
     serial_draft: bool = False
     scale: float = 1.0  # measured verify seconds / the curve's
     propose_s: float = 0.0  # running seconds of a propose call (serial_draft: per drafted token)
     overhead_s: float = 0.0  # running seconds of a plain step besides its forward
     verify_overhead_s: float = 0.0  # the same for a step that verified draft nodes (more features, a KV move)
+    probe_cost_s: float = 0.0  # running extra seconds of a probe that accepted nothing, over a plain step
     rate: float = 0.0  # running committed tokens per second
     num_observed: int = 0  # steps observed (the first one sets the running figures)
     plain_streak: int = 0
@@ -308,10 +315,18 @@ class StepScheduler:
         """Start a request: the plain-step streak, probe interval, plan and the request's own acceptance counts
         are forgotten; the long-run counts and timings kept."""
         self.plain_streak = 0
-        self.probe_interval = self.probe_every
+        self.probe_interval = self._budget_interval(self.probe_every)
         self.probing = self.proposing = False
         self.depth_limit = None
         self.estimator.start_request()
+
+    def _budget_interval(self, interval: int) -> int:
+        """``interval``, raised to the plain steps that pay for a fruitless probe at :attr:`probe_budget`
+        (``probe_cost_s / (probe_budget * plain step seconds)``, rounded up), capped at :attr:`max_probe_every`."""
+        if self.probe_budget and self.probe_cost_s > 0:
+            plain_s = self.seconds(1) + self.overhead_s
+            interval = max(interval, math.ceil(self.probe_cost_s / (self.probe_budget * plain_s)))
+        return min(interval, max(self.max_probe_every, self.probe_every))
 
     def seconds(self, n: int) -> float:
         """Expected seconds of a verify forward over ``n`` tokens now."""
@@ -445,13 +460,18 @@ class StepScheduler:
         n = proposal.num_proposed
         first = self.num_observed == 0
         self.num_observed += 1
-        if self.probing and n:
-            fruitless = min(2 * self.probe_interval, self.max_probe_every)
-            self.probe_interval = self.probe_every if num_accepted else fruitless
-        self.probing = False
 
         def running(old: float, new: float) -> float:
             return new if first else self.rate_decay * old + (1 - self.rate_decay) * new
+
+        if self.probing and n:
+            if num_accepted:
+                self.probe_interval = self.probe_every
+            else:  # priced against a plain step as the scheduler knew it before this step
+                extra_s = max(step_s - self.seconds(1) - self.overhead_s, 0.0)
+                self.probe_cost_s = extra_s if self.probe_cost_s == 0.0 else running(self.probe_cost_s, extra_s)
+                self.probe_interval = self._budget_interval(min(2 * self.probe_interval, self.max_probe_every))
+        self.probing = False
 
         if verify_s > 0:
             self.scale = running(self.scale, verify_s / self.curve.seconds_for(n + 1))

@@ -670,10 +670,12 @@ class ScoredBigramProposer(BigramProposer):
 
 def _scheduler(probe_every: int = 2):
     """A scheduler whose cost curve makes it cut proposals at every length (a second and third draft token
-    cost little, a fourth much), with a short plain-step streak (0: it always proposes)."""
+    cost little, a fourth much), with a short plain-step streak (0: it always proposes, with no probe budget
+    to space its probes)."""
     from deepspec.decoding.schedule import StepCostCurve, StepScheduler
 
-    return StepScheduler(StepCostCurve((1, 2, 3, 4), (0.010, 0.0103, 0.0112, 0.02)), probe_every=probe_every)
+    return StepScheduler(StepCostCurve((1, 2, 3, 4), (0.010, 0.0103, 0.0112, 0.02)), probe_every=probe_every,
+                         probe_budget=0.01 if probe_every else None)
 
 
 def _scheduled_proposers(target):

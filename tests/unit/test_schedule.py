@@ -154,7 +154,7 @@ def _greedy_engine(model, proposer, schedule):
 
 def test_engine_with_steep_costs_makes_plain_steps_and_backed_off_probes_and_stays_lossless(target):
     reference = hf_greedy(target, PROMPT, 30, 1)
-    sched = StepScheduler(STEEP, probe_every=2)
+    sched = StepScheduler(STEEP, probe_every=2, probe_budget=None)
     sched.estimator = AcceptanceEstimator(first_prior=0.05)
     res = _greedy_engine(target, RandomProposer(32), sched).generate(PROMPT, max_new_tokens=30)
     assert res.output_ids == reference
@@ -173,28 +173,50 @@ def test_engine_with_steep_costs_makes_plain_steps_and_backed_off_probes_and_sta
     assert sum(s.drafted for s in res.steps) <= 4
 
 
-def test_probe_interval_doubles_on_a_fruitless_probe_and_resets():
-    sched = StepScheduler(STEEP, probe_every=2, max_probe_every=8)
-    sched.propose_s = 0.005  # half a step: never worth a call
+def _probing_scheduler(**kwargs) -> StepScheduler:
+    """A scheduler on STEEP whose draft call (half a step) never pays: it proposes only to probe."""
+    sched = StepScheduler(STEEP, **kwargs)
+    sched.propose_s = 0.005
     sched.estimator = AcceptanceEstimator(first_prior=0.01)
     sched.reset()
+    return sched
 
-    def plain_steps_before_a_probe(accepted: int) -> int:
-        n = 0
-        while not sched.plan(K):
-            n += 1
-        assert sched.probing
-        probe = sched.select(_chain(K), greedy=True)
-        assert probe.num_proposed == 1  # a probe verifies its first node even where it does not pay
-        sched.observe(probe, accepted, None, verify_s=0.02, propose_s=0.005, overhead_s=0.0, num_committed=1 + accepted,
-                      step_s=0.025)
-        return n
 
-    assert [plain_steps_before_a_probe(0) for _ in range(4)] == [2, 4, 8, 8]  # capped at max_probe_every
-    assert plain_steps_before_a_probe(1) == 8 and plain_steps_before_a_probe(0) == 2  # an accepted token resets
-    plain_steps_before_a_probe(0)
+def _plain_steps_before_a_probe(sched: StepScheduler, accepted: int, step_s: float = 0.025) -> int:
+    """Plan plain steps until a probe, verify it (``accepted`` of its node, the step taking ``step_s``);
+    return the plain steps before it."""
+    n = 0
+    while not sched.plan(K):
+        n += 1
+    assert sched.probing
+    probe = sched.select(_chain(K), greedy=True)
+    assert probe.num_proposed == 1  # a probe verifies its first node even where it does not pay
+    sched.observe(probe, accepted, None, verify_s=0.02, propose_s=0.005, overhead_s=0.0, num_committed=1 + accepted,
+                  step_s=step_s)
+    return n
+
+
+def test_probe_interval_doubles_on_a_fruitless_probe_and_resets():
+    sched = _probing_scheduler(probe_every=2, max_probe_every=8, probe_budget=None)
+    probes = lambda: _plain_steps_before_a_probe(sched, 0)  # noqa: E731
+    assert [probes() for _ in range(4)] == [2, 4, 8, 8]  # capped at max_probe_every
+    assert _plain_steps_before_a_probe(sched, 1) == 8 and probes() == 2  # an accepted token resets
+    probes()
     sched.reset()  # a new request starts at probe_every
-    assert plain_steps_before_a_probe(0) == 2
+    assert probes() == 2
+
+
+def test_fruitless_probes_cost_at_most_the_probe_budget_of_the_plain_steps_between_them():
+    # a plain step costs 0.01 s; a fruitless probe 0.025 s, 0.015 s more: at a 10 % budget 15 plain steps pay for it
+    sched = _probing_scheduler(probe_every=2, max_probe_every=64, probe_budget=0.1)
+    probes = lambda: _plain_steps_before_a_probe(sched, 0)  # noqa: E731
+    assert [probes() for _ in range(5)] == [2, 15, 30, 60, 64]  # the budget's floor, then the doubling
+    sched.reset()  # the next request starts where the budget puts its first probe
+    assert probes() == 15
+    assert _plain_steps_before_a_probe(sched, 1) == 30 and probes() == 2  # an accepted token resets to probe_every
+    # a probe that costs about a plain step leaves the doubling alone
+    cheap = _probing_scheduler(probe_every=2, max_probe_every=64, probe_budget=0.1)
+    assert [_plain_steps_before_a_probe(cheap, 0, step_s=0.0101) for _ in range(4)] == [2, 4, 8, 16]
 
 
 def test_a_request_s_own_counts_soon_outweigh_the_long_run():
