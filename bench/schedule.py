@@ -93,23 +93,39 @@ class WholeChain:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--draft", required=True, help="a trained draft (deepspec train run folder or checkpoint)")
-    p.add_argument("--target", default=EMBEDDED_DEFAULT)
+    p.add_argument("--target", default=EMBEDDED_DEFAULT, help="the target the draft was trained for")
     p.add_argument("--prompts", nargs="+", default=["gsm8k", "mt-bench"], help="benchmark names or NAME=FILE.jsonl")
-    p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--tree-width", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts per set")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="output tokens per prompt")
+    p.add_argument("--tree-width", type=int, default=3,
+                   help="nodes per slot of the tree rows (0 drops them; chains are always run)")
     p.add_argument("--few-row-linear", choices=("on", "off"), default="on",
                    help="the few-row linear path (float32 only; off in bfloat16)")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | auto (deepspec.device.resolve_dtype)")
-    p.add_argument("--output-dir", default="runs/schedule-bench")
+    p.add_argument("--dtype", default="float32",
+                   help="float32 | bfloat16 | auto (deepspec.device.resolve_dtype; deepspec eval's default is auto)")
+    p.add_argument("--output-dir", default="runs/schedule-bench", help="where schedule_bench.json and .png go")
     args = p.parse_args(argv)
+    if args.num_prompts < 1 or args.max_new_tokens < 1:
+        p.error("--num-prompts and --max-new-tokens: expected integers >= 1")
+    if args.tree_width < 0:
+        p.error(f"--tree-width: expected an integer >= 0 (0: chains only), got {args.tree_width}")
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError) as exc:
+        p.error(str(exc))
 
+
+def run(args: argparse.Namespace) -> dict:
+    """The benchmark of :func:`main`'s parsed arguments (the module docstring); returns the record it writes.
+    Raises ValueError / FileNotFoundError for a bad dtype, draft, target or prompt set."""
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    folder = draft_folder(args.draft)  # a missing draft is named before the target loads
     target = open_target(args.target, dtype=dtype, device="cpu")  # fingerprinted as loaded, then cast
     model, tokenizer = target.model, target.tokenizer
-    _, draft = load_draft(draft_folder(args.draft), target_model=model, target_fingerprint=target.fingerprint)
+    _, draft = load_draft(folder, target_model=model, target_fingerprint=target.fingerprint)
     draft = draft.to(dtype).eval()
     algorithm = algorithm_for_model(draft)
     eos = eos_token_ids_of(model, tokenizer)

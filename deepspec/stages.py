@@ -35,7 +35,7 @@ class CacheConfig:
     output_dir: str  # cache folder (a rerun with the same settings resumes, or does nothing if complete)
     target: str = "default"  # "default" (embedded SmolLM2), a Hugging Face model folder or a GGUF file
     # a Jinja chat template file replacing the target's, or a built-in name (gemma3);
-    # GGUF files often carry none (README, "--target takes")
+    # GGUF files often carry none (docs/guide/targets.md, "Chat templates")
     chat_template: str | None = None
     target_layer_ids: list[int] | None = None  # None: evenly spaced from 1 to L-3 (docs/design/targets.md, "Target layer ids")
     num_target_layers: int = 5  # layers captured when target_layer_ids is None

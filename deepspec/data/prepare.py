@@ -179,7 +179,7 @@ class PrepareConfig:
     sort_window: int | None = None  # local backend: jobs sorted by prompt length per window; None = whole round
     target: str = "default"  # model (local) / tokenizer for prompt lengths (both backends); a folder or a GGUF file
     # a Jinja chat template file replacing the target's, or a built-in name (gemma3);
-    # GGUF files often carry none (README, "--target takes")
+    # GGUF files often carry none (docs/guide/targets.md, "Chat templates")
     chat_template: str | None = None
     # local backend: the target's dtype for generation: auto (bfloat16 on CUDA or a CPU with
     # AVX512-BF16/AMX, else float32) | float32 | bfloat16 (aliases fp32, bf16)

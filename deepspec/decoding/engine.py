@@ -70,6 +70,7 @@ Scope and choices:
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -79,7 +80,8 @@ import torch
 
 from deepspec.algorithms.protocol import Proposal, Proposer, draw_token
 from deepspec.decoding.compiled import CompiledTarget
-from deepspec.decoding.schedule import StepScheduler, load_or_measure_step_costs, measure_step_costs
+from deepspec.decoding.schedule import (StepCostCurve, StepScheduler, load_or_measure_step_costs, measure_step_costs,
+                                       step_cost_cache_dir)
 from deepspec.decoding.verify import GREEDY, verify, verify_tree
 from deepspec.device import device_model_name
 from deepspec.target.capture import target_forward, target_logits
@@ -408,8 +410,14 @@ class SpeculativeEngine:
             return self.scheduler
         max_tokens = max(self.compiled.step_lengths) if self.compiled is not None else 64
         max_tokens = max(max_tokens, int(self.proposer.max_proposal_len) + 1)
+        def measure() -> StepCostCurve:
+            print(f"deepspec: measuring the target's step cost curve (verify forwards of 1..{max_tokens} tokens; "
+                  f"once per target, device, dtype and threads, cached in {step_cost_cache_dir()})",
+                  file=sys.stderr, flush=True)
+            return self._measure_costs(max_tokens)
+
         with torch.inference_mode():
-            curve, _ = load_or_measure_step_costs(self._cost_key(max_tokens), lambda: self._measure_costs(max_tokens))
+            curve, _ = load_or_measure_step_costs(self._cost_key(max_tokens), measure)
         self.scheduler = StepScheduler(curve, serial_draft=bool(getattr(self.proposer, "drafts_serially", False)))
         return self.scheduler
 

@@ -286,7 +286,9 @@ def _setup_lines(cfg: Mapping[str, Any]) -> list[str]:
             + ("; few-row linear path on (deepspec.target.few_row_linear)" if cfg.get("few_row_linear") else "")
             + ("; exact verify rows on (deepspec.target.exact_rows)" if cfg.get("exact") else "")
             + ("; the target decodes on the compiled path, static KV cache + torch.compile (deepspec.decoding.compiled)"
-               if cfg.get("compile") else "") + "."]
+               if cfg.get("compile") else "")
+            + ("; `--schedule fixed`: every step verifies the whole proposal" if cfg.get("schedule") == "fixed" else "")
+            + "."]
     if (cfg.get("timing_repeats") or 1) > 1:
         lines += ["", f"Timing: every method ran each prompt {cfg['timing_repeats']} times, each run from the same "
                   "state, and the fastest run is reported (deepspec.eval.run)."]

@@ -304,7 +304,7 @@ def run_eval(
                             generator=run.new_generator(seed))
 
     total = sum(len(v) for v in rendered.values()) * len(run.methods) * timing_repeats
-    bar = tqdm(total=total, desc="eval", disable=not progress, unit="prompt")
+    bar = tqdm(total=total, desc="eval", disable=not progress, unit="run")  # one method on one prompt, once
     figures: dict[str, dict[str, Any]] = {}
     samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for bench, prompts in benchmarks.items():

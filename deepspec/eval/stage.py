@@ -37,7 +37,7 @@ class EvalConfig:
     output_dir: str  # report folder (eval_report.md / .json, acceptance, tau histogram and reliability PNGs)
     target: str = "default"  # "default" (embedded SmolLM2), a Hugging Face model folder or a GGUF file
     # a Jinja chat template file replacing the target's, or a built-in name (gemma3);
-    # GGUF files often carry none (README, "--target takes")
+    # GGUF files often carry none (docs/guide/targets.md, "Chat templates")
     chat_template: str | None = None
     # benchmark names (deepspec.eval.benchmarks), or "all": every benchmark whose data is found (others listed, skipped)
     benchmarks: list[str] = field(default_factory=lambda: ["all"])

@@ -7,6 +7,8 @@ Legend: N draft vocab (= V unless reduced), V target vocab, D draft hidden, B ba
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import Tensor, nn
 
@@ -137,6 +139,27 @@ def draft_from_target(cls, target_model: nn.Module, config, d2t: Tensor | None, 
         model.d2t.copy_(validate_d2t(d2t, vocab_size=config.vocab_size, draft_vocab_size=config.draft_vocab_size,
                                      source=where))
     return copy_target_embeddings(model, target_model, config_builder)
+
+
+def load_draft_weights(folder: Path, config_name: str, weights_name: str, who: str) -> dict[str, Tensor]:
+    """The state dict of a draft folder's ``weights_name`` (safetensors), after checking that ``config_name``
+    is there too.
+
+    Raises:
+        FileNotFoundError: either file missing (the message names both and says where such a folder comes from).
+        ValueError: a weights file safetensors cannot read (truncated, e.g. by an interrupted copy), naming it.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not (folder / config_name).is_file() or not (folder / weights_name).is_file():
+        raise FileNotFoundError(f"{who}: expected {folder / config_name} and {folder / weights_name}; pass a draft "
+                                "folder written by `deepspec train` (a checkpoint-NNNNNN folder or its run folder)")
+    try:
+        return load_file(str(folder / weights_name))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{folder / weights_name}: unreadable ({e}); the file is damaged or incomplete (an "
+                         "interrupted copy?). Copy the draft folder again, or pass another checkpoint of its run") from None
 
 
 def check_saved_d2t(state: dict[str, Tensor], config, source: str) -> dict[str, Tensor]:

@@ -512,7 +512,7 @@ class ServeConfig:
 
     target: str = "default"  # "default" (the embedded SmolLM2), a Hugging Face model folder or a GGUF file
     # a Jinja chat template file replacing the target's, or a built-in name (gemma3);
-    # GGUF files often carry none (README, "--target takes")
+    # GGUF files often carry none (docs/guide/targets.md, "Chat templates")
     chat_template: str | None = None
     host: str = "127.0.0.1"  # interface to listen on (0.0.0.0: every interface)
     port: int = 8000  # TCP port

@@ -150,6 +150,22 @@ def test_a_missing_forward_field_is_an_error_naming_it(setup, tmp_path, kind, se
         load_draft(folder)
 
 
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_a_truncated_or_missing_weights_file_is_an_error_naming_it(setup, tmp_path, kind):
+    import shutil
+
+    _, _, folders = setup
+    folder = tmp_path / kind
+    shutil.copytree(folders[kind], folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # an interrupted copy
+    with pytest.raises(ValueError, match=r"model\.safetensors: unreadable .*Copy the draft folder again"):
+        load_draft(folder)
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match=r"model\.safetensors; pass a draft folder written by `deepspec train`"):
+        load_draft(folder)
+
+
 def test_metadata_and_training_knobs_may_be_absent(setup, tmp_path):
     """Drafts saved before the target fingerprint (or markov_head_type) existed still load; the
     fingerprint is then reported as not recorded."""

@@ -38,7 +38,8 @@ from torch import Tensor, nn
 from deepspec.algorithms.dspark.config import DraftConfig
 from deepspec.models.calibration import CALIBRATION_NAME, ConfidenceCalibration, load_calibration
 from deepspec.models.config import CONFIG_NAME, WEIGHTS_NAME, save_draft_folder
-from deepspec.models.draft_common import DraftVocabMixin, check_saved_d2t, draft_from_target, qk_norms, split_heads
+from deepspec.models.draft_common import (
+    DraftVocabMixin, check_saved_d2t, draft_from_target, load_draft_weights, qk_norms, split_heads)
 from deepspec.models.mask import dense_block_mask, flex_block_mask
 
 
@@ -604,16 +605,12 @@ class DSparkDraftModel(DraftVocabMixin, nn.Module):
                         dtype: torch.dtype | None = None) -> DSparkDraftModel:
         """Load a folder written by :meth:`save_pretrained` (strict: every weight must match), with its
         confidence calibration when the folder has one (:func:`deepspec.models.calibration.load_calibration`)."""
-        from safetensors.torch import load_file
-
         path = Path(path)
-        if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
-            raise FileNotFoundError(f"from_pretrained: expected {path}/{CONFIG_NAME} and {path}/{WEIGHTS_NAME}; "
-                                    "pass a folder written by DSparkDraftModel.save_pretrained().")
+        weights = load_draft_weights(path, CONFIG_NAME, WEIGHTS_NAME, "DSparkDraftModel.from_pretrained")
         cfg = json.loads((path / CONFIG_NAME).read_text(encoding="utf-8"))
         config = DraftConfig.from_dict(cfg["draft_config"])
         model = cls(config)
-        state = check_saved_d2t(load_file(str(path / WEIGHTS_NAME)), config, str(path / WEIGHTS_NAME))
+        state = check_saved_d2t(weights, config, str(path / WEIGHTS_NAME))
         model.load_state_dict(state, strict=True)
         model.freeze_embeddings()
         if config.use_confidence_head:

@@ -39,7 +39,8 @@ from torch import Tensor, nn
 
 from deepspec.algorithms.eagle3.config import ALGORITHM_NAME, Eagle3Config
 from deepspec.models.config import CONFIG_NAME, WEIGHTS_NAME, save_draft_folder
-from deepspec.models.draft_common import DraftVocabMixin, check_saved_d2t, draft_from_target, qk_norms, split_heads
+from deepspec.models.draft_common import (
+    DraftVocabMixin, check_saved_d2t, draft_from_target, load_draft_weights, qk_norms, split_heads)
 
 
 @dataclass
@@ -312,19 +313,14 @@ class Eagle3DraftModel(DraftVocabMixin, nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu") -> Eagle3DraftModel:
-        from safetensors.torch import load_file
-
         path = Path(path)
-        if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
-            raise FileNotFoundError(f"Eagle3DraftModel.from_pretrained: expected {path}/{CONFIG_NAME} and "
-                                    f"{path}/{WEIGHTS_NAME}; pass a folder written by save_pretrained().")
+        weights = load_draft_weights(path, CONFIG_NAME, WEIGHTS_NAME, "Eagle3DraftModel.from_pretrained")
         cfg = json.loads((path / CONFIG_NAME).read_text(encoding="utf-8"))
         if cfg.get("deepspec_algorithm") != ALGORITHM_NAME:
             raise ValueError(f"Eagle3DraftModel.from_pretrained: {path} holds a "
                              f"{cfg.get('deepspec_algorithm', 'dspark/dflash')!r} draft, not an Eagle3 one.")
         config = Eagle3Config.from_dict(cfg["eagle3_config"])
         model = cls(config)
-        model.load_state_dict(check_saved_d2t(load_file(str(path / WEIGHTS_NAME)), config, str(path / WEIGHTS_NAME)),
-                              strict=True)
+        model.load_state_dict(check_saved_d2t(weights, config, str(path / WEIGHTS_NAME)), strict=True)
         model.freeze_embeddings()
         return model.to(device)
