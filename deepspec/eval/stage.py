@@ -18,7 +18,8 @@ from pathlib import Path
 
 from deepspec.algorithms.ngram.corpus import (DEFAULT_CORPUS_NGRAM_MIN, NGramCorpus, check_corpus_use,
                                                check_corpus_vocab, check_prompts_in_corpus)
-from deepspec.algorithms.registry import check_draft_target, load_draft
+from deepspec.algorithms.dspark.original import is_original_layout
+from deepspec.algorithms.registry import algorithm_of_draft, check_draft_target, load_draft
 from deepspec.checkpoints import draft_folder
 from deepspec.data.sources import SourceUnavailableError
 from deepspec.decoding.settings import DecodeSettings, build_proposers, unique_name
@@ -292,6 +293,9 @@ def _run_eval_into(out_dir: Path, cfg: EvalConfig, *, target_model, tokenizer, d
     settings = cfg.decode_settings()
     device = resolve_device(settings.device, "eval.device")
     folders = [draft_folder(path) for path in cfg.draft] if drafts is None else []
+    for folder in folders:  # a config.json no draft wrote is named now, not after the target loads
+        if not is_original_layout(folder):
+            algorithm_of_draft(folder)
     benchmarks, skipped = load_eval_benchmarks(cfg)
     corpus = NGramCorpus.from_prepared(cfg.lookup_corpus, field="eval.lookup_corpus") if cfg.lookup_corpus else None
     answered = {} if corpus is None else check_prompts_in_corpus(

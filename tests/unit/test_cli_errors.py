@@ -92,3 +92,18 @@ def test_demo_with_damaged_training_data_stops_in_one_line_before_loading_the_ta
     assert len(lines) == 1 and lines[0].startswith("deepspec demo: error: ")
     assert str(packaged / "gsm8k" / "train.jsonl.gz") in lines[0] and "reinstall DeepSpec" in lines[0]
     assert "sharegpt" not in captured.out.lower() and not out.exists()
+
+
+@pytest.mark.parametrize("config_text,message", [
+    ("{not json", "not valid JSON"),
+    ('{"architectures": ["LlamaForCausalLM"]}', "is not a DeepSpec draft's"),
+])
+def test_eval_names_a_draft_config_no_draft_wrote_before_loading_the_target(tmp_path, capsys, no_target_load,
+                                                                             config_text, message):
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(config_text)
+    assert main(["eval", "--draft", str(draft), "--benchmarks", "gsm8k", "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "deepspec eval: error:" in err and message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
