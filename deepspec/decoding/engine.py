@@ -410,6 +410,7 @@ class SpeculativeEngine:
             return self.scheduler
         max_tokens = max(self.compiled.step_lengths) if self.compiled is not None else 64
         max_tokens = max(max_tokens, int(self.proposer.max_proposal_len) + 1)
+
         def measure() -> StepCostCurve:
             print(f"deepspec: measuring the target's step cost curve (verify forwards of 1..{max_tokens} tokens; "
                   f"once per target, device, dtype and threads, cached in {step_cost_cache_dir()})",

@@ -280,12 +280,12 @@ class StepScheduler:
     nothing may cost: after such a probe the interval is at least the plain steps whose time, at this
     share, pays for the probe's measured extra seconds over a plain step (a running mean: a draft call,
     its first one on a request flushing the prompt's features through the draft, and the verify of the
-    probed nodes), and a request starts at that interval too, so that an expensive draft on prompts it does
-    not know stays within the share (None: the doubling alone). ``rate_decay``: the weight of the past in the running rate, propose
-    time and overhead. ``serial_draft``: the proposer drafts one token per draft forward (Eagle3's chain:
-    a call's cost grows with its depth) and drafts only the depth :meth:`plan` chose, so a proposal is
-    priced per drafted token. Use one scheduler per engine; :meth:`reset` starts a request (the long-run
-    counts and timings carry over).
+    probed nodes), and a request starts at that interval too, so that an expensive draft on prompts it
+    does not know stays within the share (None: the doubling alone). ``rate_decay``: the weight of the
+    past in the running rate, propose time and overhead. ``serial_draft``: the proposer drafts one token
+    per draft forward (Eagle3's chain: a call's cost grows with its depth) and drafts only the depth
+    :meth:`plan` chose, so a proposal is priced per drafted token. Use one scheduler per engine;
+    :meth:`reset` starts a request (the long-run counts and timings carry over).
     """
 
     curve: StepCostCurve
