@@ -322,11 +322,12 @@ class StepScheduler:
 
     def _budget_interval(self, interval: int) -> int:
         """``interval``, raised to the plain steps that pay for a fruitless probe at :attr:`probe_budget`
-        (``probe_cost_s / (probe_budget * plain step seconds)``, rounded up), capped at :attr:`max_probe_every`."""
-        if self.probe_budget and self.probe_cost_s > 0:
-            plain_s = self.seconds(1) + self.overhead_s
-            interval = max(interval, math.ceil(self.probe_cost_s / (self.probe_budget * plain_s)))
-        return min(interval, max(self.max_probe_every, self.probe_every))
+        (``probe_cost_s / (probe_budget * plain step seconds)``, rounded up; that floor capped at
+        :attr:`max_probe_every`)."""
+        if not self.probe_budget or self.probe_cost_s <= 0:
+            return interval
+        plain_s = self.seconds(1) + self.overhead_s
+        return max(interval, min(math.ceil(self.probe_cost_s / (self.probe_budget * plain_s)), self.max_probe_every))
 
     def seconds(self, n: int) -> float:
         """Expected seconds of a verify forward over ``n`` tokens now."""

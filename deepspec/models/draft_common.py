@@ -159,7 +159,8 @@ def load_draft_weights(folder: Path, config_name: str, weights_name: str, who: s
         return load_file(str(folder / weights_name))
     except (SafetensorError, OSError) as e:
         raise ValueError(f"{folder / weights_name}: unreadable ({e}); the file is damaged or incomplete (an "
-                         "interrupted copy?). Copy the draft folder again, or pass another checkpoint of its run") from None
+                         "interrupted copy?). Copy the draft folder again, or pass another checkpoint of its "
+                         "run") from None
 
 
 def check_saved_d2t(state: dict[str, Tensor], config, source: str) -> dict[str, Tensor]:
