@@ -85,12 +85,15 @@ class DemoConfig:
     # long prompts cost the demo 80 s)
     eval_benchmarks: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mt-bench", "alpaca"])
     eval_num_prompts: int = 3  # prompts per benchmark
-    # NAME=N: fewer (or more) prompts for that benchmark (`make recipe`: 4 on the general-chat sets, whose long
-    # answers and prompts were 70 % of its eval time); none given = eval_num_prompts everywhere
-    eval_num_prompts_per_benchmark: list[str] = field(default_factory=list)
-    eval_max_new_tokens: int = 48  # per prompt
-    # runs of every (prompt, method) in the eval, the fastest kept (eval.timing_repeats): with 3 prompts of 48 tokens a
-    # chat row moved 3 % between runs of one draft on one host, since other work on the machine only adds time
+    # NAME=N: fewer (or more) prompts for that benchmark: 4 on the chat sets, where the draft is near break-even and a
+    # row must resolve a few percent (with 3 prompts of 48 tokens one moved 2-4 % between runs of one draft on one
+    # host); none given = eval_num_prompts everywhere
+    eval_num_prompts_per_benchmark: list[str] = field(default_factory=lambda: ["mt-bench=4", "alpaca=4"])
+    # per prompt: a request's first draft call (the prompt through the draft) and first guesses are paid once, so
+    # short answers overweigh them against a server's
+    eval_max_new_tokens: int = 64
+    # runs of every (prompt, method) in the eval, the fastest kept (eval.timing_repeats), since other work on the
+    # machine only adds time
     eval_timing_repeats: int = 2
     temperature: float = 0.0  # eval decoding; 0 = greedy
     # tokens each draft proposes per step in the eval (vLLM's num_speculative_tokens). On a CPU a float32 verify

@@ -299,6 +299,7 @@ class StepScheduler:
     propose_s: float = 0.0  # running seconds of a propose call (serial_draft: per drafted token)
     overhead_s: float = 0.0  # running seconds of a plain step besides its forward
     verify_overhead_s: float = 0.0  # the same for a step that verified draft nodes (more features, a KV move)
+    verify_excess_s: float = 0.0  # running seconds a verify forward with draft nodes took beyond :meth:`seconds`
     probe_cost_s: float = 0.0  # running extra seconds of a probe that accepted nothing, over a plain step
     rate: float = 0.0  # running committed tokens per second
     num_observed: int = 0  # steps observed (the first one sets the running figures)
@@ -339,9 +340,12 @@ class StepScheduler:
         return max(plain, self.rate)
 
     def verify_extra_s(self) -> float:
-        """The running seconds a step that verifies draft nodes spends besides its forward beyond a plain
-        step's (the accepted nodes' features handed to the proposer, a tree's KV entries moved)."""
-        return max(self.verify_overhead_s - self.overhead_s, 0.0)
+        """The running seconds a step that verifies draft nodes spends beyond a plain step's and the curve's
+        difference between their forwards: its bookkeeping (the accepted nodes' features handed to the
+        proposer, a tree's KV entries moved) and its forward's measured excess over the curve (a tree mask's
+        attention path, kernels for a row count that plain steps leave cold: the curve is timed warm, over
+        chains)."""
+        return max(self.verify_overhead_s - self.overhead_s + self.verify_excess_s, 0.0)
 
     def _best_prefix(self, path_probs: Sequence[float], lam: float, base_tokens: int = 1,
                      per_node_s: float = 0.0) -> tuple[int, float]:
@@ -475,7 +479,12 @@ class StepScheduler:
         self.probing = False
 
         if verify_s > 0:
-            self.scale = running(self.scale, verify_s / self.curve.seconds_for(n + 1))
+            forward_s = verify_s
+            if n:  # the excess over the scaled curve, kept apart so that plain steps keep the scale
+                excess = verify_s - self.seconds(n + 1)
+                self.verify_excess_s = excess if self.verify_excess_s == 0.0 else running(self.verify_excess_s, excess)
+                forward_s -= self.verify_excess_s
+            self.scale = running(self.scale, max(forward_s, 1e-9) / self.curve.seconds_for(n + 1))
         if propose_s is not None and proposal.sources_N is None:  # a draft model's call (plan weighs it)
             if self.serial_draft:
                 propose_s /= max(num_drafted if num_drafted is not None else n, 1)

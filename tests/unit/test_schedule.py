@@ -261,6 +261,24 @@ def test_the_bookkeeping_of_a_verifying_step_is_weighed():
     assert not sched.plan(1)  # nor does a proposal pay for its call
 
 
+def test_a_verify_forward_slower_than_the_curve_says_is_weighed():
+    """Plain steps keep the curve's scale; a forward that verifies draft nodes and takes longer than the
+    curve says for its token count (a tree mask's attention path, kernels plain steps leave cold) adds that
+    measured excess to the price of verifying any node, so a node worth less is cut."""
+    sched = StepScheduler(FLAT)
+    plain, verified = Proposal.empty(), _chain(1)
+    for _ in range(30):
+        sched.observe(plain, 0, None, verify_s=0.01, propose_s=None, overhead_s=0.0, num_committed=1, step_s=0.01)
+        sched.observe(verified, 0, None, verify_s=0.015, propose_s=0.0, overhead_s=0.0, num_committed=1,
+                      step_s=0.015)
+    assert sched.verify_excess_s == pytest.approx(0.005, rel=0.25)
+    assert sched.verify_extra_s() == pytest.approx(sched.verify_excess_s)
+    sched.estimator = AcceptanceEstimator(first_prior=0.3)
+    assert sched.select(_chain(1), greedy=True).num_proposed == 0  # 0.3 tokens against half a step
+    sched.verify_excess_s = 0.0
+    assert sched.select(_chain(1), greedy=True).num_proposed == 1
+
+
 def test_a_cheap_proposer_cut_whole_is_still_probed():
     """A proposer that costs nothing to call is always called, and the scheduler decides from its proposal;
     where every proposal is cut whole, the calls count as plain steps and a probe verifies one node."""
