@@ -544,7 +544,10 @@ class Proposer(Protocol):
     steps its scheduler judges the draft not worth calling (:mod:`deepspec.decoding.schedule`). An
     optional class attribute ``drafts_serially = True`` says each proposed token costs one draft forward
     (Eagle3): ``propose`` then also takes ``max_len`` (draft at most that many tokens; a tree at most that
-    deep), which the engine's scheduler sets to the depth worth drafting.
+    deep), which the engine's scheduler sets to the depth worth drafting. An optional attribute
+    ``num_pending_features`` counts the committed positions whose features the next ``propose`` first runs
+    through the draft (a context kept lazily, so that a step without a draft call costs no draft forward;
+    absent: 0): the scheduler prices that flush (a request's prompt) before it probes.
     """
 
     max_proposal_len: int

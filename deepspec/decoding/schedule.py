@@ -54,6 +54,9 @@ from deepspec.utils import atomic_write_json
 
 # Token counts a cost curve is measured at (the engine measures those up to its longest verify).
 MEASURED_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# A draft call that first flushes at least this many queued context positions teaches the flush's seconds per
+# position (fewer are lost in the call's own noise).
+FLUSH_MIN_FEATURES = 16
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,13 @@ class AcceptanceEstimator:
     harder than the long run's mix (``r < 1``), ``1 - (1 - p) / r`` for an easier one (a draft that pays
     on one kind of prompt may not on the next). One factor learns from every node the request verifies,
     so it moves within a few steps without making each cell's own estimate rest on a request's few
-    counts (a random effect per request, shrunk towards 1).
+    counts (a random effect per request). It is shrunk towards the recent requests' factor ``r0``: ``r =
+    (accepted + request_strength * r0) / (expected + request_strength)``, with ``log r0`` the running mean
+    (weight ``request_prior_decay`` on the past) of finished requests' ``log((accepted + request_strength) /
+    (expected + request_strength))``, one vote per request that verified a node (the empirical-Bayes mean
+    of the random effect). The cells count nodes, so requests on which the draft pays (many nodes each)
+    outweigh those on which it does not (a probe or two); ``r0`` weighs requests alike, so a request
+    following ones the draft did not know does not start with a gamble on the cells' figures.
     """
 
     bins: int = 10
@@ -202,20 +211,30 @@ class AcceptanceEstimator:
     first_prior: float = 0.5
     other_prior: float = 0.1
     request_strength: float = 1.0
+    request_prior_decay: float = 0.7
     cells: dict[tuple[str, int, int, int], list[float]] = field(default_factory=dict)
     request_counts: dict[str, list[float]] = field(default_factory=dict)  # source: [accepted, expected]
+    request_prior: dict[str, float] = field(default_factory=dict)  # source: log r0
 
     def start_request(self) -> None:
-        """Forget the current request's counts (the long-run counts stay)."""
+        """Fold the finished request's factor into ``r0`` (per source, for a request that verified a node of
+        it) and forget its counts (the long-run counts stay)."""
+        for source, (accepted, expected) in self.request_counts.items():
+            if expected > 0:
+                own = math.log((accepted + self.request_strength) / (expected + self.request_strength))
+                old = self.request_prior.get(source, 0.0)
+                self.request_prior[source] = self.request_prior_decay * old + (1 - self.request_prior_decay) * own
         self.request_counts.clear()
 
     def request_factor(self, source: str = DRAFT_SOURCE) -> float:
-        """The current request's factor for ``source``: ``(accepted + request_strength) / (expected +
-        request_strength)`` over the nodes it verified (1.0 before it has verified one)."""
+        """The current request's factor for ``source``: ``(accepted + request_strength * r0) / (expected +
+        request_strength)`` over the nodes it verified (``r0``, the recent requests' factor, before it has
+        verified one; 1.0 before any request has)."""
+        prior = math.exp(self.request_prior.get(source, 0.0))
         counts = self.request_counts.get(source)
         if counts is None:
-            return 1.0
-        return (counts[0] + self.request_strength) / (counts[1] + self.request_strength)
+            return prior
+        return (counts[0] + self.request_strength * prior) / (counts[1] + self.request_strength)
 
     def _key(self, depth: int, rank: int, score: float | None, source: str) -> tuple[str, int, int, int]:
         return (source, min(depth, self.max_depth), min(rank, self.max_rank), _score_bin(score, self.bins))
@@ -281,7 +300,12 @@ class StepScheduler:
     share, pays for the probe's measured extra seconds over a plain step (a running mean: a draft call,
     its first one on a request flushing the prompt's features through the draft, and the verify of the
     probed nodes), and a request starts at that interval too, so that an expensive draft on prompts it
-    does not know stays within the share (None: the doubling alone). ``rate_decay``: the weight of the
+    does not know stays within the share (None: the doubling alone). A draft call first runs the context
+    positions the proposer queued since its last call through the draft (``pending`` in :meth:`plan`: the
+    prompt, at a request's first call); its seconds per position are learned apart
+    (:attr:`flush_s_per_position`), and a probe waits until the plain steps pay for that flush as well. A
+    step :meth:`plan` expects to pay does not: the flush serves every later draft call of the request, so a
+    plan that looks one step ahead would refuse a long prompt's draft for good. ``rate_decay``: the weight of the
     past in the running rate, propose time and overhead. ``serial_draft``: the proposer drafts one token
     per draft forward (Eagle3's chain: a call's cost grows with its depth) and drafts only the depth
     :meth:`plan` chose, so a proposal is priced per drafted token. Use one scheduler per engine;
@@ -300,7 +324,9 @@ class StepScheduler:
     overhead_s: float = 0.0  # running seconds of a plain step besides its forward
     verify_overhead_s: float = 0.0  # the same for a step that verified draft nodes (more features, a KV move)
     verify_excess_s: float = 0.0  # running seconds a verify forward with draft nodes took beyond :meth:`seconds`
-    probe_cost_s: float = 0.0  # running extra seconds of a probe that accepted nothing, over a plain step
+    probe_cost_s: float = 0.0  # running extra seconds of a probe that accepted nothing, over a plain step (no flush)
+    flush_s_per_position: float = 0.0  # running seconds a draft call spends per queued context position
+    pending: int = 0  # the queued context positions the current step's draft call flushes (set by plan)
     rate: float = 0.0  # running committed tokens per second
     num_observed: int = 0  # steps observed (the first one sets the running figures)
     plain_streak: int = 0
@@ -321,14 +347,15 @@ class StepScheduler:
         self.depth_limit = None
         self.estimator.start_request()
 
-    def _budget_interval(self, interval: int) -> int:
+    def _budget_interval(self, interval: int, flush_s: float = 0.0) -> int:
         """``interval``, raised to the plain steps that pay for a fruitless probe at :attr:`probe_budget`
-        (``probe_cost_s / (probe_budget * plain step seconds)``, rounded up; that floor capped at
+        (``(probe_cost_s + flush_s) / (probe_budget * plain step seconds)``, rounded up; that floor capped at
         :attr:`max_probe_every`)."""
-        if not self.probe_budget or self.probe_cost_s <= 0:
+        cost_s = self.probe_cost_s + flush_s
+        if not self.probe_budget or cost_s <= 0:
             return interval
         plain_s = self.seconds(1) + self.overhead_s
-        return max(interval, min(math.ceil(self.probe_cost_s / (self.probe_budget * plain_s)), self.max_probe_every))
+        return max(interval, min(math.ceil(cost_s / (self.probe_budget * plain_s)), self.max_probe_every))
 
     def seconds(self, n: int) -> float:
         """Expected seconds of a verify forward over ``n`` tokens now."""
@@ -363,17 +390,22 @@ class StepScheduler:
                 best_m, best = j, gain
         return best_m, best
 
-    def plan(self, max_depth: int) -> bool:
+    def plan(self, max_depth: int, pending: int = 0) -> bool:
         """Before proposing: whether a proposal of up to ``max_depth`` chain tokens is expected to pay for
         its propose call and verify (from the running per-depth acceptance); a proposer whose call costs
         under 2 % of a token's time always proposes (the proposal itself tells more), and after
-        :attr:`probe_interval` plain steps in a row one step probes (proposes anyway).
+        :attr:`probe_interval` plain steps in a row (more while the ``pending`` context positions the call
+        would flush cost more than the budget's share of them) one step probes (proposes anyway).
         Sets :attr:`depth_limit` to the planned depth (with :attr:`serial_draft`, the depth worth its
         drafting as well as its verify: the proposer drafts no deeper, a probe one token) and :attr:`probing`."""
         accept = [self.estimator.estimate(d) for d in range(1, max_depth + 1)]
         lam = self.lam()
         path = list(itertools.accumulate(accept, operator.mul))
-        self.probing = self.plain_streak >= self.probe_interval
+        self.pending = int(pending)
+        interval = self.probe_interval
+        if self.flush_s_per_position > 0 and self.pending:
+            interval = self._budget_interval(interval, self.flush_s_per_position * self.pending)
+        self.probing = self.plain_streak >= interval
         if self.serial_draft:  # each drafted node's seconds are priced inside the gain
             m, gain = self._best_prefix(path, lam, per_node_s=self.propose_s)
             call_s = self.propose_s * max(m, 1)
@@ -469,11 +501,21 @@ class StepScheduler:
         def running(old: float, new: float) -> float:
             return new if first else self.rate_decay * old + (1 - self.rate_decay) * new
 
+        flush_s = 0.0  # the part of a draft call that flushed queued context positions, apart from its drafting
+        drafted_n = max(num_drafted if num_drafted is not None else n, 1) if self.serial_draft else 1
+        if propose_s is not None and proposal.sources_N is None and self.pending >= FLUSH_MIN_FEATURES:
+            if self.propose_s > 0:  # what the call took beyond its drafting, per position flushed
+                per = max(propose_s - self.propose_s * drafted_n, 0.0) / self.pending
+                self.flush_s_per_position = per if self.flush_s_per_position == 0.0 else running(
+                    self.flush_s_per_position, per)
+            flush_s = min(self.flush_s_per_position * self.pending, propose_s)
+        self.pending = 0
+
         if self.probing and n:
             if num_accepted:
                 self.probe_interval = self.probe_every
-            else:  # priced against a plain step as the scheduler knew it before this step
-                extra_s = max(step_s - self.seconds(1) - self.overhead_s, 0.0)
+            else:  # priced against a plain step as the scheduler knew it before this step; the flush apart
+                extra_s = max(step_s - flush_s - self.seconds(1) - self.overhead_s, 0.0)
                 self.probe_cost_s = extra_s if self.probe_cost_s == 0.0 else running(self.probe_cost_s, extra_s)
                 self.probe_interval = self._budget_interval(min(2 * self.probe_interval, self.max_probe_every))
         self.probing = False
@@ -486,8 +528,7 @@ class StepScheduler:
                 forward_s -= self.verify_excess_s
             self.scale = running(self.scale, max(forward_s, 1e-9) / self.curve.seconds_for(n + 1))
         if propose_s is not None and proposal.sources_N is None:  # a draft model's call (plan weighs it)
-            if self.serial_draft:
-                propose_s /= max(num_drafted if num_drafted is not None else n, 1)
+            propose_s = (propose_s - flush_s) / drafted_n
             self.propose_s = propose_s if self.propose_s == 0.0 else running(self.propose_s, propose_s)
         if first:
             self.overhead_s = self.verify_overhead_s = max(overhead_s, 0.0)

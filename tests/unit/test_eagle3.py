@@ -130,12 +130,15 @@ def test_loss_invariant_to_padding_and_global_normalisation(target):
 
 
 def test_training_forward_matches_inference_chain(target):
-    """Row t of TTT step k equals chain step k after committing rows 0..t (teacher-forced tokens)."""
+    """Row t of TTT step k equals chain step k after committing rows 0..t (teacher-forced tokens), whether
+    the rows are committed at once (a request's prompt: the causal kernel, no mask) or after earlier ones."""
     d = make_draft(target).eval()
     ids, lm, feats, last = sample(target, S=16)
     with torch.no_grad():
         outs = d.forward_train(ids, feats)
     for t in (0, 4, 8):
+        at_once = d.commit_rows(d.new_cache(), ids[0, 1:t + 2], feats[0, :t + 1])
+        assert torch.allclose(at_once, outs[0][0, :t + 1], atol=1e-5), t
         cache = d.new_cache()
         split = min(2, t)  # commit rows 0..split-1 first, then the rest: exercises the cached path
         if split:
@@ -531,7 +534,7 @@ def test_auto_schedule_drafts_the_planned_depth_and_stays_lossless(target, train
     sched.estimator = AcceptanceEstimator(first_prior=0.6)
     planned = []
     plan = sched.plan
-    sched.plan = lambda k: planned.append(plan(k) and sched.depth_limit) or planned[-1]
+    sched.plan = lambda k, pending=0: planned.append(plan(k, pending) and sched.depth_limit) or planned[-1]
     for prompt in PROMPTS:
         ref = _engine(target, NullProposer()).generate(prompt, max_new_tokens=30)
         res = SpeculativeEngine(target, LAYER_IDS, proposer, [EOS], schedule=sched).generate(prompt, max_new_tokens=30)

@@ -93,6 +93,11 @@ class DSparkProposer:
         self.cache = self.model.new_context_cache()
         self.pending: list[Tensor] = []  # committed positions' features not yet in the cache, in order
 
+    @property
+    def num_pending_features(self) -> int:
+        """Committed positions queued for the next :meth:`propose`'s context flush."""
+        return sum(int(f.shape[0]) for f in self.pending)
+
     def extend_context(self, target_hidden_TF: Tensor, token_ids_T: list[int]) -> None:
         """Queue the features ``[T, F]`` of the next committed positions (DSpark's context is the features
         alone); they enter the context cache at the next :meth:`propose`, so a step a scheduler makes without

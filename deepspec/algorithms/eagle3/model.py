@@ -77,10 +77,16 @@ class Eagle3Attention(nn.Module):
         return split_heads(x, n_heads, self.head_dim, norm)
 
     def forward(self, x_BT2: Tensor, cos: Tensor, sin: Tensor, prev_k: Tensor | None, prev_v: Tensor | None,
-                mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                mask: Tensor | None, is_causal: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """Queries/keys/values of the T new rows; attend to ``cat(prev, new)`` under ``mask`` (bool
-        ``[.., T, P+T]``, True = visible; None = everything visible). Returns (out ``[B, T, H]``,
-        new K (RoPE'd), new V), both ``[B, Hk, T, d]``."""
+        ``[.., T, P+T]``, True = visible; None = everything visible, or with ``is_causal`` and no ``prev``
+        the causal rule, which SDPA's kernels run without reading a mask: about half a dense mask's time
+        over a long prompt). Returns (out ``[B, T, H]``, new K (RoPE'd), new V), both ``[B, Hk, T, d]``.
+
+        Raises ValueError for ``is_causal`` with a mask or with earlier rows (SDPA aligns its causal rule
+        to the top left, which is wrong once queries follow cached keys)."""
+        if is_causal and (mask is not None or prev_k is not None):
+            raise ValueError("Eagle3Attention: is_causal expects no mask and no earlier rows.")
         B, T, _ = x_BT2.shape
         q = self._split(self.q_proj(x_BT2), self.num_heads, self.q_norm)
         k = self._split(self.k_proj(x_BT2), self.num_kv_heads, self.k_norm)
@@ -88,7 +94,7 @@ class Eagle3Attention(nn.Module):
         q, k = self._apply_rope(q, k, cos, sin)
         k_all = k if prev_k is None else torch.cat([prev_k.expand(B, -1, -1, -1), k], dim=2)
         v_all = v if prev_v is None else torch.cat([prev_v.expand(B, -1, -1, -1), v], dim=2)
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=is_causal,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)), k, v
 
@@ -103,9 +109,9 @@ class Eagle3DecoderLayer(nn.Module):
         self.hidden_norm = Norm(c.hidden_size, eps=c.rms_norm_eps)  # on the fused feature / previous hidden
         self.post_attention_layernorm = Norm(c.hidden_size, eps=c.rms_norm_eps)
 
-    def forward(self, emb_BTH: Tensor, hid_BTH: Tensor, cos, sin, prev_k, prev_v, mask):
+    def forward(self, emb_BTH: Tensor, hid_BTH: Tensor, cos, sin, prev_k, prev_v, mask, is_causal: bool = False):
         x = torch.cat([self.input_layernorm(emb_BTH), self.hidden_norm(hid_BTH)], dim=-1)
-        attn, k, v = self.self_attn(x, cos, sin, prev_k, prev_v, mask)
+        attn, k, v = self.self_attn(x, cos, sin, prev_k, prev_v, mask, is_causal)
         h = hid_BTH + attn
         return h + self.mlp(self.post_attention_layernorm(h)), k, v
 
@@ -260,9 +266,12 @@ class Eagle3DraftModel(DraftVocabMixin, nn.Module):
         emb = self.embed(next_token_ids_T.to(dev).long().view(1, T)).to(hid.dtype)
         L = cache.length
         cos, sin = self.rotary_emb(hid, torch.arange(L, L + T, device=dev).unsqueeze(0))
-        mask = torch.ones(T, L + T, dtype=torch.bool, device=dev)
-        mask[:, L:] = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-        out, k, v = self.midlayer(emb, hid, cos, sin, cache.k, cache.v, mask)
+        if L == 0:  # a request's prompt: the causal rule alone, no dense [T, T] mask
+            out, k, v = self.midlayer(emb, hid, cos, sin, None, None, None, is_causal=True)
+        else:
+            mask = torch.ones(T, L + T, dtype=torch.bool, device=dev)
+            mask[:, L:] = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+            out, k, v = self.midlayer(emb, hid, cos, sin, cache.k, cache.v, mask)
         cache.k = k if cache.k is None else torch.cat([cache.k, k], dim=2)
         cache.v = v if cache.v is None else torch.cat([cache.v, v], dim=2)
         cache.length += T

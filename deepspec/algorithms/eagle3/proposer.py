@@ -73,6 +73,11 @@ class Eagle3Proposer:
     def num_features(self) -> int:
         return self.cache.length + len(self.pending)
 
+    @property
+    def num_pending_features(self) -> int:
+        """Committed positions whose rows the next :meth:`propose` commits first."""
+        return len(self.pending)
+
     def extend_context(self, target_hidden_TF: Tensor, token_ids_T: Tensor | list[int]) -> None:
         ids = [int(t) for t in (token_ids_T.tolist() if isinstance(token_ids_T, Tensor) else token_ids_T)]
         if len(ids) != target_hidden_TF.shape[0]:

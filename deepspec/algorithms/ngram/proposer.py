@@ -275,6 +275,11 @@ class LookupFirstProposer:
         self.steps_from_draft = 0
 
     @property
+    def num_pending_features(self) -> int:
+        """The draft's queued context positions (its next call flushes them)."""
+        return int(getattr(self.draft, "num_pending_features", 0))
+
+    @property
     def drafts_serially(self) -> bool:
         """The draft's ``drafts_serially``: ``propose``'s ``max_len`` then caps the draft's depth (not the match)."""
         return bool(getattr(self.draft, "drafts_serially", False))

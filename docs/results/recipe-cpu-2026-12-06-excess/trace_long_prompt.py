@@ -44,7 +44,7 @@ sched = drafting.ensure_scheduler()
 step = {"i": 0}
 
 
-def plan(max_depth: int) -> bool:  # the scheduler's plan replaced: draft one token on one step only
+def plan(max_depth: int, pending: int = 0) -> bool:  # the scheduler's plan replaced: draft one token on one step only
     i, step["i"] = step["i"], step["i"] + 1
     sched.depth_limit, sched.probing, sched.proposing = 1, False, i == args.draft_at
     if not sched.proposing:
