@@ -194,13 +194,15 @@ class AcceptanceEstimator:
     harder than the long run's mix (``r < 1``), ``1 - (1 - p) / r`` for an easier one (a draft that pays
     on one kind of prompt may not on the next). One factor learns from every node the request verifies,
     so it moves within a few steps without making each cell's own estimate rest on a request's few
-    counts (a random effect per request). It is shrunk towards the recent requests' factor ``r0``: ``r =
-    (accepted + request_strength * r0) / (expected + request_strength)``, with ``log r0`` the running mean
-    (weight ``request_prior_decay`` on the past) of finished requests' ``log((accepted + request_strength) /
-    (expected + request_strength))``, one vote per request that verified a node (the empirical-Bayes mean
-    of the random effect). The cells count nodes, so requests on which the draft pays (many nodes each)
-    outweigh those on which it does not (a probe or two); ``r0`` weighs requests alike, so a request
-    following ones the draft did not know does not start with a gamble on the cells' figures.
+    counts (a random effect per request). It is shrunk towards the recent requests' mean factor ``r0``:
+    ``r = (accepted + request_strength * r0) / (expected + request_strength)``, the posterior mean of a
+    Gamma prior of mean ``r0``; ``r0`` is the running mean (weight ``request_prior_decay`` on the past) of
+    finished requests' ``r``, one vote per request that verified a node: an online EM estimate of the
+    random effect's mean (Dempster, Laird and Rubin 1977; its M-step is the mean of the posterior means).
+    The cells count nodes, so requests on which the draft pays (many nodes each) outweigh those on which
+    it does not (a probe or two); ``r0`` weighs requests alike, so a request that follows ones the draft did
+    not know does not open with a gamble on the cells' figures, and one vote from a request the draft knows
+    lifts it again.
     """
 
     bins: int = 10
@@ -211,26 +213,25 @@ class AcceptanceEstimator:
     first_prior: float = 0.5
     other_prior: float = 0.1
     request_strength: float = 1.0
-    request_prior_decay: float = 0.7
+    request_prior_decay: float = 0.5
     cells: dict[tuple[str, int, int, int], list[float]] = field(default_factory=dict)
     request_counts: dict[str, list[float]] = field(default_factory=dict)  # source: [accepted, expected]
-    request_prior: dict[str, float] = field(default_factory=dict)  # source: log r0
+    request_prior: dict[str, float] = field(default_factory=dict)  # source: r0
 
     def start_request(self) -> None:
         """Fold the finished request's factor into ``r0`` (per source, for a request that verified a node of
         it) and forget its counts (the long-run counts stay)."""
-        for source, (accepted, expected) in self.request_counts.items():
+        for source, (_, expected) in self.request_counts.items():
             if expected > 0:
-                own = math.log((accepted + self.request_strength) / (expected + self.request_strength))
-                old = self.request_prior.get(source, 0.0)
+                own, old = self.request_factor(source), self.request_prior.get(source, 1.0)
                 self.request_prior[source] = self.request_prior_decay * old + (1 - self.request_prior_decay) * own
         self.request_counts.clear()
 
     def request_factor(self, source: str = DRAFT_SOURCE) -> float:
         """The current request's factor for ``source``: ``(accepted + request_strength * r0) / (expected +
-        request_strength)`` over the nodes it verified (``r0``, the recent requests' factor, before it has
-        verified one; 1.0 before any request has)."""
-        prior = math.exp(self.request_prior.get(source, 0.0))
+        request_strength)`` over the nodes it verified (``r0``, the recent requests' mean factor, before it
+        has verified one; 1.0 before any request has)."""
+        prior = self.request_prior.get(source, 1.0)
         counts = self.request_counts.get(source)
         if counts is None:
             return prior
