@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,6 +47,34 @@ from deepspec.eval.metrics import schedule_stats, step_timing_stats  # noqa: E40
 from deepspec.eval.run import eos_token_ids_of  # noqa: E402
 from deepspec.target.load import EMBEDDED_DEFAULT, open_target  # noqa: E402
 from deepspec.utils import atomic_write_json, pyplot, save_png  # noqa: E402
+
+
+class Loaded(NamedTuple):
+    """A target and a trained draft, ready for engines: the target model and tokenizer, the draft (cast to the
+    target's dtype, in eval mode), its algorithm, the target's EOS ids, the layers the draft reads and the target's
+    position limit."""
+
+    model: Any
+    tokenizer: Any
+    draft: Any
+    algorithm: Any
+    eos: list[int]
+    layers: list[int]
+    max_positions: int
+
+
+def open_target_and_draft(draft: str, target: str = EMBEDDED_DEFAULT, dtype: str = "auto") -> Loaded:
+    """Load ``target`` on the CPU in ``dtype`` (``deepspec.device.resolve_dtype``'s names) and the draft trained for
+    it (a ``deepspec train`` run folder or checkpoint). Raises ValueError / FileNotFoundError for a bad dtype, a
+    missing draft (named before the target loads) or a draft trained for another target."""
+    torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
+    folder = draft_folder(draft)
+    loaded = open_target(target, dtype=torch_dtype, device="cpu")  # fingerprinted as loaded, then cast
+    model, tokenizer = loaded.model, loaded.tokenizer
+    _, model_draft = load_draft(folder, target_model=model, target_fingerprint=loaded.fingerprint)
+    model_draft = model_draft.to(torch_dtype).eval()
+    return Loaded(model, tokenizer, model_draft, algorithm_for_model(model_draft), eos_token_ids_of(model, tokenizer),
+                  list(model_draft.config.target_layer_ids), int(model.config.max_position_embeddings))
 
 
 def prompt_sets(specs: list[str], tokenizer, num_prompts: int) -> dict[str, list[list[int]]]:
@@ -122,15 +151,9 @@ def run(args: argparse.Namespace) -> dict:
     """The benchmark of :func:`main`'s parsed arguments (the module docstring); returns the record it writes.
     Raises ValueError / FileNotFoundError for a bad dtype, draft, target or prompt set."""
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-    folder = draft_folder(args.draft)  # a missing draft is named before the target loads
-    target = open_target(args.target, dtype=dtype, device="cpu")  # fingerprinted as loaded, then cast
-    model, tokenizer = target.model, target.tokenizer
-    _, draft = load_draft(folder, target_model=model, target_fingerprint=target.fingerprint)
-    draft = draft.to(dtype).eval()
-    algorithm = algorithm_for_model(draft)
-    eos = eos_token_ids_of(model, tokenizer)
-    layers = list(draft.config.target_layer_ids)
-    max_pos = int(model.config.max_position_embeddings)
+    loaded = open_target_and_draft(args.draft, args.target, args.dtype)
+    model, tokenizer, draft, algorithm = loaded.model, loaded.tokenizer, loaded.draft, loaded.algorithm
+    eos, layers, max_pos = loaded.eos, loaded.layers, loaded.max_positions
     few_row = args.few_row_linear == "on" and dtype == torch.float32
 
     def engines() -> dict[str, SpeculativeEngine]:

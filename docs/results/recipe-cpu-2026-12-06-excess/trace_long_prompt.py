@@ -11,18 +11,12 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
 
 sys.path[:0] = [str(Path.cwd()), str(Path.cwd() / "bench")]
-from schedule import prompt_sets  # noqa: E402
+from schedule import open_target_and_draft, prompt_sets  # noqa: E402
 
 from deepspec.algorithms.protocol import NullProposer  # noqa: E402
-from deepspec.algorithms.registry import algorithm_for_model, load_draft  # noqa: E402
-from deepspec.checkpoints import draft_folder  # noqa: E402
 from deepspec.decoding.engine import SpeculativeEngine  # noqa: E402
-from deepspec.device import resolve_dtype  # noqa: E402
-from deepspec.eval.run import eos_token_ids_of  # noqa: E402
-from deepspec.target.load import open_target  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--draft", required=True)
@@ -30,13 +24,10 @@ p.add_argument("--draft-at", type=int, default=10, help="the one step that calls
 p.add_argument("--max-new-tokens", type=int, default=30)
 args = p.parse_args()
 
-dtype = resolve_dtype("auto", torch.device("cpu"))
-target = open_target("default", dtype=dtype, device="cpu")
-model, tok = target.model, target.tokenizer
-_, draft = load_draft(draft_folder(args.draft), target_model=model, target_fingerprint=target.fingerprint)
-draft = draft.to(dtype).eval()
-algorithm, eos = algorithm_for_model(draft), eos_token_ids_of(model, tok)
-layers, max_pos = list(draft.config.target_layer_ids), int(model.config.max_position_embeddings)
+loaded = open_target_and_draft(args.draft)
+model, tok, draft, algorithm, eos = loaded.model, loaded.tokenizer, loaded.draft, loaded.algorithm, loaded.eos
+layers, max_pos = loaded.layers, loaded.max_positions
+dtype = next(model.parameters()).dtype
 drafting = SpeculativeEngine(model, layers, algorithm.proposer(draft, max_positions=max_pos, tree_width=1), eos,
                              schedule="auto")
 plain = SpeculativeEngine(model, layers, NullProposer(), eos)
