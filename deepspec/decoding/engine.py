@@ -84,7 +84,7 @@ from deepspec.decoding.schedule import (StepCostCurve, StepScheduler, load_or_me
                                        step_cost_cache_dir)
 from deepspec.decoding.verify import GREEDY, verify, verify_tree
 from deepspec.device import device_model_name
-from deepspec.target.capture import target_forward, target_logits
+from deepspec.target.capture import capture_hooks, target_forward, target_logits
 from deepspec.target.decoding import SamplingParams
 from deepspec.target.exact_rows import PROBE_ROWS, ExactRows
 from deepspec.target.few_row_linear import few_row_linear
@@ -482,7 +482,10 @@ class SpeculativeEngine:
         draft = getattr(self.proposer, "model", None)
         kernels = (few_row_linear(self.target_model, *([draft] if isinstance(draft, torch.nn.Module) else []))
                    if self.few_row_linear else contextlib.nullcontext())
-        with kernels:
+        # target_forward's feature hooks stay on for the generation's forwards (not added and removed every step)
+        hooks = (capture_hooks(self.target_model, self._feature_layer_ids)
+                 if self._feature_layer_ids and self.forward_fn is target_forward else contextlib.nullcontext())
+        with kernels, hooks:
             return self._decode(prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, generator=generator,
                                 on_tokens=on_tokens)
 
@@ -615,9 +618,10 @@ class SpeculativeEngine:
             # Commit accepted + 1; keep KV and features of the verified positions anchor..anchor+accepted.
             num_verified = res.num_accepted + 1
             compact_kv_cache(cache, anchor_pos, keep)
-            if can_propose:
-                proposer.extend_context(out.target_hidden_BTF[0, keep] if uses_features else None,
-                                        [anchor, *res.committed[: res.num_accepted]])
+            if can_propose:  # a chain keeps a prefix: a slice, not a gather
+                feats = None if not uses_features else (
+                    out.target_hidden_BTF[0, :num_verified] if parents is None else out.target_hidden_BTF[0, keep])
+                proposer.extend_context(feats, [anchor, *res.committed[: res.num_accepted]])
             result.output_ids.extend(res.committed)
             anchor, anchor_pos = res.committed[-1], anchor_pos + num_verified
             conf, raw_conf, scored_accepted = step_confidences(proposal, path_nodes)

@@ -73,6 +73,7 @@ class StepCostCurve:
 
     tokens: tuple[int, ...]
     seconds: tuple[float, ...]
+    _by_n: tuple[float, ...] = field(init=False, repr=False, compare=False)  # seconds_for(1 .. up to 1,024)
 
     def __post_init__(self) -> None:
         if not self.tokens or len(self.tokens) != len(self.seconds) or self.tokens[0] != 1:
@@ -81,9 +82,15 @@ class StepCostCurve:
         if any(b <= a for a, b in zip(self.tokens, self.tokens[1:])) or min(self.seconds) <= 0:
             raise ValueError(f"StepCostCurve: expected increasing token counts and positive times, got "
                              f"{self.tokens} and {self.seconds}")
+        # the scheduler reads the curve several times a step: the measured range is looked up, not interpolated
+        by_n = tuple(self._interpolate(n) for n in range(1, min(self.tokens[-1], 1024) + 1))
+        object.__setattr__(self, "_by_n", by_n)
 
     def seconds_for(self, n: int) -> float:
         """The forward's seconds over ``n >= 1`` tokens."""
+        return self._by_n[n - 1] if 1 <= n <= len(self._by_n) else self._interpolate(n)
+
+    def _interpolate(self, n: int) -> float:
         t, s = self.tokens, self.seconds
         if n <= t[0]:
             return s[0]
@@ -217,6 +224,9 @@ class AcceptanceEstimator:
     cells: dict[tuple[str, int, int, int], list[float]] = field(default_factory=dict)
     request_counts: dict[str, list[float]] = field(default_factory=dict)  # source: [accepted, expected]
     request_prior: dict[str, float] = field(default_factory=dict)  # source: r0
+    # depth_means' figures since the counts last changed: {(max_depth, source): means}
+    _means: dict[tuple[int, str], tuple[float, ...]] = field(default_factory=dict, init=False, repr=False,
+                                                              compare=False)
 
     def start_request(self) -> None:
         """Fold the finished request's factor into ``r0`` (per source, for a request that verified a node of
@@ -226,6 +236,17 @@ class AcceptanceEstimator:
                 own, old = self.request_factor(source), self.request_prior.get(source, 1.0)
                 self.request_prior[source] = self.request_prior_decay * old + (1 - self.request_prior_decay) * own
         self.request_counts.clear()
+        self._means.clear()
+
+    def depth_means(self, max_depth: int, source: str = DRAFT_SOURCE) -> tuple[float, ...]:
+        """:meth:`estimate` of an unscored first-choice node at depths ``1..max_depth``: what a step plans on
+        before a proposal exists. Kept until the counts next change (:meth:`observe`, :meth:`start_request`),
+        so a run of plain steps, which change none, reads them once."""
+        key = (max_depth, source)
+        means = self._means.get(key)
+        if means is None:
+            means = self._means[key] = tuple(self.estimate(d, source=source) for d in range(1, max_depth + 1))
+        return means
 
     def request_factor(self, source: str = DRAFT_SOURCE) -> float:
         """The current request's factor for ``source``: ``(accepted + request_strength * r0) / (expected +
@@ -265,6 +286,7 @@ class AcceptanceEstimator:
         """Count one verified node from ``source`` whose parent was accepted (and, for a scored node, its
         depth's unscored cell too, the running mean that plans steps before a proposal exists). ``accepted``
         may be a probability: an expected outcome counted as that fraction of an accepted node."""
+        self._means.clear()
         counts = self.request_counts.setdefault(source, [0.0, 0.0])
         counts[0] += float(accepted)
         counts[1] += self._long_run(depth, rank, score, source)
@@ -399,9 +421,8 @@ class StepScheduler:
         would flush cost more than the budget's share of them) one step probes (proposes anyway).
         Sets :attr:`depth_limit` to the planned depth (with :attr:`serial_draft`, the depth worth its
         drafting as well as its verify: the proposer drafts no deeper, a probe one token) and :attr:`probing`."""
-        accept = [self.estimator.estimate(d) for d in range(1, max_depth + 1)]
         lam = self.lam()
-        path = list(itertools.accumulate(accept, operator.mul))
+        path = list(itertools.accumulate(self.estimator.depth_means(max_depth), operator.mul))
         self.pending = int(pending)
         interval = self.probe_interval
         if self.flush_s_per_position > 0 and self.pending:
@@ -461,7 +482,7 @@ class StepScheduler:
         if proposal.parents_N is None:
             scores = _node_scores(proposal)
             source = proposal.source(0)  # a chain comes from one source
-            means = [self.estimator.estimate(d, source=source) for d in range(1, n + 1)]
+            means = self.estimator.depth_means(n, source)
             path, keep = 1.0, 0
             for k in range(1, n + 1):
                 a_k = self.estimator.estimate(k, 0, scores[k - 1], source)

@@ -28,13 +28,18 @@ decoder-only family whose base model exposes ``.layers`` and ``.norm``. The targ
 hidden state is the base model's ``last_hidden_state`` (post final norm), and logits, when asked
 for, are ``lm_head(last_hidden_state)`` (soft-capped where the config says so: :func:`target_logits`),
 so they are computed only when needed.
+
+A decode loop runs thousands of one-token forwards on the same layers: :func:`capture_hooks` keeps the hooks
+on for all of them, and :func:`target_forward` then reads them instead of adding and removing its own per
+call (the same hooks, so the same features).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -243,24 +248,14 @@ def target_forward(
     if position_ids_BT is None and attention_mask_BT is not None:
         position_ids_BT = positions_from_attention_mask(attention_mask_BT, T)
 
-    captured: dict[int, torch.Tensor] = {}
-    handles = []
-
-    def _keep_output(layer_id: int):
-        def hook(module, args, output):
-            captured[layer_id] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    def _keep_embedding(module, args, kwargs):
-        captured[-1] = args[0] if args else kwargs["hidden_states"]
-
+    kept = base.__dict__.get(_KEPT_HOOKS)
+    if kept is not None and kept[0] == ids:  # capture_hooks: the hooks are on, their dict is filled anew
+        captured, handles = kept[1], []
+        captured.clear()
+    else:
+        captured = {}
+        handles = _add_capture_hooks(layers, ids, captured)
     try:
-        for i in ids:
-            if i == -1:
-                handles.append(layers[0].register_forward_pre_hook(_keep_embedding, with_kwargs=True))
-            else:
-                handles.append(layers[i].register_forward_hook(_keep_output(i)))
         kwargs = {
             "input_ids": input_ids_BT,
             "attention_mask": attention_mask_BT,
@@ -276,6 +271,7 @@ def target_forward(
     missing = [i for i in ids if i not in captured]
     assert not missing, f"capture hooks did not fire for layers {missing}"
     target_hidden_BTF = torch.cat([captured[i] for i in ids], dim=-1) if ids else None
+    captured.clear()  # kept hooks' dict: not holding this forward's activations until the next one
     target_last_hidden_BTH = out.last_hidden_state
     # transformers >= 5.x names the output field ``cache`` (``past_key_values`` is a warning shim)
     # (read by the field the output class declares: the shim logs a deprecation warning)
@@ -290,6 +286,65 @@ def target_forward(
         logits_BTV=logits_BTV,
         past_key_values=cache,
     )
+
+
+_KEPT_HOOKS = "_deepspec_capture_hooks"  # the base model's attribute while capture_hooks keeps its hooks on
+
+
+def _add_capture_hooks(layers: Sequence[nn.Module], ids: Sequence[int], captured: dict[int, torch.Tensor]) -> list:
+    """Hooks that store layer ``i``'s output (``-1``: layer 0's input) in ``captured[i]``; returns their handles."""
+
+    def _keep_output(layer_id: int):
+        def hook(module, args, output):
+            captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def _keep_embedding(module, args, kwargs):
+        captured[-1] = args[0] if args else kwargs["hidden_states"]
+
+    handles = []
+    try:
+        for i in ids:
+            if i == -1:
+                handles.append(layers[0].register_forward_pre_hook(_keep_embedding, with_kwargs=True))
+            else:
+                handles.append(layers[i].register_forward_hook(_keep_output(i)))
+    except BaseException:
+        for h in handles:
+            h.remove()
+        raise
+    return handles
+
+
+@contextlib.contextmanager
+def capture_hooks(model: nn.Module, target_layer_ids: Sequence[int]) -> Iterator[None]:
+    """Keep the capture hooks of ``target_layer_ids`` on ``model``'s layers while the block runs: every
+    :func:`target_forward` on ``model`` with these ids inside it reads them, instead of adding and removing
+    its own (a decode loop's thousands of forwards; the features are the same). Calls with other ids add
+    their own hooks as before. Re-entering with the same ids keeps the outer hooks; the hooks are removed on
+    exit, also after an error.
+
+    Raises ValueError for ids :func:`validate_target_layer_ids` refuses, and RuntimeError when hooks of other
+    ids are kept on ``model`` already."""
+    base = _base_model(model)
+    ids = validate_target_layer_ids(target_layer_ids, len(base.layers))
+    kept = base.__dict__.get(_KEPT_HOOKS)
+    if kept is not None:
+        if kept[0] != ids:
+            raise RuntimeError(f"capture_hooks: hooks of layers {kept[0]} are kept on this target already; "
+                               f"leave that block before keeping layers {ids}.")
+        yield
+        return
+    captured: dict[int, torch.Tensor] = {}
+    handles = _add_capture_hooks(base.layers, ids, captured)
+    base.__dict__[_KEPT_HOOKS] = (ids, captured)
+    try:
+        yield
+    finally:
+        del base.__dict__[_KEPT_HOOKS]
+        for h in handles:
+            h.remove()
 
 
 def features_from_hidden_states(hidden_states: Sequence[torch.Tensor], target_layer_ids: Sequence[int]) -> torch.Tensor:

@@ -11,8 +11,10 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from deepspec.target import capture
 from deepspec.target.capture import (
     TargetOutput,
+    capture_hooks,
     default_target_layer_ids,
     positions_from_attention_mask,
     target_forward,
@@ -194,3 +196,41 @@ def test_incremental_decoding_with_dynamic_cache(model):
 def test_invalid_layer_ids_rejected_at_call(model):
     with pytest.raises(ValueError, match="final norm"):
         target_forward(model, torch.ones(1, 3, dtype=torch.long), [NUM_LAYERS - 1])
+
+
+def test_kept_hooks_give_the_same_features_and_are_added_once(model, monkeypatch):
+    """Inside capture_hooks, target_forward reads the kept hooks (added once for every forward inside) and
+    returns what it returns outside; other ids still get their own hooks; all are gone after the block."""
+    g = torch.Generator().manual_seed(4)
+    ids_T = torch.randint(3, 97, (9,), generator=g)
+    layer_ids = [-1, 0, 2]
+    outside = [target_forward(model, ids_T[None, :5], layer_ids), target_forward(model, ids_T[None, 5:], layer_ids)]
+    added = []
+    real_add = capture._add_capture_hooks
+    monkeypatch.setattr(capture, "_add_capture_hooks", lambda *a: added.append(a[1]) or real_add(*a))
+    before = _num_hooks(model)
+    with capture_hooks(model, layer_ids):
+        assert _num_hooks(model) == before + len(layer_ids)
+        inside = [target_forward(model, ids_T[None, :5], layer_ids), target_forward(model, ids_T[None, 5:], layer_ids)]
+        other = target_forward(model, ids_T[None, :5], [1])
+        with capture_hooks(model, layer_ids):  # re-entered with the same ids: the outer hooks serve
+            again = target_forward(model, ids_T[None, :5], layer_ids)
+    assert _num_hooks(model) == before
+    assert added == [layer_ids, [1]]  # the kept hooks once, and the call with other ids its own
+    for a, b in zip(inside + [again], outside + [outside[0]]):
+        torch.testing.assert_close(a.target_hidden_BTF, b.target_hidden_BTF, rtol=0, atol=0)
+    torch.testing.assert_close(other.target_hidden_BTF, target_forward(model, ids_T[None, :5], [1]).target_hidden_BTF,
+                               rtol=0, atol=0)
+
+
+def test_kept_hooks_removed_on_error_and_other_ids_refused(model):
+    before = _num_hooks(model)
+    with pytest.raises(RuntimeError, match="layers \\[0, 2\\] are kept"):
+        with capture_hooks(model, [0, 2]):
+            with capture_hooks(model, [1]):
+                pass
+    assert _num_hooks(model) == before
+    with pytest.raises(ValueError, match="final norm"):
+        with capture_hooks(model, [NUM_LAYERS - 1]):
+            pass
+    assert _num_hooks(model) == before

@@ -429,6 +429,36 @@ def test_baseline_reads_no_features(target):
     assert res.output_ids == hf_greedy(target, PROMPT, 10, eos_token_id_unused())
 
 
+
+def test_a_generation_keeps_one_set_of_feature_hooks_and_hands_on_the_committed_features(target, monkeypatch):
+    """With the default target forward, the capture hooks are added once per generation (not per step) and
+    removed after it, and the proposer receives, position by position, the features one forward over the
+    whole committed sequence gives (chains of accepted and rejected drafts alike)."""
+    from deepspec.target import capture
+
+    class Recording(RandomProposer):
+        def reset(self):
+            super().reset()
+            self.feats = []
+
+        def extend_context(self, target_hidden_TF, token_ids_T):
+            super().extend_context(target_hidden_TF, token_ids_T)
+            self.feats.append(target_hidden_TF.clone())
+
+    added = []
+    real_add = capture._add_capture_hooks
+    monkeypatch.setattr(capture, "_add_capture_hooks", lambda *a: added.append(list(a[1])) or real_add(*a))
+    proposer = Recording(target.config.hidden_size * len(LAYER_IDS), seed=3)
+    res = SpeculativeEngine(target, LAYER_IDS, proposer, [eos_token_id_unused()]).generate(PROMPT, max_new_tokens=12)
+    assert len(res.steps) > 3 and added == [LAYER_IDS]
+    assert not any(layer._forward_hooks or layer._forward_pre_hooks for layer in target.model.layers)
+    seq = PROMPT + res.output_ids
+    got = torch.cat(proposer.feats)
+    full = target_forward(target, torch.tensor([seq[: got.shape[0]]]), LAYER_IDS).target_hidden_BTF[0]
+    assert proposer.tokens == seq[: got.shape[0]]
+    torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4)
+
+
 def test_sampling_runs_and_is_reproducible(target):
     width = target.config.hidden_size * len(LAYER_IDS)
     outs = []

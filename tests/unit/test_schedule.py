@@ -17,6 +17,7 @@ from deepspec.decoding.schedule import (
     measure_step_costs,
     size_histogram,
 )
+from deepspec.decoding.verify import SamplingParams
 from tests.unit.test_draft_tree import _dspark_draft
 from tests.unit.test_engine import K, LAYER_IDS, PROMPT, OracleProposer, RandomProposer, hf_greedy, target  # noqa: F401
 
@@ -471,3 +472,37 @@ def test_a_serial_draft_is_priced_per_drafted_token():
     assert serial.propose_s == pytest.approx(0.002)
     serial.propose_s = 0.05  # five steps a token: nothing is worth drafting
     assert not serial.plan(K)
+
+
+def test_the_planned_means_follow_every_observation_and_request():
+    """depth_means (what plan() reads every step) are the estimates of now: after a node is counted and
+    after a request starts, not the ones read before."""
+    est = AcceptanceEstimator()
+    now = lambda: tuple(est.estimate(d) for d in (1, 2, 3))  # noqa: E731
+    first = est.depth_means(3)
+    assert first == now()
+    est.observe(1, 0, None, False)
+    after_miss = est.depth_means(3)
+    assert after_miss == now() and after_miss[0] < first[0]
+    est.start_request()  # the request's factor folds into r0: the next request starts elsewhere
+    assert est.depth_means(3) == now() != after_miss
+    assert est.depth_means(2) == now()[:2]
+
+
+def test_dspark_counts_the_context_positions_its_next_call_flushes(target):  # noqa: F811
+    """What the engine hands plan() as ``pending``: the positions queued since the last draft call."""
+    from deepspec.algorithms.dspark.proposer import DSparkProposer
+    from deepspec.target.capture import target_forward
+
+    proposer = DSparkProposer(_dspark_draft(target))
+    feats = target_forward(target, torch.tensor([PROMPT]), LAYER_IDS).target_hidden_BTF[0]
+    proposer.extend_context(feats, PROMPT)
+    proposer.extend_context(feats[:1], [PROMPT[0]])
+    proposer.extend_context(feats[:0], [])
+    assert proposer.num_pending_features == len(PROMPT) + 1
+    proposer.propose(9, len(PROMPT) + 1, sampling=SamplingParams(), generator=None)
+    assert proposer.num_pending_features == 0
+    proposer.extend_context(feats[:2], PROMPT[:2])
+    assert proposer.num_pending_features == 2
+    proposer.reset()
+    assert proposer.num_pending_features == 0

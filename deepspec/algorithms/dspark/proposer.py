@@ -92,11 +92,7 @@ class DSparkProposer:
     def reset(self) -> None:
         self.cache = self.model.new_context_cache()
         self.pending: list[Tensor] = []  # committed positions' features not yet in the cache, in order
-
-    @property
-    def num_pending_features(self) -> int:
-        """Committed positions queued for the next :meth:`propose`'s context flush."""
-        return sum(int(f.shape[0]) for f in self.pending)
+        self.num_pending_features = 0  # their positions: the next propose's context flush (a scheduler prices it)
 
     def extend_context(self, target_hidden_TF: Tensor, token_ids_T: list[int]) -> None:
         """Queue the features ``[T, F]`` of the next committed positions (DSpark's context is the features
@@ -107,12 +103,13 @@ class DSparkProposer:
         self.model.check_context_features(target_hidden_TF, "DSparkProposer.extend_context")
         if target_hidden_TF.shape[0]:
             self.pending.append(target_hidden_TF)
+            self.num_pending_features += int(target_hidden_TF.shape[0])
 
     def _flush_context(self) -> None:
         """Append the queued features to the context cache (one draft forward over all of them)."""
         if self.pending:
             feats_TF = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending)
-            self.pending = []
+            self.pending, self.num_pending_features = [], 0
             self.model.append_context(self.cache, feats_TF)
 
     @torch.no_grad()
