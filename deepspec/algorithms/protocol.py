@@ -58,7 +58,7 @@ from torch import Tensor, nn
 
 from deepspec.models.acceptance import AcceptanceCounts
 from deepspec.models.engine_layout import ExportFormat
-from deepspec.target.decoding import SamplingParams, sampling_probs
+from deepspec.target.decoding import SamplingParams, greedy_tokens, sampling_probs
 
 
 @dataclass
@@ -620,7 +620,7 @@ def draw_token(
     from (the ``q`` of Leviathan et al. 2023, Alg. 1).
     """
     if sampling.greedy:
-        return logits_V.argmax().view(1), None
+        return greedy_tokens(logits_V).view(1), None
     q_V = sampling_probs(logits_V, sampling)
     gen_device = generator.device if generator is not None else q_V.device
     tok = torch.multinomial(q_V.to(gen_device), 1, generator=generator).to(q_V.device)

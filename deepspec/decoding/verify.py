@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 # the one sampling rule and the distribution it samples from (both re-exported here)
-from deepspec.target.decoding import SamplingParams, sampling_probs
+from deepspec.target.decoding import SamplingParams, greedy_tokens, sampling_probs
 
 GREEDY = SamplingParams()  # temperature 0: the argmax path
 
@@ -145,7 +145,7 @@ def verify_greedy(draft_ids_N: Tensor, target_logits_N1V: Tensor, *, eos_token_i
     Raises ValueError on mismatched shapes."""
     _check_shapes(draft_ids_N, target_logits_N1V)
     n = draft_ids_N.shape[0]
-    target_ids_N1 = target_logits_N1V.argmax(dim=-1).to(draft_ids_N.device)
+    target_ids_N1 = greedy_tokens(target_logits_N1V).to(draft_ids_N.device)
     num_accepted = accepted_prefix_len(draft_ids_N == target_ids_N1[:n])
     return _finish(draft_ids_N.tolist(), num_accepted, int(target_ids_N1[num_accepted]), eos_token_ids)
 
@@ -196,7 +196,7 @@ def verify_tree(draft_ids_N: Tensor, parents_N: Sequence[int], target_logits_N1V
     path: list[int] = []
     node = -1  # the anchor
     if sampling.greedy:
-        target_ids = target_logits_N1V.argmax(dim=-1).tolist()
+        target_ids = greedy_tokens(target_logits_N1V).tolist()
         by_token = {(int(p), t): i for i, (p, t) in enumerate(zip(parents_N, tokens))}
         while (child := by_token.get((node, target_ids[node + 1]))) is not None:
             path.append(child)

@@ -427,3 +427,23 @@ def test_eagle3_proposer_samples_and_scores_with_the_same_filtered_probs():
     seen = _recording(draft, "logits", lambda out: out.reshape(-1))
     proposal = prop.propose(int(ids[0, 12]), 12, sampling=params, generator=_gen(4))
     _check_proposal(proposal, seen, params, seed=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_tokens_pick_the_first_of_tied_maxima_in_every_dtype(dtype):
+    """The greedy rule, checked against a slow one: the first index holding the row's largest value, ties
+    included (bfloat16 ties often: 8 bits of mantissa), and the verify that reads it."""
+    from deepspec.target.decoding import greedy_tokens
+
+    g = torch.Generator().manual_seed(0)
+    logits_NV = (torch.randn(6, 4099, generator=g) * 3).to(dtype)
+    logits_NV[1, 17] = logits_NV[1, 4000] = logits_NV[1].max() + 1  # an exact tie: the first wins
+    logits_NV[2, :] = 0.0  # all tied: index 0
+    slow = [max(range(row.numel()), key=lambda i, r=row.tolist(): (r[i], -i)) for row in logits_NV]
+    got = greedy_tokens(logits_NV)
+    assert got.dtype == torch.int64 and got.tolist() == slow
+    assert got[1] == 17 and got[2] == 0
+    assert greedy_tokens(logits_NV[3]).item() == slow[3]
+    drafts_N = torch.tensor(slow[:3])  # the target's own choices for rows 0..2: accepted, then row 3's token
+    res = verify_greedy(drafts_N, logits_NV[:4], eos_token_ids=())
+    assert res.num_accepted == 3 and res.committed == [*slow[:3], slow[3]]
