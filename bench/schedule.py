@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
 def run(args: argparse.Namespace) -> dict:
     """The benchmark of :func:`main`'s parsed arguments (the module docstring); returns the record it writes.
     Raises ValueError / FileNotFoundError for a bad dtype, draft, target or prompt set."""
-    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     loaded = open_target_and_draft(args.draft, args.target, args.dtype)
+    dtype = next(loaded.model.parameters()).dtype
     model, tokenizer, draft, algorithm = loaded.model, loaded.tokenizer, loaded.draft, loaded.algorithm
     eos, layers, max_pos = loaded.eos, loaded.layers, loaded.max_positions
     few_row = args.few_row_linear == "on" and dtype == torch.float32

@@ -300,15 +300,22 @@ class Proposal:
             raise ValueError(f"Proposal.sources_N: expected one of {', '.join(SOURCES)} per draft token "
                              f"({self.num_proposed}), received {self.sources_N!r}.")
 
+    def node_scores(self) -> list[float | None]:
+        """Each node's own score: its ``confidence_N`` value where that is not NaN, else None (every node
+        without ``confidence_N``; a DSpark tree's nodes off its scored path)."""
+        if self.confidence_N is None:
+            return [None] * self.num_proposed
+        return [None if math.isnan(c) else c for c in self.confidence_N.tolist()]
+
     def scored_path(self) -> list[int]:
-        """A tree's scored nodes (``confidence_N`` not NaN) in depth order: a path from the anchor (depth 1,
+        """A tree's scored nodes (:meth:`node_scores` not None) in depth order: a path from the anchor (depth 1,
         2, ..); a chain's nodes ``0..N-1``; ``[]`` without ``confidence_N``. Raises ValueError when a tree's
         scored nodes do not form such a path (two at one depth, or one whose parent is not scored)."""
         if self.confidence_N is None:
             return []
         if self.parents_N is None:
             return list(range(self.num_proposed))
-        scored = [i for i, c in enumerate(self.confidence_N.tolist()) if not math.isnan(c)]
+        scored = [i for i, c in enumerate(self.node_scores()) if c is not None]
         for j, i in enumerate(scored):
             if self.parents_N[i] != (scored[j - 1] if j else -1):
                 raise ValueError(f"Proposal.confidence_N: a draft tree's scored nodes must form one path from the "

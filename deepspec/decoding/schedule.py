@@ -469,7 +469,7 @@ class StepScheduler:
         outcome, so :meth:`plan` stops proposing where the draft's scores keep cutting its proposals)."""
         if not proposal.num_proposed or proposal.source(0) != DRAFT_SOURCE:
             return
-        score = _node_scores(proposal)[0]
+        score = proposal.node_scores()[0]
         if score is not None:
             self.estimator.observe(1, 0, None, self.estimator.estimate(1, 0, score), DRAFT_SOURCE)
 
@@ -480,7 +480,7 @@ class StepScheduler:
         lam = self.lam()
         min_keep = 1 if self.probing else 0
         if proposal.parents_N is None:
-            scores = _node_scores(proposal)
+            scores = proposal.node_scores()
             source = proposal.source(0)  # a chain comes from one source
             means = self.estimator.depth_means(n, source)
             path, keep = 1.0, 0
@@ -495,7 +495,7 @@ class StepScheduler:
             return proposal if keep == n else proposal.truncated(keep)
         if not greedy:
             return proposal.truncated(self.depth_limit or proposal.depth)
-        ranks, scores = _sibling_ranks(proposal.parents_N), _node_scores(proposal)
+        ranks, scores = _sibling_ranks(proposal.parents_N), proposal.node_scores()
         depths = proposal.depths_N
         path_N: list[float] = []
         for i, p in enumerate(proposal.parents_N):
@@ -563,12 +563,12 @@ class StepScheduler:
             return
         est = self.estimator
         if proposal.parents_N is None:
-            scores = _node_scores(proposal)
+            scores = proposal.node_scores()
             for k in range(1, min(num_accepted + 1, n) + 1):
                 est.observe(k, 0, scores[k - 1], k <= num_accepted, proposal.source(0))
             return
         on_path = set(path or ())
-        ranks, scores, depths = _sibling_ranks(proposal.parents_N), _node_scores(proposal), proposal.depths_N
+        ranks, scores, depths = _sibling_ranks(proposal.parents_N), proposal.node_scores(), proposal.depths_N
         for i, p in enumerate(proposal.parents_N):
             if p < 0 or p in on_path:
                 rank, score, source = _node_key(proposal, i, ranks, scores)
@@ -577,14 +577,6 @@ class StepScheduler:
 
 def _has_draft_node(proposal: Proposal) -> bool:
     return any(proposal.source(i) == DRAFT_SOURCE for i in range(proposal.num_proposed))
-
-
-def _node_scores(proposal: Proposal) -> list[float | None]:
-    """Each node's own score: ``confidence_N`` where it is not NaN (a chain's every slot; a DSpark tree's
-    chain, the first choice at every depth), else None."""
-    if proposal.confidence_N is None:
-        return [None] * proposal.num_proposed
-    return [None if math.isnan(c) else c for c in proposal.confidence_N.tolist()]
 
 
 def _node_key(proposal: Proposal, i: int, ranks: Sequence[int], scores: Sequence[float | None]

@@ -79,9 +79,8 @@ def greedy_tokens(logits_XV: Tensor) -> Tensor:
     ``[..., V]`` (any float dtype), as ``argmax``.
 
     On the CPU, bfloat16 and float16 logits are compared in float32: the conversion is exact, so every
-    maximum and tie is the same, and torch's reduced-precision argmax there is several times slower (a
-    verify's 8 rows of a 49,152-token vocabulary: about 2 ms against 0.5 ms;
-    docs/results/plain-step-cpu-2026-12-07)."""
+    maximum and tie is the same, and torch's reduced-precision argmax there is several times slower than
+    the conversion and a float32 argmax together (a cost every decoding step pays, once per row)."""
     if logits_XV.device.type == "cpu" and logits_XV.dtype in (torch.bfloat16, torch.float16):
         logits_XV = logits_XV.float()
     return logits_XV.argmax(dim=-1)

@@ -54,10 +54,12 @@ def test_a_trees_scored_path_survives_a_subset():
     p = Proposal(draft_ids_N=torch.tensor([1, 2, 3, 4]), parents_N=(-1, -1, 0, 2),
                  confidence_N=torch.tensor([0.9, nan, 0.6, 0.3]))
     assert p.scored_path() == [0, 2, 3]
+    assert p.node_scores() == [pytest.approx(0.9), None, pytest.approx(0.6), pytest.approx(0.3)]
     cut = p.subset([0, 1, 2])
     assert cut.scored_path() == [0, 2] and cut.confidence_N[[0, 2]].tolist() == pytest.approx([0.9, 0.6])
     assert Proposal(draft_ids_N=torch.tensor([1, 2]), confidence_N=torch.ones(2)).scored_path() == [0, 1]
     assert Proposal(draft_ids_N=torch.tensor([1]), parents_N=(-1,)).scored_path() == []
+    assert Proposal(draft_ids_N=torch.tensor([1, 2])).node_scores() == [None, None]
 
 
 def test_draft_tree_keeps_what_each_node_was_drawn_from():
