@@ -570,7 +570,8 @@ class SpeculativeEngine:
             # Propose (unless the scheduler plans a plain step), truncated so every fed position is
             # < max_position_embeddings; the scheduler then keeps what is worth verifying.
             drafted = sched is None or sched.plan(proposer.max_proposal_len,
-                                                  pending=getattr(proposer, "num_pending_features", 0))
+                                                  pending=getattr(proposer, "num_pending_features", 0),
+                                                  width=getattr(proposer, "tree_width", 1))
             t_planned = time.perf_counter()
             if drafted and sched is not None and sched.serial_draft:  # a serial drafter drafts the planned depth
                 proposal = proposer.propose(anchor, anchor_pos, sampling=sampling, generator=generator,

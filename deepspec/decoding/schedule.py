@@ -37,6 +37,7 @@ chosen before it was drawn; at T = 0 a tree keeps the nodes of highest estimated
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import json
@@ -195,16 +196,21 @@ class AcceptanceEstimator:
     Each cell holds decayed counts (``decay`` per update of that cell: recent steps weigh more); its
     long-run estimate is ``(accepted + strength * prior) / (seen + strength)`` with ``prior`` the node's
     own score when it has one, else the depth's running mean for rank 0, or ``other_prior`` for other
-    ranks. On top, one factor per source for the request at hand (:meth:`start_request` resets it): the
-    request's accepted nodes against the long-run estimates' sum over the same nodes, ``r = (accepted +
-    request_strength) / (expected + request_strength)``, scales every estimate: ``p * r`` for a request
-    harder than the long run's mix (``r < 1``), ``1 - (1 - p) / r`` for an easier one (a draft that pays
-    on one kind of prompt may not on the next). One factor learns from every node the request verifies,
-    so it moves within a few steps without making each cell's own estimate rest on a request's few
+    ranks. A node of rank ``r > 0`` (an alternative) is accepted only where every sibling ranked above it is
+    rejected, so its cells count it only then (its estimate is for that event; the scheduler multiplies in the
+    chance that its elder siblings are all rejected). On top, one factor per source for the request at hand,
+    over its first choices (:meth:`start_request` resets it; an alternative's chance follows the request
+    through its elder siblings' rejection, and a factor that scaled it too would raise it on a request where
+    the first choices do better, which leaves it less): the request's accepted first choices against the
+    long-run estimates' sum over the same nodes, ``r = (accepted + request_strength) / (expected +
+    request_strength)``, scales every first choice's estimate: ``p * r`` for a request harder than the long
+    run's mix (``r < 1``), ``1 - (1 - p) / r`` for an easier one (a draft that pays on one kind of prompt may
+    not on the next). One factor learns from every first choice the request verifies, so it moves within a few steps without making each cell's own estimate rest on a request's few
     counts (a random effect per request). It is shrunk towards the recent requests' mean factor ``r0``:
     ``r = (accepted + request_strength * r0) / (expected + request_strength)``, the posterior mean of a
-    Gamma prior of mean ``r0``; ``r0`` is the running mean (weight ``request_prior_decay`` on the past) of
-    finished requests' ``r``, one vote per request that verified a node: an online EM estimate of the
+    Gamma prior of mean ``r0`` worth ``request_strength`` expected acceptances (3: so that a few unlucky steps
+    on a request the draft knows do not send it to plain steps for the rest of it); ``r0`` is the running mean (weight ``request_prior_decay`` on the past) of
+    finished requests' ``r``, one vote per request that verified a first choice: an online EM estimate of the
     random effect's mean (Dempster, Laird and Rubin 1977; its M-step is the mean of the posterior means).
     The cells count nodes, so requests on which the draft pays (many nodes each) outweigh those on which
     it does not (a probe or two); ``r0`` weighs requests alike, so a request that follows ones the draft did
@@ -219,18 +225,18 @@ class AcceptanceEstimator:
     decay: float = 0.99
     first_prior: float = 0.5
     other_prior: float = 0.1
-    request_strength: float = 1.0
+    request_strength: float = 3.0
     request_prior_decay: float = 0.5
     cells: dict[tuple[str, int, int, int], list[float]] = field(default_factory=dict)
     request_counts: dict[str, list[float]] = field(default_factory=dict)  # source: [accepted, expected]
     request_prior: dict[str, float] = field(default_factory=dict)  # source: r0
-    # depth_means' figures since the counts last changed: {(max_depth, source): means}
-    _means: dict[tuple[int, str], tuple[float, ...]] = field(default_factory=dict, init=False, repr=False,
+    # depth_means' figures since the counts last changed: {(max_depth, source, width): means}
+    _means: dict[tuple[int, str, int], tuple[float, ...]] = field(default_factory=dict, init=False, repr=False,
                                                               compare=False)
 
     def start_request(self) -> None:
-        """Fold the finished request's factor into ``r0`` (per source, for a request that verified a node of
-        it) and forget its counts (the long-run counts stay)."""
+        """Fold the finished request's factor into ``r0`` (per source, for a request that verified a first choice
+        of it) and forget its counts (the long-run counts stay)."""
         for source, (_, expected) in self.request_counts.items():
             if expected > 0:
                 own, old = self.request_factor(source), self.request_prior.get(source, 1.0)
@@ -238,20 +244,26 @@ class AcceptanceEstimator:
         self.request_counts.clear()
         self._means.clear()
 
-    def depth_means(self, max_depth: int, source: str = DRAFT_SOURCE) -> tuple[float, ...]:
+    def depth_means(self, max_depth: int, source: str = DRAFT_SOURCE, width: int = 1) -> tuple[float, ...]:
         """:meth:`estimate` of an unscored first-choice node at depths ``1..max_depth``: what a step plans on
-        before a proposal exists. Kept until the counts next change (:meth:`observe`, :meth:`start_request`),
-        so a run of plain steps, which change none, reads them once."""
-        key = (max_depth, source)
+        before a proposal exists; with ``width > 1``, the chance that a draft tree's level of ``width`` nodes
+        holds the accepted one, ``1 - (1 - a_0) * prod_{r=1}^{width-1} (1 - a_r)`` over the first choice's
+        estimate ``a_0`` and its alternatives' (each given the ones ranked above it rejected; a level's other
+        nodes taken as alternatives below the first choice). Kept until the counts next change
+        (:meth:`observe`, :meth:`start_request`), so a run of plain steps, which change none, reads them once."""
+        key = (max_depth, source, width)
         means = self._means.get(key)
         if means is None:
-            means = self._means[key] = tuple(self.estimate(d, source=source) for d in range(1, max_depth + 1))
+            means = self._means[key] = tuple(
+                self.estimate(d, source=source) if width == 1 else
+                1.0 - math.prod(1.0 - self.estimate(d, r, source=source) for r in range(width))
+                for d in range(1, max_depth + 1))
         return means
 
     def request_factor(self, source: str = DRAFT_SOURCE) -> float:
-        """The current request's factor for ``source``: ``(accepted + request_strength * r0) / (expected +
-        request_strength)`` over the nodes it verified (``r0``, the recent requests' mean factor, before it
-        has verified one; 1.0 before any request has)."""
+        """The current request's factor for ``source``'s first choices: ``(accepted + request_strength * r0) /
+        (expected + request_strength)`` over the first choices it verified (``r0``, the recent requests' mean
+        factor, before it has verified one; 1.0 before any request has)."""
         prior = self.request_prior.get(source, 1.0)
         counts = self.request_counts.get(source)
         if counts is None:
@@ -267,8 +279,11 @@ class AcceptanceEstimator:
         return prior if cell is None else (cell[0] + self.strength * prior) / (cell[1] + self.strength)
 
     def estimate(self, depth: int, rank: int = 0, score: float | None = None, source: str = DRAFT_SOURCE) -> float:
-        """The acceptance probability of one node from ``source``, in (0, 1)."""
+        """The acceptance probability of one node from ``source``, in (0, 1) (of rank ``> 0``: given that every
+        sibling ranked above it is rejected)."""
         p = min(max(self._long_run(depth, rank, score, source), 1e-6), 1 - 1e-6)
+        if rank:
+            return p
         r = self.request_factor(source)
         return p * r if r <= 1 else 1 - (1 - p) / r  # a harder request scales acceptance, an easier one rejection
 
@@ -287,9 +302,10 @@ class AcceptanceEstimator:
         depth's unscored cell too, the running mean that plans steps before a proposal exists). ``accepted``
         may be a probability: an expected outcome counted as that fraction of an accepted node."""
         self._means.clear()
-        counts = self.request_counts.setdefault(source, [0.0, 0.0])
-        counts[0] += float(accepted)
-        counts[1] += self._long_run(depth, rank, score, source)
+        if rank == 0:
+            counts = self.request_counts.setdefault(source, [0.0, 0.0])
+            counts[0] += float(accepted)
+            counts[1] += self._long_run(depth, rank, score, source)
         keys = {self._key(depth, rank, score, source)}
         if rank == 0:
             keys.add(self._key(depth, 0, None, source))
@@ -320,7 +336,7 @@ class StepScheduler:
     ``max_probe_every``: a draft that is of no use on a request costs ever fewer calls), one that
     accepts a token sets it back. ``probe_budget``: the share of a request's time that probes accepting
     nothing may cost: after such a probe the interval is at least the plain steps whose time, at this
-    share, pays for the probe's measured extra seconds over a plain step (a running mean: a draft call,
+    share, pays for the probe's measured extra seconds over a plain step (its recent median: a draft call,
     its first one on a request flushing the prompt's features through the draft, and the verify of the
     probed nodes), and a request starts at that interval too, so that an expensive draft on prompts it
     does not know stays within the share (None: the doubling alone). A draft call first runs the context
@@ -329,7 +345,11 @@ class StepScheduler:
     (:attr:`flush_s_per_position`), and a probe waits until the plain steps pay for that flush as well. A
     step :meth:`plan` expects to pay does not: the flush serves every later draft call of the request, so a
     plan that looks one step ahead would refuse a long prompt's draft for good. ``rate_decay``: the weight of the
-    past in the running rate, propose time and overhead. ``serial_draft``: the proposer drafts one token
+    past in the running rate and scale. ``timing_window``: the step timings that price a step (propose call,
+    overheads, verify excess, probe cost, flush per position) are each the median of their last this many
+    samples: timings on a shared host are skewed (other work only ever adds time, and a kernel's first call
+    at a new shape takes several times its steady cost), and a mean that took one slow sample would hold it
+    through the plain steps, which sample none of these, and keep refusing proposals that pay. ``serial_draft``: the proposer drafts one token
     per draft forward (Eagle3's chain: a call's cost grows with its depth) and drafts only the depth
     :meth:`plan` chose, so a proposal is priced per drafted token. Use one scheduler per engine;
     :meth:`reset` starts a request (the long-run counts and timings carry over).
@@ -341,25 +361,38 @@ class StepScheduler:
     max_probe_every: int = 64
     probe_budget: float | None = 0.01
     rate_decay: float = 0.9
+    timing_window: int = 9
     serial_draft: bool = False
     scale: float = 1.0  # measured verify seconds / the curve's
-    propose_s: float = 0.0  # running seconds of a propose call (serial_draft: per drafted token)
-    overhead_s: float = 0.0  # running seconds of a plain step besides its forward
+    propose_s: float = 0.0  # seconds of a propose call, recent median (serial_draft: per drafted token)
+    overhead_s: float = 0.0  # seconds of a plain step besides its forward, recent median
     verify_overhead_s: float = 0.0  # the same for a step that verified draft nodes (more features, a KV move)
-    verify_excess_s: float = 0.0  # running seconds a verify forward with draft nodes took beyond :meth:`seconds`
-    probe_cost_s: float = 0.0  # running extra seconds of a probe that accepted nothing, over a plain step (no flush)
-    flush_s_per_position: float = 0.0  # running seconds a draft call spends per queued context position
+    verify_excess_s: float = 0.0  # seconds a verify forward with draft nodes took beyond :meth:`seconds`, recent median
+    probe_cost_s: float = 0.0  # extra seconds of a probe that accepted nothing over a plain step (no flush), recent median
+    flush_s_per_position: float = 0.0  # seconds a draft call spends per queued context position, recent median
     pending: int = 0  # the queued context positions the current step's draft call flushes (set by plan)
     rate: float = 0.0  # running committed tokens per second
-    num_observed: int = 0  # steps observed (the first one sets the running figures)
+    num_observed: int = 0  # steps observed (the first one sets the rate and scale)
     plain_streak: int = 0
     probe_interval: int = 0  # plain steps before the next probe (set to probe_every at construction and reset)
     probing: bool = False  # the current step proposes only to learn (plan found no gain)
     proposing: bool = False  # plan() called the draft for the current step (select() then ends its plain streak or not)
     depth_limit: int | None = None  # the depth planned before the current proposal (a tree's cut at T > 0)
+    _recent: dict[str, collections.deque] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.timing_window < 1:
+            raise ValueError(f"StepScheduler.timing_window: expected an integer >= 1, got {self.timing_window}")
         self.probe_interval = self.probe_interval or self.probe_every
+
+    def _sample(self, name: str, seconds: float) -> None:
+        """Set the timing attribute ``name`` to the median of its last :attr:`timing_window` samples, ``seconds``
+        the newest."""
+        recent = self._recent.get(name)
+        if recent is None:
+            recent = self._recent[name] = collections.deque(maxlen=self.timing_window)
+        recent.append(seconds)
+        setattr(self, name, statistics.median(recent))
 
     def reset(self) -> None:
         """Start a request: the plain-step streak, probe interval, plan and the request's own acceptance counts
@@ -390,7 +423,7 @@ class StepScheduler:
         return max(plain, self.rate)
 
     def verify_extra_s(self) -> float:
-        """The running seconds a step that verifies draft nodes spends beyond a plain step's and the curve's
+        """The seconds a step that verifies draft nodes spends beyond a plain step's and the curve's
         difference between their forwards: its bookkeeping (the accepted nodes' features handed to the
         proposer, a tree's KV entries moved) and its forward's measured excess over the curve (a tree mask's
         attention path, kernels for a row count that plain steps leave cold: the curve is timed warm, over
@@ -398,41 +431,43 @@ class StepScheduler:
         return max(self.verify_overhead_s - self.overhead_s + self.verify_excess_s, 0.0)
 
     def _best_prefix(self, path_probs: Sequence[float], lam: float, base_tokens: int = 1,
-                     per_node_s: float = 0.0) -> tuple[int, float]:
-        """The count ``m`` (0..len) maximising ``sum_{j<=m} path_probs_j - lam * (seconds(base + m) - seconds(base)
-        + m * per_node_s)`` (and, from one token fed, :meth:`verify_extra_s` for any ``m >= 1``): the first ``m``
-        nodes' expected accepted tokens against their verify time on top of ``base_tokens`` tokens fed (and
-        ``per_node_s``, the seconds of drafting each). Returns ``(m, that gain)`` (``(0, 0.0)`` when no prefix
-        gains)."""
+                     per_node_s: float = 0.0, width: int = 1) -> tuple[int, float]:
+        """The count ``m`` (0..len) maximising ``sum_{j<=m} path_probs_j - lam * (seconds(base + width * m) -
+        seconds(base) + m * per_node_s)`` (and, from one token fed, :meth:`verify_extra_s` for any ``m >= 1``): the
+        first ``m`` depths' expected accepted tokens (``width`` nodes each: a draft tree's levels) against their
+        verify time on top of ``base_tokens`` tokens fed (and ``per_node_s``, the seconds of drafting each
+        depth). Returns ``(m, that gain)`` (``(0, 0.0)`` when no prefix gains)."""
         best_m, best, total = 0, 0.0, 0.0
         base = self.seconds(base_tokens) - (self.verify_extra_s() if base_tokens == 1 else 0.0)
         for j, p in enumerate(path_probs, 1):
             total += p
-            gain = total - lam * (self.seconds(base_tokens + j) - base + j * per_node_s)
+            gain = total - lam * (self.seconds(base_tokens + width * j) - base + j * per_node_s)
             if gain > best:
                 best_m, best = j, gain
         return best_m, best
 
-    def plan(self, max_depth: int, pending: int = 0) -> bool:
-        """Before proposing: whether a proposal of up to ``max_depth`` chain tokens is expected to pay for
-        its propose call and verify (from the running per-depth acceptance); a proposer whose call costs
+    def plan(self, max_depth: int, pending: int = 0, width: int = 1) -> bool:
+        """Before proposing: whether a proposal of up to ``max_depth`` chain tokens (with ``width > 1``, a draft
+        tree of ``width`` nodes per depth) is expected to pay for its propose call and verify (from the running
+        per-depth acceptance, :meth:`AcceptanceEstimator.depth_means`); a proposer whose call costs
         under 2 % of a token's time always proposes (the proposal itself tells more), and after
         :attr:`probe_interval` plain steps in a row (more while the ``pending`` context positions the call
         would flush cost more than the budget's share of them) one step probes (proposes anyway).
         Sets :attr:`depth_limit` to the planned depth (with :attr:`serial_draft`, the depth worth its
         drafting as well as its verify: the proposer drafts no deeper, a probe one token) and :attr:`probing`."""
         lam = self.lam()
-        path = list(itertools.accumulate(self.estimator.depth_means(max_depth), operator.mul))
+        width = max(int(width), 1)
+        path = list(itertools.accumulate(self.estimator.depth_means(max_depth, width=width), operator.mul))
         self.pending = int(pending)
         interval = self.probe_interval
         if self.flush_s_per_position > 0 and self.pending:
             interval = self._budget_interval(interval, self.flush_s_per_position * self.pending)
         self.probing = self.plain_streak >= interval
         if self.serial_draft:  # each drafted node's seconds are priced inside the gain
-            m, gain = self._best_prefix(path, lam, per_node_s=self.propose_s)
+            m, gain = self._best_prefix(path, lam, per_node_s=self.propose_s, width=width)
             call_s = self.propose_s * max(m, 1)
         else:
-            m, gain = self._best_prefix(path, lam)
+            m, gain = self._best_prefix(path, lam, width=width)
             call_s = self.propose_s
             gain -= lam * call_s
         self.depth_limit = max(m, 1)
@@ -498,8 +533,13 @@ class StepScheduler:
         ranks, scores = _sibling_ranks(proposal.parents_N), proposal.node_scores()
         depths = proposal.depths_N
         path_N: list[float] = []
+        taken: dict[int, float] = {}  # parent: the summed acceptance of its children so far (they exclude each other)
         for i, p in enumerate(proposal.parents_N):
-            a = self.estimator.estimate(depths[i], *_node_key(proposal, i, ranks, scores))
+            rank, score, source = _node_key(proposal, i, ranks, scores)
+            a = self.estimator.estimate(depths[i], rank, score, source)
+            if rank:  # an alternative is accepted only where every sibling ranked above it is rejected
+                a *= max(1.0 - taken.get(p, 0.0), 0.0)
+            taken[p] = taken.get(p, 0.0) + a
             path_N.append(a * (1.0 if p < 0 else path_N[p]))
         order = sorted(range(n), key=lambda i: (-path_N[i], i))  # a parent never scores below its child
         best_m, _ = self._best_prefix([path_N[i] for i in order], lam)
@@ -525,11 +565,10 @@ class StepScheduler:
 
         flush_s = 0.0  # the part of a draft call that flushed queued context positions, apart from its drafting
         drafted_n = max(num_drafted if num_drafted is not None else n, 1) if self.serial_draft else 1
-        if propose_s is not None and proposal.sources_N is None and self.pending >= FLUSH_MIN_FEATURES:
+        flushed = propose_s is not None and proposal.sources_N is None and self.pending >= FLUSH_MIN_FEATURES
+        if flushed:
             if self.propose_s > 0:  # what the call took beyond its drafting, per position flushed
-                per = max(propose_s - self.propose_s * drafted_n, 0.0) / self.pending
-                self.flush_s_per_position = per if self.flush_s_per_position == 0.0 else running(
-                    self.flush_s_per_position, per)
+                self._sample("flush_s_per_position", max(propose_s - self.propose_s * drafted_n, 0.0) / self.pending)
             flush_s = min(self.flush_s_per_position * self.pending, propose_s)
         self.pending = 0
 
@@ -537,27 +576,24 @@ class StepScheduler:
             if num_accepted:
                 self.probe_interval = self.probe_every
             else:  # priced against a plain step as the scheduler knew it before this step; the flush apart
-                extra_s = max(step_s - flush_s - self.seconds(1) - self.overhead_s, 0.0)
-                self.probe_cost_s = extra_s if self.probe_cost_s == 0.0 else running(self.probe_cost_s, extra_s)
+                self._sample("probe_cost_s", max(step_s - flush_s - self.seconds(1) - self.overhead_s, 0.0))
                 self.probe_interval = self._budget_interval(min(2 * self.probe_interval, self.max_probe_every))
         self.probing = False
 
         if verify_s > 0:
             forward_s = verify_s
             if n:  # the excess over the scaled curve, kept apart so that plain steps keep the scale
-                excess = verify_s - self.seconds(n + 1)
-                self.verify_excess_s = excess if self.verify_excess_s == 0.0 else running(self.verify_excess_s, excess)
+                self._sample("verify_excess_s", verify_s - self.seconds(n + 1))
                 forward_s -= self.verify_excess_s
             self.scale = running(self.scale, max(forward_s, 1e-9) / self.curve.seconds_for(n + 1))
-        if propose_s is not None and proposal.sources_N is None:  # a draft model's call (plan weighs it)
-            propose_s = (propose_s - flush_s) / drafted_n
-            self.propose_s = propose_s if self.propose_s == 0.0 else running(self.propose_s, propose_s)
-        if first:
-            self.overhead_s = self.verify_overhead_s = max(overhead_s, 0.0)
-        elif n:
-            self.verify_overhead_s = running(self.verify_overhead_s, max(overhead_s, 0.0))
-        else:
-            self.overhead_s = running(self.overhead_s, max(overhead_s, 0.0))
+        # a draft model's call (plan weighs it); one that flushed before the flush's cost was known (the first
+        # call: the prompt) cannot be told from its drafting and teaches neither
+        if propose_s is not None and proposal.sources_N is None and not (flushed and self.flush_s_per_position == 0):
+            self._sample("propose_s", (propose_s - flush_s) / drafted_n)
+        if first or n:
+            self._sample("verify_overhead_s", max(overhead_s, 0.0))
+        if first or not n:
+            self._sample("overhead_s", max(overhead_s, 0.0))
         self.rate = running(self.rate, num_committed / max(step_s, 1e-9))
         if n == 0:
             return
@@ -568,10 +604,13 @@ class StepScheduler:
                 est.observe(k, 0, scores[k - 1], k <= num_accepted, proposal.source(0))
             return
         on_path = set(path or ())
+        accepted_child = {proposal.parents_N[i]: i for i in on_path}  # at most one child of a node is accepted
         ranks, scores, depths = _sibling_ranks(proposal.parents_N), proposal.node_scores(), proposal.depths_N
         for i, p in enumerate(proposal.parents_N):
             if p < 0 or p in on_path:
                 rank, score, source = _node_key(proposal, i, ranks, scores)
+                if rank and accepted_child.get(p, i) < i:  # a sibling ranked above it was accepted: it had no chance
+                    continue
                 est.observe(depths[i], rank, score, i in on_path, source)
 
 
