@@ -199,13 +199,14 @@ class AcceptanceEstimator:
     ranks. A node of rank ``r > 0`` (an alternative) is accepted only where every sibling ranked above it is
     rejected, so its cells count it only then (its estimate is for that event; the scheduler multiplies in the
     chance that its elder siblings are all rejected). On top, one factor per source for the request at hand,
-    over its first choices (:meth:`start_request` resets it; an alternative's chance follows the request
-    through its elder siblings' rejection, and a factor that scaled it too would raise it on a request where
-    the first choices do better, which leaves it less): the request's accepted first choices against the
+    over its first choices (:meth:`start_request` resets it): the request's accepted first choices against the
     long-run estimates' sum over the same nodes, ``r = (accepted + request_strength) / (expected +
     request_strength)``, scales every first choice's estimate: ``p * r`` for a request harder than the long
     run's mix (``r < 1``), ``1 - (1 - p) / r`` for an easier one (a draft that pays on one kind of prompt may
-    not on the next). One factor learns from every first choice the request verifies, so it moves within a few steps without making each cell's own estimate rest on a request's few
+    not on the next). An alternative is scaled by ``min(r, 1)``: a request harder for the first choices is one
+    the draft is off on, alternatives included, but one where the first choices do better leaves the
+    alternatives less (through their elder siblings' rejection), not more. One factor learns from every
+    first choice the request verifies, so it moves within a few steps without making each cell's own estimate rest on a request's few
     counts (a random effect per request). It is shrunk towards the recent requests' mean factor ``r0``:
     ``r = (accepted + request_strength * r0) / (expected + request_strength)``, the posterior mean of a
     Gamma prior of mean ``r0`` worth ``request_strength`` expected acceptances (3: so that a few unlucky steps
@@ -282,9 +283,9 @@ class AcceptanceEstimator:
         """The acceptance probability of one node from ``source``, in (0, 1) (of rank ``> 0``: given that every
         sibling ranked above it is rejected)."""
         p = min(max(self._long_run(depth, rank, score, source), 1e-6), 1 - 1e-6)
-        if rank:
-            return p
         r = self.request_factor(source)
+        if rank:  # a request harder for the first choices is one the draft is off on: its alternatives too
+            return p * min(r, 1.0)
         return p * r if r <= 1 else 1 - (1 - p) / r  # a harder request scales acceptance, an easier one rejection
 
     def _long_run(self, depth: int, rank: int, score: float | None, source: str) -> float:
