@@ -193,30 +193,29 @@ class AcceptanceEstimator:
     the anchor's children; capped at ``max_depth``), its rank among its siblings (0: the draft's first
     choice, a chain's node; capped at ``max_rank``) and, when the proposer scores its nodes (DSpark's
     confidence head), the score's bin of width ``1 / bins``.
-    Each cell holds decayed counts (``decay`` per update of that cell: recent steps weigh more); its
-    long-run estimate is ``(accepted + strength * prior) / (seen + strength)`` with ``prior`` the node's
-    own score when it has one, else the depth's running mean for rank 0, or ``other_prior`` for other
-    ranks. A node of rank ``r > 0`` (an alternative) is accepted only where every sibling ranked above it is
-    rejected, so its cells count it only then (its estimate is for that event; the scheduler multiplies in the
-    chance that its elder siblings are all rejected). On top, one factor per source for the request at hand,
-    over its first choices (:meth:`start_request` resets it): the request's accepted first choices against the
-    long-run estimates' sum over the same nodes, ``r = (accepted + request_strength) / (expected +
-    request_strength)``, scales every first choice's estimate: ``p * r`` for a request harder than the long
-    run's mix (``r < 1``), ``1 - (1 - p) / r`` for an easier one (a draft that pays on one kind of prompt may
-    not on the next). An alternative is scaled by ``min(r, 1)``: a request harder for the first choices is one
-    the draft is off on, alternatives included, but one where the first choices do better leaves the
-    alternatives less (through their elder siblings' rejection), not more. One factor learns from every
-    first choice the request verifies, so it moves within a few steps without making each cell's own estimate rest on a request's few
-    counts (a random effect per request). It is shrunk towards the recent requests' mean factor ``r0``:
-    ``r = (accepted + request_strength * r0) / (expected + request_strength)``, the posterior mean of a
-    Gamma prior of mean ``r0`` worth ``request_strength`` expected acceptances (3: so that a few unlucky steps
-    on a request the draft knows do not send it to plain steps for the rest of it); ``r0`` is the running mean (weight ``request_prior_decay`` on the past) of
-    finished requests' ``r``, one vote per request that verified a first choice: an online EM estimate of the
-    random effect's mean (Dempster, Laird and Rubin 1977; its M-step is the mean of the posterior means).
-    The cells count nodes, so requests on which the draft pays (many nodes each) outweigh those on which
-    it does not (a probe or two); ``r0`` weighs requests alike, so a request that follows ones the draft did
-    not know does not open with a gamble on the cells' figures, and one vote from a request the draft knows
-    lifts it again.
+    Each cell holds decayed counts (``decay`` per update of that cell: recent steps weigh more); its long-run
+    estimate is ``(accepted + strength * prior) / (seen + strength)`` with ``prior`` the node's own score when it
+    has one, else the depth's running mean for rank 0, or ``other_prior`` for other ranks. A node of rank ``r > 0``
+    (an alternative) is accepted only where every sibling ranked above it is rejected, so its cells count it only
+    then (its estimate is for that event; the scheduler multiplies in the chance that its elder siblings are all
+    rejected). On top, one factor per source for the request at hand, over its first choices (:meth:`start_request`
+    resets it): the request's accepted first choices against the long-run estimates' sum over the same nodes, ``r =
+    (accepted + request_strength) / (expected + request_strength)``, scales every first choice's estimate: ``p * r``
+    for a request harder than the long run's mix (``r < 1``), ``1 - (1 - p) / r`` for an easier one (a draft that
+    pays on one kind of prompt may not on the next). An alternative is scaled by ``min(r, 1)``: a request harder for
+    the first choices is one the draft is off on, alternatives included, but one where the first choices do better
+    leaves the alternatives less (through their elder siblings' rejection), not more. One factor learns from every
+    first choice the request verifies, so it moves within a few steps without making each cell's own estimate rest
+    on a request's few counts (a random effect per request). It is shrunk towards the recent requests' mean factor
+    ``r0``: ``r = (accepted + request_strength * r0) / (expected + request_strength)``, the posterior mean of a
+    Gamma prior of mean ``r0`` worth ``request_strength`` expected acceptances (3: so that a few unlucky steps on a
+    request the draft knows do not send it to plain steps for the rest of it); ``r0`` is the running mean (weight
+    ``request_prior_decay`` on the past) of finished requests' ``r``, one vote per request that verified a first
+    choice: an online EM estimate of the random effect's mean (Dempster, Laird and Rubin 1977; its M-step is the
+    mean of the posterior means). The cells count nodes, so requests on which the draft pays (many nodes each)
+    outweigh those on which it does not (a probe or two); ``r0`` weighs requests alike, so a request that follows
+    ones the draft did not know does not open with a gamble on the cells' figures, and one vote from a request the
+    draft knows lifts it again.
     """
 
     bins: int = 10
@@ -329,31 +328,29 @@ def _sibling_ranks(parents: Sequence[int]) -> list[int]:
 class StepScheduler:
     """Chooses, per step, whether to propose and which part of the proposal the target verifies.
 
-    ``curve``: the target's measured :class:`StepCostCurve`; its scale follows the measured verify
-    times (``observe``). ``probe_every``: after this many plain steps in a row (a step whose proposal
-    :meth:`select` cut whole counts as one) one step proposes anyway and verifies at least the
-    proposal's first node, so the acceptance counts keep up with the text (a plain step teaches
-    nothing); a probe that accepts nothing doubles the interval (up to
-    ``max_probe_every``: a draft that is of no use on a request costs ever fewer calls), one that
-    accepts a token sets it back. ``probe_budget``: the share of a request's time that probes accepting
-    nothing may cost: after such a probe the interval is at least the plain steps whose time, at this
-    share, pays for the probe's measured extra seconds over a plain step (its recent median: a draft call,
-    its first one on a request flushing the prompt's features through the draft, and the verify of the
-    probed nodes), and a request starts at that interval too, so that an expensive draft on prompts it
-    does not know stays within the share (None: the doubling alone). A draft call first runs the context
-    positions the proposer queued since its last call through the draft (``pending`` in :meth:`plan`: the
-    prompt, at a request's first call); its seconds per position are learned apart
-    (:attr:`flush_s_per_position`), and a probe waits until the plain steps pay for that flush as well. A
-    step :meth:`plan` expects to pay does not: the flush serves every later draft call of the request, so a
-    plan that looks one step ahead would refuse a long prompt's draft for good. ``rate_decay``: the weight of the
-    past in the running rate and scale. ``timing_window``: the step timings that price a step (propose call,
-    overheads, verify excess, probe cost, flush per position) are each the median of their last this many
-    samples: timings on a shared host are skewed (other work only ever adds time, and a kernel's first call
-    at a new shape takes several times its steady cost), and a mean that took one slow sample would hold it
-    through the plain steps, which sample none of these, and keep refusing proposals that pay. ``serial_draft``: the proposer drafts one token
-    per draft forward (Eagle3's chain: a call's cost grows with its depth) and drafts only the depth
-    :meth:`plan` chose, so a proposal is priced per drafted token. Use one scheduler per engine;
-    :meth:`reset` starts a request (the long-run counts and timings carry over).
+    ``curve``: the target's measured :class:`StepCostCurve`; its scale follows the measured verify times
+    (``observe``). ``probe_every``: after this many plain steps in a row (a step whose proposal :meth:`select` cut
+    whole counts as one) one step proposes anyway and verifies at least the proposal's first node, so the acceptance
+    counts keep up with the text (a plain step teaches nothing); a probe that accepts nothing doubles the interval
+    (up to ``max_probe_every``: a draft that is of no use on a request costs ever fewer calls), one that accepts a
+    token sets it back. ``probe_budget``: the share of a request's time that probes accepting nothing may cost:
+    after such a probe the interval is at least the plain steps whose time, at this share, pays for the probe's
+    measured extra seconds over a plain step (its recent median: a draft call, its first one on a request flushing
+    the prompt's features through the draft, and the verify of the probed nodes), and a request starts at that
+    interval too, so that an expensive draft on prompts it does not know stays within the share (None: the doubling
+    alone). A draft call first runs the context positions the proposer queued since its last call through the draft
+    (``pending`` in :meth:`plan`: the prompt, at a request's first call); its seconds per position are learned apart
+    (:attr:`flush_s_per_position`), and a probe waits until the plain steps pay for that flush as well. A step
+    :meth:`plan` expects to pay does not: the flush serves every later draft call of the request, so a plan that
+    looks one step ahead would refuse a long prompt's draft for good. ``rate_decay``: the weight of the past in the
+    running rate and scale. ``timing_window``: the step timings that price a step (propose call, overheads, verify
+    excess, probe cost, flush per position) are each the median of their last this many samples: timings on a shared
+    host are skewed (other work only ever adds time, and a kernel's first call at a new shape takes several times
+    its steady cost), and a mean that took one slow sample would hold it through the plain steps, which sample none
+    of these, and keep refusing proposals that pay. ``serial_draft``: the proposer drafts one token per draft
+    forward (Eagle3's chain: a call's cost grows with its depth) and drafts only the depth :meth:`plan` chose, so a
+    proposal is priced per drafted token. Use one scheduler per engine; :meth:`reset` starts a request (the long-run
+    counts and timings carry over).
     """
 
     curve: StepCostCurve
@@ -368,8 +365,8 @@ class StepScheduler:
     propose_s: float = 0.0  # seconds of a propose call, recent median (serial_draft: per drafted token)
     overhead_s: float = 0.0  # seconds of a plain step besides its forward, recent median
     verify_overhead_s: float = 0.0  # the same for a step that verified draft nodes (more features, a KV move)
-    verify_excess_s: float = 0.0  # seconds a verify forward with draft nodes took beyond :meth:`seconds`, recent median
-    probe_cost_s: float = 0.0  # extra seconds of a probe that accepted nothing over a plain step (no flush), recent median
+    verify_excess_s: float = 0.0  # seconds a verify with draft nodes took beyond :meth:`seconds`, recent median
+    probe_cost_s: float = 0.0  # extra seconds of a fruitless probe over a plain step (no flush), recent median
     flush_s_per_position: float = 0.0  # seconds a draft call spends per queued context position, recent median
     pending: int = 0  # the queued context positions the current step's draft call flushes (set by plan)
     rate: float = 0.0  # running committed tokens per second
