@@ -534,7 +534,8 @@ def test_auto_schedule_drafts_the_planned_depth_and_stays_lossless(target, train
     sched.estimator = AcceptanceEstimator(first_prior=0.6)
     planned = []
     plan = sched.plan
-    sched.plan = lambda k, pending=0: planned.append(plan(k, pending) and sched.depth_limit) or planned[-1]
+    sched.plan = lambda k, pending=0, width=1: (planned.append(plan(k, pending, width) and sched.depth_limit)
+                                                or planned[-1])
     for prompt in PROMPTS:
         ref = _engine(target, NullProposer()).generate(prompt, max_new_tokens=30)
         res = SpeculativeEngine(target, LAYER_IDS, proposer, [EOS], schedule=sched).generate(prompt, max_new_tokens=30)
