@@ -2,9 +2,10 @@
 
 One process, one target, one draft; for every prompt set (``--prompts NAME=FILE`` JSONL with ``turns``, or a
 benchmark name loaded with ``deepspec.eval.benchmarks.load_benchmark``) the methods run interleaved per prompt,
-in ABBA order (the order reversed on every other prompt), after one untimed warm-up each, greedily, each with
-fresh engines per prompt set (so the scheduler's running acceptance starts from its prior on every set; its cost
-curve is measured once and cached on disk):
+in ABBA order (the order reversed on every other prompt), after one untimed warm-up each, greedily, each
+``--timing-repeats`` times from the same state with the fastest run kept (``deepspec.eval.run.run_fastest``, the
+rule ``deepspec eval`` times by), with fresh engines per prompt set (so the scheduler's running acceptance starts
+from its prior on every set; its cost curve is measured once and cached on disk):
 
 - ``target-only``: the engine with ``NullProposer`` (the speedup baseline);
 - ``chain-fixed`` / ``chain-auto``: the draft proposing chains of its K, verified whole / scheduled;
@@ -40,11 +41,11 @@ from deepspec.algorithms.protocol import NullProposer  # noqa: E402
 from deepspec.algorithms.registry import algorithm_for_model, load_draft  # noqa: E402
 from deepspec.checkpoints import draft_folder  # noqa: E402
 from deepspec.data.chat import render_prompt  # noqa: E402
-from deepspec.decoding.engine import SpeculativeEngine  # noqa: E402
+from deepspec.decoding.engine import GenerationResult, SpeculativeEngine  # noqa: E402
 from deepspec.device import dtype_name, resolve_dtype  # noqa: E402
 from deepspec.eval.benchmarks import load_benchmark  # noqa: E402
 from deepspec.eval.metrics import schedule_stats, step_timing_stats  # noqa: E402
-from deepspec.eval.run import eos_token_ids_of  # noqa: E402
+from deepspec.eval.run import eos_token_ids_of, run_fastest  # noqa: E402
 from deepspec.target.load import EMBEDDED_DEFAULT, open_target  # noqa: E402
 from deepspec.utils import atomic_write_json, pyplot, save_png  # noqa: E402
 
@@ -135,10 +136,12 @@ def main(argv: list[str] | None = None) -> dict:
                    help="the few-row linear path (float32 only; off in bfloat16)")
     p.add_argument("--dtype", default="float32",
                    help="float32 | bfloat16 | auto (deepspec.device.resolve_dtype; deepspec eval's default is auto)")
+    p.add_argument("--timing-repeats", type=int, default=2,
+                   help="runs of every (prompt, method), each from the same state, the fastest kept (as deepspec eval)")
     p.add_argument("--output-dir", default="runs/schedule-bench", help="where schedule_bench.json and .png go")
     args = p.parse_args(argv)
-    if args.num_prompts < 1 or args.max_new_tokens < 1:
-        p.error("--num-prompts and --max-new-tokens: expected integers >= 1")
+    if args.num_prompts < 1 or args.max_new_tokens < 1 or args.timing_repeats < 1:
+        p.error("--num-prompts, --max-new-tokens and --timing-repeats: expected integers >= 1")
     if args.tree_width < 0:
         p.error(f"--tree-width: expected an integer >= 0 (0: chains only), got {args.tree_width}")
     try:
@@ -179,8 +182,14 @@ def run(args: argparse.Namespace) -> dict:
         runs: dict[str, list] = {name: [] for name in made}
         for i, prompt in enumerate(prompts):
             order = list(made.items())
-            for name, engine in order if i % 2 == 0 else order[::-1]:  # ABBA: a drift weighs on every method alike
-                runs[name].append(engine.generate(prompt, max_new_tokens=args.max_new_tokens))
+
+            def run_once(name: str, engine: SpeculativeEngine) -> tuple[float, GenerationResult]:
+                result = engine.generate(prompt, max_new_tokens=args.max_new_tokens)
+                return result.total_time_s, result
+
+            abba = order if i % 2 == 0 else order[::-1]  # a drift weighs on every method alike
+            for name, result in run_fastest(abba, run_once, args.timing_repeats).items():
+                runs[name].append(result)
         base = runs["target-only"]
         per_token = {n: sum(r.total_time_s for r in rs) / sum(r.num_new_tokens for r in rs) for n, rs in runs.items()}
         rows = {}
@@ -198,7 +207,8 @@ def run(args: argparse.Namespace) -> dict:
                 **schedule_stats(steps),
             }
         results[set_name] = rows
-        print(f"\n{set_name} ({len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy, {dtype_name(dtype)})")
+        print(f"\n{set_name} ({len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy, {dtype_name(dtype)}, "
+              f"fastest of {args.timing_repeats})")
         print(f"{'method':17} {'speedup':>8} {'median':>7} {'tau':>5} {'nodes':>6} {'plain':>6} {'propose':>8} "
               f"{'verify':>7} {'overhead':>8} {'sched':>6} identical")
         for name, r in rows.items():

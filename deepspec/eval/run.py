@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import os
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -386,28 +386,20 @@ def _run_benchmark(
     repeats = run.timing_repeats
     for i, (prompt, ids) in enumerate(zip(prompts, rendered)):
         turn_of.extend((prompt.id, t + 1) for t in range(min(run.num_turns, len(prompt.turns))))
+
+        def run_once(name: str, engine: SpeculativeEngine) -> tuple[float, tuple[list, list[GenerationResult]]]:
+            bar.set_postfix_str(f"{bench} {name}")
+            gen = run.new_generator(run.seed + i)
+
+            def generate(x: list[int]) -> GenerationResult:
+                return _generate_or_explain(run, engine, x, gen, where=f"{bench} prompt {prompt.id}, {name}")
+
+            turn_ids, results = _run_turns(generate, run.tokenizer, prompt, first_ids=ids, **turns_kw)
+            bar.update(1)
+            return sum(res.total_time_s for res in results), (turn_ids, results)
+
         order = engines if i % 2 == 0 else engines[::-1]  # ABBA order (the module docstring)
-        start = {name: _EngineState.of(engine) for name, engine in engines} if repeats > 1 else {}
-        best: dict[str, tuple[float, list[list[int]], list[GenerationResult], _EngineState | None]] = {}
-        for r in range(repeats):
-            for name, engine in order if r % 2 == 0 else order[::-1]:
-                if r:
-                    start[name].restore(engine)
-                bar.set_postfix_str(f"{bench} {name}")
-                gen = run.new_generator(run.seed + i)
-
-                def generate(x: list[int], engine=engine, gen=gen, name=name, pid=prompt.id) -> GenerationResult:
-                    return _generate_or_explain(run, engine, x, gen, where=f"{bench} prompt {pid}, {name}")
-
-                turn_ids, results = _run_turns(generate, run.tokenizer, prompt, first_ids=ids, **turns_kw)
-                seconds = sum(res.total_time_s for res in results)
-                if name not in best or seconds < best[name][0]:
-                    best[name] = (seconds, turn_ids, results, _EngineState.of(engine) if repeats > 1 else None)
-                bar.update(1)
-        for name, engine in engines:
-            _, turn_ids, results, state = best[name]
-            if state is not None:
-                state.restore(engine)  # carry on from the kept run's state
+        for name, (turn_ids, results) in run_fastest(order, run_once, repeats).items():
             prompts_of[name].extend(turn_ids)
             runs[name].extend(results)
         if run.compare_hf_generate:
@@ -427,8 +419,42 @@ def _run_benchmark(
     return runs, prompts_of, turn_of
 
 
+R = TypeVar("R")
+
+
+def run_fastest(order: Sequence[tuple[str, SpeculativeEngine]],
+                run_once: Callable[[str, SpeculativeEngine], tuple[float, R]], repeats: int = 1) -> dict[str, R]:
+    """Time every engine of ``order`` on one piece of work ``repeats`` times and keep each one's fastest run.
+
+    ``run_once(name, engine)`` does the work once and returns ``(seconds, result)``. Repeat ``r`` runs the
+    engines in ``order`` for even ``r`` and in the reverse order for odd ``r`` (so each engine's runs sit alike
+    in the round), every repeat from the state the engine had before the first (:class:`EngineState`: the
+    scheduler's counts and timings, the proposer's step counters), so no run learns from another's pass over
+    the same work; afterwards each engine carries on from the state its fastest run left. Other work on a
+    shared machine only ever adds time, so the fastest of ``repeats`` runs is the least disturbed measure.
+    Returns ``{name: result of the fastest run}`` in ``order``'s order. Raises ValueError when ``repeats < 1``."""
+    if repeats < 1:
+        raise ValueError(f"repeats: expected an integer >= 1, got {repeats}")
+    start = {name: EngineState.of(engine) for name, engine in order} if repeats > 1 else {}
+    best: dict[str, tuple[float, R, EngineState | None]] = {}
+    for r in range(repeats):
+        for name, engine in order if r % 2 == 0 else order[::-1]:
+            if r:
+                start[name].restore(engine)
+            seconds, result = run_once(name, engine)
+            if name not in best or seconds < best[name][0]:
+                best[name] = (seconds, result, EngineState.of(engine) if repeats > 1 else None)
+    kept: dict[str, R] = {}
+    for name, engine in order:
+        _, result, state = best[name]
+        if state is not None:
+            state.restore(engine)  # carry on from the kept run's state
+        kept[name] = result
+    return kept
+
+
 @dataclass
-class _EngineState:
+class EngineState:
     """What a generation changes in an engine besides its outputs: its scheduler (acceptance counts,
     timings) and its proposer's step counters (prompt lookup, corpus), as :meth:`of` copies them;
     :meth:`restore` puts them back."""
@@ -437,7 +463,7 @@ class _EngineState:
     counters: list[tuple[Any, str, int]]  # (object, attribute, value)
 
     @classmethod
-    def of(cls, engine: SpeculativeEngine) -> "_EngineState":
+    def of(cls, engine: SpeculativeEngine) -> "EngineState":
         p, corpus = engine.proposer, corpus_lookup(engine.proposer)
         counted = [(p, a) for a in ("steps_from_lookup", "steps_from_draft") if hasattr(p, a)]
         counted += [(corpus, "steps_from_corpus")] if corpus is not None else []

@@ -23,3 +23,41 @@ def test_plot_writes_a_png(tmp_path):
     results = {s: {m: {"speedup": x} for m, x in [("target-only", 1.0), ("chain-auto", 1.3)]} for s in ["a", "b"]}
     bench.plot(results, tmp_path / "s.png")
     assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_run_fastest_keeps_each_engines_fastest_run_from_one_starting_state():
+    """Each repeat runs from the state the engines started with, in ABBA order; the fastest run is kept and each
+    engine carries on from the state that run left; one repeat copies nothing."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from deepspec.eval.run import run_fastest
+
+    def engine():
+        return SimpleNamespace(scheduler={"seen": []}, proposer=SimpleNamespace(steps_from_draft=0))
+
+    engines = {"a": engine(), "b": engine()}
+    seconds = {"a": iter([3.0, 1.0, 2.0]), "b": iter([1.0, 2.0, 3.0])}
+    calls, starts = [], []
+
+    def run_once(name, eng):
+        starts.append((name, list(eng.scheduler["seen"]), eng.proposer.steps_from_draft))
+        calls.append(name)
+        eng.scheduler["seen"].append(len(calls))
+        eng.proposer.steps_from_draft += 1
+        s = next(seconds[name])
+        return s, (name, s)
+
+    kept = run_fastest(list(engines.items()), run_once, repeats=3)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert all(seen == [] and steps == 0 for _, seen, steps in starts)  # every repeat from the starting state
+    assert kept == {"a": ("a", 1.0), "b": ("b", 1.0)}
+    assert engines["a"].scheduler == {"seen": [4]} and engines["b"].scheduler == {"seen": [2]}  # the kept run's state
+    assert engines["a"].proposer.steps_from_draft == 1
+
+    once = engine()
+    assert run_fastest([("c", once)], lambda n, e: (e.scheduler["seen"].append(0) or 5.0, n), repeats=1) == {"c": "c"}
+    assert once.scheduler == {"seen": [0]}
+    with pytest.raises(ValueError, match="repeats"):
+        run_fastest([("c", once)], run_once, repeats=0)
