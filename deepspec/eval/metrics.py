@@ -85,6 +85,11 @@ METRIC_DEFINITIONS: dict[str, str] = {
     "speedup_median": "median over prompts (and turns) of the per-prompt speedup: target-only's time per output "
     "token on that prompt / this proposer's (robust to one prompt's load spike; pooled speedup weighs long "
     "outputs more)",
+    "speedup_first_turn": "multi-turn benchmarks only (e.g. MT-Bench): speedup over the first turns alone, pooled. "
+    "A later turn is rendered on each method's own earlier answers, and those part from target-only's at near-ties "
+    "(bfloat16), so a later turn can time a different context; the first turns are the same prompts for every "
+    "method",
+    "speedup_first_turn_median": "multi-turn benchmarks only: speedup_median over the first turns alone",
     "break_even_tau": "the tau at which speculation pays: this method's mean verify-step time / the target-only "
     "mean step time (time_ms_per_step of both, same run). A step commits tau tokens on average and a target-only "
     "step one, so decoding is faster than target-only when tau > break_even_tau (speedup ~ tau / break_even_tau, "

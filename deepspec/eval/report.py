@@ -121,6 +121,20 @@ def _main_table(results: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _first_turn_table(results: Mapping[str, Any]) -> list[str]:
+    """The speedups over first turns alone, for the benchmarks with later turns (none: no lines)."""
+    rows = [(bench, method, m) for bench, method, m in _methods(results) if m.get("speedup_first_turn") is not None]
+    if not rows:
+        return []
+    lines = [("First turns alone: a later turn is rendered on each method's own answers, which part from "
+              "target-only's at near-ties, so it can time a different context; the first turns are the same prompts "
+              "for every method."), "", "| benchmark | method | speedup, first turns | median speedup, first turns |",
+             "| --- | --- | --- | --- |"]
+    lines += [f"| {bench} | {method} | {_fmt(m['speedup_first_turn'])} | {_fmt(m.get('speedup_first_turn_median'))} |"
+              for bench, method, m in rows]
+    return lines
+
+
 def has_divergences(results: Mapping[str, Any]) -> bool:
     """True when some method's greedy output differs from target-only on some prompt."""
     return any(m.get("divergences") for _, _, m in _methods(results))
@@ -357,6 +371,8 @@ def markdown_report(results: dict[str, Any], figures: Mapping[str, str] | None =
              "target-only time per output token / generate() time per output token (> 1 means generate() is "
              "faster than our target-only loop)."),
         ]
+    first_turns = _first_turn_table(results)
+    lines += ["", *first_turns] if first_turns else []
     lines += ["", *_tau_histogram_table(results), "", *_timing_table(results)]
     if has_schedule(results):
         lines += ["", *_schedule_table(results)]

@@ -47,7 +47,7 @@ from deepspec.decoding.flips import argmax_flip_positions, chunked_argmax, diver
 from deepspec.decoding.settings import DecodeSettings
 from deepspec.device import dtype_name, is_out_of_memory, out_of_memory_error
 from deepspec.eval.benchmarks import BenchmarkPrompt
-from deepspec.eval.metrics import METRIC_DEFINITIONS, benchmark_metrics
+from deepspec.eval.metrics import METRIC_DEFINITIONS, benchmark_metrics, median_speedup, speedup, timing_stats
 from deepspec.eval.report import BASELINE, HF_GENERATE, environment_info, write_report
 from deepspec.target.capture import target_forward
 from deepspec.target.decoding import SamplingParams, decoding_record, pinned_generate
@@ -310,7 +310,7 @@ def run_eval(
     for bench, prompts in benchmarks.items():
         counts = _proposal_counts(run.proposers)
         runs, prompts_of, turn_of = _run_benchmark(run, bench, prompts, rendered[bench], bar)
-        figures[bench] = _benchmark_figures(run, runs, counts, max_k=max_k)
+        figures[bench] = _benchmark_figures(run, runs, counts, max_k=max_k, turn_of=turn_of)
         if measure_flips:
             with few_row_linear_context(target_model) if run.few_row_linear else contextlib.nullcontext():
                 argmax_flip_figures(target_model, prompts_of[BASELINE], runs[BASELINE],
@@ -505,14 +505,23 @@ def _proposal_counts(proposers: Mapping[str, Proposer]) -> dict[str, dict[str, i
 
 
 def _benchmark_figures(run: _Run, runs: Mapping[str, Sequence[GenerationResult]],
-                       counts: Mapping[str, Mapping[str, int]], *, max_k: Mapping[str, int]) -> dict[str, Any]:
+                       counts: Mapping[str, Mapping[str, int]], *, max_k: Mapping[str, int],
+                       turn_of: Sequence[tuple[str, int]]) -> dict[str, Any]:
     """Each method's metrics on one benchmark (:func:`benchmark_metrics` against target-only; Hugging Face
     ``generate()``'s throughput and identity only), with the shares of steps a lookup in front of a draft
     (``frac_steps_from_lookup``) and a corpus (``frac_steps_from_corpus``) proposed, from the counters
-    before it (:func:`_proposal_counts`)."""
+    before it (:func:`_proposal_counts`), and, on a benchmark with later turns (``turn_of``: the (prompt id,
+    turn) of each pooled result), the speedups over first turns alone (``speedup_first_turn`` and its median)."""
     base = runs[BASELINE]
     figures = {name: benchmark_metrics(res, baseline=None if name == BASELINE else base, max_k=max_k.get(name, 0))
                for name, res in runs.items()}
+    if any(turn > 1 for _, turn in turn_of):  # later turns are built on each method's own answers
+        first = [i for i, (_, turn) in enumerate(turn_of) if turn == 1]
+        base_first = [base[i] for i in first]
+        for name in run.proposers:
+            res_first = [runs[name][i] for i in first]
+            figures[name]["speedup_first_turn"] = speedup(timing_stats(base_first), timing_stats(res_first))
+            figures[name]["speedup_first_turn_median"] = median_speedup(base_first, res_first)
     for name, before in counts.items():
         p = run.proposers[name]
         if "lookup" in before:

@@ -4,6 +4,7 @@ position limit, the feature-less baseline, step timing, and run_eval (one and tw
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -625,6 +626,7 @@ def test_run_eval_end_to_end_writes_report(target, tmp_path):
     assert figs["random"]["frac_identical_to_baseline"] == 1.0  # lossless at T=0
     assert figs["hf-generate"]["frac_identical_to_baseline"] == 1.0
     assert figs["random"]["speedup"] > 0 and figs["random"]["num_output_tokens"] == 12
+    assert "speedup_first_turn" not in figs["random"]  # one turn: the speedup is already over first turns
     assert res["config"]["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
     assert [r["turn"] for r in res["samples"]["tiny"]["random"]] == [1, 1]
     # each record holds the rendered prompt and the generated text (readable back from the JSON)
@@ -655,6 +657,7 @@ def test_run_eval_second_turn_builds_on_each_methods_own_answer(target):
     """num_turns=2: a two-turn prompt runs turn 2 on [user1, own answer1, user2]; a one-turn prompt
     runs once; both turns' steps are pooled; samples hold one record per (prompt, turn)."""
     from deepspec.eval.benchmarks import BenchmarkPrompt
+    from deepspec.eval.report import markdown_report
     from deepspec.eval.run import answer_text, run_eval
 
     tok = _FakeChatTokenizer()
@@ -671,6 +674,18 @@ def test_run_eval_second_turn_builds_on_each_methods_own_answer(target):
         assert figs[name]["num_output_tokens"] == 3 * max_new
     assert figs["random"]["frac_identical_to_baseline"] == 1.0
     assert res["config"]["num_turns"] == 2
+    # the speedup over first turns alone: the same prompts for every method
+    firsts = {name: [r for r in res["samples"]["mt"][name] if r["turn"] == 1] for name in ("target-only", "random")}
+    pooled = {name: sum(r["total_time_s"] for r in rs) / sum(r["num_new_tokens"] for r in rs)
+              for name, rs in firsts.items()}
+    assert figs["random"]["speedup_first_turn"] == pytest.approx(pooled["target-only"] / pooled["random"])
+    assert figs["random"]["speedup_first_turn"] != pytest.approx(figs["random"]["speedup"], rel=1e-9)
+    assert figs["random"]["speedup_first_turn_median"] == pytest.approx(statistics.median(
+        (b["total_time_s"] / b["num_new_tokens"]) / (r["total_time_s"] / r["num_new_tokens"])
+        for b, r in zip(firsts["target-only"], firsts["random"])))
+    assert "speedup_first_turn" not in figs["target-only"]
+    report = markdown_report(res)
+    assert "| mt | random | " in report.split("First turns alone")[1]
     # every method rendered turn 2 on its own first answer (identical at T=0)
     first = hf_greedy(target, tok.apply_chat_template([{"role": "user", "content": "q1"}],
                                                       add_generation_prompt=True), max_new, VOCAB + 1)
