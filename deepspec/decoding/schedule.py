@@ -199,23 +199,19 @@ class AcceptanceEstimator:
     (an alternative) is accepted only where every sibling ranked above it is rejected, so its cells count it only
     then (its estimate is for that event; the scheduler multiplies in the chance that its elder siblings are all
     rejected). On top, one factor per source for the request at hand, over its first choices (:meth:`start_request`
-    resets it): the request's accepted first choices against the long-run estimates' sum over the same nodes, ``r =
-    (accepted + request_strength) / (expected + request_strength)``, scales every first choice's estimate: ``p * r``
-    for a request harder than the long run's mix (``r < 1``), ``1 - (1 - p) / r`` for an easier one (a draft that
-    pays on one kind of prompt may not on the next). An alternative is scaled by ``min(r, 1)``: a request harder for
-    the first choices is one the draft is off on, alternatives included, but one where the first choices do better
-    leaves the alternatives less (through their elder siblings' rejection), not more. One factor learns from every
-    first choice the request verifies, so it moves within a few steps without making each cell's own estimate rest
-    on a request's few counts (a random effect per request). It is shrunk towards the recent requests' mean factor
-    ``r0``: ``r = (accepted + request_strength * r0) / (expected + request_strength)``, the posterior mean of a
-    Gamma prior of mean ``r0`` worth ``request_strength`` expected acceptances (3: so that a few unlucky steps on a
-    request the draft knows do not send it to plain steps for the rest of it); ``r0`` is the running mean (weight
-    ``request_prior_decay`` on the past) of finished requests' ``r``, one vote per request that verified a first
-    choice: an online EM estimate of the random effect's mean (Dempster, Laird and Rubin 1977; its M-step is the
-    mean of the posterior means). The cells count nodes, so requests on which the draft pays (many nodes each)
-    outweigh those on which it does not (a probe or two); ``r0`` weighs requests alike, so a request that follows
-    ones the draft did not know does not open with a gamble on the cells' figures, and one vote from a request the
-    draft knows lifts it again.
+    resets it): the request's accepted first choices against the long-run estimates' sum over the same nodes,
+    ``r = (accepted + request_strength) / (expected + request_strength)``, scales every first choice's estimate:
+    ``p * r`` for a request harder than the long run's mix (``r < 1``), ``1 - (1 - p) / r`` for an easier one (a
+    draft that pays on one kind of prompt may not on the next). An alternative is scaled by ``min(r, 1)``: a request
+    harder for the first choices is one the draft is off on, alternatives included, but one where the first choices
+    do better leaves the alternatives less (through their elder siblings' rejection), not more. One factor learns
+    from every first choice the request verifies, so it moves within a few steps without making each cell's own
+    estimate rest on a request's few counts (a random effect per request): ``r`` is the posterior mean of a Gamma
+    prior of mean 1 worth ``request_strength`` expected acceptances (3: so that a few unlucky steps on a request the
+    draft knows do not send it to plain steps for the rest of it). Every request starts at ``r = 1``, from the
+    long-run cells, which hold what past requests taught. (A prior that followed the recent requests' factors would
+    ratchet down on the few probes of the requests it sends plain, which fail more often than not, and in mixed
+    traffic open a request the draft knows with plain steps after a few it does not: docs/design/decoding.md.)
     """
 
     bins: int = 10
@@ -226,21 +222,14 @@ class AcceptanceEstimator:
     first_prior: float = 0.5
     other_prior: float = 0.1
     request_strength: float = 3.0
-    request_prior_decay: float = 0.5
     cells: dict[tuple[str, int, int, int], list[float]] = field(default_factory=dict)
     request_counts: dict[str, list[float]] = field(default_factory=dict)  # source: [accepted, expected]
-    request_prior: dict[str, float] = field(default_factory=dict)  # source: r0
     # depth_means' figures since the counts last changed: {(max_depth, source, width): means}
     _means: dict[tuple[int, str, int], tuple[float, ...]] = field(default_factory=dict, init=False, repr=False,
                                                               compare=False)
 
     def start_request(self) -> None:
-        """Fold the finished request's factor into ``r0`` (per source, for a request that verified a first choice
-        of it) and forget its counts (the long-run counts stay)."""
-        for source, (_, expected) in self.request_counts.items():
-            if expected > 0:
-                own, old = self.request_factor(source), self.request_prior.get(source, 1.0)
-                self.request_prior[source] = self.request_prior_decay * old + (1 - self.request_prior_decay) * own
+        """Forget the finished request's counts (the long-run counts stay): the next request's factor starts at 1."""
         self.request_counts.clear()
         self._means.clear()
 
@@ -261,14 +250,12 @@ class AcceptanceEstimator:
         return means
 
     def request_factor(self, source: str = DRAFT_SOURCE) -> float:
-        """The current request's factor for ``source``'s first choices: ``(accepted + request_strength * r0) /
-        (expected + request_strength)`` over the first choices it verified (``r0``, the recent requests' mean
-        factor, before it has verified one; 1.0 before any request has)."""
-        prior = self.request_prior.get(source, 1.0)
+        """The current request's factor for ``source``'s first choices: ``(accepted + request_strength) /
+        (expected + request_strength)`` over the first choices it verified (1.0 before it has verified one)."""
         counts = self.request_counts.get(source)
         if counts is None:
-            return prior
-        return (counts[0] + self.request_strength * prior) / (counts[1] + self.request_strength)
+            return 1.0
+        return (counts[0] + self.request_strength) / (counts[1] + self.request_strength)
 
     def _key(self, depth: int, rank: int, score: float | None, source: str) -> tuple[str, int, int, int]:
         return (source, min(depth, self.max_depth), min(rank, self.max_rank), _score_bin(score, self.bins))
@@ -296,12 +283,10 @@ class AcceptanceEstimator:
         cell = self.cells.get(key)
         return prior if cell is None else (cell[0] + self.strength * prior) / (cell[1] + self.strength)
 
-    def observe(self, depth: int, rank: int, score: float | None, accepted: bool | float,
+    def observe(self, depth: int, rank: int, score: float | None, accepted: bool,
                 source: str = DRAFT_SOURCE) -> None:
         """Count one verified node from ``source`` whose parent was accepted (and, for a scored node, its
-        depth's unscored cell too, the running mean that plans steps before a proposal exists). ``accepted``
-        may be a probability: an expected outcome counted as that fraction of an accepted node."""
-        self._means.clear()
+        depth's unscored cell too, the running mean that plans steps before a proposal exists)."""
         if rank == 0:
             counts = self.request_counts.setdefault(source, [0.0, 0.0])
             counts[0] += float(accepted)
@@ -310,9 +295,23 @@ class AcceptanceEstimator:
         if rank == 0:
             keys.add(self._key(depth, 0, None, source))
         for key in keys:
-            cell = self.cells.setdefault(key, [0.0, 0.0])
-            cell[0] = cell[0] * self.decay + float(accepted)
-            cell[1] = cell[1] * self.decay + 1.0
+            self._count(key, float(accepted))
+
+    def count_unverified(self, depth: int, score: float, source: str = DRAFT_SOURCE) -> None:
+        """Count a scored first choice that was drafted but not verified (its proposal cut whole by its scores) in
+        its depth's unscored cell, as its long-run estimate's fraction of an accepted node: the running mean that
+        plans a step before the proposal exists then stands for the proposals the scores keep, and the ones they
+        cut, alike (an imputation, unbiased where the scored estimates are calibrated). The request's factor and the
+        scored cells, which hold only what the target showed, are left as they were: counting the estimate against
+        the unscored expectation, as a verified node is counted, would lower the factor on every cut, since a cut
+        happens where the score is low, and each lowered factor makes the next cut likelier."""
+        self._count(self._key(depth, 0, None, source), self._long_run(depth, 0, score, source))
+
+    def _count(self, key: tuple[str, int, int, int], accepted: float) -> None:
+        self._means.clear()
+        cell = self.cells.setdefault(key, [0.0, 0.0])
+        cell[0] = cell[0] * self.decay + accepted
+        cell[1] = cell[1] * self.decay + 1.0
 
 
 def _sibling_ranks(parents: Sequence[int]) -> list[int]:
@@ -498,13 +497,13 @@ class StepScheduler:
 
     def _count_cut(self, proposal: Proposal) -> None:
         """A proposal cut whole by its own scores still tells :meth:`plan` what proposing was worth: its first
-        node's estimated acceptance enters the depth's running mean as a fractional count (the expected
-        outcome, so :meth:`plan` stops proposing where the draft's scores keep cutting its proposals)."""
+        node enters the depth's running mean at its estimate (:meth:`AcceptanceEstimator.count_unverified`), so
+        :meth:`plan` stops proposing where the draft's scores keep cutting its proposals."""
         if not proposal.num_proposed or proposal.source(0) != DRAFT_SOURCE:
             return
         score = proposal.node_scores()[0]
         if score is not None:
-            self.estimator.observe(1, 0, None, self.estimator.estimate(1, 0, score), DRAFT_SOURCE)
+            self.estimator.count_unverified(1, score, DRAFT_SOURCE)
 
     def _select(self, proposal: Proposal, *, greedy: bool) -> Proposal:
         n = proposal.num_proposed
