@@ -268,6 +268,10 @@ def _parse_settings(settings: Sequence[str]) -> tuple[dict[str, Any], dict[str, 
 def replay(args: argparse.Namespace) -> dict:
     """The ``replay`` stage (module docstring); prints and returns ``{"per_set" | "mixed": {method: {set: row}}}``."""
     data = json.loads(Path(args.record).read_text(encoding="utf-8"))
+    missing = [k for k in ("curve", "costs", "records", "tree_width", "max_proposal_len") if k not in data]
+    if missing:
+        raise ValueError(f"{args.record}: not a recording of `schedule_replay.py record` (no {', '.join(missing)}); "
+                         "record one first")
     curve = StepCostCurve.from_dict(data["curve"])
     cost = CostModel(curve, data["costs"], args.cost_scale)
     sched_kw, est_kw = _parse_settings(args.set)

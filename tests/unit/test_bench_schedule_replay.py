@@ -95,3 +95,11 @@ def test_settings_name_scheduler_and_estimator_attributes(bench):
         bench._parse_settings(["probe_evry=4"])
     with pytest.raises(ValueError, match="NAME=VALUE"):
         bench._parse_settings(["probe_every"])
+
+
+def test_a_file_that_is_not_a_recording_is_refused_by_name(bench, tmp_path, capsys):
+    path = tmp_path / "other.json"
+    path.write_text('{"results": {}}')
+    with pytest.raises(SystemExit):
+        bench.main(["replay", str(path)])
+    assert f"{path}: not a recording" in capsys.readouterr().err
