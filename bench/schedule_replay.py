@@ -14,18 +14,22 @@ step's seconds, a draft call's, the prompt flush per position, a verify's excess
 bookkeeping.
 
 ``replay``: every prompt's decoding is replayed with ``fixed`` (every proposal verified whole) and ``auto`` (this
-checkout's ``StepScheduler``; ``--set NAME=VALUE`` sets a scheduler attribute, ``--set estimator.NAME=VALUE`` an
-estimator's): from position to position by the tokens each step commits (a plain step one), each step priced by
-the cost model (``--cost-scale``: the draft call, excess and bookkeeping scaled, for a host where they cost more
-or less). Speedup = target-only seconds / the method's, pooled and median over prompts, per set; one scheduler per
-set (fresh, as in ``bench/schedule.py``), and with ``--mixed`` also every set's prompts shuffled into one stream
-served by one scheduler (a server's traffic), averaged over ``--orders`` shuffles. The replay ignores what
-recording cannot see: a step's cost beyond the model's (a kernel's first call, the host's load) and, in bfloat16,
-a near-tie where a verify's argmax differs from the one-token decode's.
+checkout's ``StepScheduler``; ``--set NAME=VALUE``, repeatable, sets a scheduler attribute, ``--set
+estimator.NAME=VALUE`` an estimator's): from position to position by the tokens each step commits (a plain step
+one), each step priced by the cost model (``--cost-scale``: the draft call, excess and bookkeeping scaled, for a
+host where they cost more or less). One scheduler per set (fresh, as in ``bench/schedule.py``), and with
+``--mixed`` also every set's prompts shuffled into one stream served by one scheduler (a server's traffic), the
+mean over ``--orders`` shuffles. Printed per set: ``fixed`` and ``auto``, the speedup (target-only seconds / the
+method's, pooled over prompts); ``median``, auto's median over prompts; ``plain``, auto's share of plain steps;
+``auto/best``, auto's speedup over the better of fixed's and 1.0 (target-only); with ``--mixed``, auto's speedup in
+the mixed stream and the same ratio. The recording is checked whole before the replay (a missing field or an
+inconsistent proposal is named by record and step). The replay ignores what recording cannot see: a step's cost
+beyond the model's (a kernel's first call, the host's load) and, in bfloat16, a near-tie where a verify's argmax
+differs from the one-token decode's.
 
     python bench/schedule_replay.py record --draft runs/demo/train --prompts gsm8k humaneval mt-bench alpaca \\
         --num-prompts 16 --dtype bfloat16 --tree-width 3 --output runs/replay/tree3.json
-    python bench/schedule_replay.py replay runs/replay/tree3.json --mixed
+    python bench/schedule_replay.py replay runs/replay/tree3.json --mixed --set probe_every=4
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import random
 import statistics
 import sys
@@ -244,9 +249,10 @@ def replay_rows(rows: list[dict], make_scheduler: Callable[[], StepScheduler] | 
 
 
 def _parse_settings(settings: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``NAME=VALUE`` (a StepScheduler attribute) and ``estimator.NAME=VALUE`` (an AcceptanceEstimator's) as two
-    keyword dicts; values parsed as JSON (numbers, null), else kept as text. Raises ValueError for a malformed
-    setting or a name neither class has."""
+    """``NAME=VALUE`` (a numeric StepScheduler attribute) and ``estimator.NAME=VALUE`` (an AcceptanceEstimator's) as
+    two keyword dicts; values parsed as JSON. Raises ValueError for a malformed setting, a name neither class has, a
+    value of the wrong type (an integer setting given a fraction, text) or out of range (negative; a decay above 1);
+    ``probe_budget`` alone may be null (no budget)."""
     sched_kw: dict[str, Any] = {}
     est_kw: dict[str, Any] = {}
     for item in settings:
@@ -259,19 +265,92 @@ def _parse_settings(settings: Sequence[str]) -> tuple[dict[str, Any], dict[str, 
             value = raw
         target, cls = (est_kw, AcceptanceEstimator) if name.startswith("estimator.") else (sched_kw, StepScheduler)
         name = name.removeprefix("estimator.")
-        if name not in cls.__dataclass_fields__ or name in ("curve", "estimator"):
-            raise ValueError(f"--set: {cls.__name__} has no setting {name!r}")
+        default = cls.__dataclass_fields__[name].default if name in cls.__dataclass_fields__ else None
+        if name in ("curve", "estimator") or not isinstance(default, (int, float)) or isinstance(default, bool):
+            raise ValueError(f"--set: {cls.__name__} has no numeric setting {name!r}")
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        optional = name == "probe_budget"  # null turns the probe budget off
+        if not (numeric or (optional and value is None)) or (type(default) is int and not isinstance(value, int)):
+            raise ValueError(f"--set {item}: expected {'an integer' if type(default) is int else 'a number'}"
+                             f"{' or null' if optional else ''}")
+        if numeric and (value < 0 or (name.endswith("decay") and value > 1)):
+            raise ValueError(f"--set {item}: expected a value >= 0{' and <= 1' if name.endswith('decay') else ''}")
         target[name] = value
     return sched_kw, est_kw
 
 
-def replay(args: argparse.Namespace) -> dict:
-    """The ``replay`` stage (module docstring); prints and returns ``{"per_set" | "mixed": {method: {set: row}}}``."""
-    data = json.loads(Path(args.record).read_text(encoding="utf-8"))
+COST_FIELDS = ("plain_forward_s", "plain_overhead_s", "propose_s", "flush_s_per_position", "verify_excess_s",
+               "verify_overhead_s")
+
+
+def load_recording(path: str) -> dict:
+    """A recording written by ``record``, checked whole: its cost model (finite numbers, a positive plain forward), the
+    curve, and every record's set, prompt length and steps (each proposal's ids, parents (None: a chain; else each
+    node's parent index, below its own), scores of the same length, and an accepted path of node indices that walks
+    from the anchor down one node per depth). Raises ValueError naming the file and the record (its set and prompt) and
+    step at fault, and FileNotFoundError."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ValueError(f"{path}: not JSON ({exc}); pass a recording of `schedule_replay.py record`") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a recording of `schedule_replay.py record`; record one first")
     missing = [k for k in ("curve", "costs", "records", "tree_width", "max_proposal_len") if k not in data]
     if missing:
-        raise ValueError(f"{args.record}: not a recording of `schedule_replay.py record` (no {', '.join(missing)}); "
+        raise ValueError(f"{path}: not a recording of `schedule_replay.py record` (no {', '.join(missing)}); "
                          "record one first")
+    costs = data["costs"]
+    bad = [k for k in COST_FIELDS if not isinstance(costs.get(k), (int, float)) or not math.isfinite(costs[k])]
+    if bad or costs["plain_forward_s"] <= 0:
+        raise ValueError(f"{path}: costs: expected finite seconds for {', '.join(COST_FIELDS)} and a positive "
+                         f"plain_forward_s; {', '.join(bad) or 'plain_forward_s'} is not")
+    try:
+        StepCostCurve.from_dict(data["curve"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: curve: {exc}") from None
+    for key in ("tree_width", "max_proposal_len"):
+        if not isinstance(data[key], int) or isinstance(data[key], bool) or data[key] < 1:
+            raise ValueError(f"{path}: {key}: expected an integer >= 1, got {data[key]!r}")
+    if not data["records"]:
+        raise ValueError(f"{path}: records: empty; record at least one prompt")
+    for r, row in enumerate(data["records"]):
+        where = f"{path}: records[{r}]"
+        if not isinstance(row, dict) or not all(k in row for k in ("set", "prompt_len", "steps")):
+            raise ValueError(f"{where}: expected an object with set, prompt_len and steps")
+        where += f" ({row['set']}, prompt {row.get('prompt', r)})"
+        if not isinstance(row["prompt_len"], int) or row["prompt_len"] < 1 or not isinstance(row["steps"], list) \
+                or not row["steps"]:
+            raise ValueError(f"{where}: expected prompt_len >= 1 and at least one step (an answer of 2+ tokens)")
+        for t, step in enumerate(row["steps"]):
+            problem = _step_problem(step)
+            if problem:
+                raise ValueError(f"{where}, steps[{t}]: {problem}")
+    return data
+
+
+def _step_problem(step: Any) -> str | None:
+    """What is wrong with one recorded proposal, or None."""
+    if not isinstance(step, dict) or not all(k in step for k in ("ids", "parents", "scores", "path")):
+        return "expected an object with ids, parents, scores and path"
+    n, parents, path = len(step["ids"]), step["parents"], step["path"]
+    if len(step["scores"]) != n:
+        return f"scores: expected {n} (one per node), got {len(step['scores'])}"
+    if any(c is not None and (not isinstance(c, (int, float)) or not 0 <= c <= 1) for c in step["scores"]):
+        return "scores: expected each null (unscored) or a number in [0, 1]"
+    if parents is not None and (len(parents) != n or any(not -1 <= p < i for i, p in enumerate(parents))):
+        return "parents: expected one per node, each -1 (the anchor) or the index of an earlier node"
+    if not isinstance(path, list) or any(not isinstance(i, int) or not 0 <= i < n for i in path):
+        return f"path: expected node indices in 0..{n - 1}"
+    for depth, node in enumerate(path):
+        parent = (node - 1) if parents is None else parents[node]
+        if parent != (path[depth - 1] if depth else -1):
+            return f"path: node {node} is not a child of the path's previous node"
+    return None
+
+
+def replay(args: argparse.Namespace) -> dict:
+    """The ``replay`` stage (module docstring); prints and returns ``{"per_set" | "mixed": {method: {set: row}}}``."""
+    data = load_recording(args.record)
     curve = StepCostCurve.from_dict(data["curve"])
     cost = CostModel(curve, data["costs"], args.cost_scale)
     sched_kw, est_kw = _parse_settings(args.set)
@@ -295,7 +374,7 @@ def replay(args: argparse.Namespace) -> dict:
             runs.append(replay_rows(order, make, cost, depth, width))
         result["mixed"] = {"auto": {name: {k: statistics.mean(run[name][k] for run in runs) for k in runs[0][name]}
                                         for name in sets}}
-    print(f"replay of {args.record} ({data['dtype']}, {'chain' if width == 1 else f'tree of {width}'}, "
+    print(f"replay of {args.record} ({data.get('dtype', 'dtype not recorded')}, {'chain' if width == 1 else f'tree of {width}'}, "
           f"cost scale {args.cost_scale}{', ' + ' '.join(args.set) if args.set else ''})")
     print(f"{'set':12} {'fixed':>7} {'auto':>7} {'median':>7} {'plain':>6} {'auto/best':>9}"
           + (f" {'mixed':>7} {'mixed/best':>10}" if args.mixed else ""))
@@ -315,7 +394,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="stage", required=True)
-    r = sub.add_parser("record", help="record proposals, acceptance and the cost model")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    r = sub.add_parser("record", help="record proposals, acceptance and the cost model", formatter_class=fmt)
     r.add_argument("--draft", required=True, help="a trained draft (deepspec train run folder or checkpoint)")
     r.add_argument("--target", default=EMBEDDED_DEFAULT, help="the target the draft was trained for")
     r.add_argument("--prompts", nargs="+", default=["gsm8k", "mt-bench"], help="benchmark names or NAME=FILE.jsonl")
@@ -324,25 +404,26 @@ def main(argv: list[str] | None = None) -> dict:
     r.add_argument("--tree-width", type=int, default=3, help="nodes per slot (1: chains)")
     r.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | auto (deepspec.device.resolve_dtype)")
     r.add_argument("--output", default="runs/replay/record.json", help="the recording (JSON)")
-    s = sub.add_parser("replay", help="replay fixed and auto scheduling on a recording")
+    s = sub.add_parser("replay", help="replay fixed and auto scheduling on a recording", formatter_class=fmt)
     s.add_argument("record", help="a recording written by the record stage")
-    s.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
-                   help="StepScheduler attributes (estimator.NAME for AcceptanceEstimator's), e.g. probe_every=4")
+    s.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="a numeric StepScheduler attribute (estimator.NAME: AcceptanceEstimator's), e.g. probe_every=4; "
+                        "repeat for several")
     s.add_argument("--cost-scale", type=float, default=1.0,
                    help="multiplies the draft call, flush, verify excess and bookkeeping of the recorded cost model")
     s.add_argument("--mixed", action="store_true", help="also replay every set's prompts shuffled into one stream")
-    s.add_argument("--orders", type=int, default=4, help="shuffles the mixed stream is averaged over")
+    s.add_argument("--orders", type=int, default=6, help="shuffles the mixed stream is averaged over (--mixed)")
     args = p.parse_args(argv)
     try:
         if args.stage == "record":
             if args.num_prompts < 1 or args.max_new_tokens < 2 or args.tree_width < 1:
-                p.error("--num-prompts >= 1, --max-new-tokens >= 2 and --tree-width >= 1 expected")
+                r.error("--num-prompts >= 1, --max-new-tokens >= 2 and --tree-width >= 1 expected")
             return record(args)
-        if args.cost_scale <= 0 or args.orders < 1:
-            p.error("--cost-scale > 0 and --orders >= 1 expected")
+        if not math.isfinite(args.cost_scale) or args.cost_scale <= 0 or args.orders < 1:
+            s.error(f"expected a finite --cost-scale > 0 and --orders >= 1, got {args.cost_scale} and {args.orders}")
         return replay(args)
-    except (ValueError, FileNotFoundError, KeyError) as exc:
-        p.error(str(exc))
+    except (ValueError, FileNotFoundError) as exc:
+        (r if args.stage == "record" else s).error(str(exc))
 
 
 if __name__ == "__main__":

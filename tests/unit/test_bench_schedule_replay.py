@@ -91,10 +91,45 @@ def test_replayed_scheduler_drafts_where_it_pays_and_not_where_it_does_not(bench
 def test_settings_name_scheduler_and_estimator_attributes(bench):
     assert bench._parse_settings(["probe_every=4", "estimator.request_strength=5.5", "probe_budget=null"]) == (
         {"probe_every": 4, "probe_budget": None}, {"request_strength": 5.5})
-    with pytest.raises(ValueError, match="no setting 'probe_evry'"):
+    with pytest.raises(ValueError, match="no numeric setting 'probe_evry'"):
         bench._parse_settings(["probe_evry=4"])
     with pytest.raises(ValueError, match="NAME=VALUE"):
         bench._parse_settings(["probe_every"])
+    for bad, why in [("probe_every=abc", "an integer"), ("probe_every=1.5", "an integer"),
+                     ("probe_every=-1", ">= 0"), ("estimator.decay=2", "<= 1"), ("rate_decay=null", "a number")]:
+        with pytest.raises(ValueError, match=why):
+            bench._parse_settings([bad])
+
+
+def _write_recording(path, rows, curve, costs):
+    import json
+
+    path.write_text(json.dumps({"curve": curve.to_dict(), "costs": costs, "records": rows, "tree_width": 1,
+                                "max_proposal_len": 3}))
+    return str(path)
+
+
+def test_a_recording_is_checked_whole_and_its_faults_named_by_record_and_step(bench, tmp_path):
+    rows, curve, costs = _recording(accepted=2, num_prompts=2, length=10)
+    good = _write_recording(tmp_path / "good.json", rows, curve, costs)
+    assert len(bench.load_recording(good)["records"]) == 2
+    faults = [
+        (lambda r: r[1]["steps"][7].update(path=[0, 2]), r"records\[1\] \(s, prompt 1\), steps\[7\]: path: node 2"),
+        (lambda r: r[0]["steps"][9].update(scores=[None]), r"records\[0\] \(s, prompt 0\), steps\[9\]: scores"),
+        (lambda r: r[0]["steps"][3].update(parents=[-1, 5, 1]), r"steps\[3\]: parents"),
+        (lambda r: r[1]["steps"].__setitem__(4, None), r"steps\[4\]: expected an object"),
+        (lambda r: r[0].update(steps=[]), r"records\[0\] \(s, prompt 0\): expected prompt_len >= 1 and at least"),
+    ]
+    for i, (breaking, message) in enumerate(faults):
+        broken = [dict(r, steps=[dict(s) for s in r["steps"]]) for r in rows]  # a step late in the file counts too
+        breaking(broken)
+        with pytest.raises(ValueError, match=message):
+            bench.load_recording(_write_recording(tmp_path / f"bad{i}.json", broken, curve, costs))
+    with pytest.raises(ValueError, match="costs: .* plain_forward_s"):
+        bench.load_recording(_write_recording(tmp_path / "cost.json", rows, curve, dict(costs, plain_forward_s=0)))
+    (tmp_path / "text.json").write_text("not json")
+    with pytest.raises(ValueError, match="text.json: not JSON"):
+        bench.load_recording(str(tmp_path / "text.json"))
 
 
 def test_a_file_that_is_not_a_recording_is_refused_by_name(bench, tmp_path, capsys):
