@@ -152,9 +152,12 @@ def record(args: argparse.Namespace) -> dict:
             baseline.append(base)
             answers.append(base.output_ids)
             lens.append(len(prompt))
-        for i, row in enumerate(record_set(model, loaded.layers, proposer, prompts, answers)):
-            records.append({"set": set_name, "prompt": i, **row})
-        print(f"{set_name}: {len(prompts)} prompts recorded in {time.perf_counter() - t0:.0f} s", flush=True)
+        rows = record_set(model, loaded.layers, proposer, prompts, answers)
+        # an answer of one token (the target's EOS at once) has no position a draft proposes at
+        records.extend({"set": set_name, "prompt": i, **row} for i, row in enumerate(rows) if row["steps"])
+        skipped = sum(not row["steps"] for row in rows)
+        print(f"{set_name}: {len(prompts) - skipped} prompts recorded in {time.perf_counter() - t0:.0f} s"
+              + (f" ({skipped} answered in one token, left out)" if skipped else ""), flush=True)
     out = {"draft": args.draft, "target": args.target, "dtype": dtype_name(next(model.parameters()).dtype),
            "tree_width": args.tree_width, "max_proposal_len": proposer.max_proposal_len,
            "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"), "curve": curve.to_dict(),
