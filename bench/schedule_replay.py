@@ -68,13 +68,10 @@ def accepted_path(draft_ids: Sequence[int], parents: Sequence[int] | None, conti
     target's greedy tokens after the anchor) at their depth, every ancestor matching too, in depth order. Siblings
     hold distinct tokens, so at most one node per depth matches on the accepted path."""
     path: list[int] = []
-    depth_of: list[int] = []
     for i, token in enumerate(draft_ids):
         parent = (i - 1) if parents is None else parents[i]
-        depth = 1 if parent < 0 else depth_of[parent] + 1
-        depth_of.append(depth)
-        on_path = parent < 0 or (path and path[-1] == parent)
-        if on_path and len(path) == depth - 1 and depth <= len(continuation) and token == continuation[depth - 1]:
+        extends = parent == (path[-1] if path else -1)  # a child of the path's last node (of the anchor: -1)
+        if extends and len(path) < len(continuation) and token == continuation[len(path)]:
             path.append(i)
     return path
 
@@ -173,7 +170,7 @@ class CostModel:
     plain forward; ``scale`` multiplies what drafting adds (the call, the flush, the excess, the bookkeeping)."""
 
     def __init__(self, curve: StepCostCurve, costs: dict[str, float], scale: float = 1.0):
-        self.curve, self.scale = curve, scale
+        self.curve = curve
         self.k = costs["plain_forward_s"] / curve.seconds_for(1)
         self.plain_overhead_s = costs["plain_overhead_s"]
         self.propose_s = scale * costs["propose_s"]
@@ -269,7 +266,7 @@ def _parse_settings(settings: Sequence[str]) -> tuple[dict[str, Any], dict[str, 
         target, cls = (est_kw, AcceptanceEstimator) if name.startswith("estimator.") else (sched_kw, StepScheduler)
         name = name.removeprefix("estimator.")
         default = cls.__dataclass_fields__[name].default if name in cls.__dataclass_fields__ else None
-        if name in ("curve", "estimator") or not isinstance(default, (int, float)) or isinstance(default, bool):
+        if not isinstance(default, (int, float)) or isinstance(default, bool):  # curve, estimator: no default
             raise ValueError(f"--set: {cls.__name__} has no numeric setting {name!r}")
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         optional = name == "probe_budget"  # null turns the probe budget off
