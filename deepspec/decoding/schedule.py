@@ -47,6 +47,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -400,6 +401,16 @@ class StepScheduler:
         self.depth_limit = None
         self.estimator.start_request()
 
+    def forget_acceptance(self) -> None:
+        """Start a new workload: the acceptance counts (the long-run cells and the request's) and the running rate
+        are forgotten, as if no step had been verified, and a request starts (:meth:`reset`); the cost curve's scale
+        and the step timings, which are the host's, not the traffic's, are kept. An evaluation calls it before each
+        benchmark, so that a benchmark's figures do not depend on which benchmarks ran before it in the same
+        process (a scheduler that learned on math problems opens a chat request with math's counts)."""
+        self.estimator = dataclasses.replace(self.estimator, cells={}, request_counts={})
+        self.rate = 0.0
+        self.reset()
+
     def _budget_interval(self, interval: int, flush_s: float = 0.0) -> int:
         """``interval``, raised to the plain steps that pay for a fruitless probe at :attr:`probe_budget`
         (``(probe_cost_s + flush_s) / (probe_budget * plain step seconds)``, rounded up; that floor capped at
@@ -591,7 +602,8 @@ class StepScheduler:
             self._sample("verify_overhead_s", max(overhead_s, 0.0))
         if first or not n:
             self._sample("overhead_s", max(overhead_s, 0.0))
-        self.rate = running(self.rate, num_committed / max(step_s, 1e-9))
+        step_rate = num_committed / max(step_s, 1e-9)
+        self.rate = running(self.rate, step_rate) if self.rate else step_rate  # 0: none yet, or forgotten
         if n == 0:
             return
         est = self.estimator

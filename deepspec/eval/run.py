@@ -6,7 +6,10 @@ prompts each method's time spans the rounds alike, so a slow drift of the machin
 other load) favours no method; then optionally Hugging Face ``generate()``). Each method gets a fresh
 ``torch.Generator`` on the target's device, seeded with ``seed + prompt_index`` (shared by that
 method's turns of the prompt), so sampling runs are reproducible and the methods see the same seed
-on the same prompt. Speedup is measured in this one process.
+on the same prompt. Speedup is measured in this one process. Each benchmark starts its engines' schedulers
+from no acceptance history (:meth:`~deepspec.decoding.schedule.StepScheduler.forget_acceptance`; the measured
+step costs and timings kept), as a server devoted to that kind of prompt would, so a benchmark's figures do
+not depend on which benchmarks ran before it.
 
 With ``timing_repeats`` R >= 2, every method runs each prompt R times (the repeats in the reverse order
 of the one before, so each method's runs sit alike in the round), each from the same state (the
@@ -308,6 +311,9 @@ def run_eval(
     figures: dict[str, dict[str, Any]] = {}
     samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for bench, prompts in benchmarks.items():
+        for engine in run.engines.values():  # each benchmark from no acceptance history (the module docstring)
+            if engine.scheduler is not None:
+                engine.scheduler.forget_acceptance()
         counts = _proposal_counts(run.proposers)
         runs, prompts_of, turn_of = _run_benchmark(run, bench, prompts, rendered[bench], bar)
         figures[bench] = _benchmark_figures(run, runs, counts, max_k=max_k, turn_of=turn_of)

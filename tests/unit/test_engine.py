@@ -610,6 +610,42 @@ def test_run_eval_keeps_the_fastest_of_repeated_runs_each_from_the_same_state(ta
                          sampling=SamplingParams(), seed=0, out_dir=None, timing_repeats=0)
 
 
+def test_run_eval_starts_every_benchmark_from_no_acceptance_history(target, tmp_path, monkeypatch):
+    """A benchmark's first prompt meets a scheduler with no acceptance counts, whichever benchmarks ran before it
+    (the warm-up and the first benchmark taught it some); the timings it measured carry over."""
+    import copy
+
+    from deepspec.decoding.settings import DecodeSettings
+    from deepspec.eval import run as run_mod
+    from deepspec.eval.benchmarks import BenchmarkPrompt
+
+    monkeypatch.setenv("DEEPSPEC_CACHE_DIR", str(tmp_path))
+    width = target.config.hidden_size * len(LAYER_IDS)
+    seen = []
+    real = run_mod._generate_or_explain
+
+    def recording(run, engine, prompt_ids, generator, *, where):
+        if where.endswith(", a"):
+            seen.append((where, copy.deepcopy(engine.scheduler)))
+        res = real(run, engine, prompt_ids, generator, where=where)
+        if engine.scheduler is not None:  # what a draft that pays here would teach (the tiny one is never worth it)
+            engine.scheduler.estimator.observe(1, 0, None, True)
+        return res
+
+    monkeypatch.setattr(run_mod, "_generate_or_explain", recording)
+    benches = {b: [BenchmarkPrompt(id=f"p{i}", turns=(f"{b} {i}",)) for i in range(2)] for b in ("one", "two")}
+    run_mod.run_eval(target, _FakeChatTokenizer(), LAYER_IDS, {"a": RandomProposer(width, seed=2)}, benches,
+                     settings=DecodeSettings(schedule="auto"), max_new_tokens=8, sampling=SamplingParams(), seed=0,
+                     out_dir=None, progress=False, warmup=True, compare_hf_generate=False, log=lambda _: None)
+    assert [w for w, _ in seen] == ["one prompt p0, a", "one prompt p1, a", "two prompt p0, a", "two prompt p1, a"]
+    first_of, second_of = {w.split()[0]: s for w, s in seen[::2]}, {w.split()[0]: s for w, s in seen[1::2]}
+    for bench in ("one", "two"):
+        assert first_of[bench].estimator.cells == {} and first_of[bench].rate == 0.0
+        assert second_of[bench].estimator.cells and second_of[bench].rate > 0  # its first prompt taught it
+    assert first_of["one"].num_observed > 0 and first_of["one"].propose_s > 0  # the warm-up's timings, kept
+    assert first_of["two"].num_observed > second_of["one"].num_observed
+
+
 def test_run_eval_end_to_end_writes_report(target, tmp_path):
     from deepspec.eval.benchmarks import BenchmarkPrompt
     from deepspec.eval.run import run_eval

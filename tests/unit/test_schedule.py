@@ -580,6 +580,26 @@ def test_the_planned_means_follow_every_observation_and_request():
     assert est.depth_means(2) == now()[:2]
 
 
+def test_forgetting_acceptance_starts_a_new_workload_and_keeps_the_host_s_timings():
+    """forget_acceptance clears what the traffic taught (the cells, the request's factor, the running rate) and
+    keeps what the host taught (the curve's scale, the step timings); the next step sets the rate afresh."""
+    sched = StepScheduler(FLAT, estimator=AcceptanceEstimator(first_prior=0.3, decay=0.9))
+    for _ in range(20):  # whole proposals, all accepted
+        sched.observe(_chain(K), K, None, verify_s=0.03, propose_s=0.004, overhead_s=0.001, num_committed=K + 1,
+                      step_s=0.04)
+    assert sched.estimator.estimate(1) > 0.8 and sched.rate > 0
+    scale, propose_s, overhead_s = sched.scale, sched.propose_s, sched.verify_overhead_s
+    sched.forget_acceptance()
+    fresh = AcceptanceEstimator(first_prior=0.3, decay=0.9)
+    assert sched.estimator == fresh and sched.estimator.decay == 0.9  # its settings kept, its counts gone
+    assert [sched.estimator.estimate(d) for d in (1, 2, 3)] == [fresh.estimate(d) for d in (1, 2, 3)]
+    assert sched.estimator.depth_means(3) == fresh.depth_means(3)
+    assert sched.rate == 0.0 and sched.plain_streak == 0
+    assert (sched.scale, sched.propose_s, sched.verify_overhead_s) == (scale, propose_s, overhead_s)
+    sched.observe(_chain(K), 0, None, verify_s=0.03, propose_s=0.004, overhead_s=0.001, num_committed=1, step_s=0.05)
+    assert sched.rate == pytest.approx(1 / 0.05)  # the first step after sets the rate, not a tenth of it
+
+
 def test_dspark_counts_the_context_positions_its_next_call_flushes(target):  # noqa: F811
     """What the engine hands plan() as ``pending``: the positions queued since the last draft call."""
     from deepspec.algorithms.dspark.proposer import DSparkProposer
