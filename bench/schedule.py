@@ -17,7 +17,9 @@ from its prior on every set; its cost curve is measured once and cached on disk)
 Printed per set and method: speedup (target-only time per output token / the method's, pooled), the median
 of the per-prompt speedups, tau (committed tokens per verify step), the per-step breakdown (propose, verify,
 overhead and the scheduler's own ms), the share of plain steps and the mean draft tokens verified per step,
-and whether every output equals target-only's. Writes ``schedule_bench.json`` and ``schedule_bench.png`` (speedup
+the share of outputs equal to target-only's, and tau and speedup over only the prompts on which every method's
+output equals target-only's (``sh.``, :func:`shared_text_figures`: in bfloat16 an output that parts at a near-tie
+goes on through other text, whose tau differs, so only those prompts compare the methods on the same tokens). Writes ``schedule_bench.json`` and ``schedule_bench.png`` (speedup
 bars) under ``--output-dir``.
 
     python bench/schedule.py --draft runs/demo/train --prompts gsm8k mt-bench --num-prompts 4
@@ -91,6 +93,30 @@ def prompt_sets(specs: list[str], tokenizer, num_prompts: int) -> dict[str, list
             messages = [p.messages for p in load_benchmark(spec, max_samples=num_prompts)]
         sets[name] = [render_prompt(tokenizer, m) for m in messages]
     return sets
+
+
+def shared_text_figures(runs: dict[str, list[GenerationResult]]) -> dict[str, dict[str, float | int | None]]:
+    """Each method's tau and speedup over only the prompts on which every method's output equals target-only's.
+
+    ``runs``: method name -> one result per prompt, in the same prompt order, ``"target-only"`` among them. In
+    bfloat16 a method's output parts from target-only's at near-ties and goes on through other text, whose tau
+    differs; over the prompts all methods share, the methods decode the same tokens, so their tau and speedup
+    differ by what they verify and what it costs alone. Returns, per method, ``num_shared`` (the prompts kept),
+    ``tau_shared`` (committed tokens per verify step) and ``speedup_shared`` (target-only time per output token
+    over the method's, pooled), both None where no prompt is shared."""
+    base = runs["target-only"]
+    shared = [i for i in range(len(base)) if all(rs[i].output_ids == base[i].output_ids for rs in runs.values())]
+    per_token = {n: sum(rs[i].total_time_s for i in shared) / max(sum(rs[i].num_new_tokens for i in shared), 1)
+                 for n, rs in runs.items()}
+    figures: dict[str, dict[str, float | int | None]] = {}
+    for name, rs in runs.items():
+        steps = [s for i in shared for s in rs[i].steps]
+        figures[name] = {
+            "num_shared": len(shared),
+            "tau_shared": sum(s.num_committed for s in steps) / len(steps) if steps else None,
+            "speedup_shared": per_token["target-only"] / per_token[name] if shared else None,
+        }
+    return figures
 
 
 def plot(results: dict[str, dict], path: Path) -> None:
@@ -206,16 +232,21 @@ def run(args: argparse.Namespace) -> dict:
                 **vars(step_timing_stats(steps)),
                 **schedule_stats(steps),
             }
+        for name, figures in shared_text_figures(runs).items():
+            rows[name].update(figures)
         results[set_name] = rows
         print(f"\n{set_name} ({len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy, {dtype_name(dtype)}, "
               f"fastest of {args.timing_repeats})")
         print(f"{'method':17} {'speedup':>8} {'median':>7} {'tau':>5} {'nodes':>6} {'plain':>6} {'propose':>8} "
-              f"{'verify':>7} {'overhead':>8} {'sched':>6} identical")
+              f"{'verify':>7} {'overhead':>8} {'sched':>6} identical {'sh.tau':>6} {'sh.speedup':>10}")
+        shown = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
         for name, r in rows.items():
             print(f"{name:17} {r['speedup']:8.2f} {r['speedup_median']:7.2f} {r['tau']:5.2f} "
                   f"{r['mean_nodes_verified']:6.2f} {r['frac_plain_steps']:6.2f} {r['propose_ms_per_step']:8.2f} "
                   f"{r['verify_ms_per_step']:7.2f} {r['overhead_ms_per_step']:8.2f} {r['schedule_ms_per_step']:6.3f} "
-                  f"{r['identical']:.2f}")
+                  f"{r['identical']:9.2f} {shown(r['tau_shared']):>6} {shown(r['speedup_shared']):>10}")
+        print(f"sh.: over the {rows['target-only']['num_shared']} of {len(prompts)} prompts on which every method's "
+              "output equals target-only's")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     record = {"args": vars(args), "dtype": dtype_name(dtype), "threads": torch.get_num_threads(),

@@ -61,3 +61,25 @@ def test_run_fastest_keeps_each_engines_fastest_run_from_one_starting_state():
     assert once.scheduler == {"seen": [0]}
     with pytest.raises(ValueError, match="repeats"):
         run_fastest([("c", once)], run_once, repeats=0)
+
+
+def test_shared_text_figures_keep_only_the_prompts_every_method_decodes_alike():
+    from types import SimpleNamespace as NS
+
+    mod = load_bench_module("schedule")
+
+    def result(out, seconds, committed):
+        return NS(output_ids=out, total_time_s=seconds, num_new_tokens=len(out),
+                  steps=[NS(num_committed=c) for c in committed])
+
+    runs = {
+        "target-only": [result([1, 2, 3, 4], 4.0, [1, 1, 1, 1]), result([5, 6], 2.0, [1, 1])],
+        "a": [result([1, 2, 3, 4], 2.0, [2, 2]), result([5, 7], 0.5, [2])],  # parts on the second prompt
+        "b": [result([1, 2, 3, 4], 1.0, [4]), result([5, 6], 1.0, [1, 1])],
+    }
+    figures = mod.shared_text_figures(runs)
+    assert {n: f["num_shared"] for n, f in figures.items()} == {"target-only": 1, "a": 1, "b": 1}
+    assert figures["a"]["tau_shared"] == 2.0 and figures["b"]["tau_shared"] == 4.0  # the second prompt left out
+    assert figures["a"]["speedup_shared"] == 2.0 and figures["b"]["speedup_shared"] == 4.0
+    runs["b"][0] = result([1, 2, 9, 9], 1.0, [4])  # now no prompt is shared
+    assert all(f["tau_shared"] is None and f["speedup_shared"] is None for f in mod.shared_text_figures(runs).values())
