@@ -88,6 +88,7 @@ from deepspec.target.capture import capture_hooks, target_forward, target_logits
 from deepspec.target.decoding import SamplingParams
 from deepspec.target.exact_rows import PROBE_ROWS, ExactRows
 from deepspec.target.few_row_linear import few_row_linear
+from deepspec.target.gqa_attention import GroupedQueryVerify
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -363,6 +364,9 @@ class SpeculativeEngine:
         # linear layers tested up to the verify of a whole chain (K + 1 rows): longer ones go in chunks
         self._exact_rows = (ExactRows(target_model, max_rows=min(int(proposer.max_proposal_len) + 1, PROBE_ROWS))
                             if self.exact and self.can_propose else None)
+        # a verify's attention on the CPU without the key/value heads repeated (exact rows swap attention themselves)
+        gqa = GroupedQueryVerify(target_model) if self.can_propose and compiled is None and not self.exact else None
+        self._gqa_verify = gqa if gqa is not None and gqa.applies else None
         # a proposer that never proposes needs no schedule; "auto" builds its scheduler at the first generation
         self._measure_schedule = self.can_propose and schedule == "auto"
         self.scheduler: StepScheduler | None = (schedule if isinstance(schedule, StepScheduler) and self.can_propose
@@ -379,7 +383,7 @@ class SpeculativeEngine:
                 "params": sum(p.numel() for p in m.parameters()), "device": self.device.type,
                 "device_name": device_model_name(self.device),
                 "dtype": str(param.dtype), "threads": torch.get_num_threads(), "few_row_linear": self.few_row_linear,
-                "exact": self.exact,
+                "exact": self.exact, "gqa_verify": self._gqa_verify is not None,
                 "compiled": self.compiled is not None, "features": bool(self._feature_layer_ids),
                 "max_tokens": max_tokens, "torch": torch.__version__}
 
@@ -439,6 +443,7 @@ class SpeculativeEngine:
             position_ids_BT = torch.tensor([[start_pos, *(start_pos + d for d in depths)]], device=self.device)
             kwargs["attention_mask_BT"] = target_tree_mask(self.target_model.config, parents, start_pos, self.device)
         rows = (self._exact_rows(len(ids)) if self._exact_rows is not None and start_pos > 0 and len(ids) > 1
+                else self._gqa_verify() if self._gqa_verify is not None and start_pos > 0 and len(ids) > 1
                 else contextlib.nullcontext())
         with rows:
             return self.forward_fn(
