@@ -19,8 +19,8 @@ of the per-prompt speedups, tau (committed tokens per verify step), the per-step
 overhead and the scheduler's own ms), the share of plain steps and the mean draft tokens verified per step,
 the share of outputs equal to target-only's, and tau and speedup over only the prompts on which every method's
 output equals target-only's (``sh.``, :func:`shared_text_figures`: in bfloat16 an output that parts at a near-tie
-goes on through other text, whose tau differs, so only those prompts compare the methods on the same tokens). Writes ``schedule_bench.json`` and ``schedule_bench.png`` (speedup
-bars) under ``--output-dir``.
+goes on through other text, whose tau differs, so only those prompts compare the methods on the same tokens).
+Writes ``schedule_bench.json`` and ``schedule_bench.png`` (speedup bars) under ``--output-dir``.
 
     python bench/schedule.py --draft runs/demo/train --prompts gsm8k mt-bench --num-prompts 4
 """

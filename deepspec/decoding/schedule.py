@@ -38,6 +38,7 @@ chosen before it was drawn; at T = 0 a tree keeps the nodes of highest estimated
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -47,7 +48,6 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 

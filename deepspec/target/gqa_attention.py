@@ -13,11 +13,11 @@ with the embedded target in bfloat16 on a 2-core Xeon, a 4-token verify cost 40.
 40.9 ms for one token (``bench/verify_attention.py``, docs/results/verify-attention-cpu-2026-12-07/). On CUDA a
 masked grouped-query SDPA falls back to the math kernel, so this is for the CPU only.
 
-:class:`GroupedQueryVerify` (prepared once per model) swaps a CPU model's ``sdpa`` attention, inside ``with
-verify():``, for one registered with transformers as ``deepspec_sdpa_gqa`` (its masks made as ``sdpa``'s) that
-calls SDPA with the unrepeated heads and the mask, and otherwise (no mask, no groups, a position bias or a
-soft cap) is ``sdpa`` itself. Each output row is the same weighted sum over the same keys, so the attention is
-unchanged: the test suite checks it bit for bit against ``sdpa``.
+:class:`GroupedQueryVerify` (prepared once per model) swaps a CPU model's ``sdpa`` attention, inside
+``with GroupedQueryVerify(model)():``, for one registered with transformers as ``deepspec_sdpa_gqa`` (its masks
+made as ``sdpa``'s) that calls SDPA with the unrepeated heads and the mask, and otherwise (no mask, no groups, a
+position bias or a soft cap) is ``sdpa`` itself. Each output row is the same weighted sum over the same keys, so
+the attention is unchanged: the test suite checks it bit for bit against ``sdpa``.
 """
 
 from __future__ import annotations
