@@ -34,7 +34,7 @@ from deepspec.target.load import EMBEDDED_DEFAULT, open_target  # noqa: E402
 from deepspec.utils import atomic_write_json, pyplot, save_png  # noqa: E402
 
 
-def forwards(context: int, lengths: list[int]) -> dict[str, tuple[int, list[int] | None]]:
+def forwards(lengths: list[int]) -> dict[str, tuple[int, list[int] | None]]:
     """``{name: (tokens fed, tree parents or None)}``: one token, a chain and a one-level tree per length."""
     made: dict[str, tuple[int, list[int] | None]] = {"1": (1, None)}
     for n in lengths:
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> dict:
     with torch.inference_mode():
         for context in args.contexts:
             cache = model(ids[:, :context], past_key_values=DynamicCache(), use_cache=True).past_key_values
-            kinds = forwards(context, args.verify_lengths)
+            kinds = forwards(args.verify_lengths)
 
             def once(n: int, parents: list[int] | None, swapped: bool) -> float:
                 kwargs = {}

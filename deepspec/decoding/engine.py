@@ -442,10 +442,13 @@ class SpeculativeEngine:
         else:
             position_ids_BT = torch.tensor([[start_pos, *(start_pos + d for d in depths)]], device=self.device)
             kwargs["attention_mask_BT"] = target_tree_mask(self.target_model.config, parents, start_pos, self.device)
-        rows = (self._exact_rows(len(ids)) if self._exact_rows is not None and start_pos > 0 and len(ids) > 1
-                else self._gqa_verify() if self._gqa_verify is not None and start_pos > 0 and len(ids) > 1
-                else contextlib.nullcontext())
-        with rows:
+        kernels: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if start_pos > 0 and len(ids) > 1:  # a verify after the cache
+            if self._exact_rows is not None:
+                kernels = self._exact_rows(len(ids))
+            elif self._gqa_verify is not None:
+                kernels = self._gqa_verify()
+        with kernels:
             return self.forward_fn(
                 self.target_model,
                 input_ids_BT,

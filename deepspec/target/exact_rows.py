@@ -165,11 +165,25 @@ def _register(name: str) -> str:
     return exact_name
 
 
-def _configs(model: torch.nn.Module) -> list[Any]:
+def attention_configs(model: torch.nn.Module) -> list[Any]:
     """The distinct configs the model's modules read their attention implementation from."""
     found = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
              and hasattr(c, "_attn_implementation")}
     return list(found.values())
+
+
+@contextlib.contextmanager
+def swapped_attention(configs: list[Any], impls: list[str]) -> Iterator[None]:
+    """Within the block each of ``configs`` reads the attention implementation at the same place in ``impls``
+    (names registered with transformers' attention interface); restored on exit, also after an exception."""
+    saved = [c._attn_implementation for c in configs]
+    try:
+        for config, impl in zip(configs, impls, strict=True):
+            config._attn_implementation = impl
+        yield
+    finally:
+        for config, impl in zip(configs, saved, strict=True):
+            config._attn_implementation = impl
 
 
 class ExactRows:
@@ -193,7 +207,7 @@ class ExactRows:
                  max_rows: int = PROBE_ROWS) -> None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        self.configs = _configs(model) if attention else []
+        self.configs = attention_configs(model) if attention else []
         self._exact_impl = []
         for config in self.configs:
             impl = config._attn_implementation
@@ -216,21 +230,17 @@ class ExactRows:
         left alone but its linear layers would be chunked (slower, and no result that matters changes).
         Not for compiled graphs (:mod:`deepspec.decoding.compiled` traces its own).
         """
-        saved_impl = [c._attn_implementation for c in self.configs]
         swapped = []
         try:
-            for config, impl in zip(self.configs, self._exact_impl, strict=True):
-                config._attn_implementation = impl
             for c, layer, forward in self._layers:
                 # chunked where F.linear over `rows` rows is not row-invariant; a layer another context swapped
                 # (the few-row path) goes back to F.linear, the kernel its rows were tested with
                 if c < rows or "forward" in layer.__dict__:
                     swapped.append((layer, layer.__dict__.get("forward")))
                     layer.__dict__["forward"] = forward  # an instance attribute, as nn.Module.__setattr__ would set
-            yield
+            with swapped_attention(self.configs, self._exact_impl):
+                yield
         finally:
-            for config, impl in zip(self.configs, saved_impl, strict=True):
-                config._attn_implementation = impl
             for layer, saved in swapped:
                 if saved is None:
                     layer.__dict__.pop("forward", None)

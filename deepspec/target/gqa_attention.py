@@ -23,11 +23,12 @@ the attention is unchanged: the test suite checks it bit for bit against ``sdpa`
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from deepspec.target.exact_rows import attention_configs, swapped_attention
 
 GQA_SDPA = "deepspec_sdpa_gqa"
 
@@ -71,23 +72,15 @@ class GroupedQueryVerify:
     repeat."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        device = next(model.parameters()).device
-        configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
-                   and getattr(c, "_attn_implementation", None) == "sdpa"}
-        grouped = [c for c in configs.values()
-                   if getattr(c, "num_key_value_heads", None) not in (None, getattr(c, "num_attention_heads", None))]
-        self.configs = grouped if device.type == "cpu" else []
+        def grouped_sdpa(c: Any) -> bool:
+            kv_heads = getattr(c, "num_key_value_heads", None)
+            return c._attn_implementation == "sdpa" and kv_heads not in (None, getattr(c, "num_attention_heads", None))
+
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        self.configs = [c for c in attention_configs(model) if grouped_sdpa(c)] if on_cpu else []
         self.applies = bool(self.configs)
         if self.applies:
             _register()
 
-    @contextlib.contextmanager
-    def __call__(self) -> Iterator[None]:
-        saved = [c._attn_implementation for c in self.configs]
-        try:
-            for c in self.configs:
-                c._attn_implementation = GQA_SDPA
-            yield
-        finally:
-            for c, impl in zip(self.configs, saved, strict=True):
-                c._attn_implementation = impl
+    def __call__(self) -> contextlib.AbstractContextManager[None]:
+        return swapped_attention(self.configs, [GQA_SDPA] * len(self.configs))

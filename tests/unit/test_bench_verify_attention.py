@@ -7,7 +7,7 @@ from tests.helpers import load_bench_module
 
 def test_forwards_are_one_token_and_a_chain_and_a_tree_per_length():
     bench = load_bench_module("verify_attention")
-    assert bench.forwards(32, [4]) == {"1": (1, None), "chain4": (4, None), "tree4": (4, [0, 0, 0])}
+    assert bench.forwards([4]) == {"1": (1, None), "chain4": (4, None), "tree4": (4, [0, 0, 0])}
 
 
 @pytest.mark.parametrize("argv", [["--verify-lengths", "1"], ["--rounds", "0"], ["--contexts", "0"]])
