@@ -29,7 +29,7 @@ demo: install
 
 # The CPU recipe (deepspec/recipes/cpu.toml): DSpark, DFlash and Eagle3 trained on the same data with the same
 # budget, one report; 1,706 in-domain answers (the demo: 320), 2,400 steps of 2 x 32 blocks of 7, each draft proposing
-# chains of its whole block; 8 prompts of gsm8k and humaneval, 4 of mt-bench, alpaca and arena-hard-v2.
+# chains of its whole block; 8 prompts of gsm8k, humaneval, mt-bench and alpaca, 4 of arena-hard-v2.
 recipe: install
 	$(VENV)/bin/deepspec demo --recipe cpu --output-dir $(RECIPE_OUT)
 

@@ -85,10 +85,10 @@ class DemoConfig:
     # long prompts cost the demo 80 s)
     eval_benchmarks: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mt-bench", "alpaca"])
     eval_num_prompts: int = 3  # prompts per benchmark
-    # NAME=N: fewer (or more) prompts for that benchmark: 4 on the chat sets, where the draft is near break-even and a
-    # row must resolve a few percent (with 3 prompts of 48 tokens one moved 2-4 % between runs of one draft on one
-    # host); none given = eval_num_prompts everywhere
-    eval_num_prompts_per_benchmark: list[str] = field(default_factory=lambda: ["mt-bench=4", "alpaca=4"])
+    # NAME=N: fewer (or more) prompts for that benchmark: 8 on the chat sets, where the draft is near break-even and a
+    # row must resolve a few percent (over 4 prompts of 64 tokens, identical engines read 2-4 % apart from run to run:
+    # docs/results/plain-step-cpu-2026-12-07); none given = eval_num_prompts everywhere
+    eval_num_prompts_per_benchmark: list[str] = field(default_factory=lambda: ["mt-bench=8", "alpaca=8"])
     # per prompt: a request's first draft call (the prompt through the draft) and first guesses are paid once, so
     # short answers overweigh them against a server's
     eval_max_new_tokens: int = 64
